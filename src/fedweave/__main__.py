@@ -1,0 +1,3 @@
+from fedweave.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""The controller plans each round: who trains, with what batch size and local work.
+
+It also observes what happened (per-client compute times) so that a
+heterogeneity-aware controller can adapt the next plan. The static controller here
+samples clients and gives every one the configured local work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from fedweave.batching.selection import sample_clients
+from fedweave.seeding import numpy_rng
+from fedweave.types import Update, Work
+
+
+class Controller(Protocol):
+    def plan(self, rnd: int) -> list[Work]: ...
+
+    def observe(self, rnd: int, updates: list[Update]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StaticController:
+    """Sample ``per_round`` of ``num_clients`` uniformly each round; fixed local work."""
+
+    def __init__(
+        self,
+        num_clients: int,
+        per_round: int,
+        *,
+        batch_size: int,
+        epochs: int,
+        local_steps: int | None,
+        seed: int,
+    ):
+        self.num_clients = num_clients
+        self.per_round = per_round
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.local_steps = local_steps
+        self.seed = seed
+
+    def plan(self, rnd: int) -> list[Work]:
+        ids = sample_clients(numpy_rng(self.seed, "sample", rnd), self.num_clients, self.per_round)
+        return [Work(i, self.batch_size, self.epochs, self.local_steps) for i in ids]
+
+    def observe(self, rnd: int, updates: list[Update]) -> None:
+        """A static plan ignores what it observes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state to restore."""

@@ -1,0 +1,67 @@
+"""Atomic checkpoints of the server state: write a temporary file, then rename.
+
+A crash while saving leaves the previous checkpoint intact; a reader never sees a
+half-written file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedweave.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def atomic_save(obj: Any, path: str | Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(text: str, path: str | Path) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> None:
+    atomic_save(state, Path(run_dir) / CHECKPOINT)
+    log.debug("checkpoint of round %d written", state["round"])
+
+
+def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / CHECKPOINT
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {str(path)!r}: nothing to resume")
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {exc}") from exc
+    if not isinstance(state, dict) or "round" not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a fedweave server state")
+    return state

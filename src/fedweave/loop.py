@@ -1,0 +1,159 @@
+"""The federated spine: one function per round, taking its parts.
+
+    plan    = controller.plan(r)
+    send    = chains.server_send.encode(strategy.configure(r, global, plan))
+    replies = topology.exchange(send, timeout)
+    updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
+    global  = strategy.aggregate(r, global, updates)
+    controller.observe(r, updates); evaluate; on_round(...)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fedweave.batching.controller import Controller
+from fedweave.plugins.chain import Chains, PluginContext
+from fedweave.strategies.aggregate import all_finite
+from fedweave.strategies.base import Strategy
+from fedweave.topologies.base import Topology
+from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, Update, Work
+
+log = logging.getLogger(__name__)
+
+Record = dict[str, Any]
+
+
+@dataclass
+class RoundParts:
+    """What a round needs. Built from the config by :mod:`fedweave.runner`."""
+
+    strategy: Strategy
+    controller: Controller
+    topology: Topology
+    chains: Chains
+    min_clients: int
+    timeout: float | None
+    evaluate_global: Callable[[Params], dict[str, float]]
+    eval_every: int
+    federated_eval_every: int
+    federated_eval_clients: Callable[[int], list[int]]  # round -> client ids
+    eval_batch_size: int
+
+
+def run(
+    parts: RoundParts,
+    params: Params,
+    first_round: int,
+    last_round: int,
+    on_round: Callable[[int, Params, Record], None],
+) -> Params:
+    """Rounds ``first_round..last_round``; ``on_round`` records, checkpoints, reports."""
+    for rnd in range(first_round, last_round + 1):
+        start = time.perf_counter()
+        params, record = train_round(parts, rnd, params)
+        record.update(evaluate_round(parts, rnd, params, last_round))
+        record["wall_time"] = time.perf_counter() - start
+        on_round(rnd, params, record)
+    return params
+
+
+def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
+    plan = parts.controller.plan(rnd)
+    instructions = parts.strategy.configure(rnd, params, plan)
+    exchange = parts.topology.exchange(_encode(parts.chains, instructions), parts.timeout)
+    updates = _accept(parts.chains, exchange.replies, exchange.failures)
+    record: Record = {
+        "round": rnd,
+        "clients_sampled": len(plan),
+        "clients_completed": len(updates),
+        "bytes_sent": exchange.bytes_sent,
+        "bytes_received": exchange.bytes_received,
+    }
+    if len(updates) < parts.min_clients:
+        reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
+        log.error(
+            "round %d skipped: %d of %d clients answered, min_clients is %d (%s); global model kept",
+            rnd, len(updates), len(plan), parts.min_clients, reasons or "no failures reported",
+        )
+        record.update(skipped=True, train_loss=None)
+        return params, record
+    params = parts.strategy.aggregate(rnd, params, updates)
+    parts.controller.observe(rnd, updates)
+    record["train_loss"] = _weighted(updates, "train_loss")
+    return params, record
+
+
+def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int) -> Record:
+    record: Record = {}
+    due = rnd == last_round or (parts.eval_every and rnd % parts.eval_every == 0)
+    if due:
+        metrics = parts.evaluate_global(params)
+        record.update({f"test_{k}": v for k, v in metrics.items()})
+    if parts.federated_eval_every and (rnd % parts.federated_eval_every == 0 or rnd == last_round):
+        record.update(federated_evaluate(parts, rnd, params))
+    return record
+
+
+def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
+    """Evaluate on clients' local test splits; metrics weighted by their test examples."""
+    ids = parts.federated_eval_clients(rnd)
+    instructions = [
+        Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
+    ]
+    exchange = parts.topology.exchange(_encode(parts.chains, instructions), parts.timeout)
+    results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and r.body.num_examples > 0]
+    if not results:
+        return {}
+    total = sum(e.num_examples for e in results)
+    names = set.intersection(*(set(e.metrics) for e in results))
+    return {
+        f"federated_{name}": sum(e.metrics[name] * e.num_examples for e in results) / total
+        for name in sorted(names)
+    }
+
+
+def _encode(chains: Chains, instructions: list[Instruction]) -> list[Message]:
+    out = []
+    for ins in instructions:
+        cid = ins.work.client_id
+        out.append(Message(ins.round, cid, chains.server_send.encode(ins, PluginContext(ins.round, cid, "server"))))
+    return out
+
+
+def _accept(chains: Chains, replies: list[Message], failures: dict[int, str]) -> list[Update]:
+    """Decode replies; reject (log, count as failed) anything malformed or non-finite."""
+    updates = []
+    for reply in replies:
+        cid = reply.client_id
+        try:
+            if not isinstance(reply.body, Update):
+                raise ValueError(f"expected an update, got {type(reply.body).__name__}")
+            update = chains.to_server(reply.body, PluginContext(reply.round, cid, "server"))
+        except Exception as exc:
+            log.warning("round %d: update of client %d rejected: %s", reply.round, cid, exc)
+            failures[cid] = f"rejected: {exc}"
+            continue
+        if not all_finite(update.tensors) or not all_finite(update.extras):
+            log.warning("round %d: update of client %d rejected: it holds NaN or infinite values", reply.round, cid)
+            failures[cid] = "rejected: non-finite values"
+            continue
+        if update.num_examples <= 0:
+            log.warning("round %d: update of client %d rejected: num_examples=%d", reply.round, cid, update.num_examples)
+            failures[cid] = "rejected: no examples"
+            continue
+        updates.append(update)
+    return updates
+
+
+def _weighted(updates: list[Update], name: str) -> float | None:
+    pairs = [(u.metrics[name], u.num_examples) for u in updates if name in u.metrics]
+    pairs = [(v, n) for v, n in pairs if math.isfinite(v)]
+    if not pairs:
+        return None
+    return sum(v * n for v, n in pairs) / sum(n for _, n in pairs)

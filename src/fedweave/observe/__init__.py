@@ -1,0 +1,1 @@
+"""What a run records and shows: metrics files, progress, summaries."""

@@ -1,0 +1,108 @@
+"""Plugin chains at the four attachment points of a round.
+
+=================  ==========================  ==========================
+point              where ``encode`` runs       where ``decode`` runs
+=================  ==========================  ==========================
+``server_send``    server, on instructions     client, on receipt
+``client_receive`` —                           client, on receipt (a filter)
+``client_send``    client, on updates          server, on receipt
+``server_receive`` —                           server, on receipt (a filter)
+=================  ==========================  ==========================
+
+A *send* chain encodes at one end and is decoded at the other, in reverse order, by
+the same plugins configured there; each payload lists the plugins applied to it
+(``applied``), so the receiver decodes exactly what was encoded. A *receive* chain is
+a filter the receiving side applies after the send chain's decode.
+
+A plugin is a small object with:
+
+- ``name``; ``accepts``: the update kinds it can transform;
+- ``combines_encoded``: the server must combine the updates while still encoded
+  (secure aggregation, homomorphic encryption); only strategies whose server step is a
+  weighted sum accept such a plugin;
+- ``encode(payload, ctx)`` and ``decode(payload, ctx)``, each returning a new payload
+  (never mutating the one given: in simulation it may be shared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, TypeVar
+
+from fedweave.types import Instruction, Update, UpdateKind
+
+POINTS = ("server_send", "client_receive", "client_send", "server_receive")
+
+Payload = TypeVar("Payload", Instruction, Update)
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """Where a plugin runs: the round, the client the payload concerns, the side."""
+
+    round: int
+    client_id: int
+    side: str  # "server" or "client"
+
+
+class Plugin(Protocol):
+    name: ClassVar[str]
+    accepts: ClassVar[frozenset[UpdateKind]]
+    combines_encoded: ClassVar[bool]
+
+    def encode(self, payload: Payload, ctx: PluginContext) -> Payload: ...
+
+    def decode(self, payload: Payload, ctx: PluginContext) -> Payload: ...
+
+
+@dataclass
+class Chain:
+    """Plugins in order at one attachment point."""
+
+    plugins: list[Plugin] = field(default_factory=list)
+
+    def encode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        for plugin in self.plugins:
+            payload = plugin.encode(payload, ctx)
+            payload.applied = [*payload.applied, plugin.name]
+        return payload
+
+    def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        """Undo what the sender's chain applied (``payload.applied``), last first."""
+        by_name = {p.name: p for p in self.plugins}
+        for name in reversed(payload.applied):
+            if name not in by_name:
+                raise ValueError(
+                    f"payload was encoded by plugin {name!r}, which this side's chain lacks"
+                )
+            payload = by_name[name].decode(payload, ctx)
+        payload.applied = []
+        return payload
+
+    def filter(self, payload: Payload, ctx: PluginContext) -> Payload:
+        """Apply a receive-side chain: each plugin's ``decode``, in order."""
+        for plugin in self.plugins:
+            payload = plugin.decode(payload, ctx)
+        return payload
+
+    @property
+    def combines_encoded(self) -> bool:
+        return any(p.combines_encoded for p in self.plugins)
+
+
+@dataclass
+class Chains:
+    """The four chains of a run."""
+
+    server_send: Chain = field(default_factory=Chain)
+    client_receive: Chain = field(default_factory=Chain)
+    client_send: Chain = field(default_factory=Chain)
+    server_receive: Chain = field(default_factory=Chain)
+
+    def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
+        """Client side of the downlink: decode the server's encoding, then filter."""
+        return self.client_receive.filter(self.server_send.decode(instruction, ctx), ctx)
+
+    def to_server(self, update: Update, ctx: PluginContext) -> Update:
+        """Server side of the uplink: decode the client's encoding, then filter."""
+        return self.server_receive.filter(self.client_send.decode(update, ctx), ctx)

@@ -1,0 +1,31 @@
+"""The identity plugin: changes nothing. A template for new plugins and a test of the chain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.types import UpdateKind
+
+
+@dataclass
+class IdentityParams:
+    """No settings."""
+
+
+class Identity:
+    """Pass payloads through unchanged (as a copy, as every plugin must)."""
+
+    name = "identity"
+    Params = IdentityParams
+    accepts = frozenset(UpdateKind)
+    combines_encoded = False
+
+    def __init__(self, hp: IdentityParams):
+        self.hp = hp
+
+    def encode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        return replace(payload)
+
+    def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        return replace(payload)

@@ -1,0 +1,253 @@
+"""Build a run from its config, execute it, and resume it.
+
+``prepare`` turns a validated :class:`~fedweave.config.Config` into the parts of a
+round (task, strategy, chains, controller, topology) and a run directory;
+``execute`` drives :func:`fedweave.loop.run` and records every round (metrics line,
+atomic checkpoint); ``resume`` rebuilds the same parts from a run directory and
+continues after its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedweave import config as config_mod
+from fedweave.batching.controller import StaticController
+from fedweave.batching.selection import sample_clients
+from fedweave.checkpoint import atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.config import Config
+from fedweave.errors import CheckpointError
+from fedweave.launchers.local import launch_local
+from fedweave.loop import Record, RoundParts, run
+from fedweave.observe.metrics import MetricsWriter, read_metrics
+from fedweave.plugins import PLUGINS
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.seeding import derive_seed, numpy_rng
+from fedweave.strategies import STRATEGIES
+from fedweave.strategies.training import LocalSettings
+from fedweave.task import build_model, evaluate, format_summary, load_dataset, make_loss, partition, split_local, summarize
+from fedweave.types import Params
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+MODEL_FILE = "model.pt"
+
+
+@dataclass
+class Run:
+    """A prepared run: its config, directory, round parts and where it starts."""
+
+    config: Config
+    run_dir: Path
+    parts: RoundParts
+    params: Params
+    first_round: int
+    partition_summary: str
+    store: ClientStateStore
+    records: list[Record] = field(default_factory=list)
+
+
+def new_run_dir(config: Config) -> Path:
+    """``<output_dir>/<name>-<timestamp>``, made unique with a suffix if it exists."""
+    base = Path(config.output_dir) / f"{config.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def prepare(config: Config, run_dir: Path | None = None) -> Run:
+    """Build every part of a new run and its directory (config and partition saved)."""
+    run_dir = new_run_dir(config) if run_dir is None else Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
+    built = _build(config, run_dir)
+    atomic_write_text(json.dumps(built.summary), run_dir / "partition.json")
+    return built.run
+
+
+def resume(run_dir: str | Path) -> Run:
+    """Rebuild the run saved in ``run_dir`` and continue after its last checkpoint."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
+    config = config_mod.load(run_dir / CONFIG_FILE)
+    state = load_checkpoint(run_dir)
+    built = _build(config, run_dir)
+    r = built.run
+    r.params = state["params"]
+    r.first_round = state["round"] + 1
+    r.parts.strategy.load_state_dict(state["strategy"])
+    r.parts.controller.load_state_dict(state["controller"])
+    r.store.load_state_dict(state["client_states"])
+    metrics = MetricsWriter(run_dir / METRICS_FILE)
+    metrics.truncate_after(state["round"])
+    r.records = read_metrics(metrics.path)
+    log.info("resuming %s after round %d", run_dir, state["round"])
+    return r
+
+
+def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
+    """Run the remaining rounds; write metrics, checkpoints and the final model."""
+    cfg = r.config
+    metrics = MetricsWriter(r.run_dir / METRICS_FILE)
+
+    def on_round(rnd: int, params: Params, record: Record) -> None:
+        metrics.append(record)
+        r.records.append(record)
+        if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0 or rnd == cfg.rounds):
+            save_checkpoint(
+                r.run_dir,
+                {
+                    "round": rnd,
+                    "params": params,
+                    "strategy": r.parts.strategy.state_dict(),
+                    "controller": r.parts.controller.state_dict(),
+                    "client_states": r.store.state_dict(),
+                },
+            )
+        if on_record is not None:
+            on_record(record)
+
+    try:
+        r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
+    finally:
+        r.parts.topology.close()
+    atomic_save(r.params, r.run_dir / MODEL_FILE)
+    return r.records
+
+
+@dataclass
+class _Built:
+    run: Run
+    summary: dict[str, Any]
+
+
+def _build(config: Config, run_dir: Path) -> _Built:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    task = config.task
+    dataset = load_dataset(
+        task.dataset,
+        seed=config.seed,
+        test_fraction=task.test_fraction,
+        root=task.data_root,
+        options=task.dataset_options,
+    )
+    labels = dataset.y_train.numpy()
+    parts = partition(
+        labels,
+        config.clients,
+        task.partition.scheme,
+        numpy_rng(config.seed, "partition"),
+        alpha=task.partition.alpha,
+        shards_per_client=task.partition.shards_per_client,
+        min_samples=task.partition.min_samples,
+    )
+    splits = [
+        split_local(p, task.local_test_fraction, numpy_rng(config.seed, "local-split", i))
+        for i, p in enumerate(parts)
+    ]
+    summary = summarize([s[0] for s in splits], labels, dataset.num_classes)
+
+    def make_model() -> torch.nn.Module:
+        return build_model(
+            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+        )
+
+    torch.manual_seed(derive_seed(config.seed, "init"))
+    server_model = make_model()
+    params = {k: v.detach().clone() for k, v in server_model.state_dict().items()}
+    loss_fn = make_loss(task.loss)
+
+    strategy_cls = STRATEGIES.get(config.strategy.name, "strategy.name")
+    strategy = strategy_cls(config.strategy.params, num_clients=config.clients)
+    chains = Chains(
+        **{
+            point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])
+            for point in ("server_send", "client_receive", "client_send", "server_receive")
+        }
+    )
+    store = ClientStateStore()
+    runtime = ClientRuntime(
+        algorithm=strategy_cls.Client(config.strategy.params),
+        data=ClientData(
+            x=dataset.x_train,
+            y=dataset.y_train,
+            train_idx=[torch.from_numpy(s[0]) for s in splits],
+            test_idx=[torch.from_numpy(s[1]) for s in splits],
+        ),
+        model=make_model(),
+        loss_fn=loss_fn,
+        settings=LocalSettings(
+            optimizer=config.local.optimizer,
+            lr=config.local.lr,
+            momentum=config.local.momentum,
+            weight_decay=config.local.weight_decay,
+        ),
+        chains=chains,
+        store=store,
+        seed=config.seed,
+    )
+    controller = StaticController(
+        config.clients,
+        config.clients_per_round,
+        batch_size=config.local.batch_size,
+        epochs=config.local.epochs,
+        local_steps=config.local.steps,
+        seed=config.seed,
+    )
+    fed_count = max(1, round(config.eval.federated_fraction * config.clients))
+
+    def evaluate_global(p: Params) -> dict[str, float]:
+        server_model.load_state_dict(p)
+        return evaluate(server_model, dataset.x_test, dataset.y_test, loss_fn, batch_size=config.eval.batch_size)
+
+    round_parts = RoundParts(
+        strategy=strategy,
+        controller=controller,
+        topology=launch_local(runtime),
+        chains=chains,
+        min_clients=config.min_clients,
+        timeout=config.round_timeout,
+        evaluate_global=evaluate_global,
+        eval_every=config.eval.every,
+        federated_eval_every=config.eval.federated_every,
+        federated_eval_clients=lambda rnd: sample_clients(
+            numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count
+        ),
+        eval_batch_size=config.eval.batch_size,
+    )
+    run_ = Run(
+        config=config,
+        run_dir=run_dir,
+        parts=round_parts,
+        params=params,
+        first_round=1,
+        partition_summary=format_summary(summary),
+        store=store,
+    )
+    return _Built(run_, summary)
+
+
+def run_config(config: Config, run_dir: Path | None = None) -> Run:
+    """Prepare and execute a new run; returns it with its records (library entry point)."""
+    r = prepare(config, run_dir)
+    started = time.perf_counter()
+    execute(r)
+    log.info("run %s finished in %.1f s", r.run_dir, time.perf_counter() - started)
+    return r

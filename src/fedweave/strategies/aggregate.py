@@ -1,0 +1,51 @@
+"""Pure aggregation math shared by strategies. No state, no I/O.
+
+Floating-point tensors are averaged; integer tensors (``num_batches_tracked`` and the
+like) are counters, never summed or averaged: they take the element-wise maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fedweave.types import Params
+
+
+def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Params:
+    """Σ w_i · t_i / Σ w_i for every floating tensor; element-wise max for integer ones."""
+    if not tensors:
+        raise ValueError("weighted_average needs at least one set of tensors")
+    if len(tensors) != len(weights):
+        raise ValueError(f"{len(tensors)} tensor sets but {len(weights)} weights")
+    total = float(sum(weights))
+    if not total > 0:
+        raise ValueError(f"weights must sum to a positive number, got {total}")
+    out: Params = {}
+    for name, first in tensors[0].items():
+        if first.is_floating_point():
+            acc = torch.zeros_like(first, dtype=torch.promote_types(first.dtype, torch.float32))
+            for t, w in zip(tensors, weights):
+                acc.add_(t[name], alpha=w / total)
+            out[name] = acc.to(first.dtype)
+        else:
+            acc = first.clone()
+            for t in tensors[1:]:
+                acc = torch.maximum(acc, t[name])
+            out[name] = acc
+    return out
+
+
+def apply_delta(params: Params, delta: Params, scale: float = 1.0) -> Params:
+    """``params + scale · delta``; integer tensors of ``delta`` are values and replace them."""
+    out: Params = {}
+    for name, p in params.items():
+        d = delta[name]
+        out[name] = p + scale * d if p.is_floating_point() else d.clone()
+    return out
+
+
+def all_finite(params: Params) -> bool:
+    """False when any floating tensor holds a NaN or an infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in params.values() if t.is_floating_point())

@@ -1,0 +1,52 @@
+"""The strategy protocol: a server half and a client half.
+
+The server half turns the controller's plan into instructions (:meth:`Strategy.configure`)
+and folds the clients' updates into new global parameters (:meth:`Strategy.aggregate`).
+Its state (server optimiser moments, control variates, ...) is saved in checkpoints
+through ``state_dict`` / ``load_state_dict``.
+
+The client half (``Strategy.Client``) trains and evaluates on a client's data. State a
+client keeps across rounds (control variates, a personal model) lives in
+``job.state``: the runtime restores it before the call and keeps it afterwards, keyed
+by client id, so one client object can serve any number of clients.
+
+A strategy also declares, for the config validator:
+
+- ``Params``: a dataclass of its hyper-parameters (bounds in field metadata);
+- ``update_kind``: what its clients send (weights, delta, gradient);
+- ``weighted_sum``: whether its server step only needs the weighted sum of the
+  updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
+  encryption) can be used with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+from fedweave.strategies.training import ClientJob
+from fedweave.types import Evaluation, Instruction, Params, Update, UpdateKind, Work
+
+
+class ClientAlgorithm(Protocol):
+    """The client half of a strategy."""
+
+    def train(self, job: ClientJob) -> Update: ...
+
+    def evaluate(self, job: ClientJob) -> Evaluation: ...
+
+
+class Strategy(Protocol):
+    """The server half of a strategy."""
+
+    Params: ClassVar[type]
+    Client: ClassVar[type]
+    update_kind: ClassVar[UpdateKind]
+    weighted_sum: ClassVar[bool]
+
+    def configure(self, rnd: int, params: Params, plan: list[Work]) -> list[Instruction]: ...
+
+    def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,75 @@
+"""FedAvg: the example-weighted average of client updates.
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from
+Decentralized Data", AISTATS 2017. https://arxiv.org/abs/1602.05629
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedweave.strategies.aggregate import apply_delta, weighted_average
+from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.task.models import evaluate
+from fedweave.types import (
+    Evaluation,
+    Instruction,
+    Params,
+    TaskKind,
+    Update,
+    UpdateKind,
+    Work,
+)
+
+
+@dataclass
+class FedAvgParams:
+    """FedAvg has no hyper-parameters beyond the local training settings."""
+
+
+class FedAvgClient:
+    """Train the received global model with local SGD and send back the delta."""
+
+    def __init__(self, hp: FedAvgParams):
+        self.hp = hp
+
+    def train(self, job: ClientJob) -> Update:
+        result = train_local(job)
+        return Update(
+            kind=UpdateKind.DELTA,
+            tensors=model_delta(job.model, job.instruction.params),
+            num_examples=result.num_examples,
+            metrics={"train_loss": result.mean_loss},
+            local_steps=result.steps,
+        )
+
+    def evaluate(self, job: ClientJob) -> Evaluation:
+        metrics = evaluate(job.model, job.x_test, job.y_test, job.loss_fn)
+        return Evaluation(num_examples=int(job.y_test.shape[0]), metrics=metrics)
+
+
+class FedAvg:
+    """FedAvg (McMahan et al., 2017): global ← global + Σ n_k Δ_k / Σ n_k."""
+
+    Params = FedAvgParams
+    Client = FedAvgClient
+    update_kind = UpdateKind.DELTA
+    weighted_sum = True
+
+    def __init__(self, hp: FedAvgParams, num_clients: int):
+        self.hp = hp
+        self.num_clients = num_clients
+
+    def configure(self, rnd: int, params: Params, plan: list[Work]) -> list[Instruction]:
+        return [Instruction(round=rnd, task=TaskKind.TRAIN, work=w, params=params) for w in plan]
+
+    def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
+        delta = weighted_average([u.tensors for u in updates], [u.num_examples for u in updates])
+        return apply_delta(params, delta)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """FedAvg keeps no server state."""

@@ -1,0 +1,1 @@
+"""Topologies decide who aggregates for whom and which transport each link uses."""

@@ -1,0 +1,1 @@
+"""Transports move messages between nodes; see :mod:`fedweave.transports.base`."""

@@ -1,0 +1,29 @@
+"""The transport protocol: send each message to its client, collect the replies.
+
+A transport never raises for one client's failure: a client that errors, times out
+or sends something malformed is reported in ``Exchange.failures`` and the round goes
+on with the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fedweave.types import Message
+
+
+@dataclass
+class Exchange:
+    """What came back from one exchange."""
+
+    replies: list[Message] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)  # client id -> reason
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Transport(Protocol):
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange: ...
+
+    def close(self) -> None: ...

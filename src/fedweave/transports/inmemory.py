@@ -1,0 +1,48 @@
+"""The in-memory transport: clients are functions in this process (simulation)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from fedweave.transports.base import Exchange
+from fedweave.types import Message, body_nbytes
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Message]
+
+
+class InMemoryTransport:
+    """Hands each message to ``handler`` (the client runtime) and returns its reply.
+
+    Clients run one after another. Bytes are counted as a dense wire format would
+    carry the tensors. With a timeout, a reply that arrives after the round's deadline
+    counts as a straggler and is dropped, as a networked server would drop it.
+    """
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        result = Exchange()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for msg in messages:
+            result.bytes_sent += body_nbytes(msg.body)
+            try:
+                reply = self.handler(msg)
+            except Exception as exc:  # one client's failure must not stop the round
+                log.warning("client %d failed in round %d: %s", msg.client_id, msg.round, exc, exc_info=True)
+                result.failures[msg.client_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("client %d missed the round %d deadline; reply dropped", msg.client_id, msg.round)
+                result.failures[msg.client_id] = "missed the round deadline"
+                continue
+            result.bytes_received += body_nbytes(reply.body)
+            result.replies.append(reply)
+        return result
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,102 @@
+"""Plain data that crosses module boundaries: parameters, instructions, updates, messages.
+
+No behaviour lives here; these are the nouns of DESIGN.md's vocabulary.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+Params = dict[str, torch.Tensor]
+"""Model parameters and buffers, named as in ``state_dict``."""
+
+
+class UpdateKind(str, enum.Enum):
+    """What the tensors of an update mean."""
+
+    WEIGHTS = "weights"  # the client's new parameters
+    DELTA = "delta"  # new parameters minus the global parameters the client received
+    GRADIENT = "gradient"  # a gradient (data-parallel steps, FedSGD)
+
+
+class TaskKind(str, enum.Enum):
+    """What the server asks a client to do."""
+
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+
+
+@dataclass
+class Work:
+    """The local work the controller assigns one client for one round."""
+
+    client_id: int
+    batch_size: int
+    epochs: int = 1
+    local_steps: int | None = None  # when set, overrides epochs: exactly this many steps
+
+
+@dataclass
+class Instruction:
+    """Server to client: what to do this round and with which parameters."""
+
+    round: int
+    task: TaskKind
+    work: Work
+    params: Params
+    config: dict[str, Any] = field(default_factory=dict)  # scalar hyper-parameters (lr, mu, ...)
+    extras: Params = field(default_factory=dict)  # algorithm tensors (e.g. a server control variate)
+    applied: list[str] = field(default_factory=list)  # plugins applied on the wire, in order
+
+
+@dataclass
+class Update:
+    """Client to server: the result of local training."""
+
+    kind: UpdateKind
+    tensors: Params
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    extras: Params = field(default_factory=dict)  # algorithm tensors (e.g. a control-variate delta)
+    applied: list[str] = field(default_factory=list)
+    client_id: int = -1
+    local_steps: int = 0
+    compute_time: float = 0.0  # seconds of local computation, measured by the client
+
+
+@dataclass
+class Evaluation:
+    """Client to server: metrics of a model on the client's local test split."""
+
+    num_examples: int
+    metrics: dict[str, float]
+    client_id: int = -1
+
+
+Body = Union[Instruction, Update, Evaluation]
+
+
+@dataclass
+class Message:
+    """The one object that crosses a transport."""
+
+    round: int
+    client_id: int
+    body: Body
+
+
+def params_nbytes(params: Params) -> int:
+    """Bytes of raw tensor data in ``params`` (what a dense wire format carries)."""
+    return sum(t.numel() * t.element_size() for t in params.values())
+
+
+def body_nbytes(body: Body) -> int:
+    """Bytes of tensor data a message body carries."""
+    if isinstance(body, Evaluation):
+        return 0
+    tensors = body.params if isinstance(body, Instruction) else body.tensors
+    return params_nbytes(tensors) + params_nbytes(body.extras)
