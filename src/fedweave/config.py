@@ -68,6 +68,12 @@ class StrategyConfig:
 
 
 @dataclass
+class AggregationConfig:
+    SHORTHAND = "rule"
+    rule: Literal["mean"] = opt("mean", help="how client tensors are combined: mean (weighted by examples)")
+
+
+@dataclass
 class PluginSpec:
     name: str
     params: Any = None
@@ -127,6 +133,7 @@ class Config:
     task: TaskConfig = opt(factory=TaskConfig)
     local: LocalConfig = opt(factory=LocalConfig)
     strategy: StrategyConfig = opt(factory=StrategyConfig)
+    aggregation: AggregationConfig = opt(factory=AggregationConfig)
     plugins: PluginsConfig = opt(factory=PluginsConfig)
     topology: TopologyConfig = opt(factory=TopologyConfig)
     transport: TransportConfig = opt(factory=TransportConfig)
@@ -224,6 +231,12 @@ def check_composition(config: Config) -> None:
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} accepts {kinds} updates, "
                     f"but strategy {config.strategy.name!r} sends {strategy.update_kind.value}"
                 )
+            if plugin.combines_encoded and config.aggregation.rule != "mean":
+                raise ConfigError(
+                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} makes the server combine "
+                    f"updates while encoded, so it only sees their sum; aggregation.rule "
+                    f"{config.aggregation.rule!r} needs each update in the clear"
+                )
             if plugin.combines_encoded and not strategy.weighted_sum:
                 raise ConfigError(
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} makes the server combine "
@@ -264,7 +277,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-_SHORTHANDS = {"strategy": "name", "topology": "kind", "transport": "kind", "launcher": "kind"}
+_SHORTHANDS = {"strategy": "name", "aggregation": "rule", "topology": "kind", "transport": "kind", "launcher": "kind"}
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

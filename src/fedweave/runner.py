@@ -34,6 +34,8 @@ from fedweave.plugins import PLUGINS
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
+from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings
 from fedweave.task import build_model, evaluate, format_summary, load_dataset, make_loss, partition, split_local, summarize
 from fedweave.types import Params
@@ -175,7 +177,10 @@ def _build(config: Config, run_dir: Path) -> _Built:
     loss_fn = make_loss(task.loss)
 
     strategy_cls = STRATEGIES.get(config.strategy.name, "strategy.name")
-    strategy = strategy_cls(config.strategy.params, num_clients=config.clients)
+    strategy = strategy_cls(
+        config.strategy.params,
+        StrategyContext(num_clients=config.clients, seed=config.seed, average=averager(config.aggregation)),
+    )
     chains = Chains(
         **{
             point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])

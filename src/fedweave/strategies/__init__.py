@@ -11,5 +11,18 @@ STRATEGIES = Registry(
     "strategy",
     {
         "fedavg": "fedweave.strategies.fedavg:FedAvg",
+        "fedavgm": "fedweave.strategies.fedavgm:FedAvgM",
+        "fedadam": "fedweave.strategies.fedopt:FedAdam",
+        "fedyogi": "fedweave.strategies.fedopt:FedYogi",
+        "fedadagrad": "fedweave.strategies.fedopt:FedAdagrad",
+        "fedprox": "fedweave.strategies.fedprox:FedProx",
+        "scaffold": "fedweave.strategies.scaffold:Scaffold",
+        "fednova": "fedweave.strategies.fednova:FedNova",
+        "feddyn": "fedweave.strategies.feddyn:FedDyn",
+        "moon": "fedweave.strategies.moon:Moon",
+        "ditto": "fedweave.strategies.ditto:Ditto",
+        "fedper": "fedweave.strategies.fedper:FedPer",
+        "fedbn": "fedweave.strategies.fedbn:FedBN",
+        "diloco": "fedweave.strategies.diloco:DiLoCo",
     },
 )

@@ -14,6 +14,7 @@ A strategy also declares, for the config validator:
 
 - ``Params``: a dataclass of its hyper-parameters (bounds in field metadata);
 - ``update_kind``: what its clients send (weights, delta, gradient);
+- a constructor ``(hp: Params, ctx: StrategyContext)``;
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
   encryption) can be used with it.
@@ -21,10 +22,30 @@ A strategy also declares, for the config validator:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from fedweave.strategies.aggregate import weighted_average
 from fedweave.strategies.training import ClientJob
 from fedweave.types import Evaluation, Instruction, Params, Update, UpdateKind, Work
+
+Average = Callable[[Sequence[Params], Sequence[float]], Params]
+
+
+@dataclass
+class StrategyContext:
+    """What the server half of a strategy is built with besides its hyper-parameters.
+
+    ``average`` is the rule that combines the clients' tensors: the weighted mean by
+    default, a robust rule (median, trimmed mean, Krum) when the config's
+    ``aggregation.rule`` asks for one. Strategies whose server step averages updates
+    call it instead of :func:`~fedweave.strategies.aggregate.weighted_average`.
+    """
+
+    num_clients: int
+    seed: int = 0
+    average: Average = weighted_average
 
 
 class ClientAlgorithm(Protocol):

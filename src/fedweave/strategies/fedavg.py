@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedweave.strategies.aggregate import apply_delta, weighted_average
+from fedweave.strategies.aggregate import apply_delta
+from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.task.models import evaluate
 from fedweave.types import (
@@ -57,15 +58,15 @@ class FedAvg:
     update_kind = UpdateKind.DELTA
     weighted_sum = True
 
-    def __init__(self, hp: FedAvgParams, num_clients: int):
+    def __init__(self, hp: FedAvgParams, ctx: StrategyContext):
         self.hp = hp
-        self.num_clients = num_clients
+        self.ctx = ctx
 
     def configure(self, rnd: int, params: Params, plan: list[Work]) -> list[Instruction]:
         return [Instruction(round=rnd, task=TaskKind.TRAIN, work=w, params=params) for w in plan]
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
-        delta = weighted_average([u.tensors for u in updates], [u.num_examples for u in updates])
+        delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
         return apply_delta(params, delta)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,70 @@
+"""Shared fixtures: small, fast runs of the real spine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.types import Params
+
+SMALL = [
+    "rounds=3",
+    "clients=4",
+    "task.dataset=synthetic",
+    "task.dataset_options={samples: 400, features: 8, classes: 4}",
+    "task.model_options={hidden: [16]}",
+    "task.partition.scheme=iid",
+    "local.batch_size=16",
+    "eval.federated_every=0",
+]
+"""Overrides that make the quickstart a sub-second run for tests."""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    """Two torch threads on two shared cores spin against each other; tests use one."""
+    torch.set_num_threads(1)
+
+
+def small_config(*overrides: str, output: Path | None = None) -> config_mod.Config:
+    extra = [f"output_dir={output}"] if output is not None else []
+    return config_mod.load(None, [*SMALL, *extra, *overrides])
+
+
+def run_to_end(run_dir: Path, *overrides: str) -> tuple[Params, list[dict[str, Any]]]:
+    """Run a small config uninterrupted; the final global params and the metric records."""
+    r = runner.prepare(small_config(*overrides), run_dir)
+    records = runner.execute(r)
+    return r.params, records
+
+
+def run_interrupted(run_dir: Path, stop_after: int, *overrides: str) -> tuple[Params, list[dict[str, Any]]]:
+    """Stop a small run after round ``stop_after`` (as Ctrl-C would), resume it, run to the end."""
+    r = runner.prepare(small_config(*overrides), run_dir)
+
+    def interrupt(record: dict[str, Any]) -> None:
+        if record["round"] == stop_after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, interrupt)
+    resumed = runner.resume(run_dir)
+    assert resumed.first_round == stop_after + 1
+    records = runner.execute(resumed)
+    return resumed.params, records
+
+
+def assert_same_params(a: Params, b: Params, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0.0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def comparable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records without the wall-clock fields, for exact comparison."""
+    return [{k: v for k, v in r.items() if k != "wall_time"} for r in records]
