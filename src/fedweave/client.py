@@ -122,7 +122,7 @@ class ClientRuntime:
         if overrides:
             settings = dataclasses.replace(settings, **overrides)
         # Dropout and other in-model randomness draw from torch's global generator.
-        torch.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
+        torch.default_generator.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
         train, test = self.data.train_idx[cid], self.data.test_idx[cid]
         return ClientJob(
             client_id=cid,
