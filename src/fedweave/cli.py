@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, partition or summary")
     run.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
 
-    keys = sub.add_parser("keys", help="list every config key with its type, default and meaning")
-    keys.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. local")
+    schema = sub.add_parser("schema", help="list every config key with its type, default and meaning")
+    schema.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. local")
 
     sub.add_parser("list", help="list built-in strategies, plugins, datasets, models and partitions")
     return parser
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
-        if args.command == "keys":
-            return _keys(args.prefix)
+        if args.command == "schema":
+            return _schema(args.prefix)
         return _list()
     except (ConfigError, TaskError) as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _keys(prefix: str) -> int:
+def _schema(prefix: str) -> int:
     from fedweave.config import Config
     from fedweave.schema import describe_fields
 

@@ -222,6 +222,13 @@ def check_composition(config: Config) -> None:
     from fedweave.strategies import STRATEGIES
 
     strategy = STRATEGIES.get(config.strategy.name, "strategy.name")
+    for point in ("server_send", "client_receive", "server_receive"):
+        for i, spec in enumerate(getattr(config.plugins, point)):
+            if PLUGINS.get(spec.name, f"plugins.{point}[{i}].name").combines_encoded:
+                raise ConfigError(
+                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} combines client updates "
+                    "while encoded, so it belongs in plugins.client_send"
+                )
     for point in ("client_send", "server_receive"):
         for i, spec in enumerate(getattr(config.plugins, point)):
             plugin = PLUGINS.get(spec.name, f"plugins.{point}[{i}].name")

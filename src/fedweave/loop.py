@@ -4,6 +4,7 @@
     send    = chains.server_send.encode(strategy.configure(r, global, plan))
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
+    updates = [chains.combine(updates)]          (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
     controller.observe(r, updates); evaluate; on_round(...)
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.batching.controller import Controller
+from fedweave.errors import RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.strategies.aggregate import all_finite
 from fedweave.strategies.base import Strategy
@@ -83,7 +85,15 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         )
         record.update(skipped=True, train_loss=None)
         return params, record
-    params = parts.strategy.aggregate(rnd, params, updates)
+    aggregated = updates
+    if parts.chains.client_send.combiner is not None:
+        try:
+            aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"))]
+        except RoundError as exc:
+            log.error("round %d skipped: %s; global model kept", rnd, exc)
+            record.update(skipped=True, train_loss=None)
+            return params, record
+    params = parts.strategy.aggregate(rnd, params, aggregated)
     parts.controller.observe(rnd, updates)
     record["train_loss"] = _weighted(updates, "train_loss")
     return params, record

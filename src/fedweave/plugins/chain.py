@@ -21,12 +21,17 @@ A plugin is a small object with:
   (secure aggregation, homomorphic encryption); only strategies whose server step is a
   weighted sum accept such a plugin;
 - ``encode(payload, ctx)`` and ``decode(payload, ctx)``, each returning a new payload
-  (never mutating the one given: in simulation it may be shared).
+  (never mutating the one given: in simulation it may be shared);
+- a combining plugin also has ``combine(updates, ctx) -> Update``: the server calls it
+  on the round's still-encoded updates and decodes the one update it returns, whose
+  tensors are the example-weighted mean (the plugin sees each update's
+  ``num_examples``) and whose ``num_examples`` is their total. The strategy then
+  aggregates that single update.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol, TypeVar
 
 from fedweave.types import Instruction, Update, UpdateKind
@@ -86,8 +91,9 @@ class Chain:
         return payload
 
     @property
-    def combines_encoded(self) -> bool:
-        return any(p.combines_encoded for p in self.plugins)
+    def combiner(self) -> Plugin | None:
+        """The plugin that makes the server combine updates while encoded, if any."""
+        return next((p for p in self.plugins if p.combines_encoded), None)
 
 
 @dataclass
@@ -104,5 +110,24 @@ class Chains:
         return self.client_receive.filter(self.server_send.decode(instruction, ctx), ctx)
 
     def to_server(self, update: Update, ctx: PluginContext) -> Update:
-        """Server side of the uplink: decode the client's encoding, then filter."""
-        return self.server_receive.filter(self.client_send.decode(update, ctx), ctx)
+        """Server side of the uplink for one update: decode the client's encoding, then filter.
+
+        With a combining plugin in ``client_send``, only the plugins applied after it are
+        decoded here; :meth:`combine` finishes the job on the round's updates together.
+        """
+        combiner = self.client_send.combiner
+        if combiner is None:
+            return self.server_receive.filter(self.client_send.decode(update, ctx), ctx)
+        if combiner.name not in update.applied:
+            raise ValueError(f"update was not encoded by {combiner.name!r}, which this server combines")
+        cut = update.applied.index(combiner.name) + 1
+        partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
+        return replace(partial, applied=update.applied[:cut])
+
+    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
+        """Combine still-encoded updates into one, decode it, then filter it."""
+        combiner = self.client_send.combiner
+        if combiner is None:
+            raise ValueError("no combining plugin in client_send")
+        combined = combiner.combine(updates, ctx)  # type: ignore[attr-defined]
+        return self.server_receive.filter(self.client_send.decode(combined, ctx), ctx)
