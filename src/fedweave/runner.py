@@ -18,26 +18,26 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fedweave import config as config_mod
-from fedweave.batching.controller import StaticController
 from fedweave.batching.selection import sample_clients
+from fedweave.build import (
+    build_chains,
+    build_client_runtime,
+    build_controller,
+    build_strategy,
+    build_task,
+    global_evaluator,
+    initial_params,
+)
 from fedweave.checkpoint import atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
-from fedweave.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.client import ClientStateStore
 from fedweave.config import Config
 from fedweave.errors import CheckpointError
 from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.metrics import MetricsWriter, read_metrics
-from fedweave.plugins import PLUGINS
-from fedweave.plugins.chain import Chain, Chains
-from fedweave.seeding import derive_seed, numpy_rng
-from fedweave.strategies import STRATEGIES
-from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.robust import averager
-from fedweave.strategies.training import LocalSettings
-from fedweave.task import build_model, evaluate, format_summary, load_dataset, make_loss, partition, split_local, summarize
+from fedweave.seeding import numpy_rng
+from fedweave.task import format_summary
 from fedweave.types import Params
 
 log = logging.getLogger(__name__)
@@ -140,96 +140,20 @@ class _Built:
 
 
 def _build(config: Config, run_dir: Path) -> _Built:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    task = config.task
-    dataset = load_dataset(
-        task.dataset,
-        seed=config.seed,
-        test_fraction=task.test_fraction,
-        root=task.data_root,
-        options=task.dataset_options,
-    )
-    labels = dataset.y_train.numpy()
-    parts = partition(
-        labels,
-        config.clients,
-        task.partition.scheme,
-        numpy_rng(config.seed, "partition"),
-        alpha=task.partition.alpha,
-        shards_per_client=task.partition.shards_per_client,
-        min_samples=task.partition.min_samples,
-    )
-    splits = [
-        split_local(p, task.local_test_fraction, numpy_rng(config.seed, "local-split", i))
-        for i, p in enumerate(parts)
-    ]
-    summary = summarize([s[0] for s in splits], labels, dataset.num_classes)
-
-    def make_model() -> torch.nn.Module:
-        return build_model(
-            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
-        )
-
-    torch.manual_seed(derive_seed(config.seed, "init"))
-    server_model = make_model()
-    params = {k: v.detach().clone() for k, v in server_model.state_dict().items()}
-    loss_fn = make_loss(task.loss)
-
-    strategy_cls = STRATEGIES.get(config.strategy.name, "strategy.name")
-    strategy = strategy_cls(
-        config.strategy.params,
-        StrategyContext(num_clients=config.clients, seed=config.seed, average=averager(config.aggregation)),
-    )
-    chains = Chains(
-        **{
-            point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])
-            for point in ("server_send", "client_receive", "client_send", "server_receive")
-        }
-    )
+    task = build_task(config)
+    params = initial_params(config, task)
+    chains = build_chains(config)
     store = ClientStateStore()
-    runtime = ClientRuntime(
-        algorithm=strategy_cls.Client(config.strategy.params),
-        data=ClientData(
-            x=dataset.x_train,
-            y=dataset.y_train,
-            train_idx=[torch.from_numpy(s[0]) for s in splits],
-            test_idx=[torch.from_numpy(s[1]) for s in splits],
-        ),
-        model=make_model(),
-        loss_fn=loss_fn,
-        settings=LocalSettings(
-            optimizer=config.local.optimizer,
-            lr=config.local.lr,
-            momentum=config.local.momentum,
-            weight_decay=config.local.weight_decay,
-        ),
-        chains=chains,
-        store=store,
-        seed=config.seed,
-    )
-    controller = StaticController(
-        config.clients,
-        config.clients_per_round,
-        batch_size=config.local.batch_size,
-        epochs=config.local.epochs,
-        local_steps=config.local.steps,
-        seed=config.seed,
-    )
+    runtime = build_client_runtime(config, task, chains, store)
     fed_count = max(1, round(config.eval.federated_fraction * config.clients))
-
-    def evaluate_global(p: Params) -> dict[str, float]:
-        server_model.load_state_dict(p)
-        return evaluate(server_model, dataset.x_test, dataset.y_test, loss_fn, batch_size=config.eval.batch_size)
-
     round_parts = RoundParts(
-        strategy=strategy,
-        controller=controller,
+        strategy=build_strategy(config),
+        controller=build_controller(config),
         topology=launch_local(runtime),
         chains=chains,
         min_clients=config.min_clients,
         timeout=config.round_timeout,
-        evaluate_global=evaluate_global,
+        evaluate_global=global_evaluator(config, task),
         eval_every=config.eval.every,
         federated_eval_every=config.eval.federated_every,
         federated_eval_clients=lambda rnd: sample_clients(
@@ -243,10 +167,10 @@ def _build(config: Config, run_dir: Path) -> _Built:
         parts=round_parts,
         params=params,
         first_round=1,
-        partition_summary=format_summary(summary),
+        partition_summary=format_summary(task.partition_summary),
         store=store,
     )
-    return _Built(run_, summary)
+    return _Built(run_, task.partition_summary)
 
 
 def run_config(config: Config, run_dir: Path | None = None) -> Run:

@@ -1,0 +1,152 @@
+"""Build the parts of a run from its config, each on its own.
+
+A simulation builds all of them in one process; a deployment builds the server's
+parts in the server process and a client runtime in each client process, from the
+same config and seed, so every process derives the same data partition and the
+same initial model without exchanging them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedweave.batching.controller import StaticController
+from fedweave.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.config import Config
+from fedweave.plugins import PLUGINS
+from fedweave.plugins.chain import POINTS, Chain, Chains
+from fedweave.seeding import derive_seed, numpy_rng
+from fedweave.strategies import STRATEGIES
+from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.robust import averager
+from fedweave.strategies.training import LocalSettings, LossFn
+from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
+from fedweave.types import Params
+
+
+@dataclass
+class TaskBundle:
+    """The task of a run: data (split per client), model factory, loss."""
+
+    dataset: Dataset
+    clients: ClientData
+    make_model: Callable[[], torch.nn.Module]
+    loss_fn: LossFn
+    partition_summary: dict[str, Any]
+
+
+def build_task(config: Config) -> TaskBundle:
+    """Load the dataset and split it across clients, seeded by the run seed."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    task = config.task
+    dataset = load_dataset(
+        task.dataset,
+        seed=config.seed,
+        test_fraction=task.test_fraction,
+        root=task.data_root,
+        options=task.dataset_options,
+    )
+    labels = dataset.y_train.numpy()
+    parts = partition(
+        labels,
+        config.clients,
+        task.partition.scheme,
+        numpy_rng(config.seed, "partition"),
+        alpha=task.partition.alpha,
+        shards_per_client=task.partition.shards_per_client,
+        min_samples=task.partition.min_samples,
+    )
+    splits = [
+        split_local(p, task.local_test_fraction, numpy_rng(config.seed, "local-split", i))
+        for i, p in enumerate(parts)
+    ]
+
+    def make_model() -> torch.nn.Module:
+        return build_model(
+            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+        )
+
+    return TaskBundle(
+        dataset=dataset,
+        clients=ClientData(
+            x=dataset.x_train,
+            y=dataset.y_train,
+            train_idx=[torch.from_numpy(s[0]) for s in splits],
+            test_idx=[torch.from_numpy(s[1]) for s in splits],
+        ),
+        make_model=make_model,
+        loss_fn=make_loss(task.loss),
+        partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes),
+    )
+
+
+def initial_params(config: Config, task: TaskBundle) -> Params:
+    """The seeded initial global model (the same in every process)."""
+    torch.manual_seed(derive_seed(config.seed, "init"))
+    return {k: v.detach().clone() for k, v in task.make_model().state_dict().items()}
+
+
+def build_chains(config: Config) -> Chains:
+    """The four plugin chains named in ``config.plugins``."""
+    return Chains(
+        **{
+            point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])
+            for point in POINTS
+        }
+    )
+
+
+def strategy_class(config: Config) -> Any:
+    return STRATEGIES.get(config.strategy.name, "strategy.name")
+
+
+def build_strategy(config: Config) -> Any:
+    """The server half of the configured strategy."""
+    context = StrategyContext(num_clients=config.clients, seed=config.seed, average=averager(config.aggregation))
+    return strategy_class(config)(config.strategy.params, context)
+
+
+def build_controller(config: Config) -> StaticController:
+    return StaticController(
+        config.clients,
+        config.clients_per_round,
+        batch_size=config.local.batch_size,
+        epochs=config.local.epochs,
+        local_steps=config.local.steps,
+        seed=config.seed,
+    )
+
+
+def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store: ClientStateStore) -> ClientRuntime:
+    """The client side: the strategy's client half over one model instance."""
+    return ClientRuntime(
+        algorithm=strategy_class(config).Client(config.strategy.params),
+        data=task.clients,
+        model=task.make_model(),
+        loss_fn=task.loss_fn,
+        settings=LocalSettings(
+            optimizer=config.local.optimizer,
+            lr=config.local.lr,
+            momentum=config.local.momentum,
+            weight_decay=config.local.weight_decay,
+        ),
+        chains=chains,
+        store=store,
+        seed=config.seed,
+    )
+
+
+def global_evaluator(config: Config, task: TaskBundle) -> Callable[[Params], dict[str, float]]:
+    """Evaluate global parameters on the held-out test set (one model instance, reused)."""
+    model = task.make_model()
+
+    def evaluate_global(params: Params) -> dict[str, float]:
+        model.load_state_dict(params)
+        return evaluate(model, task.dataset.x_test, task.dataset.y_test, task.loss_fn, batch_size=config.eval.batch_size)
+
+    return evaluate_global
