@@ -92,13 +92,15 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
 
 
 def build_chains(config: Config) -> Chains:
-    """The four plugin chains named in ``config.plugins``."""
-    return Chains(
+    """The four plugin chains named in ``config.plugins``, bound to the run (seed, clients)."""
+    chains = Chains(
         **{
             point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])
             for point in POINTS
         }
     )
+    chains.bind(config)
+    return chains
 
 
 def strategy_class(config: Config) -> Any:

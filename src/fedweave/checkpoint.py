@@ -1,14 +1,14 @@
 """Atomic checkpoints of the server state: write a temporary file, then rename.
 
 A crash while saving leaves the previous checkpoint intact; a reader never sees a
-half-written file.
+half-written file. Files get the permissions ``open()`` would give them (the umask's).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ CHECKPOINT = "checkpoint.pt"
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = _temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -39,7 +39,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
 def atomic_write_text(text: str, path: str | Path) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = _temporary_beside(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -47,6 +47,15 @@ def atomic_write_text(text: str, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _temporary_beside(path: Path) -> tuple[int, Path]:
+    """A new, hidden file in ``path``'s folder, open for writing, with the umask's permissions.
+
+    (``tempfile.mkstemp`` would make it readable by its owner only.)
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fedweave import __version__
 from fedweave.errors import ConfigError, FedweaveError, TaskError
@@ -47,12 +49,75 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. local")
 
     sub.add_parser("list", help="list built-in strategies, plugins, datasets, models and partitions")
+
+    keys = sub.add_parser(
+        "keys",
+        help="make the federation's CKKS keys for the 'he' plugin",
+        description="Write DIR/secret.ctx (with the secret key: give it to the clients only) and "
+        "DIR/public.ctx (for the server); name DIR in the 'he' plugin's keys setting.",
+    )
+    keys.add_argument("--out", required=True, metavar="DIR", help="folder to write secret.ctx and public.ctx into")
+    keys.add_argument("--poly-degree", type=int, default=8192, choices=(4096, 8192, 16384), help="CKKS ring degree")
+    keys.add_argument("--scale-bits", type=int, default=32, help="CKKS scale 2^bits (20..50)")
+    _node_parsers(sub)
     return parser
+
+
+def _node_parsers(sub: Any) -> None:
+    """``server``, ``client`` and ``certs``: the commands of a gRPC deployment."""
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    server = sub.add_parser(
+        "server",
+        help="run the server node of a config (transport grpc); clients connect to it",
+        description="Listen on grpc.address (or --listen), wait for the clients, run every round, "
+        "then tell the clients to stop. Writes the run directory as `fedweave run` does.",
+    )
+    server.add_argument("config", nargs="?", help="YAML config file")
+    server.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpc.tls=mtls")
+    server.add_argument("--run-dir", metavar="DIR", help="write the run here instead of <output_dir>/<name>-<time>")
+    server.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR after its last checkpoint")
+    server.add_argument("--listen", metavar="HOST:PORT", help="bind here instead of grpc.listen / grpc.address")
+    server.add_argument("--address-file", metavar="PATH", help="write the bound host:port here (for port 0)")
+    server.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
+
+    client = sub.add_parser(
+        "client",
+        help="run one client node of a config (transport grpc)",
+        description="Build client N's data and model from the config, connect to the server, "
+        "serve its rounds until the server ends the run.",
+    )
+    client.add_argument("config", help="YAML config file (the same as the server's)")
+    client.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpc.credentials=/etc/fedweave")
+    client.add_argument("--id", type=int, required=True, metavar="N", help="this client's id, 0..clients-1")
+    client.add_argument("--address", metavar="HOST:PORT", help="the server's address instead of grpc.address")
+    client.add_argument("--token", help="this client's token (default: $FEDWEAVE_TOKEN or credentials/client-N.token)")
+    client.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
+
+    certs = sub.add_parser(
+        "certs",
+        help="create a CA, server and client certificates and client tokens for grpc.tls / grpc.tokens",
+        description="Write DIR/ca.pem, server.pem/.key (for --host names), client-<i>.pem/.key/.token "
+        "and tokens.json; point grpc.credentials at DIR. Keep ca.key off the nodes.",
+    )
+    certs.add_argument("--out", required=True, metavar="DIR", help="folder to write the credentials into")
+    certs.add_argument("--clients", type=int, required=True, metavar="N", help="number of clients")
+    certs.add_argument(
+        "--host", action="append", metavar="NAME", help="server host name or IP (repeatable; default localhost, 127.0.0.1, ::1)"
+    )
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `fedweave run -q CONFIG rounds=5` and `fedweave run CONFIG -q rounds=5` mean the same:
+    # overrides that follow an option arrive here, not in args.overrides.
+    if getattr(args, "command", None) in ("run", "server", "client"):
+        stray = [e for e in extra if "=" in e and not e.startswith("-")]
+        args.overrides = [*args.overrides, *stray]
+        extra = [e for e in extra if e not in stray]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -61,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "schema":
             return _schema(args.prefix)
+        if args.command == "keys":
+            return _keys(args)
+        if args.command in ("server", "client", "certs"):
+            return _node(args)
         return _list()
     except (ConfigError, TaskError) as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
@@ -68,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except FedweaveError as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `fedweave list | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -85,12 +157,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume:
         if path is not None or overrides:
             raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
+        saved = Path(args.resume) / runner.CONFIG_FILE
+        if saved.is_file() and config_mod.load(saved).mode == "data_parallel":
+            return _run_data_parallel(args, None)
         r = runner.resume(args.resume)
     else:
         config = config_mod.load(path, overrides)
         if args.print_config:
             print(config_mod.to_yaml(config), end="")
             return 0
+        if config.mode == "data_parallel":
+            return _run_data_parallel(args, config)
         r = runner.prepare(config, Path(args.run_dir) if args.run_dir else None)
     if r.first_round > r.config.rounds:
         print(f"{r.run_dir} already finished all {r.config.rounds} rounds", file=sys.stderr)
@@ -108,6 +185,69 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if not quiet:
         print(summary_table(run_summary(records, str(r.run_dir), time.perf_counter() - started)))
+    return 0
+
+
+def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
+    """``mode: data_parallel``: start the workers, print a line per metrics window, then a summary."""
+    from fedweave import data_parallel
+    from fedweave.observe.progress import summary_table
+
+    if config is None:
+        r = data_parallel.resume(args.resume)
+        if r.finished:
+            print(f"{r.run_dir} already finished", file=sys.stderr)
+            return 0
+    else:
+        r = data_parallel.prepare(config, Path(args.run_dir) if args.run_dir else None)
+    dp = r.config.data_parallel
+    quiet = args.quiet
+    if not quiet:
+        print(
+            f"fedweave {__version__} · data-parallel run {r.config.name} → {r.run_dir} "
+            f"({dp.workers} workers, global batch {dp.global_batch})",
+            file=sys.stderr,
+        )
+    started = time.perf_counter()
+
+    def show(record: dict[str, Any]) -> None:
+        acc = record.get("test_accuracy")
+        print(
+            f"step {record['step']} epoch {record['epoch']:.2f} loss {record['train_loss']:.4f}"
+            + (f" acc {acc:.4f}" if acc is not None else "")
+            + f" batches {[round(b) for b in record['batch']]} {time.perf_counter() - started:.1f}s",
+            file=sys.stderr,
+        )
+
+    try:
+        records = data_parallel.execute(r, None if quiet else show)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; continue with: fedweave run --resume {r.run_dir}", file=sys.stderr)
+        return 130
+    if not quiet and records:
+        last = records[-1]
+        accs = [x["test_accuracy"] for x in records if x.get("test_accuracy") is not None]
+        rows = [
+            ("steps", str(last["step"])),
+            ("epochs", f"{last['epoch']:.2f}"),
+            ("final test accuracy", "-" if last.get("test_accuracy") is None else f"{last['test_accuracy']:.4f}"),
+            ("best test accuracy", f"{max(accs):.4f}" if accs else "-"),
+            ("workers at the end", str(len(last["workers"]))),
+            ("batch-size changes", str(last["adjustments"])),
+            ("wall time", f"{time.perf_counter() - started:.1f} s"),
+            ("run directory", str(r.run_dir)),
+        ]
+        print(summary_table(rows))
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from fedweave.plugins.secure.he import write_keys
+
+    if not 20 <= args.scale_bits <= 50:
+        raise ConfigError(f"--scale-bits must lie in 20..50, got {args.scale_bits}")
+    secret, public = write_keys(args.out, args.poly_degree, args.scale_bits)
+    print(f"secret context (clients only): {secret}\npublic context (server): {public}")
     return 0
 
 
@@ -134,9 +274,83 @@ def _list() -> int:
         for name in registry.names():
             cls = registry.get(name, title)
             settings = ", ".join(f.name for f in dataclasses.fields(cls.Params)) or "no settings"
-            doc = (cls.__doc__ or "").strip().splitlines()[0]
-            print(f"  {name:<12} {doc}  [{settings}]")
+            print(f"  {name:<12} {_first_paragraph(cls.__doc__)}  [{settings}]")
     print("datasets:   digits, mnist5k, synthetic, torchvision:mnist, torchvision:cifar10, package.module:function")
     print("models:     mlp, cnn, package.module:function")
     print("partitions: iid, dirichlet (alpha), shards (shards_per_client), quantity (alpha)")
     return 0
+
+
+def _first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph on one line (without the ``::`` that opens a literal block)."""
+    paragraph = (doc or "").strip().split("\n\n")[0]
+    return " ".join(paragraph.split()).rstrip(":")
+
+
+def _node(args: argparse.Namespace) -> int:
+    """``fedweave server`` / ``client`` / ``certs``."""
+    from fedweave import node
+
+    if args.command == "certs":
+        from fedweave.certs import DEFAULT_HOSTS, make_credentials
+
+        out = make_credentials(args.out, args.clients, args.host or DEFAULT_HOSTS, args.days)
+        print(f"credentials for a server and {args.clients} clients in {out}; set grpc.credentials: {out}")
+        return 0
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if not os.environ.get(node.PARENT_ENV):
+        return _serve_node(args)
+    # A node started by the process launcher: its work is saved when it returns, so it
+    # skips the interpreter's teardown (seconds with torch loaded).
+    code = 1
+    try:
+        code = _serve_node(args)
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        code = _exit_code(exc)
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    from fedweave import config as config_mod
+    from fedweave import node, runner
+
+    try:
+        node.install_signal_handlers()
+        if args.command == "client":
+            node.run_client(config_mod.load(args.config, args.overrides), args.id, address=args.address, token=args.token)
+            return 0
+        if args.resume:
+            if args.config is not None or args.overrides:
+                raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
+            config = config_mod.load(Path(args.resume) / runner.CONFIG_FILE)
+            node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file)
+            return 0
+        if args.config is None:
+            raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
+        config = config_mod.load(args.config, args.overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else runner.new_run_dir(config)
+        node.serve(config, run_dir, listen=args.listen, address_file=args.address_file)
+        return 0
+    except KeyboardInterrupt:
+        logging.getLogger("fedweave.node").warning("%s stopped by a signal", args.command)
+        return 130
+
+
+def _exit_code(exc: BaseException) -> int:
+    """The exit status of a launched node that raised ``exc`` (reported as ``main`` would)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, (ConfigError, TaskError)):
+        print(f"fedweave: error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(exc, FedweaveError):
+        print(f"fedweave: error: {exc}", file=sys.stderr)
+        return 1
+    import traceback
+
+    traceback.print_exception(exc)
+    return 1

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import re
+import typing
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -69,8 +72,23 @@ class StrategyConfig:
 
 @dataclass
 class AggregationConfig:
+    """How the server combines the clients' tensors; the robust rules are in :mod:`fedweave.strategies.robust`."""
+
     SHORTHAND = "rule"
-    rule: Literal["mean"] = opt("mean", help="how client tensors are combined: mean (weighted by examples)")
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = opt(
+        "mean",
+        help="how client tensors are combined: mean (weighted by examples) | median | trimmed_mean "
+        "(both coordinate-wise, unweighted) | krum | multi_krum (Byzantine-robust selection)",
+    )
+    trim_fraction: float = opt(0.1, ge=0, lt=0.5, help="trimmed_mean: share of values dropped at each end")
+    byzantine: int = opt(1, ge=0, help="krum, multi_krum: assumed Byzantine clients f (needs > 2f + 2 updates)")
+    multi_krum_m: int | None = opt(None, ge=1, help="multi_krum: updates selected and averaged (none: n - f)")
+
+    def validate(self, prefix: str) -> None:
+        if self.multi_krum_m is not None and self.rule != "multi_krum":
+            raise ConfigError(
+                f"config key '{prefix}.multi_krum_m': only rule 'multi_krum' uses it, but the rule is {self.rule!r}"
+            )
 
 
 @dataclass
@@ -96,13 +114,66 @@ class TopologyConfig:
 @dataclass
 class TransportConfig:
     SHORTHAND = "kind"
-    kind: Literal["inmemory"] = opt("inmemory", help="how messages travel")
+    kind: Literal["inmemory", "grpc"] = opt(
+        "inmemory", help="how messages travel: inmemory (simulation) | grpc (separate processes, see grpc.*)"
+    )
 
 
 @dataclass
 class LauncherConfig:
     SHORTHAND = "kind"
-    kind: Literal["local"] = opt("local", help="where nodes run: local = in-process simulation")
+    kind: Literal["local", "process"] = opt(
+        "local",
+        help="where nodes run: local = this process only (simulation, or the gRPC server) | "
+        "process = the server and every client as local processes (needs transport grpc)",
+    )
+
+
+@dataclass
+class GrpcConfig:
+    """The gRPC transport (``transport: grpc``); see docs/deployment.md."""
+
+    address: str = opt("127.0.0.1:50051", help="host:port clients connect to (launcher process picks a free port)")
+    listen: str | None = opt(None, help="host:port the server binds (none: address), e.g. 0.0.0.0:50051")
+    tls: Literal["none", "tls", "mtls"] = opt(
+        "none", help="none | tls (clients verify the server) | mtls (and the server verifies each client)"
+    )
+    credentials: str | None = opt(
+        None, help="folder written by `fedweave certs` (ca.pem, server.*, client-<id>.*, tokens)"
+    )
+    tokens: bool = opt(False, help="require each client's secret token (credentials/tokens.json on the server)")
+    chunk_bytes: int = opt(1 << 20, ge=4096, le=64 << 20, help="bytes per streamed chunk of a message")
+    max_message_mb: float = opt(65536.0, gt=0, help="largest message a node accepts, in MiB")
+    checksum: bool = opt(True, help="CRC-32 on every chunk; a corrupted chunk is rejected")
+    heartbeat_interval: float = opt(1.0, gt=0, help="seconds between a client's heartbeats (sent while it trains)")
+    heartbeat_timeout: float = opt(10.0, gt=0, help="seconds without any sign of a client before it counts as lost")
+    poll_timeout: float = opt(5.0, gt=0, help="seconds a client's request for work waits on the server")
+    rpc_timeout: float = opt(10.0, gt=0, help="deadline of each short call (register, heartbeat)")
+    stream_timeout: float = opt(3600.0, gt=0, help="deadline of one message transfer")
+    connect_timeout: float = opt(60.0, gt=0, help="seconds a client keeps retrying an unreachable server")
+    join_timeout: float = opt(60.0, ge=0, help="seconds the server waits for every client to register before round 1")
+    backoff_initial: float = opt(0.1, gt=0, help="first retry delay in seconds; it doubles per retry")
+    backoff_max: float = opt(5.0, gt=0, help="longest retry delay in seconds")
+
+    def validate(self, prefix: str) -> None:
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"config key '{prefix}.heartbeat_timeout': {self.heartbeat_timeout} must exceed twice "
+                f"heartbeat_interval ({self.heartbeat_interval}), or one late heartbeat loses a client"
+            )
+        if self.backoff_max < self.backoff_initial:
+            raise ConfigError(f"config key '{prefix}.backoff_max': must be >= backoff_initial ({self.backoff_initial})")
+        for key in ("address", "listen"):
+            value = getattr(self, key)
+            host, sep, port = (value or "h:0").rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"config key '{prefix}.{key}': expected host:port, got {value!r}")
+        if (self.tls != "none" or self.tokens) and self.credentials is None:
+            what = f"tls {self.tls!r}" if self.tls != "none" else "tokens"
+            raise ConfigError(
+                f"config key '{prefix}.credentials': {what} needs the folder written by "
+                "`fedweave certs --out DIR --clients N`"
+            )
 
 
 @dataclass
@@ -119,10 +190,80 @@ class CheckpointConfig:
 
 
 @dataclass
+class BatchControllerConfig:
+    """How the data-parallel controller splits the global batch (see :mod:`fedweave.batching.dynamic`)."""
+
+    SHORTHAND = "policy"
+    policy: Literal["dynamic", "static"] = opt(
+        "dynamic", help="dynamic: batch sizes follow measured throughput | static: equal batches"
+    )
+    cadence: Literal["steps", "epoch"] = opt("steps", help="adjust every `every` measured steps, or once per epoch")
+    every: int = opt(10, ge=1, help="measured steps between adjustments (cadence: steps)")
+    warmup: int = opt(1, ge=0, help="steps left unmeasured after each change of the batch sizes")
+    ewma: float = opt(0.3, gt=0, le=1, help="weight of the newest throughput sample in its moving average")
+    dead_band: float = opt(0.05, ge=0, help="no change while max_i t_i / mean t < 1 + dead_band")
+    min_batch: int = opt(1, ge=0, help="smallest per-worker batch")
+    max_batch: int | None = opt(None, ge=1, help="largest per-worker batch (none: no limit)")
+    memory_guard: bool = opt(False, help="cap a worker's batch when its throughput falls after an increase, or on OOM")
+    guard_drop: float = opt(0.25, gt=0, lt=1, help="relative throughput fall after an increase that trips the guard")
+
+    def validate(self, prefix: str) -> None:
+        if self.max_batch is not None and self.max_batch < self.min_batch:
+            raise ConfigError(
+                f"config key '{prefix}.max_batch': {self.max_batch} is below min_batch={self.min_batch}"
+            )
+
+
+@dataclass
+class DataParallelConfig:
+    """Synchronous data-parallel SGD over torch.distributed (``mode: data_parallel``)."""
+
+    workers: int = opt(2, ge=1, help="worker processes started on this machine")
+    global_batch: int = opt(64, ge=1, help="samples per step over all workers (B = sum of the b_i)")
+    epochs: int = opt(1, ge=1, help="passes over the training set")
+    steps: int | None = opt(None, ge=1, help="optimiser steps in all; overrides epochs when set")
+    optimizer: Literal["sgd", "adam"] = opt("sgd", help="optimiser every worker applies to the summed gradient")
+    lr: float = opt(0.05, gt=0, help="learning rate")
+    momentum: float = opt(0.0, ge=0, lt=1, help="SGD momentum")
+    weight_decay: float = opt(0.0, ge=0, help="L2 weight decay")
+    backend: Literal["auto", "gloo", "nccl"] = opt("auto", help="auto: nccl when CUDA is present, else gloo")
+    timeout: float = opt(30.0, gt=0, help="seconds a collective or a re-formation waits before a worker counts as lost")
+    min_workers: int = opt(1, ge=1, help="fewest surviving workers that continue after a failure")
+    log_every: int = opt(10, ge=1, help="steps per metrics line (and at each epoch's end)")
+    controller: BatchControllerConfig = opt(factory=BatchControllerConfig)
+
+
+@dataclass
+class SpeedChange:
+    step: int = opt(ge=0, help="step from which the new speed applies")
+    worker: int = opt(ge=0, help="worker index")
+    speed: float = opt(gt=0, help="the worker's new relative speed")
+
+
+@dataclass
+class Crash:
+    step: int = opt(ge=0, help="step at which the worker kills itself (before its all-reduce)")
+    worker: int = opt(ge=0, help="worker index")
+
+
+@dataclass
+class HeterogeneityConfig:
+    """Emulated unlike machines on one box (see :mod:`fedweave.batching.heterogeneity`)."""
+
+    speeds: list[float] = opt(factory=list, help="relative speed per worker, e.g. [1, 2, 4] (empty: no emulation)")
+    slowdown: float = opt(1.0, ge=1, help="the fastest configured worker runs this many times slower than native")
+    threads: list[int] = opt(factory=list, help="torch threads per worker (empty: the run's threads)")
+    schedule: list[SpeedChange] = opt(factory=list, help="speed changes during training: [{step, worker, speed}]")
+    crashes: list[Crash] = opt(factory=list, help="emulated crashes: [{step, worker}] (the worker is SIGKILLed)")
+
+
+@dataclass
 class Config:
     name: str = opt("quickstart", help="run name; the run directory is <output_dir>/<name>-<timestamp>")
     seed: int = opt(0, ge=0, help="seed of every random choice")
-    mode: Literal["federated"] = opt("federated", help="training mode")
+    mode: Literal["federated", "data_parallel"] = opt(
+        "federated", help="federated | data_parallel (synchronous SGD over torch.distributed, see data_parallel.*)"
+    )
     rounds: int = opt(10, ge=1, help="federated rounds")
     clients: int = opt(10, ge=1, help="number of clients")
     sample_fraction: float = opt(1.0, gt=0, le=1, help="share of clients sampled each round")
@@ -138,12 +279,16 @@ class Config:
     topology: TopologyConfig = opt(factory=TopologyConfig)
     transport: TransportConfig = opt(factory=TransportConfig)
     launcher: LauncherConfig = opt(factory=LauncherConfig)
+    grpc: GrpcConfig = opt(factory=GrpcConfig)
     eval: EvalConfig = opt(factory=EvalConfig)
     checkpoint: CheckpointConfig = opt(factory=CheckpointConfig)
+    data_parallel: DataParallelConfig = opt(factory=DataParallelConfig)
+    heterogeneity: HeterogeneityConfig = opt(factory=HeterogeneityConfig)
 
     @property
     def clients_per_round(self) -> int:
-        return max(self.min_clients, round(self.sample_fraction * self.clients))
+        """Clients sampled each round: the fraction rounded half up, at least min_clients."""
+        return max(self.min_clients, int(self.sample_fraction * self.clients + 0.5))
 
     def validate(self, prefix: str) -> None:
         if self.min_clients > self.clients:
@@ -151,6 +296,56 @@ class Config:
                 f"config key 'min_clients': {self.min_clients} is more than clients={self.clients}; "
                 "a round cannot sample more clients than exist"
             )
+        if self.eval.federated_every and self.task.local_test_fraction == 0:
+            raise ConfigError(
+                "config key 'eval.federated_every': federated evaluation needs clients' local test "
+                "splits, but task.local_test_fraction is 0; set it above 0 or eval.federated_every to 0"
+            )
+        if self.mode == "federated" and self.launcher.kind == "process" and self.transport.kind != "grpc":
+            raise ConfigError(
+                f"config key 'launcher': 'process' runs every node as its own process, which needs a "
+                f"network transport; set transport: grpc (got {self.transport.kind!r})"
+            )
+        if self.mode == "data_parallel":
+            _check_data_parallel(self)
+
+
+def _check_data_parallel(config: Config) -> None:
+    """Cross-key checks of ``mode: data_parallel``: worker indices, counts, batch bounds."""
+    dp, het = config.data_parallel, config.heterogeneity
+    n = dp.workers
+    for key, values in (("speeds", het.speeds), ("threads", het.threads)):
+        if values and len(values) != n:
+            raise ConfigError(
+                f"config key 'heterogeneity.{key}': {len(values)} values for data_parallel.workers={n}; "
+                "give one per worker or none"
+            )
+    if any(t < 1 for t in het.threads):
+        raise ConfigError(f"config key 'heterogeneity.threads': thread counts must be >= 1, got {het.threads}")
+    if any(s <= 0 for s in het.speeds):
+        raise ConfigError(f"config key 'heterogeneity.speeds': speeds must be > 0, got {het.speeds}")
+    for key, items in (("schedule", het.schedule), ("crashes", het.crashes)):
+        for i, item in enumerate(items):
+            if item.worker >= n:
+                raise ConfigError(
+                    f"config key 'heterogeneity.{key}[{i}].worker': {item.worker} is not a worker "
+                    f"(data_parallel.workers={n}: 0..{n - 1})"
+                )
+    if dp.min_workers > n:
+        raise ConfigError(
+            f"config key 'data_parallel.min_workers': {dp.min_workers} is more than data_parallel.workers={n}"
+        )
+    ctl = dp.controller
+    if dp.global_batch < n * ctl.min_batch:
+        raise ConfigError(
+            f"config key 'data_parallel.global_batch': {dp.global_batch} cannot give {n} workers "
+            f"controller.min_batch={ctl.min_batch} each"
+        )
+    if ctl.max_batch is not None and dp.global_batch > n * ctl.max_batch:
+        raise ConfigError(
+            f"config key 'data_parallel.global_batch': {dp.global_batch} exceeds {n} workers x "
+            f"controller.max_batch={ctl.max_batch}"
+        )
 
 
 # --------------------------------------------------------------------------- loading
@@ -167,6 +362,9 @@ def _parse_named(section: str, data: Any, registry: Any, spec_cls: type) -> Any:
     if name is None and spec_cls is StrategyConfig:
         name = "fedavg"
     if not isinstance(name, str):
+        typo = difflib.get_close_matches("name", [str(k) for k in data], n=1, cutoff=0.5)
+        if typo:
+            raise unknown_key(section, typo[0], ["name"])
         raise ConfigError(f"config key '{section}.name' is required (a {registry.kind} name)")
     cls = registry.get(name, f"{section}.name")
     params_cls = getattr(cls, "Params", None)
@@ -174,6 +372,10 @@ def _parse_named(section: str, data: Any, registry: Any, spec_cls: type) -> Any:
         raise ConfigError(
             f"config key '{section}.name': {name!r} declares no Params dataclass of its settings"
         )
+    settings = [f.name for f in dataclasses.fields(params_cls)]
+    for key in data:
+        if key not in settings:
+            raise unknown_key(section, str(key), ["name", *settings])
     params = parse(params_cls, data, section)
     return spec_cls(name=name, params=params)
 
@@ -219,6 +421,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 def check_composition(config: Config) -> None:
     """Reject plugin chains the strategy cannot work with, saying why."""
     from fedweave.plugins import PLUGINS
+    from fedweave.plugins.compose import check_chains
     from fedweave.strategies import STRATEGIES
 
     strategy = STRATEGIES.get(config.strategy.name, "strategy.name")
@@ -250,6 +453,7 @@ def check_composition(config: Config) -> None:
                     f"updates while encoded, which needs a weighted-sum server step; strategy "
                     f"{config.strategy.name!r} does not aggregate by a weighted sum"
                 )
+    check_chains(config.plugins, PLUGINS)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -260,31 +464,73 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rounds=20)")
         try:
-            value = yaml.safe_load(raw) if raw else ""
+            value = parse_yaml(raw) if raw else ""
         except yaml.YAMLError:
             value = raw
         node: Any = data
         parts = key.split(".")
+        shorthands = _shorthands(Config)
         for depth, part in enumerate(parts[:-1]):
-            child = node[int(part)] if isinstance(node, list) else node.get(part)
-            if isinstance(child, str) and depth == 0 and part in _SHORTHANDS:
-                child = {_SHORTHANDS[part]: child}
+            path = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                child = node[_list_index(node, part, item, path)]
+            else:
+                child = node.get(part)
+            if isinstance(child, str) and path in shorthands:
+                child = {shorthands[path]: child}
                 node[part] = child
             if child is None:
                 child = {}
                 node[part] = child
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"override {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section")
+                raise ConfigError(f"override {item!r}: '{path}' is not a section")
             node = child
         last = parts[-1]
         if isinstance(node, list):
-            node[int(last)] = value
+            node[_list_index(node, last, item, key)] = value
         else:
             node[last] = value
     return data
 
 
-_SHORTHANDS = {"strategy": "name", "aggregation": "rule", "topology": "kind", "transport": "kind", "launcher": "kind"}
+def _list_index(items: list[Any], part: str, override: str, path: str) -> int:
+    """``part`` as an index into ``items``; a ConfigError naming the override when it is not one."""
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(
+            f"override {override!r}: '{path}' is not an item of a list of {len(items)} "
+            f"(indices 0..{len(items) - 1})"
+        )
+    return int(part)
+
+
+def _shorthands(cls: type, prefix: str = "") -> dict[str, str]:
+    """Dotted section key -> the field a bare string there stands for (``strategy`` -> ``name``)."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            key = f"{prefix}{f.name}"
+            if getattr(tp, "SHORTHAND", None):
+                out[key] = tp.SHORTHAND
+            out.update(_shorthands(tp, f"{key}."))
+    return out
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that also reads ``1e-3`` as a number (YAML 1.1 needs a dot: ``1.0e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text as plain data (safe loading; exponent floats without a dot are numbers)."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -294,8 +540,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read config file {str(path)!r}: it is not UTF-8 text") from None
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -309,7 +557,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def quickstart_data() -> dict[str, Any]:
     """The embedded quickstart config."""
-    return yaml.safe_load(resources.files("fedweave").joinpath("quickstart.yaml").read_text())
+    return parse_yaml(resources.files("fedweave").joinpath("quickstart.yaml").read_text())
 
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -17,5 +17,25 @@ class RoundError(FedweaveError):
     """A round could not complete (too few clients answered)."""
 
 
+class BudgetSpent(FedweaveError):
+    """The next round would spend more than a budget allows (a target privacy ε): the run stops before it."""
+
+
 class CheckpointError(FedweaveError):
     """A checkpoint is missing, unreadable or does not match the run it should resume."""
+
+
+class SerializationError(FedweaveError):
+    """A message on the wire is malformed, truncated or corrupted; nothing of it is applied."""
+
+
+class PayloadTooLarge(SerializationError):
+    """A message or one chunk of it is larger than the configured maximum."""
+
+
+class PayloadMismatch(SerializationError):
+    """A message's tensors do not match the names or shapes the receiver expects."""
+
+
+class TransportError(FedweaveError):
+    """A node cannot reach or stay connected to its peer, or its credentials are refused."""

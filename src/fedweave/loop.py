@@ -1,12 +1,12 @@
 """The federated spine: one function per round, taking its parts.
 
-    plan    = controller.plan(r)
+    plan    = controller.plan(r); chains.begin_round(r, cohort)   (may end the run: BudgetSpent)
     send    = chains.server_send.encode(strategy.configure(r, global, plan))
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
     updates = [chains.combine(updates)]          (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
-    controller.observe(r, updates); evaluate; on_round(...)
+    controller.observe(r, updates); evaluate; on_round(record + chains.metrics())
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.batching.controller import Controller
-from fedweave.errors import RoundError
+from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.strategies.aggregate import all_finite
 from fedweave.strategies.base import Strategy
@@ -29,6 +29,20 @@ from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, U
 log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
+
+RECORD_KEYS = (
+    "round",
+    "wall_time",
+    "train_loss",
+    "test_accuracy",
+    "test_loss",
+    "clients_sampled",
+    "clients_completed",
+    "bytes_sent",
+    "bytes_received",
+    "skipped",
+)
+"""Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
 
 
 @dataclass
@@ -58,8 +72,16 @@ def run(
     """Rounds ``first_round..last_round``; ``on_round`` records, checkpoints, reports."""
     for rnd in range(first_round, last_round + 1):
         start = time.perf_counter()
-        params, record = train_round(parts, rnd, params)
-        record.update(evaluate_round(parts, rnd, params, last_round))
+        try:
+            params, trained = train_round(parts, rnd, params)
+        except BudgetSpent as exc:
+            log.warning("run stopped before round %d: %s", rnd, exc)
+            break
+        trained.update(parts.chains.metrics())
+        record = {**dict.fromkeys(RECORD_KEYS), **trained, **evaluate_round(parts, rnd, params, last_round)}
+        # Traffic of a federated evaluation counts in the round's bytes.
+        record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
+        record["bytes_received"] += record.pop("eval_bytes_received", 0)
         record["wall_time"] = time.perf_counter() - start
         on_round(rnd, params, record)
     return params
@@ -67,15 +89,17 @@ def run(
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
     plan = parts.controller.plan(rnd)
+    parts.chains.begin_round(rnd, [w.client_id for w in plan])
     instructions = parts.strategy.configure(rnd, params, plan)
     exchange = parts.topology.exchange(_encode(parts.chains, instructions), parts.timeout)
-    updates = _accept(parts.chains, exchange.replies, exchange.failures)
+    updates = _accept(parts.chains, exchange.replies, exchange.failures, params)
     record: Record = {
         "round": rnd,
         "clients_sampled": len(plan),
         "clients_completed": len(updates),
         "bytes_sent": exchange.bytes_sent,
         "bytes_received": exchange.bytes_received,
+        "skipped": False,
     }
     if len(updates) < parts.min_clients:
         reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
@@ -118,11 +142,12 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     ]
     exchange = parts.topology.exchange(_encode(parts.chains, instructions), parts.timeout)
     results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and r.body.num_examples > 0]
+    traffic = {"eval_bytes_sent": exchange.bytes_sent, "eval_bytes_received": exchange.bytes_received}
     if not results:
-        return {}
+        return traffic
     total = sum(e.num_examples for e in results)
     names = set.intersection(*(set(e.metrics) for e in results))
-    return {
+    return traffic | {
         f"federated_{name}": sum(e.metrics[name] * e.num_examples for e in results) / total
         for name in sorted(names)
     }
@@ -136,8 +161,12 @@ def _encode(chains: Chains, instructions: list[Instruction]) -> list[Message]:
     return out
 
 
-def _accept(chains: Chains, replies: list[Message], failures: dict[int, str]) -> list[Update]:
-    """Decode replies; reject (log, count as failed) anything malformed or non-finite."""
+def _accept(chains: Chains, replies: list[Message], failures: dict[int, str], params: Params) -> list[Update]:
+    """Decode replies; reject (log, count as failed) anything malformed or non-finite.
+
+    A fully decoded update must name only tensors of ``params``, each of its shape; one
+    still encoded for a combining plugin (``applied`` not empty) is checked after combining.
+    """
     updates = []
     for reply in replies:
         cid = reply.client_id
@@ -157,8 +186,23 @@ def _accept(chains: Chains, replies: list[Message], failures: dict[int, str]) ->
             log.warning("round %d: update of client %d rejected: num_examples=%d", reply.round, cid, update.num_examples)
             failures[cid] = "rejected: no examples"
             continue
+        mismatch = None if update.applied else _mismatch(update.tensors, params)
+        if mismatch is not None:
+            log.warning("round %d: update of client %d rejected: %s", reply.round, cid, mismatch)
+            failures[cid] = f"rejected: {mismatch}"
+            continue
         updates.append(update)
     return updates
+
+
+def _mismatch(tensors: Params, params: Params) -> str | None:
+    """Why ``tensors`` do not fit the model's ``params``; None when they do."""
+    for name, tensor in tensors.items():
+        if name not in params:
+            return f"tensor {name!r} is not a parameter of the model"
+        if tensor.shape != params[name].shape:
+            return f"tensor {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
+    return None
 
 
 def _weighted(updates: list[Update], name: str) -> float | None:

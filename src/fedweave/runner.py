@@ -29,15 +29,16 @@ from fedweave.build import (
     global_evaluator,
     initial_params,
 )
-from fedweave.checkpoint import atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
-from fedweave.client import ClientStateStore
+from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config
-from fedweave.errors import CheckpointError
+from fedweave.errors import CheckpointError, ConfigError
 from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.metrics import MetricsWriter, read_metrics
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
+from fedweave.topologies.base import Topology
 from fedweave.types import Params
 
 log = logging.getLogger(__name__)
@@ -72,30 +73,40 @@ def new_run_dir(config: Config) -> Path:
     return path
 
 
-def prepare(config: Config, run_dir: Path | None = None) -> Run:
-    """Build every part of a new run and its directory (config and partition saved)."""
+def prepare(config: Config, run_dir: Path | None = None, topology: Topology | None = None) -> Run:
+    """Build every part of a new run and its directory (config and partition saved).
+
+    A directory that already holds a run (metrics or a checkpoint) is refused rather
+    than mixed with the new run's records.
+    """
     run_dir = new_run_dir(config) if run_dir is None else Path(run_dir)
+    if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT).exists():
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} already holds a run; continue it with "
+            "`fedweave run --resume` or choose another directory"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
-    built = _build(config, run_dir)
+    built = _build(config, run_dir, topology)
     atomic_write_text(json.dumps(built.summary), run_dir / "partition.json")
     return built.run
 
 
-def resume(run_dir: str | Path) -> Run:
+def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     """Rebuild the run saved in ``run_dir`` and continue after its last checkpoint."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise CheckpointError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
     config = config_mod.load(run_dir / CONFIG_FILE)
     state = load_checkpoint(run_dir)
-    built = _build(config, run_dir)
+    built = _build(config, run_dir, topology)
     r = built.run
     r.params = state["params"]
     r.first_round = state["round"] + 1
     r.parts.strategy.load_state_dict(state["strategy"])
     r.parts.controller.load_state_dict(state["controller"])
     r.store.load_state_dict(state["client_states"])
+    r.parts.chains.load_state_dict(state.get("plugins", {}))
     metrics = MetricsWriter(run_dir / METRICS_FILE)
     metrics.truncate_after(state["round"])
     r.records = read_metrics(metrics.path)
@@ -104,6 +115,15 @@ def resume(run_dir: str | Path) -> Run:
 
 
 def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
+    """Run the remaining rounds where the config's launcher puts the nodes."""
+    if r.config.launcher.kind == "process":
+        from fedweave.launchers.process import launch_processes
+
+        return launch_processes(r, on_record)
+    return run_rounds(r, on_record)
+
+
+def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """Run the remaining rounds; write metrics, checkpoints and the final model."""
     cfg = r.config
     metrics = MetricsWriter(r.run_dir / METRICS_FILE)
@@ -120,6 +140,7 @@ def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[R
                     "strategy": r.parts.strategy.state_dict(),
                     "controller": r.parts.controller.state_dict(),
                     "client_states": r.store.state_dict(),
+                    "plugins": r.parts.chains.state_dict(),
                 },
             )
         if on_record is not None:
@@ -139,7 +160,7 @@ class _Built:
     summary: dict[str, Any]
 
 
-def _build(config: Config, run_dir: Path) -> _Built:
+def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _Built:
     task = build_task(config)
     params = initial_params(config, task)
     chains = build_chains(config)
@@ -149,7 +170,7 @@ def _build(config: Config, run_dir: Path) -> _Built:
     round_parts = RoundParts(
         strategy=build_strategy(config),
         controller=build_controller(config),
-        topology=launch_local(runtime),
+        topology=topology if topology is not None else _topology(config, runtime),
         chains=chains,
         min_clients=config.min_clients,
         timeout=config.round_timeout,
@@ -171,6 +192,15 @@ def _build(config: Config, run_dir: Path) -> _Built:
         store=store,
     )
     return _Built(run_, task.partition_summary)
+
+
+def _topology(config: Config, runtime: ClientRuntime) -> Topology:
+    """How this process reaches the clients: in memory, or, as a gRPC server, over the network."""
+    if config.transport.kind == "grpc" and config.launcher.kind == "local":
+        from fedweave.node import server_topology
+
+        return server_topology(config)
+    return launch_local(runtime)
 
 
 def run_config(config: Config, run_dir: Path | None = None) -> Run:

@@ -47,7 +47,7 @@ def _describe(tp: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
+        return f"a list ({_describe(typing.get_args(tp)[0])} each)"
     if origin is dict:
         return "a mapping"
     if dataclasses.is_dataclass(tp):

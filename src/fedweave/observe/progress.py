@@ -64,6 +64,9 @@ def run_summary(records: list[dict[str, Any]], run_dir: str, elapsed: float) -> 
         rows.append(("federated accuracy (local splits)", _fmt(fed[-1]["federated_accuracy"])))
     sent = sum(r["bytes_sent"] for r in records)
     received = sum(r["bytes_received"] for r in records)
+    eps = [r["epsilon"] for r in records if r.get("epsilon") is not None]
+    if eps:
+        rows.append(("privacy ε (at the plugin's δ)", f"{eps[-1]:.3f}"))
     rows += [
         ("data sent / received", f"{sent / 1e6:.1f} MB / {received / 1e6:.1f} MB"),
         ("wall time", f"{elapsed:.1f} s"),

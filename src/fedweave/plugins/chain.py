@@ -27,12 +27,22 @@ A plugin is a small object with:
   tensors are the example-weighted mean (the plugin sees each update's
   ``num_examples``) and whose ``num_examples`` is their total. The strategy then
   aggregates that single update.
+
+Optional hooks, each called on every plugin of the four chains that has it:
+
+- ``bind(config)``: once, when the run is built (the run seed, the number of clients);
+- ``begin_round(rnd, client_ids)``: before a round's broadcast, with its cohort (secure
+  aggregation's key set-up); raising :class:`~fedweave.errors.BudgetSpent` ends the run
+  before the round (a privacy budget would be exceeded);
+- ``metrics() -> dict[str, float]``: after each round, merged into its record (``epsilon``);
+- ``state_dict()`` / ``load_state_dict(state)``: per-client state kept in checkpoints
+  (error-feedback residuals, privacy ledgers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedweave.types import Instruction, Update, UpdateKind
 
@@ -131,3 +141,34 @@ class Chains:
             raise ValueError("no combining plugin in client_send")
         combined = combiner.combine(updates, ctx)  # type: ignore[attr-defined]
         return self.server_receive.filter(self.client_send.decode(combined, ctx), ctx)
+
+    def _hooked(self, hook: str) -> list[tuple[str, Any]]:
+        """``(point[index], bound hook)`` of every plugin that has ``hook``, in chain order."""
+        return [
+            (f"{point}[{i}]", getattr(plugin, hook))
+            for point in POINTS
+            for i, plugin in enumerate(getattr(self, point).plugins)
+            if hasattr(plugin, hook)
+        ]
+
+    def bind(self, config: Any) -> None:
+        for _, hook in self._hooked("bind"):
+            hook(config)
+
+    def begin_round(self, rnd: int, client_ids: list[int]) -> None:
+        for _, hook in self._hooked("begin_round"):
+            hook(rnd, client_ids)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for _, hook in self._hooked("metrics"):
+            out.update(hook())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {where: hook() for where, hook in self._hooked("state_dict")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for where, hook in self._hooked("load_state_dict"):
+            if where in state:
+                hook(state[where])

@@ -6,11 +6,34 @@ like) are counters, never summed or averaged: they take the element-wise maximum
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from fedweave.schema import opt
 from fedweave.types import Params
+
+RUNNING_STATISTICS = ("*running_mean", "*running_var")
+
+
+def matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether state-dict ``name`` matches any of the glob ``patterns``."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def plain_average_option(step: str) -> Any:
+    """The ``plain_average`` setting of strategies whose server step is more than a mean.
+
+    Running statistics take the clients' plain average instead of ``step``: a momentum
+    or adaptive step applied to a variance can drive it below zero.
+    """
+    return opt(
+        factory=lambda: list(RUNNING_STATISTICS),
+        help=f"glob patterns of state-dict names set to the clients' average instead of taking the {step} "
+        "(running statistics)",
+    )
 
 
 def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Params:

@@ -46,8 +46,10 @@ class FedAvgClient:
         )
 
     def evaluate(self, job: ClientJob) -> Evaluation:
-        metrics = evaluate(job.model, job.x_test, job.y_test, job.loss_fn)
-        return Evaluation(num_examples=int(job.y_test.shape[0]), metrics=metrics)
+        num_examples = int(job.y_test.shape[0])
+        if num_examples == 0:  # a client too small for a local test split
+            return Evaluation(num_examples=0, metrics={})
+        return Evaluation(num_examples=num_examples, metrics=evaluate(job.model, job.x_test, job.y_test, job.loss_fn))
 
 
 class FedAvg:

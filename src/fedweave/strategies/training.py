@@ -32,6 +32,7 @@ class LocalSettings:
     lr: float
     momentum: float
     weight_decay: float
+    privacy: Any = None  # set per round by the 'dpsgd' plugin: DP-SGD takes over train_local
 
 
 @dataclass
@@ -71,7 +72,7 @@ class LocalOptimizer:
         self.params = [p for p in params if p.requires_grad]
         self.settings = settings
         self.steps = 0
-        self.state: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+        self.state: list[dict[str, Any]] = [{} for _ in self.params]
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -99,13 +100,17 @@ class LocalOptimizer:
             else:
                 beta1, beta2, eps = 0.9, 0.999, 1e-8
                 if not state:
+                    state["step"] = 0
                     state["m"] = torch.zeros_like(p)
                     state["v"] = torch.zeros_like(p)
+                # Counted per parameter, as torch.optim.Adam does: a step without a
+                # gradient for p (p.grad is None) does not advance p's bias correction.
+                state["step"] += 1
                 m, v = state["m"], state["v"]
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bias1 = 1 - beta1**self.steps
-                bias2 = 1 - beta2**self.steps
+                bias1 = 1 - beta1 ** state["step"]
+                bias2 = 1 - beta2 ** state["step"]
                 denom = (v.sqrt() / bias2**0.5).add_(eps)
                 p.addcdiv_(m, denom, value=-s.lr / bias1)
 
@@ -124,6 +129,10 @@ def train_local(
     Runs ``work.local_steps`` steps when set, else ``work.epochs`` passes over the
     data in batches of ``work.batch_size``, shuffled with ``job.generator``.
     """
+    if job.settings.privacy is not None:  # sample-level DP-SGD (fedweave.plugins.privacy.dpsgd)
+        return job.settings.privacy.train_local(
+            job, model=model, optimizer=optimizer, loss=loss, after_backward=after_backward
+        )
     model = job.model if model is None else model
     work = job.instruction.work
     n = job.x_train.shape[0]

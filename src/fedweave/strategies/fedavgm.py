@@ -1,0 +1,84 @@
+"""FedAvgM: FedAvg with server momentum on the averaged client delta.
+
+Hsu, Qi and Brown, "Measuring the Effects of Non-Identical Data Distribution for
+Federated Visual Classification", 2019. https://arxiv.org/abs/1909.06335
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fedweave.schema import opt
+from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.types import Params, Update
+
+
+@dataclass
+class FedAvgMParams:
+    server_lr: float = opt(1.0, gt=0, help="server learning rate applied to the momentum buffer")
+    momentum: float = opt(0.9, ge=0, lt=1, help="server momentum (0: FedAvg with a server learning rate)")
+    plain_average: list[str] = plain_average_option("momentum step")
+
+
+def momentum_step(
+    params: Params,
+    delta: Params,
+    velocity: Params,
+    lr: float,
+    momentum: float,
+    plain_average: Sequence[str] = (),
+) -> tuple[Params, Params]:
+    """``v ← momentum·v + Δ``, ``x ← x + lr·v`` for every floating tensor; an absent
+    velocity counts as zero. Tensors matching ``plain_average`` take ``x + Δ``; integer
+    tensors take the value in ``delta``.
+
+    Returns the new parameters and the new velocity.
+    """
+    new_params: Params = {}
+    new_velocity: Params = {}
+    for name, p in params.items():
+        d = delta[name]
+        if not p.is_floating_point():
+            new_params[name] = d.clone()
+            continue
+        if matches(name, plain_average):
+            new_params[name] = p + d
+            continue
+        v = velocity.get(name)
+        v = d.clone() if v is None else momentum * v + d
+        new_velocity[name] = v
+        new_params[name] = p + lr * v
+    return new_params, new_velocity
+
+
+class FedAvgM(FedAvg):
+    """FedAvgM (Hsu et al., 2019): ``v ← β·v + Δ̄``, ``x ← x + η·v`` with Δ̄ the
+    example-weighted mean client delta (``ctx.average``).
+
+    Running statistics (``plain_average``) take the plain average, since a momentum step
+    could push a variance below zero. With ``momentum=0`` and ``server_lr=1`` it is FedAvg.
+    """
+
+    Params = FedAvgMParams
+    Client = FedAvgClient
+
+    def __init__(self, hp: FedAvgMParams, ctx: StrategyContext):
+        super().__init__(hp, ctx)
+        self.velocity: Params = {}
+
+    def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
+        delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
+        params, self.velocity = momentum_step(
+            params, delta, self.velocity, self.hp.server_lr, self.hp.momentum, self.hp.plain_average
+        )
+        return params
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": self.velocity}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.velocity = dict(state["velocity"])

@@ -1,0 +1,94 @@
+"""FedNova: normalised averaging, so clients that take more local steps do not pull the
+global model towards their own objective.
+
+Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous Federated
+Optimization", NeurIPS 2020. https://arxiv.org/abs/2007.07481
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedweave.strategies.aggregate import apply_delta, matches, plain_average_option
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.types import Params, Update, UpdateKind
+
+NORM = "fednova.a"
+"""The key of the client's normalising factor a_i in ``Update.extras``."""
+
+
+@dataclass
+class FedNovaParams:
+    """a_i follows from the local SGD settings; only running statistics are configured."""
+
+    plain_average: list[str] = plain_average_option("normalised step")
+
+
+def normalizing_factor(steps: int, momentum: float) -> float:
+    """‖a_i‖₁ of τ local SGD steps with momentum ρ: ``[τ − ρ(1 − ρ^τ)/(1 − ρ)] / (1 − ρ)``,
+    which is τ without momentum (each step's gradient counted ``Σ_k ρ^k`` times)."""
+    rho = momentum
+    return (steps - rho * (1 - rho**steps) / (1 - rho)) / (1 - rho)
+
+
+def nova_scales(factors: list[float], weights: list[float]) -> list[float]:
+    """τ_eff / a_i for every client, with τ_eff = Σ p_i a_i and p_i = w_i / Σ w."""
+    total = sum(weights)
+    tau_eff = sum(w * a for w, a in zip(weights, factors)) / total
+    return [tau_eff / a for a in factors]
+
+
+def _scaled(tensors: Params, scale: float, plain_average: Sequence[str]) -> Params:
+    return {
+        k: v * scale if v.is_floating_point() and not matches(k, plain_average) else v
+        for k, v in tensors.items()
+    }
+
+
+class FedNovaClient(FedAvgClient):
+    """Local SGD as FedAvg; also sends a_i (from its steps and momentum) in ``extras``."""
+
+    def train(self, job: ClientJob) -> Update:
+        if job.settings.optimizer != "sgd":
+            raise ValueError(
+                f"FedNova normalises by the steps of local SGD; local.optimizer is {job.settings.optimizer!r}"
+            )
+        result = train_local(job)
+        a = normalizing_factor(result.steps, job.settings.momentum)
+        return Update(
+            kind=UpdateKind.DELTA,
+            tensors=model_delta(job.model, job.instruction.params),
+            num_examples=result.num_examples,
+            metrics={"train_loss": result.mean_loss},
+            extras={NORM: torch.tensor(a, dtype=torch.float64)},
+            local_steps=result.steps,
+        )
+
+
+class FedNova(FedAvg):
+    """FedNova (Wang et al., 2020), with Δ_i = y_i − x and p_i = n_i / Σ n::
+
+        d_i = Δ_i / a_i,   τ_eff = Σ p_i a_i,   x ← x + τ_eff · Σ p_i d_i
+
+    computed as the ``ctx.average`` of (τ_eff / a_i)·Δ_i, so equal a_i give FedAvg
+    exactly. a_i covers plain SGD (a_i = τ_i) and SGD with momentum ρ (the formula of
+    :func:`normalizing_factor`, as the official code's running counter). Weight decay,
+    as in the official code, is part of the local gradient and leaves a_i unchanged.
+    The local steps must be SGD (local Adam is refused). Running statistics
+    (``plain_average``) take FedAvg's mean, unnormalised.
+    """
+
+    Params = FedNovaParams
+    Client = FedNovaClient
+    weighted_sum = False
+
+    def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
+        weights = [float(u.num_examples) for u in updates]
+        scales = nova_scales([float(u.extras[NORM]) for u in updates], weights)
+        scaled = [_scaled(u.tensors, s, self.hp.plain_average) for u, s in zip(updates, scales)]
+        delta = self.ctx.average(scaled, weights)
+        return apply_delta(params, delta)

@@ -1,0 +1,151 @@
+"""SCAFFOLD: control variates that correct the client drift of local SGD.
+
+Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning", ICML 2020. https://arxiv.org/abs/1910.06378 (Algorithm 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fedweave.schema import opt
+from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fednova import normalizing_factor
+from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Work
+
+CONTROL = "control"
+"""The key of the client's control variate c_i in ``job.state``."""
+
+
+@dataclass
+class ScaffoldParams:
+    option: Literal["I", "II"] = opt(
+        "II", help="client control variate update: I = gradient at the global model, II = from the local steps"
+    )
+    global_lr: float = opt(1.0, gt=0, help="server step size η_g on the averaged model delta")
+    plain_average: list[str] = plain_average_option("η_g step")
+
+
+def full_gradient(job: ClientJob) -> Params:
+    """∇f_i(x) for option I: the mean gradient of the client's whole training data at the
+    received parameters (mini-batches of the round's batch size, a mean-reducing loss).
+    The model is reset to the received state afterwards, so buffers are untouched."""
+    model = job.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    n = job.x_train.shape[0]
+    batch = min(job.instruction.work.batch_size, n)
+    for start in range(0, n, batch):
+        x, y = job.x_train[start : start + batch], job.y_train[start : start + batch]
+        (job.loss_fn(model(x), y) * (len(x) / n)).backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(job.instruction.params)
+    return grads
+
+
+def option_two(control: Params, server_control: Params, delta: Params, steps: float, lr: float) -> Params:
+    """c_i⁺ = c_i − c + (x − y_i)/(K·η_l), with ``delta`` = y_i − x and K = ``steps``."""
+    return {
+        name: control[name] - server_control[name] - delta[name] / (steps * lr) for name in control
+    }
+
+
+class ScaffoldClient(FedAvgClient):
+    """Local steps on ``g − c_i + c``; sends Δy in ``tensors`` and Δc = c_i⁺ − c_i in ``extras``.
+
+    c_i is kept in ``job.state`` (zeros the first time), c arrives in
+    ``instruction.extras`` (zeros when absent); both cover the trainable parameters.
+    In option II, η_l is ``local.lr`` and K the effective number of steps: the local
+    steps for plain SGD (the paper), FedNova's a_i = Σ_t (1 − ρ^t)/(1 − ρ) with
+    momentum ρ, since momentum moves the model ~1/(1 − ρ) times further per gradient.
+    """
+
+    def train(self, job: ClientJob) -> Update:
+        params = {name: p for name, p in job.model.named_parameters() if p.requires_grad}
+        zeros = {name: torch.zeros_like(p) for name, p in params.items()}
+        control = job.state.get(CONTROL, zeros)
+        server_control = {name: job.instruction.extras.get(name, zeros[name]) for name in params}
+        start_gradient = full_gradient(job) if self.hp.option == "I" else None
+        correction = {name: server_control[name] - control[name] for name in params}
+
+        def correct(_: nn.Module) -> None:
+            for name, p in params.items():
+                if p.grad is not None:
+                    p.grad.add_(correction[name])
+
+        result = train_local(job, after_backward=correct)
+        delta = model_delta(job.model, job.instruction.params)
+        if start_gradient is not None:
+            new_control = {name: start_gradient.get(name, zeros[name]) for name in params}
+        else:
+            new_control = option_two(
+                control, server_control, delta, normalizing_factor(result.steps, job.settings.momentum), job.settings.lr
+            )
+        job.state[CONTROL] = new_control
+        return Update(
+            kind=UpdateKind.DELTA,
+            tensors=delta,
+            num_examples=result.num_examples,
+            metrics={"train_loss": result.mean_loss},
+            extras={name: new_control[name] - control[name] for name in params},
+            local_steps=result.steps,
+        )
+
+
+class Scaffold(FedAvg):
+    """SCAFFOLD (Karimireddy et al., 2020), server half::
+
+        x ← x + η_g · mean_w(Δy_i)          (weights: num_examples, as FedAvg)
+        c ← c + (|S|/N) · mean(Δc_i)        (uniform, as the paper)
+
+    The x step weights clients by their examples like FedAvg, which is the paper's
+    uniform mean when clients hold equal data; so the first round, with zero control
+    variates and η_g = 1, is FedAvg exactly. The c step is the paper's uniform mean, so
+    c stays the mean of all N clients' c_i under partial participation. Running
+    statistics (``plain_average``) take x + mean_w(Δy), whatever η_g.
+    """
+
+    Params = ScaffoldParams
+    Client = ScaffoldClient
+    weighted_sum = False
+
+    def __init__(self, hp: ScaffoldParams, ctx: StrategyContext):
+        super().__init__(hp, ctx)
+        self.control: Params = {}
+
+    def configure(self, rnd: int, params: Params, plan: list[Work]) -> list[Instruction]:
+        return [
+            Instruction(round=rnd, task=TaskKind.TRAIN, work=w, params=params, extras=self.control) for w in plan
+        ]
+
+    def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
+        delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
+        control_delta = self.ctx.average([u.extras for u in updates], [1.0] * len(updates))
+        share = len(updates) / self.ctx.num_clients
+        self.control = {
+            name: self.control.get(name, torch.zeros_like(d)) + share * d for name, d in control_delta.items()
+        }
+        new: Params = {}
+        for name, p in params.items():
+            d = delta[name]
+            if not p.is_floating_point():
+                new[name] = d.clone()
+            elif matches(name, self.hp.plain_average):
+                new[name] = p + d
+            else:
+                new[name] = p + self.hp.global_lr * d
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"control": self.control}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.control = dict(state["control"])

@@ -1,0 +1,200 @@
+"""Tests of the ``fedweave`` command: help, schema, list, print-config, errors, runs, the quickstart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import SMALL
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.cli import main
+from fedweave.errors import ConfigError
+from fedweave.plugins import PLUGINS
+from fedweave.registry import Registry
+from fedweave.strategies import STRATEGIES
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fedweave")
+    assert all(command in out for command in ("run", "schema", "list"))
+    assert main([]) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_run_help_shows_options_and_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--print-config", "--resume", "--run-dir", "--quiet", "--verbose"):
+        assert option in out
+    assert "fedweave run rounds=20 local.lr=0.05" in out
+
+
+def test_schema_lists_keys_with_type_default_and_meaning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[:-1]}
+    assert {"rounds", "local.lr", "task.partition.alpha", "eval.every"} <= set(rows)
+    assert rows["local.lr"].endswith("local learning rate  [a number; default 0.05]")
+    assert main(["schema", "local"]) == 0
+    local = capsys.readouterr().out.splitlines()[:-1]
+    assert local and all(line.startswith("local.") for line in local)
+
+
+def unwritten(registry: Registry) -> list[str]:
+    """Registered names whose fedweave module does not exist yet."""
+    missing = []
+    for name in registry.names():
+        try:
+            registry.get(name, name)
+        except ConfigError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("fedweave."):
+                missing.append(name)
+    return missing
+
+
+def test_list_names_the_built_ins(capsys: pytest.CaptureFixture[str]) -> None:
+    missing = unwritten(STRATEGIES) + unwritten(PLUGINS)
+    if missing:
+        pytest.skip(f"registered but not written yet: {', '.join(missing)}")
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    fedavg = "  fedavg       FedAvg (McMahan et al., 2017): global ← global + Σ n_k Δ_k / Σ n_k.  [no settings]"
+    assert fedavg in lines
+    assert "  identity     Pass payloads through unchanged (as a copy, as every plugin must).  [no settings]" in lines
+    assert all(f"  {name:<12} " in out for name in STRATEGIES.names() + PLUGINS.names())
+    assert "datasets:   digits, mnist5k, synthetic" in out
+
+
+def test_print_config_with_overrides(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "rounds=7", "local.lr=0.2", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert out == config_mod.to_yaml(config_mod.load(None, ["rounds=7", "local.lr=0.2"]))
+    assert yaml.safe_load(out)["rounds"] == 7 and yaml.safe_load(out)["local"]["lr"] == 0.2
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\nrounds: 2\n")
+    assert main(["run", str(path), "clients=3", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["name"], printed["rounds"], printed["clients"]) == ("mine", 2, 3)
+    assert list(tmp_path.iterdir()) == [path]  # nothing run, no run directory
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.endswith("\n") and captured.err.count("\n") == 1
+    return captured.err.rstrip("\n")
+
+
+def test_config_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["run", "roudns=3"]) == 2
+    assert one_line_error(capsys).startswith("fedweave: error: unknown config key 'roudns' (did you mean 'rounds'?)")
+    assert main(["run", "local.lr=-1"]) == 2
+    assert one_line_error(capsys) == "fedweave: error: config key 'local.lr': must be > 0, got -1.0"
+    assert main(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert one_line_error(capsys).startswith("fedweave: error: cannot read config file")
+    assert main(["run", "--resume", str(tmp_path), "rounds=3"]) == 2
+    assert one_line_error(capsys) == (
+        "fedweave: error: --resume takes no config or overrides: the run directory holds its config"
+    )
+
+
+def test_resume_of_a_non_run_directory_exits_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["run", "--resume", str(tmp_path)]) == 1
+    assert one_line_error(capsys) == f"fedweave: error: '{tmp_path}' is not a run directory: it has no config.yaml"
+
+
+def test_run_end_to_end_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["run", *SMALL, "--run-dir", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
+    assert table[0].startswith("+-") and table[-1] == table[0]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table[1:-1]}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows["rounds"] == "3"
+    assert rows["final test accuracy"] == f"{lines[-1]['test_accuracy']:.4f}"
+    assert rows["best test accuracy"] == f"{max(line['test_accuracy'] for line in lines):.4f}"
+    assert rows["run directory"] == str(run_dir)
+    assert {"config.yaml", "metrics.jsonl", "partition.json", "checkpoint.pt", "model.pt"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    err = captured.err.splitlines()
+    assert err[0] == f"fedweave 0.1.0 · run quickstart → {run_dir}"
+    assert any(line.startswith("4 clients, ") for line in err)  # the partition summary
+    assert [line.split(" [")[0] for line in err if line.startswith("round ")] == ["round 1/3", "round 2/3", "round 3/3"]
+
+
+def test_quiet_prints_nothing_and_finished_runs_say_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["run", *SMALL, "--run-dir", str(tmp_path), "-q"]) == 0
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "")
+    assert main(["run", "--resume", str(tmp_path), "-q"]) == 0
+    assert capsys.readouterr().err == f"{tmp_path} already finished all 3 rounds\n"
+    assert main(["run", *SMALL, "--run-dir", str(tmp_path), "-q"]) == 2
+    assert "already holds a run" in one_line_error(capsys)
+
+
+def test_interrupt_tells_how_to_resume(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(r: runner.Run, on_record: object = None) -> list[dict[str, object]]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "execute", interrupted)
+    assert main(["run", *SMALL, "--run-dir", str(tmp_path), "-q"]) == 130
+    assert capsys.readouterr().err == f"\ninterrupted; continue with: fedweave run --resume {tmp_path}\n"
+
+
+def test_resume_continues_an_interrupted_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    r = runner.prepare(config_mod.load(None, SMALL), tmp_path)
+
+    def stop(record: dict[str, object]) -> None:
+        if record["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, stop)
+    assert main(["run", "--resume", str(tmp_path)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" [")[0] for line in err if line.startswith("round ")] == ["round 2/3", "round 3/3"]
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3]
+
+
+def test_quickstart_end_to_end(tmp_path: Path) -> None:
+    """`fedweave run` as a user types it: the embedded quickstart reaches 90 % test accuracy."""
+    run_dir = tmp_path / "quickstart"
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "fedweave", "run", "--run-dir", str(run_dir), "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ("", "")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in lines] == list(range(1, 11))
+    assert lines[-1]["test_accuracy"] >= 0.90
+    assert lines[-1]["clients_completed"] == 10
+    assert elapsed < 60

@@ -1,0 +1,211 @@
+"""Tests of fedweave.client: the state store, one runtime serving every client, the scale property."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import weakref
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import small_config
+from fedweave import runner
+from fedweave.batching.selection import sample_clients
+from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
+from fedweave.client import ClientRuntime, ClientStateStore
+from fedweave.seeding import numpy_rng
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.training import ClientJob
+from fedweave.task.models import MLP
+from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, Update, Work
+
+
+class CountingClient(FedAvgClient):
+    """FedAvg whose clients with an even id count, in their state, the rounds they trained."""
+
+    def train(self, job: ClientJob) -> Update:
+        if job.client_id % 2 == 0:
+            job.state["rounds"] = job.state.get("rounds", torch.tensor(0)) + 1
+        return super().train(job)
+
+
+class Counting(FedAvg):
+    Client = CountingClient
+
+
+COUNTING = f"{__name__}:Counting"
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_store_keeps_copies_not_aliases() -> None:
+    store = ClientStateStore()
+    state = {"c": torch.zeros(2), "nested": {"m": torch.ones(1)}, "steps": 3}
+    store.put(4, state)
+    state["c"] += 1
+    state["nested"]["m"] += 1
+    got = store.get(4)
+    assert torch.equal(got["c"], torch.zeros(2)) and torch.equal(got["nested"]["m"], torch.ones(1))
+    assert got["steps"] == 3
+    got["c"] += 5
+    assert torch.equal(store.get(4)["c"], torch.zeros(2))
+
+
+def test_store_holds_only_clients_with_state() -> None:
+    store = ClientStateStore()
+    store.put(1, {})
+    assert len(store) == 0 and store.get(1) == {}
+    store.put(1, {"x": torch.ones(1)})
+    store.put(2, {"x": torch.ones(1)})
+    store.put(1, {})  # a client that drops its state frees its slot
+    assert len(store) == 1 and set(store.state_dict()) == {2}
+
+
+def test_store_state_dict_round_trip() -> None:
+    store = ClientStateStore()
+    store.put(3, {"x": torch.tensor([1.5])})
+    restored = ClientStateStore()
+    restored.load_state_dict({"3": store.state_dict()[3]})  # keys may come back as strings
+    assert torch.equal(restored.get(3)["x"], torch.tensor([1.5]))
+
+
+def test_state_tensors_are_stored_compact() -> None:
+    store = ClientStateStore()
+    wide = torch.zeros(4, 4).t()
+    store.put(0, {"w": wide, "view": torch.arange(100.0)[:2]})
+    kept = store.state_dict()[0]
+    assert kept["w"].is_contiguous()
+    assert kept["view"].untyped_storage().nbytes() == 2 * 4  # not the 100-element base
+
+
+# --------------------------------------------------------------------------- the runtime
+
+
+@pytest.fixture(scope="module")
+def runtime_and_params() -> tuple[ClientRuntime, Params]:
+    config = small_config(f"strategy={COUNTING}")
+    task = build_task(config)
+    runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
+    return runtime, initial_params(config, task)
+
+
+def train_message(cid: int, params: Params, rnd: int = 1, **config: Any) -> Message:
+    return Message(rnd, cid, Instruction(rnd, TaskKind.TRAIN, Work(cid, 16), params, config=config))
+
+
+def test_one_model_serves_every_client_without_carrying_anything_over(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    runtime, params = runtime_and_params
+    model = runtime.model
+    fresh = runtime.handle(train_message(1, params)).body
+    runtime.handle(train_message(0, params))
+    after_other = runtime.handle(train_message(1, params)).body
+    assert runtime.model is model
+    assert fresh.client_id == after_other.client_id == 1
+    for name in fresh.tensors:
+        assert torch.equal(fresh.tensors[name], after_other.tensors[name])
+    assert fresh.num_examples == len(runtime.data.train_idx[1])
+    assert fresh.compute_time > 0
+
+
+def test_instruction_config_overrides_local_settings(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
+    runtime, params = runtime_and_params
+    frozen = runtime.handle(train_message(1, params, lr=1e-30, mu=0.5)).body  # mu is not a local setting
+    assert all(float(t.abs().max()) < 1e-20 for t in frozen.tensors.values() if t.is_floating_point())
+
+
+def test_evaluate_message(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
+    runtime, params = runtime_and_params
+    reply = runtime.handle(Message(2, 3, Instruction(2, TaskKind.EVALUATE, Work(3, 64), params)))
+    assert isinstance(reply.body, Evaluation)
+    assert reply.body.client_id == 3 and reply.body.num_examples == len(runtime.data.test_idx[3])
+    assert 0.0 <= reply.body.metrics["accuracy"] <= 1.0
+
+
+def test_client_state_is_restored_and_kept(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
+    runtime, params = runtime_and_params
+    runtime.store.load_state_dict({})
+    for rnd in (1, 2, 3):
+        runtime.handle(train_message(0, params, rnd))
+        runtime.handle(train_message(1, params, rnd))
+    assert set(runtime.store.state_dict()) == {0}
+    assert runtime.store.get(0)["rounds"].item() == 3
+
+
+def test_bad_messages(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
+    runtime, params = runtime_and_params
+    with pytest.raises(ValueError, match=r"client id 9 is outside 0\.\.3"):
+        runtime.handle(train_message(9, params))
+    with pytest.raises(TypeError, match="client 0 expected an instruction, got Evaluation"):
+        runtime.handle(Message(1, 0, Evaluation(1, {})))
+
+
+# --------------------------------------------------------------------------- scale
+
+
+SCALE = [
+    "clients=200",
+    "sample_fraction=0.1",
+    "task.dataset_options={samples: 2000, features: 8, classes: 4}",
+    "eval.every=0",
+]
+
+
+def test_models_do_not_grow_with_clients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 clients, 20 a round: a constant number of model instances, never one per client."""
+    built: Counter[str] = Counter()
+    alive: weakref.WeakSet[MLP] = weakref.WeakSet()
+    original = MLP.__init__
+
+    @functools.wraps(original)  # the model builder reads the signature
+    def counting_init(self: MLP, *args: Any, **kwargs: Any) -> None:
+        built["models"] += 1
+        alive.add(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MLP, "__init__", counting_init)
+    peak = 0
+
+    def measure(record: dict[str, Any]) -> None:
+        nonlocal peak
+        gc.collect()
+        peak = max(peak, len(alive))
+
+    few = runner.prepare(small_config(), tmp_path / "few")
+    runner.execute(few)
+    built_for_four = built["models"]
+    built.clear()
+    alive.clear()
+    many = runner.prepare(small_config(*SCALE, f"strategy={COUNTING}"), tmp_path / "many")
+    records = runner.execute(many, measure)
+    assert [r["clients_sampled"] for r in records] == [20, 20, 20]
+    assert built["models"] == built_for_four <= 3
+    assert peak <= 2
+
+    sampled = [sample_clients(numpy_rng(0, "sample", rnd), 200, 20) for rnd in (1, 2, 3)]
+    even_rounds = Counter(cid for ids in sampled for cid in ids if cid % 2 == 0)
+    states = many.store.state_dict()
+    assert set(states) == set(even_rounds)  # only clients that had state, and no others
+    assert {cid: int(s["rounds"]) for cid, s in states.items()} == dict(even_rounds)
+
+
+def test_a_stateless_strategy_keeps_no_client_state(tmp_path: Path) -> None:
+    r = runner.prepare(small_config(*SCALE), tmp_path)
+    runner.execute(r)
+    assert len(r.store) == 0
+
+
+def test_the_planned_local_work_is_followed(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
+    runtime, params = runtime_and_params
+    message = train_message(2, params)
+    message = dataclasses.replace(
+        message, body=dataclasses.replace(message.body, work=Work(2, batch_size=4, local_steps=3))
+    )
+    assert runtime.handle(message).body.local_steps == 3

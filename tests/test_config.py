@@ -1,0 +1,389 @@
+"""Tests of fedweave.config: loading, overrides, every class of config error, the YAML round trip."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fedweave import config as config_mod
+from fedweave.config import Config, ConfigError
+from fedweave.plugins.identity import Identity
+from fedweave.registry import import_object
+from fedweave.schema import opt
+from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.types import UpdateKind
+
+
+@dataclass
+class ProximalParams:
+    mu: float = opt(0.01, ge=0, help="proximal weight")
+
+
+class Proximal(FedAvg):
+    """FedAvg with one declared hyper-parameter, to test strategy settings."""
+
+    Params = ProximalParams
+
+
+@dataclass
+class ScaleParams:
+    factor: float = opt(1.0, gt=0)
+
+
+class Scale(Identity):
+    """An identity plugin with one declared setting."""
+
+    name = "scale"
+    Params = ScaleParams
+
+
+class WeightsOnly(Identity):
+    """A plugin that only accepts full weights, not deltas."""
+
+    name = "weights_only"
+    accepts = frozenset({UpdateKind.WEIGHTS})
+
+
+PROXIMAL = f"{__name__}:Proximal"
+SCALE = f"{__name__}:Scale"
+
+
+def error_of(*overrides: str) -> str:
+    """The one-line message of the ConfigError that loading the quickstart with ``overrides`` raises."""
+    with pytest.raises(ConfigError) as info:
+        config_mod.load(None, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_quickstart_is_the_default() -> None:
+    config = config_mod.load()
+    assert (config.name, config.rounds, config.clients, config.sample_fraction) == ("quickstart", 10, 10, 1.0)
+    assert (config.task.dataset, config.task.model) == ("digits", "mlp")
+    assert (config.task.partition.scheme, config.task.partition.alpha) == ("dirichlet", 1.0)
+    assert (config.local.epochs, config.local.batch_size, config.local.lr, config.local.momentum) == (3, 16, 0.1, 0.9)
+    assert config.strategy.name == "fedavg" and config.strategy.params == FedAvgParams()
+    assert (config.eval.every, config.eval.federated_every) == (1, 5)
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("roudns=3", "unknown config key 'roudns' (did you mean 'rounds'?); valid keys here: aggregation, "),
+        ("local.lrr=0.1", "unknown config key 'local.lrr' (did you mean 'local.lr'?); valid keys here: batch_size, "),
+        (
+            "task.partition.alpah=0.1",
+            "unknown config key 'task.partition.alpah' (did you mean 'task.partition.alpha'?)",
+        ),
+        ("eval.evry=2", "unknown config key 'eval.evry' (did you mean 'eval.every'?)"),
+        (
+            "strategy.nmae=fedavg",
+            "unknown config key 'strategy.nmae' (did you mean 'strategy.name'?); valid keys here: name",
+        ),
+        (
+            "plugins.client_sned=[identity]",
+            "unknown config key 'plugins.client_sned' (did you mean 'plugins.client_send'?)",
+        ),
+        (
+            "plugins.client_send=[{nmae: identity}]",
+            "unknown config key 'plugins.client_send[0].nmae' (did you mean 'plugins.client_send[0].name'?)",
+        ),
+    ],
+)
+def test_unknown_key_suggests_the_closest(override: str, message: str) -> None:
+    assert error_of(override).startswith(message)
+
+
+def test_unknown_strategy_setting_suggests_the_declared_one() -> None:
+    assert error_of(f"strategy={{name: '{PROXIMAL}', muu: 0.1}}") == (
+        "unknown config key 'strategy.muu' (did you mean 'strategy.mu'?); valid keys here: mu, name"
+    )
+    assert error_of("strategy.lr=0.1") == "unknown config key 'strategy.lr'; valid keys here: name"
+
+
+def test_unknown_plugin_setting_suggests_the_declared_one() -> None:
+    assert error_of(f"plugins.client_send=[{{name: '{SCALE}', factr: 2}}]") == (
+        "unknown config key 'plugins.client_send[0].factr' (did you mean 'plugins.client_send[0].factor'?); "
+        "valid keys here: factor, name"
+    )
+
+
+def test_strategy_and_plugin_settings_are_parsed_and_checked() -> None:
+    config = config_mod.load(None, [f"strategy={{name: '{PROXIMAL}', mu: 0.5}}", f"plugins.server_send=['{SCALE}']"])
+    assert config.strategy.params == ProximalParams(mu=0.5)
+    assert [(s.name, s.params) for s in config.plugins.server_send] == [(SCALE, ScaleParams())]
+    assert error_of(f"strategy={{name: '{PROXIMAL}', mu: -1}}") == "config key 'strategy.mu': must be >= 0, got -1.0"
+    assert error_of(f"plugins.client_send=[{{name: '{SCALE}', factor: none}}]") == (
+        "config key 'plugins.client_send[0].factor': expected a number, got 'none'"
+    )
+
+
+# --------------------------------------------------------------------------- types, ranges, combinations
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rounds=ten"], "config key 'rounds': expected an integer, got 'ten'"),
+        (["rounds=2.5"], "config key 'rounds': expected an integer, got 2.5"),
+        (["local.lr=fast"], "config key 'local.lr': expected a number, got 'fast'"),
+        (["sample_fraction=[1]"], "config key 'sample_fraction': expected a number, got [1]"),
+        (["round_timeout=soon"], "config key 'round_timeout': expected a number or null, got 'soon'"),
+        (["name=[a]"], "config key 'name': expected a string, got ['a']"),
+        (["task=digits"], "config key 'task': expected a mapping, got 'digits'"),
+        (
+            ["task.partition.scheme=dirichlett"],
+            "config key 'task.partition.scheme': 'dirichlett' is not allowed; expected one of "
+            "'iid', 'dirichlet', 'shards', 'quantity' (did you mean 'dirichlet'?)",
+        ),
+        (["task.loss=mse"], "config key 'task.loss': 'mse' is not allowed; expected one of 'cross_entropy', 'nll'"),
+        (["strategy=[fedavg]"], "config key 'strategy': expected a name or a mapping, got ['fedavg']"),
+        (["plugins=[identity]"], "config key 'plugins': expected a mapping of attachment points, got ['identity']"),
+        (
+            ["plugins.client_send=identity"],
+            "config key 'plugins.client_send': expected a list of plugins, got 'identity'",
+        ),
+        (["plugins.client_send=[{}]"], "config key 'plugins.client_send[0].name' is required (a plugin name)"),
+    ],
+)
+def test_wrong_types(overrides: list[str], message: str) -> None:
+    assert error_of(*overrides) == message
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rounds=0", "config key 'rounds': must be >= 1, got 0"),
+        ("clients=0", "config key 'clients': must be >= 1, got 0"),
+        ("sample_fraction=0", "config key 'sample_fraction': must be > 0, got 0.0"),
+        ("sample_fraction=1.5", "config key 'sample_fraction': must be <= 1, got 1.5"),
+        ("seed=-1", "config key 'seed': must be >= 0, got -1"),
+        ("local.momentum=1", "config key 'local.momentum': must be < 1, got 1.0"),
+        ("local.lr=0", "config key 'local.lr': must be > 0, got 0.0"),
+        ("local.steps=0", "config key 'local.steps': must be >= 1, got 0"),
+        ("task.partition.alpha=0", "config key 'task.partition.alpha': must be > 0, got 0.0"),
+        ("task.test_fraction=1", "config key 'task.test_fraction': must be < 1, got 1.0"),
+    ],
+)
+def test_values_out_of_range(override: str, message: str) -> None:
+    assert error_of(override) == message
+
+
+def test_impossible_combinations() -> None:
+    assert error_of("clients=4", "min_clients=5") == (
+        "config key 'min_clients': 5 is more than clients=4; a round cannot sample more clients than exist"
+    )
+    assert error_of("task.local_test_fraction=0", "eval.federated_every=2").startswith(
+        "config key 'eval.federated_every': federated evaluation needs clients' local test splits, "
+        "but task.local_test_fraction is 0"
+    )
+    assert config_mod.load(None, ["task.local_test_fraction=0", "eval.federated_every=0"]).eval.federated_every == 0
+
+
+def test_plugin_that_cannot_take_the_strategys_updates() -> None:
+    assert error_of(f"plugins.client_send=['{__name__}:WeightsOnly']") == (
+        f"config key 'plugins.client_send[0]': plugin '{__name__}:WeightsOnly' accepts weights updates, "
+        "but strategy 'fedavg' sends delta"
+    )
+
+
+# --------------------------------------------------------------------------- unknown names
+
+
+def test_unknown_strategy_and_plugin_names_suggest_the_closest() -> None:
+    strategy = error_of("strategy=fedavgg")
+    assert strategy.startswith(
+        "config key 'strategy.name': unknown strategy 'fedavgg' (did you mean 'fedavg'?); built-in: "
+    )
+    assert strategy.endswith(", or give 'package.module:Class'")
+    plugin = error_of("plugins.client_send=[identiy]")
+    assert plugin.startswith(
+        "config key 'plugins.client_send[0].name': unknown plugin 'identiy' (did you mean 'identity'?); built-in: "
+    )
+    assert "identity" in plugin.partition("built-in: ")[2].split(", ")
+    assert "did you mean" not in error_of("strategy=zzzzzz")
+
+
+def test_import_paths_that_do_not_resolve() -> None:
+    assert error_of("strategy=no_such_module_xyz:Thing").startswith(
+        "config key 'strategy.name': cannot import module 'no_such_module_xyz'"
+    )
+    assert error_of("strategy=fedweave.strategies.fedavg:Nope") == (
+        "config key 'strategy.name': module 'fedweave.strategies.fedavg' has no 'Nope'"
+    )
+    with pytest.raises(ConfigError, match="^config key 'x': 'fedavg:' is not of the form 'package.module:name'$"):
+        import_object("fedavg:", "x")
+    assert error_of("strategy=fedweave.strategies.fedavg:FedAvgClient") == (
+        "config key 'strategy.name': 'fedweave.strategies.fedavg:FedAvgClient' declares no Params dataclass "
+        "of its settings"
+    )
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rounds", "override 'rounds' is not of the form key=value (e.g. rounds=20)"),
+        ("=3", "override '=3' is not of the form key=value (e.g. rounds=20)"),
+        ("rounds.max=3", "override 'rounds.max=3': 'rounds' is not a section"),
+        ("local.lr.value=3", "override 'local.lr.value=3': 'local.lr' is not a section"),
+    ],
+)
+def test_bad_override_syntax(override: str, message: str) -> None:
+    assert error_of(override) == message
+
+
+def test_override_into_a_list_checks_the_index() -> None:
+    assert error_of("plugins.client_send=[identity]", "plugins.client_send.3.name=identity") == (
+        "override 'plugins.client_send.3.name=identity': 'plugins.client_send.3' is not an item "
+        "of a list of 1 (indices 0..0)"
+    )
+    assert error_of("task.model_options={hidden: [8]}", "task.model_options.hidden.first=4") == (
+        "override 'task.model_options.hidden.first=4': 'task.model_options.hidden.first' is not an item "
+        "of a list of 1 (indices 0..0)"
+    )
+    config = config_mod.load(None, ["task.model_options={hidden: [8, 4]}", "task.model_options.hidden.1=2"])
+    assert config.task.model_options == {"hidden": [8, 2]}
+
+
+def test_dotted_overrides_reach_nested_keys() -> None:
+    config = config_mod.load(None, ["task.partition.alpha=0.3", "local.batch_size=8", "eval.every=2"])
+    assert (config.task.partition.alpha, config.local.batch_size, config.eval.every) == (0.3, 8, 2)
+
+
+def test_override_values_are_parsed_as_yaml() -> None:
+    config = config_mod.load(
+        None,
+        [
+            "rounds=5",
+            "local.lr=1e-3",
+            "local.weight_decay=5.0e-4",
+            "round_timeout=null",
+            "name=my run",
+            "task.model_options={hidden: [32, 16], dropout: 0.1}",
+            "task.dataset_options={}",
+        ],
+    )
+    assert config.rounds == 5 and type(config.rounds) is int
+    assert config.local.lr == 0.001 and config.local.weight_decay == 0.0005
+    assert config.round_timeout is None
+    assert config.name == "my run"
+    assert config.task.model_options == {"hidden": [32, 16], "dropout": 0.1}
+    assert config.task.dataset_options == {}
+
+
+def test_list_values() -> None:
+    config = config_mod.load(None, ["plugins.client_send=[identity, {name: identity}]"])
+    assert [s.name for s in config.plugins.client_send] == ["identity", "identity"]
+
+
+def test_shorthand_overrides() -> None:
+    config = config_mod.load(None, ["strategy=fedavg", "aggregation=mean", "topology=star", "transport=inmemory"])
+    assert (config.strategy.name, config.aggregation.rule, config.topology.kind) == ("fedavg", "mean", "star")
+    # a dotted key below a shorthand string turns it into its section
+    proximal = config_mod.load(None, [f"strategy={PROXIMAL}", "strategy.mu=0.2"])
+    assert (proximal.strategy.name, proximal.strategy.params) == (PROXIMAL, ProximalParams(mu=0.2))
+    partition = config_mod.load(None, ["task.partition=iid", "task.partition.min_samples=3"])
+    assert (partition.task.partition.scheme, partition.task.partition.min_samples) == ("iid", 3)
+
+
+def test_overrides_do_not_change_the_data_they_are_given() -> None:
+    data = {"rounds": 3, "local": {"lr": 0.1}}
+    assert config_mod.apply_overrides(data, ["rounds=4", "local.lr=0.5"]) == {"rounds": 4, "local": {"lr": 0.5}}
+    assert data == {"rounds": 3, "local": {"lr": 0.1}}
+
+
+# --------------------------------------------------------------------------- files
+
+
+def test_load_a_file_with_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("name: filed\nrounds: 4\nlocal: {lr: 2e-2}\nstrategy: fedavg\n")
+    config = config_mod.load(path, ["rounds=6"])
+    assert (config.name, config.rounds, config.local.lr) == ("filed", 6, 0.02)
+    assert config.clients == Config().clients  # keys not in the file take the schema defaults
+
+
+def test_an_empty_file_is_all_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    assert config_mod.load(path) == Config(strategy=config_mod.StrategyConfig("fedavg", FedAvgParams()))
+
+
+def file_error(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_mod.load(path)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    assert file_error(missing) == f"cannot read config file '{missing}': No such file or directory"
+    assert file_error(tmp_path) == f"cannot read config file '{tmp_path}': Is a directory"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rounds: 3\nlocal: {lr: 0.1\n")
+    assert file_error(broken) == f"config file '{broken}' line 3: not valid YAML"
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- rounds: 3\n")
+    assert file_error(listed) == f"config file '{listed}': expected a mapping of keys at the top level"
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00rounds")
+    assert file_error(binary) == f"cannot read config file '{binary}': it is not UTF-8 text"
+
+
+def test_errors_inside_a_file_name_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text("rounds: 3\nlocal:\n  lr: 0.1\n  epoch: 2\n")
+    assert file_error(path).startswith("unknown config key 'local.epoch' (did you mean 'local.epochs'?)")
+
+
+def test_from_dict_needs_a_mapping() -> None:
+    with pytest.raises(ConfigError, match="^a config is a mapping of keys, got list$"):
+        config_mod.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_to_yaml_then_load_gives_the_same_config(tmp_path: Path) -> None:
+    config = config_mod.load(
+        None,
+        [
+            "name=round-trip",
+            "seed=7",
+            "rounds=3",
+            "sample_fraction=0.5",
+            "min_clients=2",
+            "round_timeout=30",
+            "local.lr=1e-3",
+            "local.steps=5",
+            "task.model_options={hidden: [8]}",
+            "task.partition={scheme: shards, shards_per_client: 3}",
+            f"strategy={{name: '{PROXIMAL}', mu: 0.25}}",
+            f"plugins.server_send=[{{name: '{SCALE}', factor: 2}}]",
+            "plugins.client_send=[identity, identity]",
+            "eval.federated_every=2",
+        ],
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    assert config_mod.load(path) == config
+    assert config_mod.load(path).strategy.params == ProximalParams(mu=0.25)
+
+
+def test_clients_per_round_honours_fraction_and_minimum() -> None:
+    assert config_mod.load(None, ["clients=10", "sample_fraction=0.3"]).clients_per_round == 3
+    assert config_mod.load(None, ["clients=10", "sample_fraction=0.1", "min_clients=4"]).clients_per_round == 4
+    assert config_mod.load(None, ["clients=200", "sample_fraction=0.1"]).clients_per_round == 20
+    assert config_mod.load(None, ["clients=3", "sample_fraction=0.01"]).clients_per_round == 1
+    assert config_mod.load(None, ["clients=7"]).clients_per_round == 7

@@ -1,0 +1,260 @@
+"""Tests of fedweave.loop with scripted clients: sampling, failures, rejection, skipped rounds, evaluation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from fedweave.batching.controller import StaticController
+from fedweave.batching.selection import sample_clients
+from fedweave.loop import RECORD_KEYS, Record, RoundParts, federated_evaluate, run, train_round
+from fedweave.plugins.chain import Chains
+from fedweave.seeding import numpy_rng
+from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.topologies.star import Star
+from fedweave.transports.base import Exchange
+from fedweave.transports.inmemory import InMemoryTransport
+from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, Update, UpdateKind
+
+Handler = Callable[[Message], Message]
+
+
+def start() -> Params:
+    return {"w": torch.zeros(2, dtype=torch.float64)}
+
+
+def scripted(cid: int, value: float | None = None, num_examples: int | None = None) -> Update:
+    """Client ``cid``'s update: delta (cid + 1)·1, weight cid + 1, train loss cid / 10."""
+    value = float(cid + 1) if value is None else value
+    return Update(
+        UpdateKind.DELTA,
+        {"w": torch.full((2,), value, dtype=torch.float64)},
+        num_examples=cid + 1 if num_examples is None else num_examples,
+        metrics={"train_loss": cid / 10},
+    )
+
+
+def clients(overrides: dict[int, Callable[[int], Any]] | None = None) -> tuple[Handler, list[int]]:
+    """A handler answering with :func:`scripted` updates, or ``overrides[cid](cid)``; and the ids it saw."""
+    seen: list[int] = []
+
+    def handle(msg: Message) -> Message:
+        seen.append(msg.client_id)
+        body = (overrides or {}).get(msg.client_id, scripted)(msg.client_id)
+        return Message(msg.round, msg.client_id, body)
+
+    return handle, seen
+
+
+class RecordingController(StaticController):
+    def __init__(self, num_clients: int, per_round: int, seed: int = 0):
+        super().__init__(num_clients, per_round, batch_size=8, epochs=1, local_steps=None, seed=seed)
+        self.observed: list[tuple[int, list[int]]] = []
+
+    def observe(self, rnd: int, updates: list[Update]) -> None:
+        self.observed.append((rnd, [u.num_examples for u in updates]))
+
+
+def make_parts(
+    handler: Handler,
+    *,
+    num_clients: int = 4,
+    per_round: int = 4,
+    min_clients: int = 1,
+    eval_every: int = 1,
+    federated_every: int = 0,
+    evaluate_global: Callable[[Params], dict[str, float]] | None = None,
+    topology: Any = None,
+    seed: int = 0,
+) -> RoundParts:
+    return RoundParts(
+        strategy=FedAvg(FedAvgParams(), StrategyContext(num_clients=num_clients)),
+        controller=RecordingController(num_clients, per_round, seed),
+        topology=topology if topology is not None else Star(InMemoryTransport(handler)),
+        chains=Chains(),
+        min_clients=min_clients,
+        timeout=None,
+        evaluate_global=evaluate_global or (lambda p: {"accuracy": float(p["w"][0]), "loss": 1.0}),
+        eval_every=eval_every,
+        federated_eval_every=federated_every,
+        federated_eval_clients=lambda rnd: [0, 1, 2],
+        eval_batch_size=64,
+    )
+
+
+def assert_w(params: Params, value: float) -> None:
+    torch.testing.assert_close(params["w"], torch.full((2,), value, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_round_aggregates_every_answer_weighted_by_examples() -> None:
+    handler, seen = clients()
+    parts = make_parts(handler)
+    params, record = train_round(parts, 1, start())
+    assert seen == [0, 1, 2, 3]
+    assert_w(params, (1 * 1 + 2 * 2 + 3 * 3 + 4 * 4) / 10)  # deltas 1..4, weights 1..4
+    assert record == {
+        "round": 1,
+        "clients_sampled": 4,
+        "clients_completed": 4,
+        "bytes_sent": 4 * 16,
+        "bytes_received": 4 * 16,
+        "skipped": False,
+        "train_loss": pytest.approx((1 * 0.0 + 2 * 0.1 + 3 * 0.2 + 4 * 0.3) / 10, abs=1e-12),
+    }
+    assert parts.controller.observed == [(1, [1, 2, 3, 4])]
+
+
+def test_sampling_follows_the_seeded_controller() -> None:
+    for seed in (0, 1):
+        handler, seen = clients()
+        parts = make_parts(handler, num_clients=10, per_round=3, seed=seed)
+        for rnd in (1, 2, 3):
+            seen.clear()
+            _, record = train_round(parts, rnd, start())
+            assert seen == sample_clients(numpy_rng(seed, "sample", rnd), 10, 3)
+            assert record["clients_sampled"] == record["clients_completed"] == 3
+
+
+def test_a_client_that_raises_is_counted_failed_and_the_rest_aggregate(caplog: pytest.LogCaptureFixture) -> None:
+    def crash(cid: int) -> Update:
+        raise RuntimeError("disk full")
+
+    handler, _ = clients({1: crash})
+    with caplog.at_level(logging.WARNING):
+        params, record = train_round(make_parts(handler), 1, start())
+    assert (record["clients_sampled"], record["clients_completed"]) == (4, 3)
+    assert_w(params, (1 * 1 + 3 * 3 + 4 * 4) / 8)
+    assert "client 1 failed in round 1: disk full" in caplog.text
+    assert record["bytes_received"] == 3 * 16
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (lambda cid: scripted(cid, value=float("nan")), "it holds NaN or infinite values"),
+        (lambda cid: scripted(cid, value=float("inf")), "it holds NaN or infinite values"),
+        (
+            lambda cid: Update(UpdateKind.DELTA, scripted(cid).tensors, 3, extras={"c": torch.tensor([float("nan")])}),
+            "it holds NaN or infinite values",
+        ),
+        (lambda cid: scripted(cid, num_examples=0), "num_examples=0"),
+        (
+            lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(3, dtype=torch.float64)}, 3),
+            "tensor 'w' has shape (3,), the model's is (2,)",
+        ),
+        (
+            lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2, dtype=torch.float64), "v": torch.ones(1)}, 3),
+            "tensor 'v' is not a parameter of the model",
+        ),
+        (lambda cid: Evaluation(3, {"accuracy": 1.0}), "expected an update, got Evaluation"),
+    ],
+)
+def test_a_bad_update_is_rejected_logged_and_leaves_the_model_alone(
+    bad: Callable[[int], Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler, _ = clients({2: bad})
+    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+        params, record = train_round(make_parts(handler), 1, start())
+    assert f"round 1: update of client 2 rejected: {reason}" in caplog.text
+    assert record["clients_completed"] == 3
+    assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)  # as if client 2 had not answered
+
+
+def test_too_few_answers_skip_the_round_and_keep_the_model(caplog: pytest.LogCaptureFixture) -> None:
+    def crash(cid: int) -> Update:
+        raise RuntimeError("gone")
+
+    handler, _ = clients({0: crash, 3: crash})
+    parts = make_parts(handler, min_clients=3)
+    params = start()
+    with caplog.at_level(logging.ERROR, logger="fedweave.loop"):
+        kept, record = train_round(parts, 2, params)
+    assert kept is params and torch.equal(kept["w"], torch.zeros(2, dtype=torch.float64))
+    assert record["skipped"] is True and record["train_loss"] is None
+    assert (record["clients_sampled"], record["clients_completed"]) == (4, 2)
+    assert "round 2 skipped: 2 of 4 clients answered, min_clients is 3" in caplog.text
+    assert "client 0: RuntimeError: gone" in caplog.text
+    assert parts.controller.observed == []
+
+
+def test_evaluation_every_n_rounds_and_on_the_last() -> None:
+    for every, expected in ((2, [2, 4, 5]), (0, [5]), (1, [1, 2, 3, 4, 5])):
+        evaluated: list[float] = []
+
+        def evaluate_global(p: Params) -> dict[str, float]:
+            evaluated.append(float(p["w"][0]))
+            return {"accuracy": 0.5, "loss": 2.0}
+
+        records: list[Record] = []
+        handler, _ = clients()
+        run(make_parts(handler, eval_every=every, evaluate_global=evaluate_global), start(), 1, 5,
+            lambda rnd, p, rec: records.append(rec))
+        rounds_evaluated = [r["round"] for r in records if r["test_accuracy"] is not None]
+        assert rounds_evaluated == expected
+        assert evaluated == [3.0 * r for r in expected]  # each round adds 3 to w: the model after the round
+        assert all(tuple(r) == RECORD_KEYS for r in records)
+        assert all(r["test_loss"] is None for r in records if r["round"] not in expected)
+
+
+def test_run_reports_every_round_with_wall_time() -> None:
+    calls: list[tuple[int, float]] = []
+    handler, _ = clients()
+    final = run(make_parts(handler), start(), 3, 4, lambda rnd, p, rec: calls.append((rnd, rec["wall_time"])))
+    assert [rnd for rnd, _ in calls] == [3, 4]
+    assert all(t >= 0 for _, t in calls)
+    assert_w(final, 6.0)
+
+
+class EvaluationTopology:
+    """A fake topology that answers evaluation instructions with scripted results."""
+
+    def __init__(self, results: dict[int, Evaluation]):
+        self.results = results
+        self.received: list[Instruction] = []
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        self.received.extend(m.body for m in messages)
+        return Exchange(replies=[Message(m.round, m.client_id, self.results[m.client_id]) for m in messages])
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def test_federated_evaluation_is_weighted_by_test_examples() -> None:
+    topology = EvaluationTopology(
+        {
+            0: Evaluation(10, {"accuracy": 0.5, "loss": 1.0}),
+            1: Evaluation(30, {"accuracy": 0.9, "loss": 0.2, "f1": 0.3}),
+            2: Evaluation(0, {}),  # no local test split: not counted
+        }
+    )
+    parts = make_parts(lambda m: m, topology=topology)
+    params = start()
+    record = federated_evaluate(parts, 4, params)
+    assert record == {
+        "eval_bytes_sent": 0,
+        "eval_bytes_received": 0,
+        "federated_accuracy": pytest.approx((10 * 0.5 + 30 * 0.9) / 40, abs=1e-12),
+        "federated_loss": pytest.approx((10 * 1.0 + 30 * 0.2) / 40, abs=1e-12),
+    }
+    assert [(i.round, i.task, i.work.client_id, i.work.batch_size) for i in topology.received] == [
+        (4, TaskKind.EVALUATE, c, 64) for c in (0, 1, 2)
+    ]
+    assert all(i.params is params for i in topology.received)
+
+
+def test_federated_evaluation_schedule() -> None:
+    def handle(msg: Message) -> Message:
+        if msg.body.task is TaskKind.EVALUATE:
+            return Message(msg.round, msg.client_id, Evaluation(1, {"accuracy": 1.0}))
+        return Message(msg.round, msg.client_id, scripted(msg.client_id))
+
+    records: list[Record] = []
+    run(make_parts(handle, federated_every=2), start(), 1, 5, lambda rnd, p, rec: records.append(rec))
+    assert [r["round"] for r in records if "federated_accuracy" in r] == [2, 4, 5]
+    assert all(r["federated_accuracy"] == 1.0 for r in records if "federated_accuracy" in r)

@@ -1,0 +1,210 @@
+"""Tests of fedweave.runner: the run directory, resume == uninterrupted, determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.checkpoint import load_checkpoint
+from fedweave.errors import CheckpointError, ConfigError
+from fedweave.strategies.aggregate import apply_delta
+from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
+from fedweave.strategies.training import ClientJob
+from fedweave.types import Params, Update
+
+METRIC_KEYS = {
+    "round",
+    "wall_time",
+    "train_loss",
+    "test_accuracy",
+    "test_loss",
+    "clients_sampled",
+    "clients_completed",
+    "bytes_sent",
+    "bytes_received",
+}
+
+
+class CarryingClient(FedAvgClient):
+    """Adds a tenth of its previous delta (kept in its client state) to each new one."""
+
+    def train(self, job: ClientJob) -> Update:
+        update = super().train(job)
+        previous = job.state.get("previous")
+        job.state["previous"] = update.tensors
+        if previous is None:
+            return update
+        return dataclasses.replace(update, tensors={k: v + 0.1 * previous[k] for k, v in update.tensors.items()})
+
+
+class ServerMomentum(FedAvg):
+    """FedAvg with a server velocity (server state) and carrying clients (client state)."""
+
+    Client = CarryingClient
+
+    def __init__(self, hp: FedAvgParams, ctx: StrategyContext):
+        super().__init__(hp, ctx)
+        self.velocity: Params = {}
+
+    def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
+        delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
+        self.velocity = {k: 0.5 * self.velocity.get(k, torch.zeros_like(v)) + v for k, v in delta.items()}
+        return apply_delta(params, self.velocity)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": {k: v.clone() for k, v in self.velocity.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.velocity = dict(state["velocity"])
+
+
+STATEFUL = f"strategy={__name__}:ServerMomentum"
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_directory_layout(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    params, records = run_to_end(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoint.pt",
+        "config.yaml",
+        "metrics.jsonl",
+        "model.pt",
+        "partition.json",
+    ]
+    assert config_mod.load(run_dir / "config.yaml") == small_config()
+
+    lines = read_lines(run_dir / "metrics.jsonl")
+    assert [line["round"] for line in lines] == [1, 2, 3]
+    assert all(METRIC_KEYS <= set(line) for line in lines)
+    assert all(line["clients_sampled"] == line["clients_completed"] == 4 for line in lines)
+    assert all(line["bytes_sent"] == line["bytes_received"] > 0 for line in lines)
+    assert all(0.0 <= line["test_accuracy"] <= 1.0 and line["train_loss"] > 0 for line in lines)
+    assert comparable(lines) == comparable(records)
+
+    partition = json.loads((run_dir / "partition.json").read_text())
+    assert partition["clients"] == 4 and len(partition["counts"]) == 4
+    assert sum(partition["counts"]) == partition["samples"] == sum(map(sum, partition["histograms"]))
+
+    saved = load_checkpoint(run_dir)
+    assert saved["round"] == 3 and saved["client_states"] == {} and saved["strategy"] == {}
+    assert_same_params(saved["params"], params)
+    assert_same_params(torch.load(run_dir / "model.pt"), params)
+
+
+def test_every_metrics_line_has_every_key(tmp_path: Path) -> None:
+    run_to_end(tmp_path, "eval.every=2", "rounds=3")
+    lines = read_lines(tmp_path / "metrics.jsonl")
+    assert all(METRIC_KEYS <= set(line) for line in lines)
+    assert [line["test_accuracy"] is not None for line in lines] == [False, True, True]
+
+
+@pytest.mark.parametrize("stop_after", [1, 2])
+@pytest.mark.parametrize("strategy", ["strategy=fedavg", STATEFUL], ids=["fedavg", "stateful"])
+def test_resume_equals_uninterrupted(tmp_path: Path, stop_after: int, strategy: str) -> None:
+    overrides = (strategy, "local.momentum=0.5", "eval.federated_every=2")
+    whole, whole_records = run_to_end(tmp_path / "whole", *overrides)
+    resumed, resumed_records = run_interrupted(tmp_path / "resumed", stop_after, *overrides)
+    assert_same_params(whole, resumed)
+    assert comparable(whole_records) == comparable(resumed_records)
+    assert comparable(read_lines(tmp_path / "resumed" / "metrics.jsonl")) == comparable(whole_records)
+    assert_same_params(torch.load(tmp_path / "resumed" / "model.pt"), whole)
+
+
+def test_stateful_strategy_state_is_checkpointed(tmp_path: Path) -> None:
+    run_to_end(tmp_path, STATEFUL)
+    saved = load_checkpoint(tmp_path)
+    assert set(saved["strategy"]["velocity"]) == set(saved["params"])
+    assert set(saved["client_states"]) == {0, 1, 2, 3}
+
+
+def test_resume_from_an_older_checkpoint_redoes_the_later_rounds(tmp_path: Path) -> None:
+    """Checkpoints every 2 rounds, stopped after round 3: resume continues from round 2."""
+    overrides = ("rounds=4", "checkpoint.every=2")
+    whole, whole_records = run_to_end(tmp_path / "whole", *overrides)
+    r = runner.prepare(small_config(*overrides), tmp_path / "resumed")
+
+    def stop_after_three(record: dict[str, Any]) -> None:
+        if record["round"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, stop_after_three)
+    assert len(read_lines(tmp_path / "resumed" / "metrics.jsonl")) == 3
+    resumed = runner.resume(tmp_path / "resumed")
+    assert resumed.first_round == 3 and [rec["round"] for rec in resumed.records] == [1, 2]
+    records = runner.execute(resumed)
+    assert_same_params(whole, resumed.params)
+    assert comparable(records) == comparable(whole_records)
+
+
+def test_same_seed_same_run_other_seed_other_run(tmp_path: Path) -> None:
+    first, first_records = run_to_end(tmp_path / "a", "local.momentum=0.9")
+    second, second_records = run_to_end(tmp_path / "b", "local.momentum=0.9")
+    assert_same_params(first, second)
+    assert comparable(first_records) == comparable(second_records)
+    other, other_records = run_to_end(tmp_path / "c", "local.momentum=0.9", "seed=1")
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+    assert comparable(first_records) != comparable(other_records)
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path: Path) -> None:
+    params, records = run_to_end(tmp_path)
+    resumed = runner.resume(tmp_path)
+    assert resumed.first_round == 4
+    assert runner.execute(resumed) == read_lines(tmp_path / "metrics.jsonl")
+    assert comparable(resumed.records) == comparable(records)
+    assert_same_params(resumed.params, params)
+    assert_same_params(torch.load(tmp_path / "model.pt"), params)
+
+
+def test_resume_needs_a_run_directory_with_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"^'.*' is not a run directory: it has no config\.yaml$"):
+        runner.resume(tmp_path)
+    run_to_end(tmp_path / "unsaved", "checkpoint.every=0")
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        runner.resume(tmp_path / "unsaved")
+
+
+def test_a_directory_holding_a_run_is_not_reused(tmp_path: Path) -> None:
+    run_to_end(tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"^run directory '.*' already holds a run; continue it with"):
+        runner.prepare(small_config(), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_all_rounds_skipped_keep_the_initial_model(tmp_path: Path) -> None:
+    """A deadline no client can meet: every round is skipped and recorded as such."""
+    r = runner.prepare(small_config("round_timeout=1e-9"), tmp_path)
+    start = {k: v.clone() for k, v in r.params.items()}
+    records = runner.execute(r)
+    assert [(rec["skipped"], rec["clients_completed"], rec["train_loss"]) for rec in records] == [(True, 0, None)] * 3
+    assert_same_params(r.params, start)
+    assert [line["skipped"] for line in read_lines(tmp_path / "metrics.jsonl")] == [True] * 3
+
+
+def test_new_run_directories_are_named_and_unique(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class FrozenClock(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> FrozenClock:
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(runner, "datetime", FrozenClock)
+    config = small_config("name=demo", output=tmp_path / "runs")
+    assert runner.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405"
+    assert runner.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405-2"
+    assert runner.prepare(config).run_dir == tmp_path / "runs" / "demo-20260102-030405-3"
