@@ -109,15 +109,15 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         )
         record.update(skipped=True, train_loss=None)
         return params, record
-    aggregated = updates
-    if parts.chains.client_send.combiner is not None:
-        try:
+    try:
+        aggregated = updates
+        if parts.chains.client_send.combiner is not None:
             aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"))]
-        except RoundError as exc:
-            log.error("round %d skipped: %s; global model kept", rnd, exc)
-            record.update(skipped=True, train_loss=None)
-            return params, record
-    params = parts.strategy.aggregate(rnd, params, aggregated)
+        params = parts.strategy.aggregate(rnd, params, aggregated)
+    except RoundError as exc:  # e.g. too few SecAgg survivors, too few clients for Krum
+        log.error("round %d skipped: %s; global model kept", rnd, exc)
+        record.update(skipped=True, train_loss=None)
+        return params, record
     parts.controller.observe(rnd, updates)
     record["train_loss"] = _weighted(updates, "train_loss")
     return params, record
