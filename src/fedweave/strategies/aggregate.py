@@ -7,7 +7,7 @@ like) are counters, never summed or averaged: they take the element-wise maximum
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,3 +72,24 @@ def apply_delta(params: Params, delta: Params, scale: float = 1.0) -> Params:
 def all_finite(params: Params) -> bool:
     """False when any floating tensor holds a NaN or an infinity."""
     return all(bool(torch.isfinite(t).all()) for t in params.values() if t.is_floating_point())
+
+
+def step_floats(
+    params: Params,
+    delta: Params,
+    plain_average: Sequence[str],
+    step: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Params:
+    """New parameters from the mean client ``delta``: ``step(name, p, d)`` for each
+    floating tensor, ``p + d`` for those matching ``plain_average``, and the value in
+    ``delta`` for integer tensors (counters are never stepped)."""
+    out: Params = {}
+    for name, p in params.items():
+        d = delta[name]
+        if not p.is_floating_point():
+            out[name] = d.clone()
+        elif matches(name, plain_average):
+            out[name] = p + d
+        else:
+            out[name] = step(name, p, d)
+    return out

@@ -16,7 +16,13 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import matches, plain_average_option
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, LocalOptimizer, LocalSettings, model_delta, train_local
+from fedweave.strategies.training import (
+    ClientJob,
+    LocalOptimizer,
+    LocalSettings,
+    model_delta,
+    train_local,
+)
 from fedweave.types import Params, Update, UpdateKind
 
 

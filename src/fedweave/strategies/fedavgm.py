@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.types import Params, Update
@@ -38,20 +40,14 @@ def momentum_step(
 
     Returns the new parameters and the new velocity.
     """
-    new_params: Params = {}
     new_velocity: Params = {}
-    for name, p in params.items():
-        d = delta[name]
-        if not p.is_floating_point():
-            new_params[name] = d.clone()
-            continue
-        if matches(name, plain_average):
-            new_params[name] = p + d
-            continue
+
+    def step(name: str, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         v = velocity.get(name)
-        v = d.clone() if v is None else momentum * v + d
-        new_velocity[name] = v
-        new_params[name] = p + lr * v
+        new_velocity[name] = d.clone() if v is None else momentum * v + d
+        return p + lr * new_velocity[name]
+
+    new_params = step_floats(params, delta, plain_average, step)
     return new_params, new_velocity
 
 

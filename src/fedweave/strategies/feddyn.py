@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
@@ -47,18 +47,13 @@ def server_step(
     Δ̄ is the mean client delta (so θ + Δ̄ is the mean client model) and share = |P|/m.
     Tensors matching ``plain_average`` take ``θ + Δ̄``, integer ones the value in
     ``delta``. Returns the new parameters and h."""
-    new_params: Params = {}
     new_h: Params = {}
-    for name, p in params.items():
-        d = delta[name]
-        if not p.is_floating_point():
-            new_params[name] = d.clone()
-            continue
-        if matches(name, plain_average):
-            new_params[name] = p + d
-            continue
+
+    def step(name: str, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         new_h[name] = h.get(name, torch.zeros_like(d)) - alpha * share * d
-        new_params[name] = p + d - new_h[name] / alpha
+        return p + d - new_h[name] / alpha
+
+    new_params = step_floats(params, delta, plain_average, step)
     return new_params, new_h
 
 

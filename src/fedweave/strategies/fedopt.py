@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.types import Params, Update
@@ -67,22 +67,15 @@ def adaptive_step(
 
     Returns the new parameters, first moments and second moments.
     """
-    new_params: Params = {}
     new_m: Params = {}
     new_v: Params = {}
-    for name, p in params.items():
-        d = delta[name]
-        if not p.is_floating_point():
-            new_params[name] = d.clone()
-            continue
-        if matches(name, plain_average):
-            new_params[name] = p + d
-            continue
-        m_prev = m.get(name, torch.zeros_like(d))
-        v_prev = v.get(name, torch.full_like(d, tau * tau))
-        new_m[name] = beta1 * m_prev + (1 - beta1) * d
-        new_v[name] = second_moment(v_prev, d * d)
-        new_params[name] = p + lr * new_m[name] / (new_v[name].sqrt() + tau)
+
+    def step(name: str, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        new_m[name] = beta1 * m.get(name, torch.zeros_like(d)) + (1 - beta1) * d
+        new_v[name] = second_moment(v.get(name, torch.full_like(d, tau * tau)), d * d)
+        return p + lr * new_m[name] / (new_v[name].sqrt() + tau)
+
+    new_params = step_floats(params, delta, plain_average, step)
     return new_params, new_m, new_v
 
 

@@ -23,7 +23,12 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import Average
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, TrainResult, model_delta, train_local
+from fedweave.strategies.training import (
+    ClientJob,
+    TrainResult,
+    model_delta,
+    train_local,
+)
 from fedweave.types import Evaluation, Params, Update, UpdateKind
 
 
