@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fedweave import config as config_mod
-from fedweave import runner
+from fedweave import data_parallel, runner
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
@@ -21,6 +21,12 @@ def test_there_are_examples() -> None:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(path: Path, tmp_path: Path) -> None:
+    if config_mod.load(path).mode == "data_parallel":
+        config = config_mod.load(path, ["data_parallel.steps=3"])
+        records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+        assert records[-1]["step"] == 3 and 0.0 <= records[-1]["test_accuracy"] <= 1.0
+        assert (tmp_path / "run" / "model.pt").is_file()
+        return
     config = config_mod.load(path, SHORTEN)
     r = runner.prepare(config, tmp_path / "run")
     records = runner.execute(r)

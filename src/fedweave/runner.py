@@ -79,6 +79,10 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
     A directory that already holds a run (metrics or a checkpoint) is refused rather
     than mixed with the new run's records.
     """
+    if config.mode != "federated":
+        raise ConfigError(
+            f"config key 'mode': {config.mode!r} runs through fedweave.data_parallel, not the federated runner"
+        )
     run_dir = new_run_dir(config) if run_dir is None else Path(run_dir)
     if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT).exists():
         raise ConfigError(

@@ -1,0 +1,745 @@
+"""The synchronous data-parallel spine (``mode: data_parallel``).
+
+N worker processes train one model on one dataset. Each step::
+
+    sizes   = controller.batches                    # b_i, Σ b_i = B (identical on every worker)
+    mine    = sampler.take(sizes)[rank]             # disjoint index ranges of one global batch
+    g_i     = ∇ (b_i / B) · mean loss on mine        # timed: compute time t_i (+ emulated slowness)
+    buffer  = [g_i, buffers · b_i / B, loss, t_i in slot i, ...]
+    all_reduce(buffer, SUM)                         # ONE collective: Σ_i g_i is the gradient of the
+                                                    # whole batch, and every t_j reaches every worker
+    optimizer.step()                                # the same step on every worker
+    controller.observe(sizes, t)                    # the same decision on every worker
+    sampler.advance(B)
+
+A world-size mean (what DDP does) would weight a worker's samples by 1/n instead of
+b_i / B, which is wrong as soon as the b_i differ; the weighting here makes the step
+exactly that of one process on the concatenated batch.
+
+World changes: a worker that dies breaks the collective on the others (gloo reports
+the closed connection at once; a hung worker is caught by the collective timeout).
+The survivors report to the launcher, which holds a TCP store for the whole run and
+names the members of the next generation; they form a new process group under a new
+store prefix, take the state of the most advanced survivor (a worker may have
+completed the failed step), the controller replans over the survivors and the step is
+taken again from the same sampler position, so no progress beyond the current step is
+lost and the epoch still covers every sample once.
+
+The launcher (:func:`execute`) runs in the calling process: it forks the workers
+(spawns them when CUDA is present, see :func:`resolve_backend`), tails
+``metrics.jsonl`` for progress, and writes the plot of per-worker batch size, compute
+and idle time at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fedweave import config as config_mod
+from fedweave.batching.dynamic import BatchController
+from fedweave.batching.heterogeneity import Emulator, worker_threads
+from fedweave.batching.sampler import GlobalSampler
+from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint
+from fedweave.config import Config
+from fedweave.errors import CheckpointError, ConfigError, FedweaveError
+from fedweave.observe.metrics import MetricsWriter, read_metrics
+from fedweave.seeding import derive_seed
+from fedweave.strategies.training import LocalOptimizer, LocalSettings, LossFn
+from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+MODEL_FILE = "model.pt"
+PLOT_FILE = "workers.png"
+
+Record = dict[str, Any]
+
+
+class DataParallelError(FedweaveError):
+    """A data-parallel run could not continue (too few workers left, a worker failed to start)."""
+
+
+# --------------------------------------------------------------------------- gradient maths
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Floating buffers (BatchNorm running statistics): averaged like the gradients."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def local_contribution(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, weight: float
+) -> tuple[torch.Tensor, float]:
+    """This worker's share of the global-batch gradient: ∇ (weight · mean loss on (x, y)),
+    flattened; ``weight`` = b_i / B. Also the weighted loss (its share of the batch mean).
+
+    Summed over workers these shares are exactly the gradient of the mean loss over
+    the concatenated batch.
+    """
+    params = trainable(model)
+    for p in params:
+        p.grad = None
+    if len(y) == 0:
+        return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device), 0.0
+    loss = loss_fn(model(x), y) * weight
+    loss.backward()
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    return flat, float(loss.detach())
+
+
+def assign_gradient(model: nn.Module, flat: torch.Tensor) -> None:
+    """Set each parameter's ``grad`` from one flat vector (the summed contributions)."""
+    offset = 0
+    for p in trainable(model):
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def summed_gradient(
+    model: nn.Module, loss_fn: LossFn, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """Σ_i ∇ (b_i / B) · mean loss of chunk i: what the all-reduce computes, in one process."""
+    total = sum(len(y) for y in ys)
+    return torch.stack([local_contribution(model, loss_fn, x, y, len(y) / total)[0] for x, y in zip(xs, ys)]).sum(0)
+
+
+# --------------------------------------------------------------------------- process group
+
+
+class PeerFailure(Exception):
+    """A collective failed: a peer died, hung past the timeout, or left."""
+
+
+class _Stopped(Exception):
+    """The launcher ended this worker's part in the run (too few survivors, or excluded)."""
+
+
+class _Group:
+    """One generation of the process group: ``members`` (worker ids, sorted) joined under
+    the store prefix of generation ``gen``; rank = position of this worker in ``members``."""
+
+    def __init__(
+        self, store: dist.Store, gen: int, members: list[int], worker: int, backend: str, timeout: float,
+        device: torch.device,
+    ):
+        self.gen = gen
+        self.members = members
+        self.rank = members.index(worker)
+        self.size = len(members)
+        self.device = device
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"gen{gen}/", store),
+                rank=self.rank,
+                world_size=self.size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        except Exception as exc:  # a member that never arrives times the rendezvous out
+            raise PeerFailure(f"forming generation {gen} failed: {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(tensor)
+        except Exception as exc:
+            raise PeerFailure(str(exc).splitlines()[0]) from exc
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+        except Exception as exc:
+            raise PeerFailure(str(exc).splitlines()[0]) from exc
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group may not tear down cleanly; it is dropped anyway
+                log.debug("destroying generation %d: %s", self.gen, exc)
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class _Window:
+    """Per-worker sums over the steps since the last metrics line (identical on every worker)."""
+
+    steps: int = 0
+    samples: int = 0
+    loss: float = 0.0
+    taken: dict[int, int] = field(default_factory=dict)  # steps each worker took part in
+    batch: dict[int, float] = field(default_factory=dict)
+    compute: dict[int, float] = field(default_factory=dict)
+    idle: dict[int, float] = field(default_factory=dict)
+    comm: float = 0.0
+    comm_steps: int = 0
+    step_time: float = 0.0  # this worker's wall time per step (rank 0's is what is logged)
+    controller_time: float = 0.0
+
+    def add(self, sizes: Mapping[int, int], times: Mapping[int, float], loss: float, comm: float | None) -> None:
+        self.steps += 1
+        total = sum(sizes.values())
+        self.samples += total
+        self.loss += loss * total
+        slowest = max(times.values())
+        for w in sizes:
+            self.taken[w] = self.taken.get(w, 0) + 1
+            self.batch[w] = self.batch.get(w, 0.0) + sizes[w]
+            self.compute[w] = self.compute.get(w, 0.0) + times[w]
+            self.idle[w] = self.idle.get(w, 0.0) + slowest - times[w]
+        if comm is not None:
+            self.comm += comm
+            self.comm_steps += 1
+
+
+@dataclass
+class _Shared:
+    """What every worker gets from the launcher."""
+
+    config: Config
+    run_dir: Path
+    members: list[int]
+    backend: str
+    start_method: str
+    resume: dict[str, Any] | None = None
+    dataset: Dataset | None = None  # preloaded by the launcher when the workers are forked
+
+
+def resolve_backend(config: Config) -> tuple[str, str]:
+    """(backend, start method): NCCL when CUDA has a GPU per worker, else gloo.
+
+    Workers are forked (instant: torch is not imported again, the dataset is shared)
+    unless CUDA is present: a CUDA build's autograd engine starts device threads at
+    the caller's first backward pass, after which a forked child cannot run autograd,
+    so with CUDA the workers are spawned.
+    """
+    backend = config.data_parallel.backend
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    workers = config.data_parallel.workers
+    if backend == "nccl" and gpus < workers:
+        raise ConfigError(
+            f"config key 'data_parallel.backend': nccl needs a GPU per worker; {workers} workers, {gpus} GPUs"
+        )
+    if backend == "auto":
+        backend = "nccl" if gpus >= workers else "gloo"
+    return backend, ("spawn" if cuda else "fork")
+
+
+class _Worker:
+    def __init__(self, worker: int, shared: _Shared):
+        cfg = shared.config
+        dp = cfg.data_parallel
+        self.id = worker
+        self.shared = shared
+        self.config = cfg
+        threads = worker_threads(cfg.heterogeneity, worker, cfg.threads)
+        if threads:
+            torch.set_num_threads(threads)
+        self.emulator = Emulator(cfg.heterogeneity, worker, threads or torch.get_num_threads())
+        self.device = torch.device(f"cuda:{worker}") if shared.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dataset = shared.dataset or _load(cfg)
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        self.model = _make_model(cfg, self.dataset).to(self.device)
+        self.loss_fn = make_loss(cfg.task.loss)
+        self.optimizer = LocalOptimizer(
+            self.model.parameters(),
+            LocalSettings(optimizer=dp.optimizer, lr=dp.lr, momentum=dp.momentum, weight_decay=dp.weight_decay),
+        )
+        self.sampler = GlobalSampler(len(self.dataset.y_train), cfg.seed)
+        self.controller = BatchController(dp.global_batch, shared.members, dp.controller)
+        self.step = 0
+        self.window = _Window()
+        self.prev_wait = 0.0
+        self.members = list(shared.members)
+        self.metrics = MetricsWriter(shared.run_dir / METRICS_FILE)
+        self.logged_step = -1
+        self.started = time.perf_counter()
+        if shared.resume is not None:
+            self.load_state_dict(shared.resume)
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": {"steps": self.optimizer.steps, "state": _to(self.optimizer.state, torch.device("cpu"))},
+            "sampler": self.sampler.state_dict(),
+            "controller": self.controller.state_dict(),
+            "window": self.window,
+            "elapsed": time.perf_counter() - self.started,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.steps = int(state["optimizer"]["steps"])
+        self.optimizer.state = _to(state["optimizer"]["state"], self.device)
+        self.sampler.load_state_dict(state["sampler"])
+        self.controller.load_state_dict(state["controller"])
+        self.window = state["window"]
+        self.started = time.perf_counter() - float(state["elapsed"])
+
+    # ---------------------------------------------------------------- the run
+
+    def run(self, address: tuple[str, int]) -> None:
+        dp = self.config.data_parallel
+        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=dp.timeout))
+        gen = 0
+        while True:
+            group = None
+            try:
+                group = _Group(store, gen, self.members, self.id, self.shared.backend, dp.timeout, self.device)
+                if gen > 0:
+                    self._sync(group)
+                if self.controller.workers != self.members:
+                    self.controller.set_workers(self.members)
+                self._train(group)
+                break
+            except PeerFailure as exc:
+                log.warning("worker %d: generation %d failed at step %d: %s", self.id, gen, self.step, exc)
+                if group is not None:
+                    group.close()
+                self.members = _next_members(store, gen, self.id, self.step, dp.timeout)
+                gen += 1
+                log.warning("worker %d: continuing at step %d with workers %s", self.id, self.step, self.members)
+        group.close()
+
+    def _sync(self, group: _Group) -> None:
+        """Every member takes the state of the most advanced one (lowest rank among equals):
+        a member may have completed the step that failed on the others."""
+        steps = torch.zeros(group.size, dtype=torch.float64, device=self.device)
+        steps[group.rank] = self.step
+        group.all_reduce(steps)
+        src = int(torch.argmax(steps).item())  # the first maximum
+        state = group.broadcast_object(self.state_dict() if group.rank == src else None, src)
+        if group.rank != src:
+            self.load_state_dict(state)
+
+    def _done(self) -> bool:
+        dp = self.config.data_parallel
+        if dp.steps is not None:
+            return self.step >= dp.steps
+        return self.sampler.epoch >= dp.epochs
+
+    def _train(self, group: _Group) -> None:
+        dp = self.config.data_parallel
+        data = self.dataset
+        members = self.members
+        n_params = sum(p.numel() for p in trainable(self.model))
+        buffers = float_buffers(self.model)
+        n_buf = sum(b.numel() for b in buffers)
+        dtype = trainable(self.model)[0].dtype
+        if group.rank == 0:
+            self.logged_step = _last_logged_step(self.metrics.path)
+        while not self._done():
+            total = self.sampler.step_size(dp.global_batch)
+            sizes = self.controller.allocation(total)
+            index = self.sampler.take([sizes[w] for w in members])[group.rank]
+            mine = sizes[self.id]
+            step_start = time.perf_counter()
+            cpu_start = time.process_time()
+            torch.manual_seed(derive_seed(self.config.seed, "data-parallel-step", self.step, self.id))
+            oom = 0.0
+            try:
+                idx = torch.from_numpy(index)
+                x, y = data.x_train[idx].to(self.device), data.y_train[idx].to(self.device)
+                self.model.train()
+                flat, loss = local_contribution(self.model, self.loss_fn, x, y, mine / total)
+            except torch.OutOfMemoryError:
+                if not self.controller.settings.memory_guard or mine <= self.controller.settings.min_batch:
+                    raise
+                flat, loss, oom = torch.zeros(n_params, dtype=dtype, device=self.device), 0.0, 1.0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.emulator.pad(self.step, mine, time.process_time() - cpu_start, time.perf_counter() - step_start)
+            compute = time.perf_counter() - step_start
+            self.emulator.maybe_crash(self.step)
+
+            n = group.size
+            tail = torch.zeros(1 + 3 * n, dtype=dtype, device=self.device)
+            tail[0] = loss
+            tail[1 + group.rank] = compute
+            tail[1 + n + group.rank] = self.prev_wait
+            tail[1 + 2 * n + group.rank] = oom
+            weight = mine / total
+            parts = [flat, *(b.detach().reshape(-1).to(dtype) * weight for b in buffers), tail]
+            buffer = torch.cat(parts)
+            wait_start = time.perf_counter()
+            group.all_reduce(buffer)
+            self.prev_wait = time.perf_counter() - wait_start
+
+            tail = buffer[n_params + n_buf :].cpu().double().tolist()
+            ooms = [members[j] for j in range(n) if tail[1 + 2 * n + j] > 0]
+            if ooms:
+                for w in ooms:
+                    self.controller.report_oom(w)
+                continue  # the step is taken again with the lowered batches
+            assign_gradient(self.model, buffer[:n_params])
+            self.optimizer.step()
+            offset = n_params
+            with torch.no_grad():
+                for b in buffers:
+                    b.copy_(buffer[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
+            times = {members[j]: tail[1 + j] for j in range(n)}
+            waits = [tail[1 + n + j] for j in range(n)]
+            control_start = time.perf_counter()
+            self.controller.observe(sizes, times)
+            epoch = self.sampler.epoch
+            self.sampler.advance(total)
+            epoch_end = self.sampler.epoch != epoch
+            if epoch_end:
+                self.controller.end_epoch()
+            control = time.perf_counter() - control_start
+            self.step += 1
+            self.window.add(sizes, times, tail[0], min(waits) if self.step > 1 and all(waits) else None)
+            self.window.controller_time += control
+            self.window.step_time += time.perf_counter() - step_start
+            if epoch_end or self.step % dp.log_every == 0 or self._done():
+                self._record(group, epoch_end)
+
+    def _record(self, group: _Group, epoch_end: bool) -> None:
+        """Close the metrics window; rank 0 writes it (with an evaluation at epoch ends or the
+        last step), checkpoints at epoch ends, and saves the model after the last step."""
+        w, self.window = self.window, _Window()
+        if group.rank != 0:
+            return
+        cfg = self.config
+        done = self._done()
+        if self.step > self.logged_step:  # not already written by a rank 0 lost after writing it
+            self._write_record(w, group.gen, epoch_end, done)
+        if (epoch_end and cfg.checkpoint.every and self.sampler.epoch % cfg.checkpoint.every == 0) or (
+            done and cfg.checkpoint.every
+        ):
+            atomic_save(
+                {"mode": "data_parallel", "round": self.step, "state": self.state_dict()},
+                self.shared.run_dir / CHECKPOINT,
+            )
+        if done:
+            atomic_save(
+                {k: v.detach().cpu() for k, v in self.model.state_dict().items()}, self.shared.run_dir / MODEL_FILE
+            )
+
+    def _write_record(self, w: _Window, gen: int, epoch_end: bool, done: bool) -> None:
+        """Append the metrics line of window ``w`` (evaluated on the test set when due)."""
+        cfg = self.config
+        k = max(w.steps, 1)
+        workers = sorted(w.batch)
+        record: Record = {
+            "step": self.step,
+            "epoch": self.sampler.epoch + self.sampler.offset / self.sampler.num_samples,
+            "samples": w.samples,
+            "train_loss": w.loss / max(w.samples, 1),
+            "workers": workers,
+            "batch": [w.batch[i] / w.taken[i] for i in workers],
+            "compute_time": [w.compute[i] / w.taken[i] for i in workers],
+            "idle_time": [w.idle[i] / w.taken[i] for i in workers],
+            "comm_time": w.comm / w.comm_steps if w.comm_steps else None,
+            "step_time": w.step_time / k,
+            "controller_time": w.controller_time,
+            "window_time": w.step_time,
+            "adjustments": self.controller.adjustments,
+            "generation": gen,
+        }
+        evaluate_now = done or (epoch_end and cfg.eval.every and self.sampler.epoch % cfg.eval.every == 0)
+        if evaluate_now:
+            metrics = evaluate(
+                self.model, self.dataset.x_test, self.dataset.y_test, self.loss_fn, batch_size=cfg.eval.batch_size
+            )
+            record.update({f"test_{name}": value for name, value in metrics.items()})
+        record["wall_time"] = time.perf_counter() - self.started
+        self.metrics.append(record)
+        self.logged_step = self.step
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device).clone()
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    return obj
+
+
+def _last_logged_step(path: Path) -> int:
+    records = read_metrics(path)
+    return int(records[-1]["step"]) if records else -1
+
+
+def _next_members(store: dist.Store, gen: int, worker: int, step: int, timeout: float) -> list[int]:
+    """Report the failure of generation ``gen`` and wait (bounded) for the launcher's next members."""
+    store.set(f"report/{gen}/{worker}", str(step))
+    key = f"members/{gen + 1}"
+    try:
+        store.wait([key], datetime.timedelta(seconds=2 * timeout + 10))
+    except Exception as exc:
+        raise _Stopped(f"no new generation after {2 * timeout + 10:.0f} s: {exc}") from exc
+    value = store.get(key).decode()
+    members = [int(v) for v in value.split(",")] if value else []
+    if worker not in members:
+        raise _Stopped("the run stopped: too few workers left" if not members else "excluded from the run")
+    return members
+
+
+def _load(config: Config) -> Dataset:
+    task = config.task
+    return load_dataset(
+        task.dataset, seed=config.seed, test_fraction=task.test_fraction, root=task.data_root,
+        options=task.dataset_options,
+    )
+
+
+def _make_model(config: Config, dataset: Dataset) -> nn.Module:
+    return build_model(
+        config.task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+        options=config.task.model_options,
+    )
+
+
+def _worker_main(worker: int, shared: _Shared, port_conn: Any) -> None:
+    """Entry point of a worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the workers
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    timeout = shared.config.data_parallel.timeout
+    if not port_conn.poll(timeout):
+        raise SystemExit(4)
+    address = port_conn.recv()
+    try:
+        _Worker(worker, shared).run(address)
+    except _Stopped as exc:
+        log.error("worker %d: %s", worker, exc)
+        raise SystemExit(3) from None
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+@dataclass
+class DataParallelRun:
+    """A prepared data-parallel run: its config, directory and where it starts."""
+
+    config: Config
+    run_dir: Path
+    resume_state: dict[str, Any] | None = None
+    records: list[Record] = field(default_factory=list)
+
+    @property
+    def start_step(self) -> int:
+        return 0 if self.resume_state is None else int(self.resume_state["step"])
+
+    @property
+    def finished(self) -> bool:
+        """Whether the saved state already completed the configured steps or epochs."""
+        if self.resume_state is None:
+            return False
+        dp = self.config.data_parallel
+        if dp.steps is not None:
+            return self.start_step >= dp.steps
+        return int(self.resume_state["sampler"]["epoch"]) >= dp.epochs
+
+
+def prepare(config: Config, run_dir: Path | None = None) -> DataParallelRun:
+    """A new run directory (config saved) for ``config`` (``mode: data_parallel``)."""
+    from fedweave.runner import new_run_dir
+
+    if config.mode != "data_parallel":
+        raise ConfigError(f"config key 'mode': data-parallel runs need mode data_parallel, got {config.mode!r}")
+    run_dir = new_run_dir(config) if run_dir is None else Path(run_dir)
+    if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT).exists():
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} already holds a run; continue it with "
+            "`fedweave run --resume` or choose another directory"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
+    return DataParallelRun(config, run_dir)
+
+
+def resume(run_dir: str | Path) -> DataParallelRun:
+    """Continue the data-parallel run in ``run_dir`` from its last checkpoint (an epoch's end)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
+    config = config_mod.load(run_dir / CONFIG_FILE)
+    saved = load_checkpoint(run_dir)
+    if saved.get("mode") != "data_parallel":
+        raise CheckpointError(f"checkpoint in {str(run_dir)!r} is not of a data-parallel run")
+    state = saved["state"]
+    kept = [r for r in read_metrics(run_dir / METRICS_FILE) if r["step"] <= state["step"]]
+    atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), run_dir / METRICS_FILE)
+    log.info("resuming %s after step %d", run_dir, state["step"])
+    return DataParallelRun(config, run_dir, resume_state=state, records=kept)
+
+
+def execute(
+    r: DataParallelRun,
+    on_record: Callable[[Record], None] | None = None,
+    on_start: Callable[[dict[int, int]], None] | None = None,
+) -> list[Record]:
+    """Start the workers, follow them until they finish, write the plot; the metrics records.
+
+    ``on_record`` gets each metrics line as it appears; ``on_start`` the worker pids
+    (worker id -> pid). Raises :class:`DataParallelError` when the run could not finish
+    (the last checkpoint stays intact: continue with :func:`resume`).
+    """
+    cfg = r.config
+    dp = cfg.data_parallel
+    if r.finished:
+        log.info("%s already finished", r.run_dir)
+        return r.records
+    backend, method = resolve_backend(cfg)
+    members = list(range(dp.workers))
+    ctx = multiprocessing.get_context(method)
+    shared = _Shared(
+        config=cfg, run_dir=r.run_dir, members=members, backend=backend, start_method=method,
+        resume=r.resume_state, dataset=_load(cfg) if method == "fork" else None,
+    )
+    procs: dict[int, Any] = {}
+    conns = {}
+    for w in members:
+        receive, send = ctx.Pipe(duplex=False)
+        procs[w] = ctx.Process(target=_worker_main, args=(w, shared, receive), name=f"fedweave-worker-{w}")
+        procs[w].start()
+        conns[w] = send
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=dp.timeout)
+    )
+    store.set("members/0", ",".join(map(str, members)))
+    for w in members:
+        conns[w].send(("127.0.0.1", store.port))
+        conns[w].close()
+    if on_start is not None:
+        on_start({w: p.pid for w, p in procs.items()})
+    tail = _Tail(r.run_dir / METRICS_FILE)
+    failure = None
+    try:
+        failure = _supervise(store, procs, members, dp.timeout, dp.min_workers, tail, r.records, on_record)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        for record in tail.read():
+            r.records.append(record)
+            if on_record is not None:
+                on_record(record)
+    if r.records:
+        from fedweave.observe.plots import plot_workers
+
+        plot_workers(r.records, r.run_dir / PLOT_FILE)
+    if failure is not None:
+        raise DataParallelError(f"{failure}; the last checkpoint is intact: fedweave run --resume {r.run_dir}")
+    return r.records
+
+
+class _Tail:
+    """Complete new lines of a growing ``metrics.jsonl``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.position = path.stat().st_size if path.exists() else 0
+
+    def read(self) -> list[Record]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.position)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self.position += end
+        return [json.loads(line) for line in chunk[:end].decode().splitlines() if line.strip()]
+
+
+def _supervise(
+    store: dist.Store,
+    procs: dict[int, Any],
+    members: list[int],
+    timeout: float,
+    min_workers: int,
+    tail: _Tail,
+    records: list[Record],
+    on_record: Callable[[Record], None] | None,
+) -> str | None:
+    """Follow the workers until all have exited; name each new generation after a failure.
+
+    Returns None when the run finished, else why it stopped.
+    """
+    gen = 0
+    poll = 0.05
+    while True:
+        for record in tail.read():
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+        codes = {w: procs[w].exitcode for w in members}
+        if all(c is not None for c in codes.values()) and any(c == 0 for c in codes.values()):
+            failed = {w: c for w, c in codes.items() if c != 0}
+            if failed:
+                log.warning("workers %s exited with %s after the others finished the run", list(failed), failed)
+            return None
+        dead = [w for w, c in codes.items() if c is not None and c != 0]
+        reported = [w for w in members if store.check([f"report/{gen}/{w}"])]
+        if not dead and not reported:
+            time.sleep(poll)
+            continue
+        # A failure in generation ``gen``: wait (bounded) for every live member to report.
+        deadline = time.monotonic() + timeout + 5.0
+        while time.monotonic() < deadline:
+            alive = [w for w in members if procs[w].is_alive()]
+            if all(store.check([f"report/{gen}/{w}"]) for w in alive):
+                break
+            time.sleep(poll)
+        alive = [w for w in members if procs[w].is_alive()]
+        survivors = [w for w in alive if store.check([f"report/{gen}/{w}"])]
+        for w in alive:
+            if w not in survivors:
+                log.warning("worker %d did not report within %.0f s after a failure: killed", w, timeout + 5)
+                procs[w].kill()
+        lost = [w for w in members if w not in survivors]
+        codes_lost = {w: procs[w].exitcode for w in lost}
+        if len(survivors) < min_workers:
+            store.set(f"members/{gen + 1}", "")
+            return (
+                f"data-parallel run stopped at generation {gen}: workers {lost} lost "
+                f"(exit codes {codes_lost}), {len(survivors)} left, min_workers is {min_workers}"
+            )
+        log.warning("workers %s lost (exit codes %s); continuing with %s", lost, codes_lost, survivors)
+        members = survivors
+        gen += 1
+        store.set(f"members/{gen}", ",".join(map(str, members)))
+
+
+def run_config(config: Config, run_dir: Path | None = None) -> DataParallelRun:
+    """Prepare and execute a new data-parallel run (library entry point)."""
+    r = prepare(config, run_dir)
+    execute(r)
+    return r

@@ -1,0 +1,276 @@
+"""Data-parallel mode: gradient weighting, real gloo runs on loopback, world changes, resume.
+
+Every run here is a few seconds of real worker processes on 127.0.0.1 (forked, so
+torch is not imported again); each is checked against one process replaying the same
+global batches, which is what correct b_i / B weighting must reproduce.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedweave import cli
+from fedweave import config as config_mod
+from fedweave import data_parallel
+from fedweave.batching.dynamic import apportion
+from fedweave.batching.sampler import GlobalSampler
+from fedweave.config import Config, ConfigError
+from fedweave.seeding import derive_seed
+from fedweave.strategies.training import LocalOptimizer, LocalSettings
+from fedweave.task import build_model, evaluate, load_dataset, make_loss
+
+DP = [
+    "mode=data_parallel",
+    "task.dataset=synthetic",
+    "task.dataset_options={samples: 600, features: 8, classes: 4}",
+    "task.model_options={hidden: [16]}",
+    "data_parallel.workers=3",
+    "data_parallel.global_batch=48",  # 480 training samples: 10 steps per epoch
+    "data_parallel.epochs=3",
+    "data_parallel.lr=0.1",
+    "data_parallel.momentum=0.9",
+    "data_parallel.log_every=5",
+    "data_parallel.timeout=10",
+    "data_parallel.controller.every=3",
+    "heterogeneity.speeds=[1, 2, 4]",
+]
+
+
+def dp_config(*overrides: str) -> Config:
+    return config_mod.load(None, [*DP, *overrides])
+
+
+def reference(config: Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One process taking the same global batches: the params and test metrics a correct run reaches."""
+    dp = config.data_parallel
+    ds = load_dataset(config.task.dataset, seed=config.seed, test_fraction=config.task.test_fraction,
+                      options=config.task.dataset_options)
+    torch.manual_seed(derive_seed(config.seed, "init"))
+    model = build_model(config.task.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
+                        options=config.task.model_options)
+    opt = LocalOptimizer(model.parameters(), LocalSettings(dp.optimizer, dp.lr, dp.momentum, dp.weight_decay))
+    loss_fn = make_loss(config.task.loss)
+    sampler = GlobalSampler(len(ds.y_train), config.seed)
+    while sampler.epoch < dp.epochs:
+        total = sampler.step_size(dp.global_batch)
+        idx = torch.from_numpy(sampler.take([total])[0])
+        opt.zero_grad()
+        loss_fn(model(ds.x_train[idx]), ds.y_train[idx]).backward()
+        opt.step()
+        sampler.advance(total)
+    return model.state_dict(), evaluate(model, ds.x_test, ds.y_test, loss_fn)
+
+
+def assert_matches_reference(run_dir: Path, config: Config) -> dict[str, float]:
+    params, metrics = reference(config)
+    trained = torch.load(run_dir / "model.pt")
+    assert trained.keys() == params.keys()
+    for k in params:
+        torch.testing.assert_close(trained[k], params[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{k}: {m}")
+    return metrics
+
+
+# --------------------------------------------------------------------------- gradient maths
+
+
+def _model64() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).double()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_weighted_all_reduce_equals_the_gradient_of_the_whole_batch(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batch, workers = 97, int(rng.integers(2, 6))
+    sizes = apportion(batch, rng.lognormal(0, 1, workers).tolist())
+    x = torch.from_numpy(rng.normal(size=(batch, 6)))
+    y = torch.from_numpy(rng.integers(0, 3, batch))
+    model, loss_fn = _model64(), torch.nn.CrossEntropyLoss()
+    chunks = np.split(np.arange(batch), np.cumsum(sizes)[:-1])
+    xs, ys = [x[c] for c in chunks], [y[c] for c in chunks]
+
+    summed = data_parallel.summed_gradient(model, loss_fn, xs, ys)  # what the SUM all-reduce produces
+    full, _ = data_parallel.local_contribution(model, loss_fn, x, y, 1.0)  # one process, whole batch
+    relative = (summed - full).norm() / full.norm()
+    assert relative <= 1e-6
+
+    # DDP's world-size mean of per-worker mean gradients is a different vector
+    means = [data_parallel.local_contribution(model, loss_fn, a, b, 1.0)[0] for a, b in zip(xs, ys) if len(b)]
+    ddp = torch.stack(means).mean(0)
+    assert (ddp - full).norm() / full.norm() > 1e-3
+
+
+def test_assign_gradient_round_trips_the_flat_vector() -> None:
+    model = _model64()
+    flat = torch.arange(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    data_parallel.assign_gradient(model, flat)
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), flat)
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+def test_gloo_run_with_unequal_batches_matches_one_process(tmp_path: Path) -> None:
+    config = dp_config()
+    started = time.perf_counter()
+    r = data_parallel.prepare(config, tmp_path / "run")
+    records = data_parallel.execute(r)
+    assert time.perf_counter() - started < 20
+    metrics = assert_matches_reference(tmp_path / "run", config)
+    last = records[-1]
+    assert last["step"] == 30 and last["epoch"] == 3.0
+    assert last["test_accuracy"] == pytest.approx(metrics["accuracy"])
+    assert last["workers"] == [0, 1, 2]
+    for key in ("batch", "compute_time", "idle_time"):
+        assert all(len(rec[key]) == len(rec["workers"]) for rec in records)
+    assert all(sum(rec["batch"]) == pytest.approx(48) for rec in records)
+    assert [rec["step"] for rec in records] == [5, 10, 15, 20, 25, 30]
+    assert sum("test_accuracy" in rec for rec in records) == 3  # every epoch's end
+    run = tmp_path / "run"
+    assert (run / "workers.png").stat().st_size > 1000
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["state"]["step"] == 30
+
+
+def test_the_controller_follows_emulated_speeds(tmp_path: Path) -> None:
+    config = dp_config(
+        "data_parallel.workers=2", "heterogeneity.speeds=[1, 4]", "heterogeneity.slowdown=3",
+        "task.dataset_options={samples: 600, features: 64, classes: 4}", "task.model_options={hidden: [256, 256]}",
+        "data_parallel.epochs=1", "data_parallel.controller.every=2", "data_parallel.log_every=1",
+    )
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    first, last = records[0], records[-1]
+    assert first["batch"] == [24, 24]
+    assert last["batch"][1] > 2 * last["batch"][0]  # the 4x faster worker takes most of the batch
+    assert last["adjustments"] >= 1
+    assert_matches_reference(tmp_path / "run", config)
+
+
+def test_static_and_two_workers_give_the_same_model(tmp_path: Path) -> None:
+    config = dp_config("data_parallel.workers=2", "heterogeneity.speeds=[]", "data_parallel.controller=static",
+                       "data_parallel.epochs=1")
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    assert all(rec["batch"] == [24, 24] for rec in records)
+    assert_matches_reference(tmp_path / "run", config)
+
+
+def test_killing_one_of_three_workers_mid_epoch_the_others_finish_with_correct_weighting(tmp_path: Path) -> None:
+    config = dp_config("heterogeneity.crashes=[{step: 14, worker: 2}]")
+    started = time.perf_counter()
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    assert time.perf_counter() - started < 30
+    assert [rec["generation"] for rec in records] == [0, 0, 1, 1, 1, 1]
+    assert records[2]["workers"] == [0, 1, 2]  # steps 11-15: worker 2 took part until step 14
+    assert records[3]["workers"] == [0, 1]
+    assert sum(records[-1]["batch"]) == pytest.approx(48)
+    # no sample lost or repeated, every step weighted by b_i / B: the same model as one process
+    metrics = assert_matches_reference(tmp_path / "run", config)
+    assert records[-1]["test_accuracy"] == pytest.approx(metrics["accuracy"])
+
+
+def test_an_external_sigkill_is_survived(tmp_path: Path) -> None:
+    config = dp_config("data_parallel.log_every=1", "heterogeneity.speeds=[1, 1, 1]", "heterogeneity.slowdown=1.5")
+    pids: dict[int, int] = {}
+
+    def kill_once(record: dict) -> None:
+        if record["step"] >= 5 and 1 in pids:
+            os.kill(pids.pop(1), signal.SIGKILL)
+
+    records = data_parallel.execute(
+        data_parallel.prepare(config, tmp_path / "run"), on_record=kill_once, on_start=pids.update
+    )
+    assert records[-1]["workers"] == [0, 2] and records[-1]["step"] == 30
+    assert_matches_reference(tmp_path / "run", config)
+
+
+def test_a_hung_worker_is_timed_out_and_dropped(tmp_path: Path) -> None:
+    config = dp_config("data_parallel.log_every=1", "data_parallel.timeout=2", "data_parallel.epochs=2",
+                       "heterogeneity.speeds=[]")
+    pids: dict[int, int] = {}
+
+    def stop_once(record: dict) -> None:
+        if record["step"] >= 4 and 2 in pids:
+            os.kill(pids.pop(2), signal.SIGSTOP)  # alive but silent: only the timeout can tell
+
+    started = time.perf_counter()
+    records = data_parallel.execute(
+        data_parallel.prepare(config, tmp_path / "run"), on_record=stop_once, on_start=pids.update
+    )
+    assert time.perf_counter() - started < 25
+    assert records[-1]["workers"] == [0, 1] and records[-1]["step"] == 20
+    assert_matches_reference(tmp_path / "run", config)
+
+
+def test_too_few_survivors_stop_cleanly_and_the_run_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = dp_config("data_parallel.min_workers=3", "heterogeneity.crashes=[{step: 14, worker: 0}]")
+    started = time.perf_counter()
+    with pytest.raises(data_parallel.DataParallelError, match="min_workers is 3.*--resume"):
+        data_parallel.execute(data_parallel.prepare(config, run))
+    assert time.perf_counter() - started < 20
+    saved = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["step"] == 10  # the end of epoch 1, intact
+    assert not (run / "model.pt").exists()
+    # the failed machine is repaired: the same run, without the crash, continues from the checkpoint
+    text = (run / "config.yaml").read_text().replace("crashes:\n  - step: 14\n    worker: 0\n", "crashes: []\n")
+    (run / "config.yaml").write_text(text)
+    resumed = data_parallel.resume(run)
+    assert resumed.start_step == 10 and [rec["step"] for rec in resumed.records] == [5, 10]
+    records = data_parallel.execute(resumed)
+    assert [rec["step"] for rec in records] == [5, 10, 15, 20, 25, 30]
+    assert_matches_reference(run, config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patch reaches forked workers only (spawned with CUDA)")
+def test_out_of_memory_caps_the_batch_and_the_step_is_taken_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = data_parallel.local_contribution
+
+    def small_memory(model, loss_fn, x, y, weight):  # type: ignore[no-untyped-def]
+        if len(y) > 30:
+            raise torch.OutOfMemoryError("emulated: 30 samples fit")
+        return real(model, loss_fn, x, y, weight)
+
+    monkeypatch.setattr(data_parallel, "local_contribution", small_memory)  # inherited by the forked workers
+    config = dp_config(
+        "data_parallel.workers=2", "heterogeneity.speeds=[1, 4]", "heterogeneity.slowdown=3",
+        "task.dataset_options={samples: 600, features: 64, classes: 4}", "task.model_options={hidden: [256, 256]}",
+        "data_parallel.epochs=1", "data_parallel.controller.every=2", "data_parallel.controller.memory_guard=true",
+    )
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["state"]
+    assert saved["controller"]["max_batch"] == {1: 24}  # capped at its batch before the increase
+    assert all(rec["batch"][1] <= 30 for rec in records)
+    assert_matches_reference(tmp_path / "run", config)  # the failed steps were taken again, none lost
+
+
+def test_cli_runs_a_data_parallel_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["run", *DP, "data_parallel.workers=2", "heterogeneity.speeds=[1, 2]", "data_parallel.epochs=1",
+                     "--run-dir", str(tmp_path / "run")])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "final test accuracy" in out.out and "step 10 epoch 1.00" in out.err
+    assert (tmp_path / "run" / "model.pt").is_file() and (tmp_path / "run" / "workers.png").is_file()
+    assert cli.main(["run", "--resume", str(tmp_path / "run"), "-q"]) == 0  # already finished: nothing to do
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("heterogeneity.speeds=[1, 2]", "2 values for data_parallel.workers=3"),
+        ("heterogeneity.crashes=[{step: 1, worker: 3}]", "'heterogeneity.crashes[0].worker': 3 is not a worker"),
+        ("data_parallel.global_batch=2", "cannot give 3 workers"),
+        ("data_parallel.controller.max_batch=10", "exceeds 3 workers x controller.max_batch=10"),
+        ("data_parallel.min_workers=4", "'data_parallel.min_workers': 4 is more than"),
+    ],
+)
+def test_config_errors_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        dp_config(override)
