@@ -1,0 +1,172 @@
+"""Credentials of a gRPC federation: a CA, a server certificate, client certificates, tokens.
+
+``fedweave certs --out DIR --clients N`` writes, into ``DIR``:
+
+===========================  ====================================================
+``ca.pem``                   the federation's certificate authority (every node)
+``ca.key``                   its private key (keep it off the nodes)
+``server.pem``/``server.key``  the server's certificate, valid for the given hosts
+``client-<i>.pem``/``.key``  client ``i``'s certificate (common name ``client-<i>``)
+``client-<i>.token``         client ``i``'s secret token (give it to that client only)
+``tokens.json``              SHA-256 of every client token (the server's copy)
+===========================  ====================================================
+
+A config points ``grpc.credentials`` at such a folder; :mod:`fedweave.transports.grpc`
+reads the files a node needs by these names. Keys and tokens are written readable by
+their owner only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import json
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from fedweave.errors import ConfigError
+
+CA_CERT = "ca.pem"
+CA_KEY = "ca.key"
+SERVER_CERT = "server.pem"
+SERVER_KEY = "server.key"
+TOKENS = "tokens.json"
+DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def client_cert(client_id: int) -> str:
+    return f"client-{client_id}.pem"
+
+
+def client_key(client_id: int) -> str:
+    return f"client-{client_id}.key"
+
+
+def client_token(client_id: int) -> str:
+    return f"client-{client_id}.token"
+
+
+def client_name(client_id: int) -> str:
+    """The common name of client ``client_id``'s certificate."""
+    return f"client-{client_id}"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _crypto():  # type: ignore[no-untyped-def]
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError:
+        raise ConfigError(
+            "creating certificates needs the 'cryptography' package: pip install 'fedweave[grpc]'"
+        ) from None
+    return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def make_credentials(
+    out: str | Path, clients: int, hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 365
+) -> Path:
+    """Write a CA, a server certificate for ``hosts``, ``clients`` client certificates and tokens."""
+    if clients < 1:
+        raise ConfigError(f"certs: --clients must be at least 1, got {clients}")
+    x509, hashes, serialization, ec, eku, name_oid = _crypto()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+    def key_pem(key) -> bytes:  # type: ignore[no-untyped-def]
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    def cert_pem(cert) -> bytes:  # type: ignore[no-untyped-def]
+        return cert.public_bytes(serialization.Encoding.PEM)
+
+    def subject(common_name: str):  # type: ignore[no-untyped-def]
+        return x509.Name(
+            [
+                x509.NameAttribute(name_oid.ORGANIZATION_NAME, "fedweave"),
+                x509.NameAttribute(name_oid.COMMON_NAME, common_name),
+            ]
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = subject("fedweave federation CA")
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def leaf(common_name: str, usage, names: list) -> tuple[bytes, bytes]:  # type: ignore[no-untyped-def]
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject(common_name))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+        )
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return cert_pem(builder.sign(ca_key, hashes.SHA256())), key_pem(key)
+
+    alt_names = []
+    for host in hosts:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            alt_names.append(x509.DNSName(host))
+    _write(out / CA_CERT, cert_pem(ca))
+    _write(out / CA_KEY, key_pem(ca_key), private=True)
+    server_cert, server_key = leaf(hosts[0] if hosts else "fedweave-server", eku.SERVER_AUTH, alt_names)
+    _write(out / SERVER_CERT, server_cert)
+    _write(out / SERVER_KEY, server_key, private=True)
+    hashes_by_client = {}
+    for cid in range(clients):
+        name = client_name(cid)
+        cert, key = leaf(name, eku.CLIENT_AUTH, [x509.DNSName(name)])
+        _write(out / client_cert(cid), cert)
+        _write(out / client_key(cid), key, private=True)
+        token = secrets.token_hex(32)
+        _write(out / client_token(cid), token.encode(), private=True)
+        hashes_by_client[str(cid)] = hash_token(token)
+    _write(out / TOKENS, json.dumps(hashes_by_client, indent=1).encode(), private=True)
+    return out

@@ -1,0 +1,194 @@
+"""The process launcher: the server and every client as local processes over gRPC.
+
+``fedweave run CONFIG launcher=process`` (or :func:`fedweave.runner.execute` of such a
+run) starts ``fedweave server`` on 127.0.0.1 with a port the system picks, and with it
+``fedweave client --id i`` for every client (they retry until the server listens). Each
+node's output is forwarded through :mod:`logging` line by line with a node prefix
+(``[server]``, ``[client 3]``). The launcher follows the run's ``metrics.jsonl`` to
+report each round as it ends, and loads the final model when the server is done.
+
+Every wait is bounded. When the server ends, clients get a bounded grace period to
+leave on their own; then they are terminated, then killed. On Ctrl-C or any error all
+nodes are stopped the same way, and each node also dies with its launcher (Linux), so
+no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+from fedweave.errors import FedweaveError
+from fedweave.node import PARENT_ENV
+
+if TYPE_CHECKING:
+    from fedweave.runner import Run
+
+log = logging.getLogger(__name__)
+
+POLL = 0.1
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+
+_LEVELS = {name: getattr(logging, name) for name in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
+
+
+class Node:
+    """One started process and the thread that forwards its output."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops the nodes in order
+        )
+        self.lines: list[str] = []  # the last lines, for error messages
+        self.reader = threading.Thread(target=self._forward, args=(self.proc.stdout,), daemon=True)
+        self.reader.start()
+
+    def _forward(self, stream: IO[bytes]) -> None:
+        level = logging.WARNING
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            if not line:
+                continue
+            first = line.split(" ", 1)[0]
+            level = _LEVELS.get(first, level)  # continuation lines keep the last level
+            self.lines = [*self.lines[-19:], line]
+            log.log(level, "[%s] %s", self.name, line)
+        stream.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+
+
+class Nodes:
+    """The started nodes; :meth:`stop` ends them all within bounded time."""
+
+    def __init__(self, level: int):
+        self.items: list[Node] = []
+        self.env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        self.level = logging.getLevelName(level)
+
+    def start(self, name: str, args: list[str]) -> Node:
+        argv = [sys.executable, "-m", "fedweave", *args, "--log-level", self.level]
+        node = Node(name, argv, self.env)
+        self.items.append(node)
+        log.info("started %s (pid %d)", name, node.proc.pid)
+        return node
+
+    def wait(self, nodes: list[Node], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while any(n.alive() for n in nodes) and time.monotonic() < deadline:
+            time.sleep(POLL)
+        return not any(n.alive() for n in nodes)
+
+    def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` s for nodes to leave, then SIGTERM, then SIGKILL."""
+        if not self.wait(self.items, grace):
+            for n in self.items:
+                n.terminate()
+            if not self.wait(self.items, STOP_GRACE):
+                for n in self.items:
+                    if n.alive():
+                        log.warning("%s did not stop; killing it", n.name)
+                        n.kill()
+                self.wait(self.items, STOP_GRACE)
+        for n in self.items:
+            n.reader.join(timeout=1.0)
+
+
+class _Tail:
+    """The records appended to ``metrics.jsonl`` since the last look (whole lines only)."""
+
+    def __init__(self, path: Path, skip: int):
+        self.path = path
+        self.offset = 0
+        self.skip = skip
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        records = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        fresh, self.skip = records[self.skip :], max(0, self.skip - len(records))
+        return fresh
+
+
+def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run ``r`` with its server and clients as local processes; return all its records."""
+    from fedweave.runner import CONFIG_FILE, METRICS_FILE, MODEL_FILE
+
+    cfg = r.config
+    run_dir = Path(r.run_dir).resolve()
+    config_file = str(run_dir / CONFIG_FILE)
+    nodes = Nodes(logging.getLogger("fedweave").getEffectiveLevel())
+    tail = _Tail(run_dir / METRICS_FILE, skip=len(r.records))
+    started = time.monotonic()
+    clean = False
+    try:
+        server_args = ["server"]
+        if r.first_round > 1:
+            server_args += ["--resume", str(run_dir)]
+        else:
+            server_args += [config_file, "--run-dir", str(run_dir)]
+        address = f"127.0.0.1:{_free_port()}"
+        server = nodes.start("server", [*server_args, "--listen", address])
+        for cid in range(cfg.clients):  # clients retry until the server listens
+            nodes.start(f"client {cid}", ["client", config_file, "--id", str(cid), "--address", address])
+        while server.alive():
+            _report(tail, r, on_record)
+            time.sleep(POLL)
+        _report(tail, r, on_record)
+        code = server.proc.wait()
+        if code != 0:
+            detail = "; ".join(server.lines[-3:]) or "no output"
+            raise FedweaveError(f"the server process exited with code {code}: {detail}")
+        clean = True
+    finally:
+        s = cfg.grpc
+        nodes.stop(grace=s.poll_timeout + s.heartbeat_interval + 2.0 if clean else 0.0)
+    log.info("all %d nodes stopped after %.1f s", len(nodes.items), time.monotonic() - started)
+    r.params = torch.load(run_dir / MODEL_FILE, weights_only=True)
+    return r.records
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now (the server binds it moments later, SO_REUSEPORT off)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _report(tail: _Tail, r: Run, on_record: Callable[[dict[str, Any]], None] | None) -> None:
+    for record in tail.read():
+        r.records.append(record)
+        if on_record is not None:
+            on_record(record)

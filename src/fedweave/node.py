@@ -1,0 +1,101 @@
+"""The nodes of a deployment: ``fedweave server CONFIG`` and ``fedweave client CONFIG --id N``.
+
+Both build their parts from the same config with :mod:`fedweave.build`, so every
+process derives the same data partition and the same initial model from the seed.
+The server runs :func:`fedweave.loop.run` unchanged over a
+:class:`~fedweave.transports.grpc.server.GrpcServerTransport`; a client serves its
+own id with a :class:`~fedweave.client.ClientRuntime` and keeps its own
+:class:`~fedweave.client.ClientStateStore`, so stateful algorithms work across rounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedweave import runner
+from fedweave.build import build_chains, build_client_runtime, build_task
+from fedweave.checkpoint import atomic_write_text
+from fedweave.client import ClientStateStore
+from fedweave.config import Config
+from fedweave.errors import ConfigError
+from fedweave.topologies.star import Star
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "FEDWEAVE_PARENT_PID"
+"""Set by the process launcher: a node ends when the process of this id does."""
+
+
+def server_topology(config: Config, listen: str | None = None) -> Star:
+    """A star whose clients connect over gRPC (the server starts listening now)."""
+    from fedweave.transports.grpc.server import GrpcServerTransport
+
+    return Star(GrpcServerTransport(config.grpc, config.clients, listen=listen))
+
+
+def serve(
+    config: Config,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    listen: str | None = None,
+    address_file: str | Path | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> runner.Run:
+    """Run the server node: listen, build the run in ``run_dir``, serve every round, stop the clients.
+
+    ``address_file`` receives the address actually bound (``listen`` may ask for port 0).
+    """
+    topology = server_topology(config, listen)
+    try:
+        if address_file is not None:
+            atomic_write_text(topology.transport.address + "\n", address_file)
+        run_dir = Path(run_dir)
+        r = runner.resume(run_dir, topology=topology) if resume else runner.prepare(config, run_dir, topology=topology)
+        if r.first_round <= r.config.rounds:
+            runner.run_rounds(r, on_record)
+        return r
+    finally:
+        topology.close()
+
+
+def run_client(config: Config, client_id: int, *, address: str | None = None, token: str | None = None) -> int:
+    """Run client node ``client_id`` until the server ends the run; return the jobs it answered."""
+    from fedweave.transports.grpc.client import GrpcClient
+
+    if not 0 <= client_id < config.clients:
+        raise ConfigError(f"--id {client_id} is not a client of this config (clients: 0..{config.clients - 1})")
+    task = build_task(config)
+    runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
+    client = GrpcClient(config.grpc, client_id, runtime.handle, address=address, token=token, seed=config.seed)
+    samples = len(task.clients.train_idx[client_id])
+    log.info("client %d built (%d training samples); connecting to %s", client_id, samples, client.address)
+    done = client.run()
+    log.info("client %d answered %d jobs", client_id, done)
+    return done
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM ends a node as Ctrl-C does (cleanup runs); with the launcher's parent id set,
+    the node also gets SIGTERM when that parent dies, so no node outlives its launcher."""
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    parent = os.environ.get(PARENT_ENV)
+    if parent and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            log.debug("cannot ask to be signalled when the launcher dies")
+        if str(os.getppid()) != parent:
+            raise KeyboardInterrupt  # the launcher is already gone

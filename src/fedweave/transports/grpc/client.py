@@ -1,0 +1,239 @@
+"""The client side of the gRPC transport: one client's connection to the server.
+
+:class:`GrpcClient` registers, sends heartbeats from a thread of their own (so a long
+local training keeps the client alive), pulls each job, runs it through ``handler``
+(the client runtime) and pushes the reply. A failed call is retried with exponential
+backoff, also across a network blip, for at most ``grpc.connect_timeout`` seconds of
+continuous failure; refused credentials end the client at once. The client stops when
+the server says so (graceful shutdown) or when :meth:`GrpcClient.stop` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from fedweave.errors import SerializationError, TransportError
+from fedweave.transports.grpc import protocol as p
+from fedweave.transports.serialization import FrameDecoder, encode_frames
+from fedweave.types import Message
+
+if TYPE_CHECKING:
+    from fedweave.config import GrpcConfig
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Message]
+T = TypeVar("T")
+
+
+@dataclass
+class _Job:
+    id: str
+    message: Message | None
+    error: str | None = None
+
+
+class _Shutdown:
+    """The server asked this client to stop."""
+
+
+class _Stopped(Exception):
+    """:meth:`GrpcClient.stop` was called while a call was being retried."""
+
+
+SHUTDOWN = _Shutdown()
+
+
+class GrpcClient:
+    """Serves the jobs of client ``client_id`` with ``handler`` until the server stops it."""
+
+    def __init__(
+        self,
+        settings: GrpcConfig,
+        client_id: int,
+        handler: Handler,
+        *,
+        address: str | None = None,
+        token: str | None = None,
+        seed: int = 0,
+    ):
+        grpc = p.grpc_module()
+        self.settings = settings
+        self.client_id = client_id
+        self.handler = handler
+        self.address = address or settings.address
+        self._grpc = grpc
+        self._token = p.client_token(settings, client_id, token)
+        credentials = p.channel_credentials(settings, client_id)
+        opts = p.options(settings, server=False)
+        self._channel = (
+            grpc.secure_channel(self.address, credentials, options=opts)
+            if credentials is not None
+            else grpc.insecure_channel(self.address, options=opts)
+        )
+        self._register_rpc = self._channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        self._heartbeat_rpc = self._channel.unary_unary(p.method(p.HEARTBEAT), p.identity, p.identity)
+        self._pull_rpc = self._channel.unary_stream(p.method(p.PULL), p.identity, p.identity)
+        self._push_rpc = self._channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
+        self._session: str | None = None
+        self._stop = threading.Event()
+        self._backoff = p.Backoff(settings.backoff_initial, settings.backoff_max, seed, client_id)
+        self.jobs_done = 0
+
+    def stop(self) -> None:
+        """Stop after the current call (from another thread or a signal handler)."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Serve jobs until the server says stop; return how many were answered."""
+        beats = threading.Thread(target=self._heartbeats, name=f"fedweave-heartbeat-{self.client_id}", daemon=True)
+        try:
+            self._retrying("register", self._register)
+            beats.start()
+            while not self._stop.is_set():
+                job = self._retrying("pull", self._pull)
+                if job is SHUTDOWN:
+                    log.info("client %d: the server ended the run", self.client_id)
+                    break
+                if job is None:
+                    continue
+                assert isinstance(job, _Job)
+                reply, error = None, job.error
+                if error is None and job.message is not None:
+                    try:
+                        reply = self.handler(job.message)
+                    except Exception as exc:  # report it, so the server need not wait for a deadline
+                        rnd = job.message.round
+                        log.warning("client %d: job of round %d failed: %s", self.client_id, rnd, exc, exc_info=True)
+                        error = f"{type(exc).__name__}: {exc}"
+                job.message = None  # the instruction's tensors are not needed past training
+                self._retrying("push", lambda: self._push(job.id, reply, error))
+                self.jobs_done += 1
+        except _Stopped:
+            log.info("client %d stopped while retrying a call", self.client_id)
+        finally:
+            self._stop.set()
+            if beats.is_alive():
+                beats.join(timeout=self.settings.rpc_timeout + 1.0)
+            self._channel.close()
+        return self.jobs_done
+
+    # ------------------------------------------------------------------ calls
+
+    def _metadata(self, job: str | None = None) -> list[tuple[str, str]]:
+        metadata = [(p.CLIENT_KEY, str(self.client_id))]
+        if self._token is not None:
+            metadata.append((p.TOKEN_KEY, self._token))
+        if self._session is not None:
+            metadata.append((p.SESSION_KEY, self._session))
+        if job is not None:
+            metadata.append((p.JOB_KEY, job))
+        return metadata
+
+    def _register(self) -> None:
+        self._session = None
+        reply = p.decode_json(
+            self._register_rpc(
+                p.encode_json({"version": 1}),
+                metadata=self._metadata(),
+                timeout=self.settings.rpc_timeout,
+                wait_for_ready=True,
+            )
+        )
+        session = reply.get("session")
+        if not isinstance(session, str):
+            raise SerializationError("the server's registration reply holds no session")
+        self._session = session
+        log.info("client %d registered with %s", self.client_id, self.address)
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval):
+            if self._session is None:
+                continue
+            try:
+                self._heartbeat_rpc(b"{}", metadata=self._metadata(), timeout=self.settings.rpc_timeout)
+            except self._grpc.RpcError as exc:
+                log.debug("client %d: heartbeat failed: %s", self.client_id, exc.code())
+
+    def _pull(self) -> _Job | _Shutdown | None:
+        s = self.settings
+        frames = iter(self._pull_rpc(b"", metadata=self._metadata(), timeout=s.poll_timeout + s.stream_timeout))
+        first = next(frames, None)
+        control = None if first is None else p.parse_control(first)
+        if control is None or control["type"] == "idle":
+            return None
+        if control["type"] == "shutdown":
+            return SHUTDOWN
+        if control["type"] != "job" or not isinstance(control.get("job"), str):
+            raise SerializationError(f"unexpected control frame {control!r}")
+        decoder = FrameDecoder(
+            max_chunk_bytes=s.chunk_bytes, max_bytes=p.max_message_bytes(s), require_checksum=s.checksum
+        )
+        try:
+            for frame in frames:
+                decoder.feed(frame)
+            message = decoder.finish()
+            if message.client_id != self.client_id:
+                raise SerializationError(f"the job is for client {message.client_id}, not {self.client_id}")
+        except SerializationError as exc:
+            if hasattr(frames, "cancel"):
+                frames.cancel()
+            log.warning("client %d: job %s refused: %s: %s", self.client_id, control["job"], type(exc).__name__, exc)
+            return _Job(control["job"], None, f"instruction refused: {type(exc).__name__}: {exc}")
+        return _Job(control["job"], message)
+
+    def _push(self, job: str, reply: Message | None, error: str | None) -> None:
+        s = self.settings
+
+        def frames() -> Iterator[bytes]:
+            if reply is None:
+                yield p.control_frame({"type": "error", "reason": error or "no reply"})
+                return
+            yield from encode_frames(reply, s.chunk_bytes, s.checksum)
+
+        try:
+            self._push_rpc(frames(), metadata=self._metadata(job), timeout=s.stream_timeout)
+        except self._grpc.RpcError as exc:
+            if exc.code() == self._grpc.StatusCode.FAILED_PRECONDITION and "is closed" in (exc.details() or ""):
+                log.info("client %d: reply to job %s dropped: %s", self.client_id, job, exc.details())
+                return
+            raise
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, retried with backoff while the server is unreachable; re-registers when asked."""
+        grpc = self._grpc
+        failing_since: float | None = None
+        while True:
+            try:
+                result = call()
+                self._backoff.reset()
+                return result
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if p.refused(code):
+                    log.error("client %d: the server refused %s: %s", self.client_id, what, exc.details())
+                    raise p.transport_error(f"client {self.client_id}: the server refused {what}", exc) from None
+                if code == grpc.StatusCode.FAILED_PRECONDITION and what != "register":
+                    log.warning("client %d: %s; registering again", self.client_id, exc.details())
+                    self._retrying("register", self._register)
+                    continue
+                problem = f"{code.name}: {exc.details()}"
+            except SerializationError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since > self.settings.connect_timeout:
+                hint = " (if TLS is on, check this client's certificate)" if self.settings.tls != "none" else ""
+                raise TransportError(
+                    f"client {self.client_id}: cannot {what} with {self.address} for "
+                    f"{self.settings.connect_timeout:g} s{hint}; last error {problem}"
+                )
+            delay = self._backoff.next()
+            log.info("client %d: %s failed (%s); retrying in %.2f s", self.client_id, what, problem, delay)
+            if self._stop.wait(delay):
+                raise _Stopped

@@ -1,0 +1,221 @@
+"""The wire protocol between a fedweave server and its clients over gRPC.
+
+Service ``fedweave.v1.Federation``, four methods, raw bytes (no protobuf):
+
+============  ================  ======================================================
+method        kind              what travels
+============  ================  ======================================================
+Register      unary             JSON in, JSON out: a session id and the heartbeat period
+Heartbeat     unary             JSON in, JSON out: "alive"; the reply says when to stop
+Pull          server-streaming  one CONTROL frame (``job`` / ``idle`` / ``shutdown``),
+                                then the job's message as DATA frames
+Push          client-streaming  the reply as DATA frames, or one CONTROL ``error`` frame
+============  ================  ======================================================
+
+Every call carries the metadata ``fedweave-client`` (the client id), and, when the
+server asks for them, ``fedweave-token``; every call after Register also carries
+``fedweave-session``, and Push the ``fedweave-job`` it answers. Frames are those of
+:mod:`fedweave.transports.serialization`; a CONTROL frame has kind 2 and a JSON body.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedweave import certs
+from fedweave.errors import ConfigError, SerializationError, TransportError
+from fedweave.seeding import derive_seed
+from fedweave.transports.serialization import FRAME
+
+if TYPE_CHECKING:
+    from fedweave.config import GrpcConfig
+
+SERVICE = "fedweave.v1.Federation"
+REGISTER = "Register"
+HEARTBEAT = "Heartbeat"
+PULL = "Pull"
+PUSH = "Push"
+
+CLIENT_KEY = "fedweave-client"
+TOKEN_KEY = "fedweave-token"
+SESSION_KEY = "fedweave-session"
+JOB_KEY = "fedweave-job"
+TOKEN_ENV = "FEDWEAVE_TOKEN"
+
+CONTROL = 2
+MAX_CONTROL_BYTES = 64 << 10
+FRAME_SLACK = 64 << 10  # gRPC message limit = chunk size + this
+
+
+def grpc_module() -> Any:
+    """``import grpc``, or a ConfigError that names the extra to install."""
+    try:
+        import grpc
+    except ImportError:
+        raise ConfigError("transport 'grpc' needs grpcio: pip install 'fedweave[grpc]'") from None
+    return grpc
+
+
+def method(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+def control_frame(payload: dict[str, Any]) -> bytes:
+    return FRAME.pack(CONTROL, 0, 0, 0, 0, 0) + json.dumps(payload).encode()
+
+
+def parse_control(frame: bytes) -> dict[str, Any] | None:
+    """The JSON of a CONTROL frame; None for any other frame."""
+    if len(frame) < FRAME.size or frame[0] != CONTROL:
+        return None
+    if len(frame) > MAX_CONTROL_BYTES:
+        raise SerializationError(f"control frame of {len(frame)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        value = json.loads(frame[FRAME.size :].decode())
+    except (UnicodeDecodeError, ValueError):
+        raise SerializationError("corrupted control frame: not UTF-8 JSON") from None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise SerializationError("corrupted control frame: no type")
+    return value
+
+
+def encode_json(value: dict[str, Any]) -> bytes:
+    return json.dumps(value).encode()
+
+
+def decode_json(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data.decode()) if data else {}
+    except (UnicodeDecodeError, ValueError):
+        raise SerializationError("malformed request: not UTF-8 JSON") from None
+    if not isinstance(value, dict):
+        raise SerializationError("malformed request: not a JSON object")
+    return value
+
+
+def identity(data: bytes) -> bytes:
+    return data
+
+
+def max_message_bytes(settings: GrpcConfig) -> int:
+    return int(settings.max_message_mb * (1 << 20))
+
+
+def options(settings: GrpcConfig, server: bool) -> list[tuple[str, Any]]:
+    """Channel / server options: message limits of one frame, keepalive, and a channel that
+    re-dials a lost server at least every second (calls wait for it within their deadline)."""
+    limit = settings.chunk_bytes + FRAME_SLACK
+    common = [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:
+        return [*common, ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000), ("grpc.so_reuseport", 0)]
+    return [
+        *common,
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", int(settings.backoff_initial * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(settings.backoff_initial * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(min(settings.backoff_max, 1.0) * 1000)),
+    ]
+
+
+def _read(folder: Path, name: str) -> bytes:
+    path = folder / name
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"config key 'grpc.credentials': cannot read {str(path)!r} ({exc.strerror}); "
+            "create the folder with `fedweave certs --out DIR --clients N`"
+        ) from None
+
+
+def server_credentials(settings: GrpcConfig) -> Any:
+    """Server TLS credentials (None without TLS); ``mtls`` requires a client certificate signed by the CA."""
+    if settings.tls == "none":
+        return None
+    grpc = grpc_module()
+    folder = Path(settings.credentials or ".")
+    pair = (_read(folder, certs.SERVER_KEY), _read(folder, certs.SERVER_CERT))
+    if settings.tls == "mtls":
+        return grpc.ssl_server_credentials([pair], root_certificates=_read(folder, certs.CA_CERT), require_client_auth=True)
+    return grpc.ssl_server_credentials([pair])
+
+
+def channel_credentials(settings: GrpcConfig, client_id: int) -> Any:
+    """Client TLS credentials (None without TLS): the CA, and with ``mtls`` this client's key pair."""
+    if settings.tls == "none":
+        return None
+    grpc = grpc_module()
+    folder = Path(settings.credentials or ".")
+    ca = _read(folder, certs.CA_CERT)
+    if settings.tls == "mtls":
+        return grpc.ssl_channel_credentials(
+            ca, _read(folder, certs.client_key(client_id)), _read(folder, certs.client_cert(client_id))
+        )
+    return grpc.ssl_channel_credentials(ca)
+
+
+def client_token(settings: GrpcConfig, client_id: int, token: str | None = None) -> str | None:
+    """The token a client presents: ``token``, else $FEDWEAVE_TOKEN, else credentials/client-<id>.token."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV)
+    if token is None and settings.tokens:
+        token = _read(Path(settings.credentials or "."), certs.client_token(client_id)).decode().strip()
+    return token
+
+
+def token_hashes(settings: GrpcConfig) -> dict[int, str] | None:
+    """The server's SHA-256 of each client's token (None when tokens are not required)."""
+    if not settings.tokens:
+        return None
+    raw = _read(Path(settings.credentials or "."), certs.TOKENS)
+    try:
+        data = json.loads(raw.decode())
+        return {int(k): str(v) for k, v in data.items()}
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        raise ConfigError(f"config key 'grpc.credentials': {certs.TOKENS} is not a JSON object of client tokens") from None
+
+
+class Backoff:
+    """Exponential retry delays with seeded jitter: initial, 2x, 4x, ... capped at ``maximum``."""
+
+    def __init__(self, initial: float, maximum: float, seed: int, *keys: int | str):
+        self.initial = initial
+        self.maximum = maximum
+        self.delay = initial
+        self.rng = random.Random(derive_seed(seed, "backoff", *keys))
+
+    def next(self) -> float:
+        delay = self.delay * (0.5 + 0.5 * self.rng.random())
+        self.delay = min(self.delay * 2, self.maximum)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.initial
+
+
+def refused(code: Any) -> bool:
+    """A status that retrying cannot fix (credentials, identity, protocol)."""
+    grpc = grpc_module()
+    return code in (
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNIMPLEMENTED,
+    )
+
+
+def transport_error(what: str, exc: Any) -> TransportError:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return TransportError(f"{what}: {getattr(code, 'name', code)}: {details}")

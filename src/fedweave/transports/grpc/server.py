@@ -1,0 +1,362 @@
+"""The server side of the gRPC transport: a :class:`~fedweave.transports.base.Transport`.
+
+``exchange`` posts one job per message and waits until each client has answered,
+failed, gone silent or missed the round's deadline. Clients pull their job
+(server-streaming, ~1 MiB frames) and push their reply (client-streaming); a client
+counts as lost when nothing (heartbeat, pull, push) has come from it for
+``grpc.heartbeat_timeout`` seconds, so a long local training is never mistaken for a
+dead client and a dead client never holds a round until its deadline. Jobs and
+replies are dropped when their exchange returns, so memory does not grow with rounds.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fedweave.certs import client_name, hash_token
+from fedweave.errors import SerializationError, TransportError
+from fedweave.transports.base import Exchange
+from fedweave.transports.grpc import protocol as p
+from fedweave.transports.serialization import FRAME, FrameDecoder, encode_frames
+from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update
+
+if TYPE_CHECKING:
+    from fedweave.config import GrpcConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Client:
+    session: str
+    peer: str
+    last_seen: float
+    told_to_stop: bool = False
+
+
+@dataclass
+class _Job:
+    id: str
+    client_id: int
+    message: Message
+    posted: float
+    expected: dict[str, tuple[int, ...]] | None
+    state: str = "pending"  # pending | sending | sent | done | failed
+    reply: Message | None = None
+    reason: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def open(self) -> bool:
+        return self.state in ("pending", "sending", "sent")
+
+
+def _expected(message: Message) -> dict[str, tuple[int, ...]] | None:
+    """The shapes a plain update to this instruction must have (None when plugins encoded it)."""
+    body = message.body
+    if isinstance(body, Instruction) and body.task is TaskKind.TRAIN and not body.applied:
+        return {name: tuple(t.shape) for name, t in body.params.items()}
+    return None
+
+
+class GrpcServerTransport:
+    """Serves jobs to clients over gRPC; ``exchange`` / ``close`` as any transport."""
+
+    def __init__(self, settings: GrpcConfig, num_clients: int, *, listen: str | None = None):
+        grpc = p.grpc_module()
+        self.settings = settings
+        self.num_clients = num_clients
+        self._grpc = grpc
+        self._cond = threading.Condition()
+        self._clients: dict[int, _Client] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._tokens = p.token_hashes(settings)
+        self._closing = False
+        self._closed = False
+        self._joined = False  # the first exchange waits for clients to register
+        self._epoch = secrets.token_hex(3)
+        self._count = 0
+        handler = grpc.method_handlers_generic_handler(
+            p.SERVICE,
+            {
+                p.REGISTER: grpc.unary_unary_rpc_method_handler(self._register, p.identity, p.identity),
+                p.HEARTBEAT: grpc.unary_unary_rpc_method_handler(self._heartbeat, p.identity, p.identity),
+                p.PULL: grpc.unary_stream_rpc_method_handler(self._pull, p.identity, p.identity),
+                p.PUSH: grpc.stream_unary_rpc_method_handler(self._push, p.identity, p.identity),
+            },
+        )
+        # Each client holds at most one pull and one push; heartbeats and registrations are short.
+        pool = ThreadPoolExecutor(max_workers=2 * num_clients + 8, thread_name_prefix="fedweave-grpc")
+        self._server = grpc.server(pool, handlers=[handler], options=p.options(settings, server=True))
+        bind = listen or settings.listen or settings.address
+        credentials = p.server_credentials(settings)
+        try:
+            port = (
+                self._server.add_secure_port(bind, credentials)
+                if credentials is not None
+                else self._server.add_insecure_port(bind)
+            )
+        except RuntimeError as exc:
+            raise TransportError(f"cannot listen on {bind}: {exc}") from None
+        if not port:
+            raise TransportError(f"cannot listen on {bind} (is the address in use?)")
+        self.address = f"{bind.rpartition(':')[0]}:{port}"
+        self._server.start()
+        log.info("gRPC server listening on %s (tls: %s, tokens: %s)", self.address, settings.tls, settings.tokens)
+
+    # ------------------------------------------------------------------ Transport
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        result = Exchange()
+        if not messages:
+            return result
+        if not self._joined:
+            self._joined = True
+            joined = self.wait_for_clients(self.num_clients, self.settings.join_timeout)
+            log.info("%d of %d clients registered before the first round", joined, self.num_clients)
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        lost_after = self.settings.heartbeat_timeout
+        with self._cond:
+            jobs = []
+            for msg in messages:
+                self._count += 1
+                job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, start, _expected(msg))
+                self._jobs[msg.client_id] = job
+                jobs.append(job)
+            self._cond.notify_all()
+            try:
+                while True:
+                    now = time.monotonic()
+                    for job in jobs:
+                        if not job.open:
+                            continue
+                        client = self._clients.get(job.client_id)
+                        seen = max(job.posted, client.last_seen if client else 0.0)
+                        if now - seen > lost_after:
+                            what = "registered" if client is None else "sent a heartbeat"
+                            self._close_job(job, failed=f"lost: it has not {what} for {now - seen:.1f} s")
+                    if not any(job.open for job in jobs):
+                        break
+                    if deadline is not None and now >= deadline:
+                        for job in jobs:
+                            if job.open:
+                                self._close_job(job, failed=f"missed the round deadline ({timeout:g} s)")
+                        break
+                    wait = 0.25 if deadline is None else min(0.25, deadline - now)
+                    self._cond.wait(max(wait, 0.0))
+            finally:
+                for job in jobs:
+                    if job.open:
+                        self._close_job(job, failed="the exchange was interrupted")
+                    if self._jobs.get(job.client_id) is job:
+                        del self._jobs[job.client_id]
+        for job in jobs:  # replies in the order of the messages, as in simulation
+            result.bytes_sent += job.bytes_sent
+            result.bytes_received += job.bytes_received
+            if job.reply is not None:
+                result.replies.append(job.reply)
+            else:
+                result.failures[job.client_id] = job.reason
+                log.warning("round %d: client %d failed: %s", job.message.round, job.client_id, job.reason)
+        return result
+
+    def wait_for_clients(self, count: int, timeout: float) -> int:
+        """Wait until ``count`` clients have registered (at most ``timeout`` s); return how many did."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._clients) < count and time.monotonic() < deadline:
+                self._cond.wait(min(0.25, max(deadline - time.monotonic(), 0.0)))
+            return len(self._clients)
+
+    def close(self) -> None:
+        """Tell every live client to stop (on its next pull or heartbeat), then stop serving."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            self._cond.notify_all()
+            s = self.settings
+            deadline = time.monotonic() + s.poll_timeout + s.heartbeat_interval + 1.0
+            while time.monotonic() < deadline:
+                now = time.monotonic()
+                waiting = [
+                    c for c in self._clients.values()
+                    if not c.told_to_stop and now - c.last_seen <= s.heartbeat_timeout
+                ]
+                if not waiting:
+                    break
+                self._cond.wait(0.1)
+            self._closed = True
+            self._jobs.clear()
+        self._server.stop(grace=1.0).wait(timeout=5.0)
+        log.info("gRPC server on %s stopped", self.address)
+
+    # ------------------------------------------------------------------ RPC handlers
+
+    def _refuse(self, context: Any, code: Any, why: str) -> None:
+        log.warning("refused a call from %s: %s", context.peer(), why)
+        context.abort(code, why)
+
+    def _authenticate(self, context: Any, registering: bool = False) -> int:
+        codes = self._grpc.StatusCode
+        metadata = dict(context.invocation_metadata())
+        raw = metadata.get(p.CLIENT_KEY, "")
+        if not str(raw).isdigit() or not 0 <= int(raw) < self.num_clients:
+            why = f"unknown client id {raw!r} (clients are 0..{self.num_clients - 1})"
+            self._refuse(context, codes.UNAUTHENTICATED, why)
+        cid = int(raw)
+        if self._tokens is not None:
+            token, expected = metadata.get(p.TOKEN_KEY), self._tokens.get(cid)
+            if token is None or expected is None or not hmac.compare_digest(hash_token(str(token)), expected):
+                self._refuse(context, codes.UNAUTHENTICATED, f"client {cid}: missing or wrong token")
+        if self.settings.tls == "mtls":
+            names = [n.decode(errors="replace") for n in context.auth_context().get("x509_common_name", [])]
+            if names != [client_name(cid)]:
+                self._refuse(context, codes.PERMISSION_DENIED, f"client {cid}: its certificate belongs to {names}")
+        if not registering:
+            with self._cond:
+                client = self._clients.get(cid)
+                if client is None or metadata.get(p.SESSION_KEY) != client.session:
+                    why = f"client {cid} is not registered (or was replaced); register again"
+                    context.abort(codes.FAILED_PRECONDITION, why)
+                client.last_seen = time.monotonic()
+        return cid
+
+    def _register(self, request: bytes, context: Any) -> bytes:
+        cid = self._authenticate(context, registering=True)
+        session = secrets.token_hex(8)
+        with self._cond:
+            again = cid in self._clients
+            self._clients[cid] = _Client(session, context.peer(), time.monotonic())
+            self._cond.notify_all()
+        log.info("client %d %s from %s", cid, "registered again" if again else "registered", context.peer())
+        return p.encode_json(
+            {"session": session, "heartbeat_interval": self.settings.heartbeat_interval, "closing": self._closing}
+        )
+
+    def _heartbeat(self, request: bytes, context: Any) -> bytes:
+        cid = self._authenticate(context)
+        with self._cond:
+            if self._closing:
+                self._clients[cid].told_to_stop = True
+                self._cond.notify_all()
+        return p.encode_json({"closing": self._closing})
+
+    def _pull(self, request: bytes, context: Any) -> Iterator[bytes]:
+        cid = self._authenticate(context)
+        deadline = time.monotonic() + self.settings.poll_timeout
+        job: _Job | None = None
+        stop = False
+        with self._cond:
+            while True:
+                if self._closing:
+                    self._clients[cid].told_to_stop = True
+                    self._cond.notify_all()
+                    stop = True
+                    break
+                candidate = self._jobs.get(cid)
+                if candidate is not None and candidate.state in ("pending", "sent"):
+                    # "sent" too: a client only pulls when it holds no work, so it lost that job
+                    job = candidate
+                    job.state = "sending"
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not context.is_active():
+                    break
+                self._cond.wait(min(remaining, 1.0))
+        if stop:
+            yield p.control_frame({"type": "shutdown"})
+            return
+        if job is None:
+            yield p.control_frame({"type": "idle"})
+            return
+        delivered, sent = False, 0
+        try:
+            yield p.control_frame({"type": "job", "job": job.id, "round": job.message.round})
+            for frame in encode_frames(job.message, self.settings.chunk_bytes, self.settings.checksum):
+                yield frame
+                sent += len(frame) - FRAME.size
+            delivered = True
+        finally:
+            with self._cond:
+                if job.state == "sending":
+                    job.state = "sent" if delivered else "pending"
+                job.bytes_sent += sent if delivered else 0
+                self._cond.notify_all()
+            if not delivered:
+                log.info("round %d: sending to client %d broke off; it may pull again", job.message.round, cid)
+
+    def _push(self, request_iterator: Iterator[bytes], context: Any) -> bytes:
+        codes = self._grpc.StatusCode
+        cid = self._authenticate(context)
+        job_id = dict(context.invocation_metadata()).get(p.JOB_KEY)
+        with self._cond:
+            job = self._jobs.get(cid)
+            if job is None or job.id != job_id or not job.open:
+                context.abort(codes.FAILED_PRECONDITION, f"job {job_id} of client {cid} is closed (its round is over)")
+        s = self.settings
+        decoder = FrameDecoder(
+            max_chunk_bytes=s.chunk_bytes,
+            max_bytes=p.max_message_bytes(s),
+            expected=job.expected,
+            require_checksum=s.checksum,
+        )
+        rnd = job.message.round
+        try:
+            for frame in request_iterator:
+                control = p.parse_control(frame)
+                if control is None:
+                    decoder.feed(frame)
+                    continue
+                if control["type"] != "error":
+                    raise SerializationError(f"unexpected control frame {control['type']!r} in a reply")
+                reason = str(control.get("reason", ""))[:500]
+                log.warning("round %d: client %d reports an error: %s", rnd, cid, reason)
+                self._close_job(job, failed=f"client error: {reason}")
+                return p.encode_json({"ok": True})
+            reply = decoder.finish()
+            self._check_reply(job, reply)
+        except SerializationError as exc:
+            log.warning("round %d: reply of client %d refused: %s: %s", rnd, cid, type(exc).__name__, exc)
+            self._close_job(job, failed=f"rejected: {type(exc).__name__}: {exc}")
+            context.abort(codes.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}")
+        except self._grpc.RpcError as exc:
+            log.info("round %d: reply of client %d broke off (%s); it may push again", rnd, cid, exc)
+            context.abort(codes.ABORTED, "the reply stream broke off")
+        self._close_job(job, reply=reply, received=decoder.stream.received)
+        return p.encode_json({"ok": True})
+
+    @staticmethod
+    def _check_reply(job: _Job, reply: Message) -> None:
+        sent = job.message
+        if reply.client_id != job.client_id or reply.round != sent.round:
+            raise SerializationError(
+                f"reply is for client {reply.client_id} round {reply.round}, expected client "
+                f"{job.client_id} round {sent.round}"
+            )
+        instruction = sent.body
+        wanted = Evaluation if isinstance(instruction, Instruction) and instruction.task is TaskKind.EVALUATE else Update
+        if not isinstance(reply.body, wanted):
+            raise SerializationError(f"reply holds a {type(reply.body).__name__}, expected a {wanted.__name__}")
+
+    def _close_job(
+        self, job: _Job, *, reply: Message | None = None, failed: str | None = None, received: int = 0
+    ) -> None:
+        with self._cond:
+            if not job.open:
+                return
+            if reply is not None:
+                job.state, job.reply, job.bytes_received = "done", reply, received
+            else:
+                job.state, job.reason = "failed", failed or "failed"
+            self._cond.notify_all()

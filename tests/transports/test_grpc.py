@@ -1,0 +1,476 @@
+"""The gRPC transport in one process: a real server and real clients on 127.0.0.1, in threads.
+
+Exchanges, a 100 MB model, heartbeats against deadlines, dead and slow clients, a
+network blip, graceful shutdown, and the security checks: tokens, TLS, mutual TLS,
+corrupted and oversized chunks. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from fedweave import config as config_mod
+from fedweave.certs import client_cert, client_key, make_credentials
+from fedweave.config import GrpcConfig
+from fedweave.errors import TransportError
+from fedweave.transports.grpc import protocol as p
+from fedweave.transports.grpc.client import GrpcClient
+from fedweave.transports.grpc.server import GrpcServerTransport
+from fedweave.transports.serialization import FRAME, encode_frames
+from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+
+FAST = [
+    "transport=grpc",
+    "grpc.heartbeat_interval=0.1",
+    "grpc.heartbeat_timeout=1.0",
+    "grpc.poll_timeout=0.5",
+    "grpc.rpc_timeout=2",
+    "grpc.connect_timeout=3",
+    "grpc.join_timeout=5",
+    "grpc.backoff_initial=0.05",
+    "grpc.backoff_max=0.5",
+]
+
+Handler = Callable[[Message], Message]
+
+
+def settings(*overrides: str, clients: int = 3) -> GrpcConfig:
+    return config_mod.load(None, [f"clients={clients}", *FAST, *overrides]).grpc
+
+
+def echo(msg: Message) -> Message:
+    """A client that answers ``params + client_id`` (or an evaluation)."""
+    ins = msg.body
+    assert isinstance(ins, Instruction)
+    cid = msg.client_id
+    if ins.task is TaskKind.EVALUATE:
+        return Message(msg.round, cid, Evaluation(num_examples=5, metrics={"accuracy": 0.5}, client_id=cid))
+    tensors = {k: v + cid for k, v in ins.params.items()}
+    return Message(msg.round, cid, Update(UpdateKind.WEIGHTS, tensors, num_examples=10 + cid, client_id=cid))
+
+
+def jobs(ids: list[int], params: dict[str, torch.Tensor], rnd: int = 1) -> list[Message]:
+    return [Message(rnd, cid, Instruction(rnd, TaskKind.TRAIN, Work(cid, 8), params)) for cid in ids]
+
+
+PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.zeros(4)}
+
+
+class Cluster:
+    """A server transport and client threads; clients that raise keep their error."""
+
+    def __init__(self, s: GrpcConfig, server: GrpcServerTransport):
+        self.settings = s
+        self.server = server
+        self.clients: dict[int, GrpcClient] = {}
+        self.threads: dict[int, threading.Thread] = {}
+        self.errors: dict[int, BaseException] = {}
+
+    def start(self, cid: int, handler: Handler = echo, *, address: str | None = None, **kw: Any) -> GrpcClient:
+        client = GrpcClient(self.settings, cid, handler, address=address or self.server.address, **kw)
+
+        def serve() -> None:
+            try:
+                client.run()
+            except BaseException as exc:  # noqa: BLE001 - kept for the test to inspect
+                self.errors[cid] = exc
+
+        self.clients[cid] = client
+        self.threads[cid] = threading.Thread(target=serve, daemon=True)
+        self.threads[cid].start()
+        return client
+
+    def join(self, cid: int, timeout: float = 10.0) -> None:
+        self.threads[cid].join(timeout)
+        assert not self.threads[cid].is_alive(), f"client {cid} did not stop"
+
+
+@contextmanager
+def cluster(s: GrpcConfig, clients: int = 3, start: int | None = None) -> Iterator[Cluster]:
+    c = Cluster(s, GrpcServerTransport(s, clients, listen="127.0.0.1:0"))
+    for cid in range(clients if start is None else start):
+        c.start(cid)
+    try:
+        yield c
+    finally:
+        began = time.monotonic()
+        c.server.close()
+        for cid in c.threads:
+            c.clients[cid].stop()
+            c.join(cid)
+        assert time.monotonic() - began < 10
+
+
+def test_exchange_returns_replies_in_message_order_and_keeps_no_jobs() -> None:
+    with cluster(settings()) as c:
+        for rnd in (1, 2):
+            result = c.server.exchange(jobs([2, 0, 1], PARAMS, rnd), timeout=20)
+            assert result.failures == {}
+            assert [r.client_id for r in result.replies] == [2, 0, 1]
+            for r in result.replies:
+                assert r.round == rnd and r.body.num_examples == 10 + r.client_id
+                assert torch.equal(r.body.tensors["w"], PARAMS["w"] + r.client_id)
+            assert result.bytes_sent > 3 * 64 and result.bytes_received > 3 * 64
+            assert c.server._jobs == {}  # nothing of the round is kept
+        evaluation = [Message(3, 1, Instruction(3, TaskKind.EVALUATE, Work(1, 8), PARAMS))]
+        assert c.server.exchange(evaluation, timeout=20).replies[0].body.metrics == {"accuracy": 0.5}
+    assert c.errors == {}
+    assert all(client.jobs_done >= 2 for client in c.clients.values())
+
+
+def test_a_100mb_model_streams_in_bounded_chunks() -> None:
+    s = settings("grpc.chunk_bytes=1048576")
+    big = {"w": torch.randn(25_000_000)}  # 100 MB of float32; gRPC's limit is one chunk + 64 KiB
+    with cluster(s, clients=1) as c:
+        started = time.monotonic()
+        result = c.server.exchange(jobs([0], big), timeout=120)
+        assert result.failures == {}
+        assert torch.equal(result.replies[0].body.tensors["w"], big["w"])
+        assert result.bytes_sent >= 100_000_000 and result.bytes_received >= 100_000_000
+        assert time.monotonic() - started < 60
+
+
+def test_a_long_local_training_is_not_a_dead_client() -> None:
+    def slow(msg: Message) -> Message:
+        time.sleep(2.5)  # 2.5 x heartbeat_timeout: heartbeats keep flowing meanwhile
+        return echo(msg)
+
+    with cluster(settings(), clients=1, start=0) as c:
+        c.start(0, slow)
+        result = c.server.exchange(jobs([0], PARAMS), timeout=None)
+        assert result.failures == {} and len(result.replies) == 1
+
+
+def test_a_dead_client_fails_its_round_within_the_heartbeat_timeout() -> None:
+    release = threading.Event()
+
+    def hang(msg: Message) -> Message:
+        release.wait(10)
+        return echo(msg)
+
+    with cluster(settings("grpc.join_timeout=0"), clients=3, start=1) as c:
+        dying = c.start(1, hang)
+        started = time.monotonic()
+        threading.Timer(0.3, dying.stop).start()  # "killed" mid-round: its heartbeats stop
+        result = c.server.exchange(jobs([0, 1, 2], PARAMS), timeout=30)
+        elapsed = time.monotonic() - started
+        release.set()
+        assert [r.client_id for r in result.replies] == [0]
+        assert result.failures[1].startswith("lost: it has not sent a heartbeat")
+        assert result.failures[2].startswith("lost: it has not registered")  # never started
+        assert elapsed < 5, "a dead client must not hold the round until its 30 s deadline"
+
+
+def test_a_late_client_misses_the_deadline_and_serves_the_next_round() -> None:
+    slow_rounds = {1}
+
+    def sometimes_slow(msg: Message) -> Message:
+        if msg.round in slow_rounds:
+            time.sleep(1.5)
+        return echo(msg)
+
+    with cluster(settings(), clients=2, start=1) as c:
+        c.start(1, sometimes_slow)
+        result = c.server.exchange(jobs([0, 1], PARAMS, 1), timeout=0.8)
+        assert [r.client_id for r in result.replies] == [0]
+        assert result.failures[1] == "missed the round deadline (0.8 s)"
+        result = c.server.exchange(jobs([0, 1], PARAMS, 2), timeout=20)  # its late reply was dropped
+        assert result.failures == {} and [r.round for r in result.replies] == [2, 2]
+
+
+def test_a_client_error_is_reported_at_once() -> None:
+    def broken(msg: Message) -> Message:
+        raise ValueError("out of memory, say")
+
+    with cluster(settings(), clients=2, start=1) as c:
+        c.start(1, broken)
+        started = time.monotonic()
+        result = c.server.exchange(jobs([0, 1], PARAMS), timeout=30)
+        assert result.failures == {1: "client error: ValueError: out of memory, say"}
+        assert time.monotonic() - started < 5
+
+
+# --------------------------------------------------------------------------- security
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_credentials(tmp_path_factory.mktemp("credentials"), 2)
+
+
+@pytest.mark.parametrize("tls", ["none", "tls", "mtls"])
+def test_tls_modes_and_tokens_serve_valid_clients(credentials: Path, tls: str) -> None:
+    s = settings(f"grpc.tls={tls}", f"grpc.credentials={credentials}", "grpc.tokens=true", clients=2)
+    with cluster(s, clients=2) as c:
+        result = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
+        assert result.failures == {} and len(result.replies) == 2
+    assert c.errors == {}
+
+
+def test_a_wrong_token_is_refused_and_logged(credentials: Path, caplog: pytest.LogCaptureFixture) -> None:
+    s = settings(f"grpc.credentials={credentials}", "grpc.tokens=true", "grpc.join_timeout=0", clients=2)
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    with cluster(s, clients=2, start=1) as c:
+        c.start(1, token="guessed")
+        c.join(1, timeout=5)  # refused at once: no retries with credentials that cannot work
+        assert isinstance(c.errors[1], TransportError) and "UNAUTHENTICATED" in str(c.errors[1])
+        assert "client 1: missing or wrong token" in caplog.text
+        result = c.server.exchange(jobs([0], PARAMS), timeout=20)  # the others are still served
+        assert result.failures == {} and len(result.replies) == 1
+
+
+def _run_client(s: GrpcConfig, cid: int, address: str) -> BaseException | None:
+    try:
+        GrpcClient(s, cid, echo, address=address).run()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def test_mtls_refuses_foreign_and_stolen_certificates(
+    credentials: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    base = ["grpc.tls=mtls", "grpc.join_timeout=0"]
+    s = settings(*base, f"grpc.credentials={credentials}", clients=2)
+    foreign = make_credentials(tmp_path / "foreign", 2)  # the same names, signed by another CA
+    stolen = tmp_path / "stolen"  # client 0's valid certificate, presented as client 1
+    shutil.copytree(credentials, stolen)
+    for name in (client_cert, client_key):
+        shutil.copy(credentials / name(0), stolen / name(1))
+    with cluster(s, clients=2, start=1) as c:
+        started = time.monotonic()
+        error = _run_client(settings(*base, f"grpc.credentials={foreign}", clients=2), 1, c.server.address)
+        assert isinstance(error, TransportError) and "cannot register" in str(error)
+        assert time.monotonic() - started < 8  # gives up after connect_timeout (3 s)
+        assert "Handshake failed" in capfd.readouterr().err  # the server's TLS layer logs the refusal
+        error = _run_client(settings(*base, f"grpc.credentials={stolen}", clients=2), 1, c.server.address)
+        assert isinstance(error, TransportError) and "PERMISSION_DENIED" in str(error)
+        assert "client 1: its certificate belongs to ['client-0']" in caplog.text
+        result = c.server.exchange(jobs([0], PARAMS), timeout=20)  # client 0 is served throughout
+        assert result.failures == {} and len(result.replies) == 1
+
+
+class RawClient:
+    """A hand-written client of the protocol, for sending what a fedweave client never would."""
+
+    def __init__(self, address: str, cid: int):
+        self.channel = grpc.insecure_channel(address)
+        self.cid = cid
+        self.metadata = [(p.CLIENT_KEY, str(cid))]
+        call = self.channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        session = p.decode_json(call(b"{}", metadata=self.metadata, timeout=5, wait_for_ready=True))["session"]
+        self.metadata.append((p.SESSION_KEY, session))
+
+    def pull(self) -> tuple[str, Message]:
+        from fedweave.transports.serialization import FrameDecoder
+
+        call = self.channel.unary_stream(p.method(p.PULL), p.identity, p.identity)
+        frames = iter(call(b"", metadata=self.metadata, timeout=10))
+        control = p.parse_control(next(frames))
+        assert control is not None and control["type"] == "job"
+        decoder = FrameDecoder()
+        for frame in frames:
+            decoder.feed(frame)
+        return control["job"], decoder.finish()
+
+    def push(self, job: str, frames: list[bytes]) -> grpc.RpcError | None:
+        call = self.channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
+        try:
+            call(iter(frames), metadata=[*self.metadata, (p.JOB_KEY, job)], timeout=10)
+        except grpc.RpcError as exc:
+            return exc
+        return None
+
+
+def _tamper(frames: list[bytes], how: str) -> list[bytes]:
+    out = [bytearray(f) for f in frames]
+    if how == "corrupted":
+        out[1][FRAME.size + 10] ^= 0xFF
+    else:  # a chunk over the limit (still under gRPC's own message limit)
+        out[1] = out[1] + bytes(40_000)
+    return [bytes(f) for f in out]
+
+
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [("corrupted", "SerializationError: corrupted chunk 1: CRC-32 mismatch"), ("oversized", "PayloadTooLarge: chunk 1 of")],
+)
+def test_corrupted_or_oversized_chunks_are_rejected(how: str, error: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    s = settings("grpc.chunk_bytes=16384", "grpc.join_timeout=0", clients=2)
+    with cluster(s, clients=2, start=1) as c:
+        outcome: dict[str, Any] = {}
+
+        def attacker() -> None:
+            raw = RawClient(c.server.address, 1)
+            job, msg = raw.pull()
+            frames = list(encode_frames(echo(msg), s.chunk_bytes))
+            outcome["error"] = raw.push(job, _tamper(frames, how))
+
+        thread = threading.Thread(target=attacker, daemon=True)
+        thread.start()
+        big = {"w": torch.randn(20_000)}  # 80 kB: several chunks
+        result = c.server.exchange(jobs([0, 1], big), timeout=20)
+        thread.join(10)
+        assert outcome["error"].code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert result.failures[1].startswith(f"rejected: {error}")
+        assert error in caplog.text
+        assert [r.client_id for r in result.replies] == [0]  # the honest client is unaffected
+
+
+def test_an_oversized_message_is_rejected() -> None:
+    s = settings("grpc.max_message_mb=0.01", "grpc.join_timeout=0", clients=1)
+    with cluster(s, clients=1) as c:
+        result = c.server.exchange(jobs([0], {"w": torch.randn(10_000)}), timeout=20)
+        assert result.failures[0].startswith("client error: instruction refused: PayloadTooLarge")
+
+
+# --------------------------------------------------------------------------- network blips
+
+
+class Proxy:
+    """A TCP relay to ``port`` whose connections can be cut (a network blip)."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.port = self.listener.getsockname()[1]
+        self.up = threading.Event()
+        self.up.set()
+        self.closed = threading.Event()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                continue
+            if not self.up.is_set():
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self, seconds: float) -> None:
+        self.up.clear()
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.sockets = []
+        time.sleep(seconds)
+        self.up.set()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.cut(0)
+        self.listener.close()
+
+
+def test_a_client_reconnects_after_a_network_blip() -> None:
+    s = settings("grpc.heartbeat_timeout=4", clients=1)
+    training = threading.Event()
+
+    def slow(msg: Message) -> Message:
+        if msg.round == 2:
+            training.set()
+            time.sleep(1.5)
+        return echo(msg)
+
+    with cluster(s, clients=1, start=0) as c:
+        proxy = Proxy(int(c.server.address.rpartition(":")[2]))
+        try:
+            c.start(0, slow, address=f"127.0.0.1:{proxy.port}")
+            assert c.server.exchange(jobs([0], PARAMS, 1), timeout=20).failures == {}
+            proxy.cut(0.5)  # between rounds
+            blip = threading.Thread(target=lambda: training.wait(10) and proxy.cut(0.7), daemon=True)
+            blip.start()  # and while the client trains round 2
+            result = c.server.exchange(jobs([0], PARAMS, 2), timeout=20)
+            blip.join(10)
+            assert result.failures == {} and result.replies[0].round == 2
+            assert c.server.exchange(jobs([0], PARAMS, 3), timeout=20).failures == {}
+        finally:
+            proxy.close()
+    assert c.errors == {}
+
+
+def test_clients_stop_when_the_server_closes() -> None:
+    s = settings()
+    c = Cluster(s, GrpcServerTransport(s, 2, listen="127.0.0.1:0"))
+    for cid in (0, 1):
+        c.start(cid)
+    assert c.server.exchange(jobs([0, 1], PARAMS), timeout=20).failures == {}
+    started = time.monotonic()
+    c.server.close()
+    for cid in (0, 1):
+        c.join(cid, timeout=5)
+    assert time.monotonic() - started < 5
+    assert c.errors == {} and [c.clients[i].jobs_done for i in (0, 1)] == [1, 1]
+
+
+# --------------------------------------------------------------------------- the loop over gRPC
+
+
+def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from conftest import small_config
+
+    from fedweave import runner
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.node import server_topology
+
+    config = small_config("clients=2", "min_clients=2", "rounds=2", *FAST, "grpc.listen=127.0.0.1:0")
+    topology = server_topology(config)
+    r = runner.prepare(config, tmp_path / "run", topology=topology)
+    c = Cluster(config.grpc, topology.transport)
+    task = build_task(config)
+    runtimes = [build_client_runtime(config, task, build_chains(config), ClientStateStore()) for _ in range(2)]
+
+    def dies_in_round_two(msg: Message) -> Message:
+        if msg.round == 2:
+            c.clients[1].stop()  # its heartbeats stop: from the server's side it is dead
+            time.sleep(2.0)
+        return runtimes[1].handle(msg)
+
+    c.start(0, runtimes[0].handle)
+    c.start(1, dies_in_round_two)
+    caplog.set_level(logging.ERROR, logger="fedweave")
+    records = runner.run_rounds(r)  # closes the topology at the end
+    for cid in (0, 1):
+        c.join(cid)
+    assert records[0]["clients_completed"] == 2 and not records[0].get("skipped")
+    assert records[1]["skipped"] is True and records[1]["clients_completed"] == 1
+    assert "round 2 skipped: 1 of 2 clients answered, min_clients is 2 (client 1: lost" in caplog.text

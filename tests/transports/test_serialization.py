@@ -1,0 +1,352 @@
+"""The wire format: round trips of every dtype and body, zero copy, and one rejection per malformation."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
+from fedweave.transports import serialization as ser
+from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+
+DTYPES = list(ser.DTYPES.values())
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 5)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=dtype)
+
+
+def instruction(params: dict[str, torch.Tensor], **kw: Any) -> Message:
+    body = Instruction(
+        round=3,
+        task=TaskKind.TRAIN,
+        work=Work(client_id=2, batch_size=16, epochs=1, local_steps=7),
+        params=params,
+        config={"lr": 0.1, "mu": 0.01, "note": "x"},
+        extras={"c": torch.ones(4)},
+        applied=kw.pop("applied", []),
+    )
+    return Message(3, 2, body)
+
+
+def update(tensors: dict[str, torch.Tensor], **kw: Any) -> Message:
+    body = Update(
+        kind=UpdateKind.DELTA,
+        tensors=tensors,
+        num_examples=42,
+        metrics={"train_loss": 0.25},
+        extras={"dc": torch.zeros(2, dtype=torch.float64)},
+        applied=kw.pop("applied", []),
+        client_id=2,
+        local_steps=5,
+        compute_time=1.5,
+    )
+    return Message(3, 2, body)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def decoders(msg: Message, **kw: Any) -> list[Message]:
+    """The message through every decoding path: whole (copy / zero copy), stream, frames."""
+    buf = ser.encode(msg)
+    out = [ser.decode(bytes(buf), **kw), ser.decode(bytearray(buf), **kw)]
+    for chunk in (1, 7, 100, 1 << 20):
+        stream = ser.StreamDecoder(**kw)
+        for piece in ser.iter_chunks(msg, chunk):
+            stream.feed(piece)
+        out.append(stream.finish())
+    frames = ser.FrameDecoder(max_chunk_bytes=64, require_checksum=True, **kw)
+    for frame in ser.encode_frames(msg, 64):
+        frames.feed(frame)
+    out.append(frames.finish())
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips(dtype: torch.dtype) -> None:
+    params = {
+        "w": sample(dtype),
+        "scalar": sample(dtype, ()),
+        "empty": sample(dtype, (0, 4)),
+        "transposed": sample(dtype, (4, 6)).t(),  # non-contiguous input
+        "big": sample(dtype, (33, 17, 3)),
+    }
+    for got in decoders(instruction(params)):
+        same(params, got.body.params)
+        assert got.body.work == Work(2, 16, 1, 7)
+        assert got.body.config == {"lr": 0.1, "mu": 0.01, "note": "x"}
+
+
+def test_special_float_values_survive() -> None:
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 65504.0])
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        t = values.to(dtype)
+        got = ser.decode(ser.encode(update({"t": t}))).body.tensors["t"]
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))  # bit for bit
+
+
+def test_update_and_evaluation_round_trip() -> None:
+    msg = update({"a": sample(torch.float32)}, applied=["topk"])
+    for got in decoders(msg):
+        assert got.round == 3 and got.client_id == 2
+        b = got.body
+        assert (b.kind, b.num_examples, b.metrics, b.applied) == (UpdateKind.DELTA, 42, {"train_loss": 0.25}, ["topk"])
+        assert (b.client_id, b.local_steps, b.compute_time) == (2, 5, 1.5)
+        same(msg.body.tensors, b.tensors)
+        same(msg.body.extras, b.extras)
+    ev = Message(4, 1, Evaluation(num_examples=9, metrics={"accuracy": 0.5}, client_id=1))
+    for got in decoders(ev):
+        assert got == ev
+
+
+def test_decode_of_a_writable_buffer_is_zero_copy() -> None:
+    buf = ser.encode(update({"w": torch.arange(1000, dtype=torch.float32)}))
+    got = ser.decode(buf).body.tensors["w"]
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    assert base <= got.data_ptr() < base + len(buf)  # a view into the buffer, no copy
+    got[0] = 7.0  # writable, and shares the buffer's memory
+    assert ser.decode(buf).body.tensors["w"][0] == 7.0
+
+
+def test_decode_of_read_only_bytes_copies_into_writable_tensors() -> None:
+    data = bytes(ser.encode(update({"w": torch.arange(10, dtype=torch.float32)})))
+    got = ser.decode(data).body.tensors["w"]
+    got += 1  # no warning, no write into an immutable buffer
+    assert ser.decode(data).body.tensors["w"][0] == 0
+    with pytest.raises(ValueError, match="writable"):
+        ser.decode(data, copy=False)
+
+
+def test_chunks_of_a_large_tensor_are_views_of_its_memory() -> None:
+    t = torch.randn(1 << 16)  # 256 KiB
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * 4
+    chunks = list(ser.iter_chunks(update({"t": t}), 1 << 14))
+    views = [c for c in chunks if isinstance(c, memoryview)]
+    assert len(views) >= 14
+    for view in views:
+        assert start <= torch.frombuffer(view, dtype=torch.uint8).data_ptr() < end
+    assert all(len(c) == 1 << 14 for c in chunks[:-1])
+
+
+def test_stream_decoder_allocates_each_tensor_once() -> None:
+    msg = update({"w": torch.randn(4096)})
+    stream = ser.StreamDecoder()
+    pieces = list(ser.iter_chunks(msg, 1000))
+    stream.feed(pieces[0])
+    assert stream.total == ser.encoded_size(msg)
+    target = stream._values[("tensors", "w")].data_ptr()
+    for piece in pieces[1:]:
+        stream.feed(piece)
+    got = stream.finish().body.tensors["w"]
+    assert got.data_ptr() == target  # the chunks were copied straight into the final tensor
+    assert torch.equal(got, msg.body.tensors["w"])
+
+
+# --------------------------------------------------------------------------- malformations
+
+
+def forge(meta: dict[str, Any], data: bytes = b"", *, magic: bytes = ser.MAGIC, version: int = 1, flags: int = 0) -> bytes:
+    """A message with arbitrary metadata and a correct header (so only the metadata is wrong)."""
+    raw = json.dumps(meta).encode()
+    head = ser.HEADER.pack(magic, version, flags, len(raw), zlib.crc32(raw), len(data)) + raw
+    head += bytes(-len(head) % ser.ALIGN)
+    return head + data
+
+
+def good_meta() -> tuple[dict[str, Any], bytes]:
+    buf = ser.encode(update({"w": torch.ones(2, 3)}))
+    _, _, _, meta_len, _, _ = ser.HEADER.unpack_from(buf)
+    meta = json.loads(bytes(buf[ser.HEADER.size : ser.HEADER.size + meta_len]))
+    data_start = -(-(ser.HEADER.size + meta_len) // ser.ALIGN) * ser.ALIGN
+    return meta, bytes(buf[data_start:])
+
+
+def test_forge_is_faithful() -> None:
+    meta, data = good_meta()
+    assert torch.equal(ser.decode(forge(meta, data)).body.tensors["w"], torch.ones(2, 3))
+
+
+def mutate(change: Any) -> bytes:
+    meta, data = good_meta()
+    result = change(meta)
+    return forge(meta if result is None else result, data)
+
+
+MALFORMED = {
+    "not a mapping": lambda m: [1, 2],
+    "extra top-level key": lambda m: {**m, "evil": 1},
+    "negative round": lambda m: m.update(round=-1),
+    "unknown body": lambda m: m.update(body="virus"),
+    "missing field": lambda m: m["fields"].pop("num_examples"),
+    "bool as int": lambda m: m["fields"].update(num_examples=True),
+    "unknown update kind": lambda m: m["fields"].update(kind="poison"),
+    "metric not a number": lambda m: m["fields"].update(metrics={"loss": "low"}),
+    "entry not a list": lambda m: m.update(tensors=[{"name": "w"}]),
+    "unknown group": lambda m: m["tensors"][0].__setitem__(0, "params"),
+    "name not a string": lambda m: m["tensors"][0].__setitem__(1, 5),
+    "unknown dtype": lambda m: m["tensors"][0].__setitem__(2, "complex64"),
+    "negative dimension": lambda m: m["tensors"][0].__setitem__(3, [-2, -3]),
+    "shape does not match size": lambda m: m["tensors"][0].__setitem__(3, [3, 3]),
+    "offset out of place": lambda m: m["tensors"][0].__setitem__(4, 64),
+    "nbytes lies": lambda m: m["tensors"][0].__setitem__(5, 4),
+    "duplicate name": lambda m: m["tensors"].append(list(m["tensors"][0])),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_metadata_is_rejected(name: str) -> None:
+    data = mutate(MALFORMED[name])
+    with pytest.raises(SerializationError, match="malformed"):
+        ser.decode(data)
+    stream = ser.StreamDecoder()
+    with pytest.raises(SerializationError):
+        stream.feed(data)
+        stream.finish()
+
+
+def test_header_problems_are_rejected() -> None:
+    meta, data = good_meta()
+    cases = {
+        "not a fedweave message": forge(meta, data, magic=b"HTTP"),
+        "version 9 is not supported": forge(meta, data, version=9),
+        "unknown flags": forge(meta, data, flags=4),
+        "shorter than the 24-byte header": forge(meta, data)[:10],
+        "not UTF-8 JSON": _with_meta(b"\xff\xfe{"),
+    }
+    for message, blob in cases.items():
+        with pytest.raises(SerializationError, match=message):
+            ser.decode(blob)
+
+
+def _with_meta(raw: bytes) -> bytes:
+    head = ser.HEADER.pack(ser.MAGIC, 1, 0, len(raw), zlib.crc32(raw), 0) + raw
+    return head + bytes(-len(head) % ser.ALIGN)
+
+
+def test_corrupted_metadata_fails_its_checksum() -> None:
+    buf = bytearray(ser.encode(update({"w": torch.ones(3)})))
+    buf[ser.HEADER.size + 5] ^= 0x20
+    with pytest.raises(SerializationError, match="checksum"):
+        ser.decode(buf)
+
+
+def test_truncated_and_overlong_messages_are_rejected() -> None:
+    buf = bytes(ser.encode(update({"w": torch.ones(100)})))
+    for cut in (30, ser.HEADER.size + 10, len(buf) - 1):
+        with pytest.raises(SerializationError, match="truncated"):
+            ser.decode(buf[:cut])
+        stream = ser.StreamDecoder()
+        stream.feed(buf[:cut])
+        with pytest.raises(SerializationError, match="truncated"):
+            stream.finish()
+    with pytest.raises(SerializationError, match="malformed message"):
+        ser.decode(buf + b"\0")
+    stream = ser.StreamDecoder()
+    with pytest.raises(SerializationError, match="more bytes"):
+        stream.feed(buf + b"\0")
+
+
+def test_invalid_bool_bytes_are_rejected() -> None:
+    msg = update({"b": torch.tensor([True, False])})
+    msg.body.extras = {}
+    buf = bytearray(ser.encode(msg))
+    buf[-1] = 7
+    with pytest.raises(SerializationError, match="bool"):
+        ser.decode(buf)
+
+
+def test_oversized_message_is_rejected_before_allocation() -> None:
+    msg = update({"w": torch.ones(1000)})
+    size = ser.encoded_size(msg)
+    assert ser.decode(ser.encode(msg), max_bytes=size)
+    with pytest.raises(PayloadTooLarge, match="exceeds"):
+        ser.decode(ser.encode(msg), max_bytes=size - 1)
+    # A header that declares 1 TB is refused from its first 24 bytes: nothing is allocated.
+    huge = ser.HEADER.pack(ser.MAGIC, 1, 0, 10, 0, 1 << 40)
+    stream = ser.StreamDecoder(max_bytes=1 << 30)
+    with pytest.raises(PayloadTooLarge):
+        stream.feed(huge)
+
+
+def test_mismatched_tensors_are_rejected() -> None:
+    expected = {"w": (2, 3), "b": (3,)}
+    ok = update({"w": torch.ones(2, 3)})  # a subset is fine (personal layers stay home)
+    assert ser.decode(ser.encode(ok), expected=expected)
+    with pytest.raises(PayloadMismatch, match="unexpected tensor 'evil'"):
+        ser.decode(ser.encode(update({"evil": torch.ones(2, 3)})), expected=expected)
+    with pytest.raises(PayloadMismatch, match=r"shape \[3, 2\], expected \[2, 3\]"):
+        ser.decode(ser.encode(update({"w": torch.ones(3, 2)})), expected=expected)
+    stream = ser.StreamDecoder(expected=expected)
+    with pytest.raises(PayloadMismatch):
+        for piece in ser.iter_chunks(update({"w": torch.ones(3, 2)}), 16):
+            stream.feed(piece)
+    # An encoded payload (a plugin was applied) carries other names: its plugin checks it.
+    assert ser.decode(ser.encode(update({"w.values": torch.ones(2)}, applied=["topk"])), expected=expected)
+
+
+def test_unserializable_messages_are_refused_when_encoding() -> None:
+    with pytest.raises(SerializationError, match="complex64"):
+        ser.encode(update({"z": torch.ones(2, dtype=torch.complex64)}))
+    msg = instruction({"w": torch.ones(2)})
+    msg.body.config["f"] = object()
+    with pytest.raises(SerializationError, match="JSON"):
+        ser.encode(msg)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def frames_of(msg: Message, chunk: int = 64) -> list[bytearray]:
+    return [bytearray(f) for f in ser.encode_frames(msg, chunk)]
+
+
+def feed_all(frames: list[bytearray], **kw: Any) -> Message:
+    decoder = ser.FrameDecoder(**{"max_chunk_bytes": 64, **kw})
+    for f in frames:
+        decoder.feed(f)
+    return decoder.finish()
+
+
+def test_corrupted_chunk_is_rejected() -> None:
+    frames = frames_of(update({"w": torch.randn(100)}))
+    frames[3][-1] ^= 1
+    with pytest.raises(SerializationError, match="corrupted chunk 3: CRC-32 mismatch"):
+        feed_all(frames)
+
+
+def test_oversized_chunk_is_rejected() -> None:
+    frames = frames_of(update({"w": torch.randn(100)}), chunk=128)
+    with pytest.raises(PayloadTooLarge, match="chunk 0 of 128 bytes exceeds the maximum chunk of 64"):
+        feed_all(frames)
+
+
+def test_reordered_lost_and_unchecked_chunks_are_rejected() -> None:
+    frames = frames_of(update({"w": torch.randn(100)}))
+    with pytest.raises(SerializationError, match="chunk 2 at byte 128 arrived where chunk 1"):
+        feed_all([frames[0], frames[2]])
+    with pytest.raises(SerializationError, match="truncated"):
+        feed_all(frames[:-1])
+    unchecked = [bytearray(f) for f in ser.encode_frames(update({"w": torch.randn(10)}), 64, checksum=False)]
+    assert feed_all(unchecked)
+    with pytest.raises(SerializationError, match="no checksum"):
+        feed_all(unchecked, require_checksum=True)
+    bad_kind = bytearray(frames[0])
+    struct.pack_into("<B", bad_kind, 0, 9)
+    with pytest.raises(SerializationError, match="not a data frame"):
+        feed_all([bad_kind])
