@@ -453,7 +453,7 @@ def check_composition(config: Config) -> None:
                     f"updates while encoded, which needs a weighted-sum server step; strategy "
                     f"{config.strategy.name!r} does not aggregate by a weighted sum"
                 )
-    check_chains(config.plugins, PLUGINS)
+    check_chains(config, PLUGINS)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

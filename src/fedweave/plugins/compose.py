@@ -1,0 +1,114 @@
+"""Composition rules of plugin chains, checked when the config is loaded.
+
+Plugins declare, as class attributes, what the rules need:
+
+- ``points``: the attachment points where the plugin means something (absent: any);
+- ``stage``: ``clip``, ``noise``, ``compress`` or ``secure`` (masking, encryption);
+  within ``client_send`` stages must come in that order;
+- ``summable``: whether payloads it encoded for different clients can be summed
+  entry by entry and decoded as one (a bool, or a function of the plugin's params).
+  Only such plugins may come before a combining plugin (secure aggregation, HE,
+  central DP), whose sum the earlier plugins decode;
+- ``one_process``: why the plugin needs the server and the clients in one process
+  (a string, or a function of its params giving one or None): state that a deployment
+  would exchange in messages of its own, which the spine does not carry yet. Such a
+  plugin is refused with a transport other than ``inmemory``.
+
+Plugins without these attributes (user plugins) are free, except that nothing may
+follow a ``secure`` plugin and only summable plugins may precede a combining one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedweave.errors import ConfigError
+
+ORDER = ("clip", "noise", "compress", "secure")
+
+WHY_POINT = {
+    "clip": "it bounds client updates, which only the client_send chain carries",
+    "noise": "it adds privacy noise to client updates, which only the client_send chain carries",
+    "compress": "it encodes at one end and decodes at the other, which only the send chains do",
+    "secure": "it makes the server combine client updates while encoded",
+    "train": "it sets up each client's private local training, which only instructions reaching a client carry",
+}
+
+WHY_ORDER = {
+    ("noise", "clip"): "the noise is calibrated to the clip norm, so clipping must come first",
+    ("compress", "clip"): "clipping bounds the update actually sent only when it comes before compression "
+    "(compression rescales entries and error feedback adds residuals)",
+    ("compress", "noise"): "compressing a noised update is post-processing and keeps the privacy guarantee, "
+    "but noise added after compression protects an update whose norm is no longer bounded by the clip "
+    "(rescaled entries, error-feedback residuals)",
+}
+
+
+def summable(cls: Any, params: Any) -> bool:
+    value = getattr(cls, "summable", False)
+    return bool(value(params) if callable(value) else value)
+
+
+def check_chains(config: Any, registry: Any) -> None:
+    """Raise a ConfigError for the first plugin placed or ordered against the rules."""
+    plugins = config.plugins
+    for point in ("server_send", "client_receive", "client_send", "server_receive"):
+        for i, spec in enumerate(getattr(plugins, point)):
+            cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
+            points = getattr(cls, "points", None)
+            if points is not None and point not in points:
+                where = " or ".join(f"plugins.{p}" for p in points)
+                why = WHY_POINT.get(getattr(cls, "stage", ""), "it declares it works only there")
+                raise ConfigError(f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} belongs in {where}: {why}")
+            reason = getattr(cls, "one_process", None)
+            reason = reason(spec.params) if callable(reason) else reason
+            if reason and config.transport.kind != "inmemory":
+                raise ConfigError(
+                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
+                    f"one process ({reason}); transport {config.transport.kind!r} runs them apart"
+                )
+    _check_client_send(plugins.client_send, registry)
+
+
+def _check_client_send(specs: list[Any], registry: Any) -> None:
+    seen: list[tuple[int, str, Any]] = []
+    for j, spec in enumerate(specs):
+        key = f"config key 'plugins.client_send[{j}]'"
+        cls = registry.get(spec.name, f"plugins.client_send[{j}].name")
+        stage = getattr(cls, "stage", None)
+        for i, name, earlier in seen:
+            earlier_stage = getattr(earlier, "stage", None)
+            if earlier_stage == "secure":
+                raise ConfigError(
+                    f"{key}: plugin {spec.name!r} comes after {name!r} (plugins.client_send[{i}]), which masks or "
+                    "encrypts the update: nothing may follow it, since the server must combine exactly what was "
+                    "masked or encrypted (put compression, clipping and noise before it)"
+                )
+            if cls.combines_encoded and earlier.combines_encoded:
+                raise ConfigError(
+                    f"{key}: plugins {name!r} (plugins.client_send[{i}]) and {spec.name!r} both make the server "
+                    "combine the updates while encoded, and a round has one combine step (for differential "
+                    "privacy with secure aggregation, put dp_local before secagg)"
+                )
+            if stage in ORDER and earlier_stage in ORDER and ORDER.index(earlier_stage) > ORDER.index(stage):
+                raise ConfigError(
+                    f"{key}: plugin {spec.name!r} ({stage}) comes after {name!r} ({earlier_stage}, "
+                    f"plugins.client_send[{i}]); the order is clip, noise, compress, secure: "
+                    f"{WHY_ORDER[(earlier_stage, stage)]}"
+                )
+        if cls.combines_encoded:
+            for i, name, earlier in seen:
+                params = specs[i].params
+                if not summable(earlier, params):
+                    hint = (
+                        "use quantize with dtype float16 or bfloat16, or randk with shared_indices: true, "
+                        "or compress the broadcast (server_send) instead"
+                        if getattr(earlier, "stage", None) == "compress"
+                        else "a plugin whose decode is linear can declare summable = True"
+                    )
+                    raise ConfigError(
+                        f"config key 'plugins.client_send[{i}]': plugin {name!r} comes before {spec.name!r}, which "
+                        f"sums the encoded updates, but payloads {name!r} encoded for different clients cannot be "
+                        f"summed entry by entry (each has its own positions or scales); {hint}"
+                    )
+        seen.append((j, spec.name, cls))

@@ -1,0 +1,57 @@
+"""Top-k sparsification: send the k largest-magnitude entries of each tensor.
+
+Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017
+(https://arxiv.org/abs/1704.05021); with error feedback as in Lin et al., "Deep Gradient
+Compression", ICLR 2018 (https://arxiv.org/abs/1712.01887).
+
+Each tensor travels as ``name.__values`` (the k values) and ``name.__indices`` (their
+flat positions, sorted, 2 bytes each: offsets within blocks of 65,536 entries, with a
+count per block in ``name.__blocks``). At ratio 1 % with float32 values that is about
+6 bytes per sent entry, some 66x fewer bytes than dense; float16 values give about 100x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fedweave.plugins.compression.wire import Compressor, Site, pack_indices, unpack_indices
+from fedweave.schema import opt
+
+VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TopKParams:
+    ratio: float = opt(0.01, gt=0, le=1, help="share of each tensor's entries sent (at least one)")
+    error_feedback: bool = opt(True, help="keep what was not sent and add it to the next update")
+    values: Literal["float32", "float16", "bfloat16"] = opt("float32", help="dtype of the sent values")
+
+
+class TopKCodec:
+    def __init__(self, hp: TopKParams):
+        self.hp = hp
+
+    def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
+        flat = x.reshape(-1)
+        k = max(1, int(self.hp.ratio * flat.numel()))
+        indices = flat.abs().topk(k, sorted=False).indices.sort().values
+        return {"values": flat[indices].to(VALUE_DTYPES[self.hp.values]), **pack_indices(indices, flat.numel())}
+
+    def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.zeros(shape, dtype=torch.float32).reshape(-1)
+        out[unpack_indices(fields)] = fields["values"].to(torch.float32)
+        return out.reshape(shape)
+
+
+class TopK(Compressor):
+    """Top-k sparsification (Aji & Heafield 2017) with error feedback."""
+
+    name = "topk"
+    Params = TopKParams
+
+    def __init__(self, hp: TopKParams):
+        super().__init__(TopKCodec(hp), hp.error_feedback)
+        self.hp = hp

@@ -1,0 +1,201 @@
+"""What every compression plugin shares: both directions, error feedback, per-client state.
+
+A compression plugin is a *codec* (``compress`` one tensor into a few compact tensors,
+``decompress`` them back) driven by :class:`Compressor`, which knows the two directions:
+
+- **uplink** (``client_send``): each floating tensor of the update is compressed. With
+  error feedback the client keeps what compression lost (the residual) and adds it to
+  the next update it compresses (Seide et al. 2014; Karimireddy et al. 2019), so
+  nothing is lost for good, only delayed.
+- **downlink** (``server_send``): the server sends each client the *difference* between
+  the global model and the model that client holds, compressed; both ends then add the
+  decompressed difference to their copy of the client's model, so the copies stay
+  equal and what compression lost is sent with a later broadcast (error feedback by
+  construction). A client the server has sent nothing to yet gets the dense model.
+  Evaluation instructions travel dense.
+
+State is per client id and lives in the plugin instance: in simulation one plugin
+object serves every client (and the server), so the client side's residuals and model
+copies and the server side's copies are kept apart, keyed by ``ctx.client_id``. The
+downlink needs the server to hold one model copy per client it has trained with (and
+each client one copy of its own): memory grows with the clients reached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.packing import decode_each, encode_each
+from fedweave.seeding import derive_seed
+from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
+
+DELTA = "__delta"
+"""Marks a broadcast that carries a compressed difference rather than the dense model."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """Which tensor of which payload a codec works on: seeds its randomness, keys its state."""
+
+    plugin: str
+    seed: int
+    direction: str  # "up" (client update) or "down" (broadcast)
+    round: int
+    client_id: int
+    name: str
+
+    def seed_for(self, *keys: int | str) -> int:
+        return derive_seed(self.seed, self.plugin, self.direction, self.round, *keys)
+
+    def generator(self, *keys: int | str) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed_for(*keys))
+
+
+class Codec(Protocol):
+    def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor] | None:
+        """Compact fields of ``x`` (float32); None sends ``x`` as it is."""
+
+    def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """The float32 tensor of ``shape`` that ``fields`` stand for."""
+
+
+class Compressor:
+    """A compression plugin: a codec driven in both directions (see the module doc)."""
+
+    name: ClassVar[str]
+    accepts: ClassVar[frozenset[UpdateKind]] = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
+    combines_encoded: ClassVar[bool] = False
+    stage: ClassVar[str] = "compress"
+    points: ClassVar[tuple[str, ...]] = ("server_send", "client_send")
+    summable: ClassVar[Any] = False
+
+    def __init__(self, codec: Codec, error_feedback: bool):
+        self.codec = codec
+        self.error_feedback = error_feedback
+        self.seed = 0
+        self.residuals: dict[int, Params] = {}  # client side, uplink
+        self.sent: dict[int, Params] = {}  # server side: the model each client holds
+        self.held: dict[int, Params] = {}  # client side: the model this client holds
+
+    def bind(self, config: Any) -> None:
+        self.seed = config.seed
+
+    def encode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        if isinstance(payload, Update):
+            return self._encode_update(payload, ctx)
+        if payload.task is TaskKind.TRAIN:
+            return self._encode_broadcast(payload, ctx)
+        return replace(payload)
+
+    def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        if isinstance(payload, Update):
+            return replace(payload, tensors=decode_each(payload.tensors, self._decompress))
+        if payload.task is TaskKind.TRAIN:
+            return self._decode_broadcast(payload, ctx)
+        return replace(payload)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": self.residuals, "sent": self.sent, "held": self.held, "codec": _codec_state(self.codec)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals, self.sent, self.held = state["residuals"], state["sent"], state["held"]
+        if hasattr(self.codec, "load_state_dict"):
+            self.codec.load_state_dict(state["codec"])
+
+    # ------------------------------------------------------------------ uplink
+
+    def _encode_update(self, update: Update, ctx: PluginContext) -> Update:
+        residual = self.residuals.get(ctx.client_id, {}) if self.error_feedback else {}
+        kept: Params = {}
+
+        def compress(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+            x = tensor.to(torch.float32)
+            if name in residual:
+                x = x + residual[name]
+            fields = self.codec.compress(x, self._site("up", ctx, name))
+            if self.error_feedback:
+                sent = x if fields is None else self._decompress(name, fields, tuple(x.shape))
+                kept[name] = x - sent.reshape(x.shape)
+            return fields
+
+        tensors = encode_each(update.tensors, compress)
+        if self.error_feedback:
+            self.residuals[ctx.client_id] = kept
+        return replace(update, tensors=tensors)
+
+    # ---------------------------------------------------------------- downlink
+
+    def _encode_broadcast(self, ins: Instruction, ctx: PluginContext) -> Instruction:
+        ref = self.sent.get(ctx.client_id)
+        if ref is None or not _same_layout(ref, ins.params):
+            self.sent[ctx.client_id] = _copy(ins.params)
+            return replace(ins)
+        delta = {k: v - ref[k] if v.is_floating_point() else v for k, v in ins.params.items()}
+        encoded = encode_each(delta, lambda name, t: self.codec.compress(t.to(torch.float32), self._site("down", ctx, name)))
+        self.sent[ctx.client_id] = _advance(ref, decode_each(encoded, self._decompress))
+        return replace(ins, params={**encoded, DELTA: torch.ones(1, dtype=torch.int8)})
+
+    def _decode_broadcast(self, ins: Instruction, ctx: PluginContext) -> Instruction:
+        if DELTA not in ins.params:
+            self.held[ctx.client_id] = _copy(ins.params)
+            return replace(ins)
+        held = self.held.get(ctx.client_id)
+        if held is None:
+            raise ValueError(
+                f"plugin {self.name!r}: a compressed broadcast for client {ctx.client_id}, which holds no model yet"
+            )
+        encoded = {k: v for k, v in ins.params.items() if k != DELTA}
+        model = _advance(held, decode_each(encoded, self._decompress))
+        self.held[ctx.client_id] = model
+        return replace(ins, params=_copy(model))
+
+    # ----------------------------------------------------------------- helpers
+
+    def _site(self, direction: str, ctx: PluginContext, name: str) -> Site:
+        return Site(self.name, self.seed, direction, ctx.round, ctx.client_id, name)
+
+    def _decompress(self, name: str, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        return self.codec.decompress(fields, shape)
+
+
+def _advance(model: Params, delta: Params) -> Params:
+    """``model + delta`` for floating tensors (in the model's dtype); other tensors are values."""
+    return {k: (v + delta[k].to(v.dtype)) if v.is_floating_point() else delta[k].clone() for k, v in model.items()}
+
+
+def _same_layout(a: Params, b: Params) -> bool:
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
+
+
+def _copy(params: Params) -> Params:
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def _codec_state(codec: Codec) -> Any:
+    return codec.state_dict() if hasattr(codec, "state_dict") else None
+
+
+BLOCK = 1 << 16
+
+
+def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
+    """Flat positions in 2 bytes each: sorted, as offsets within blocks of 65,536 entries
+    (stored as int16 shifted by −32,768), with one int32 count per block when the tensor
+    has more than one block."""
+    indices = indices.sort().values
+    out = {"indices": (indices % BLOCK - BLOCK // 2).to(torch.int16)}
+    if numel > BLOCK:
+        out["blocks"] = torch.bincount(indices // BLOCK, minlength=-(-numel // BLOCK)).to(torch.int32)
+    return out
+
+
+def unpack_indices(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    low = fields["indices"].long() + BLOCK // 2
+    if "blocks" not in fields:
+        return low
+    starts = torch.arange(fields["blocks"].numel(), dtype=torch.long) * BLOCK
+    return low + starts.repeat_interleave(fields["blocks"].long())

@@ -1,0 +1,152 @@
+"""How plugins lay compact representations out as ``dict[str, Tensor]`` payloads.
+
+An encoded payload stays a mapping of names to tensors, so every transport carries it
+and the loop counts its real wire bytes (:func:`fedweave.types.body_nbytes`). A tensor
+``name`` that a plugin replaces is stored as fields ``name.__<field>`` (for example
+``fc.weight.__values`` and ``fc.weight.__indices``) plus ``name.__layout``: its dtype
+and shape, so the receiver rebuilds it without knowing the model. Tensors of the
+payload that are not floating point (``num_batches_tracked`` and other counters) are
+never transformed: they travel as they are.
+
+A plugin that works on the whole update at once (secure aggregation, HE) flattens the
+floating tensors into one vector with :func:`flatten` (their layouts become
+``name.__flat``) and rebuilds them with :func:`unflatten`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fedweave.types import Params
+
+SEP = ".__"
+LAYOUT = "layout"
+FLAT = "flat"  # the layout of a tensor inside a flattened vector (kept apart from a codec's layouts)
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def field(name: str, part: str) -> str:
+    """The payload key of field ``part`` of tensor ``name``."""
+    return f"{name}{SEP}{part}"
+
+
+def layout(tensor: torch.Tensor) -> torch.Tensor:
+    """``[dtype code, *shape]`` as a small int32 tensor (4 bytes per entry on the wire)."""
+    return torch.tensor([_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.int32)
+
+
+def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    code, *shape = (int(v) for v in value.tolist())
+    return _DTYPES[code], tuple(shape)
+
+
+def group(tensors: Params) -> tuple[dict[str, dict[str, torch.Tensor]], Params]:
+    """Split a payload into encoded tensors (name -> their fields) and plain ones, in order."""
+    encoded: dict[str, dict[str, torch.Tensor]] = {}
+    plain: Params = {}
+    for key, value in tensors.items():
+        name, sep, part = key.rpartition(SEP)
+        if sep:
+            encoded.setdefault(name, {})[part] = value
+        else:
+            plain[key] = value
+    return encoded, plain
+
+
+def encode_each(
+    tensors: Params, compress: Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None]
+) -> Params:
+    """Replace each floating tensor by the fields ``compress(name, tensor)`` returns.
+
+    ``compress`` may return None to send a tensor as it is (too small to be worth it).
+    """
+    out: Params = {}
+    for name, tensor in tensors.items():
+        fields = compress(name, tensor) if tensor.is_floating_point() else None
+        if fields is None:
+            out[name] = tensor
+            continue
+        out[field(name, LAYOUT)] = layout(tensor)
+        for part, value in fields.items():
+            out[field(name, part)] = value
+    return out
+
+
+def decode_each(
+    tensors: Params,
+    decompress: Callable[[str, dict[str, torch.Tensor], tuple[int, ...]], torch.Tensor],
+) -> Params:
+    """Undo :func:`encode_each`: rebuild every encoded tensor (in its dtype and shape)."""
+    out: Params = {}
+    encoded, _ = group(tensors)
+    done: set[str] = set()
+    for key, value in tensors.items():
+        name, sep, _ = key.rpartition(SEP)
+        if not sep:
+            out[key] = value
+            continue
+        if name in done:
+            continue
+        done.add(name)
+        fields = dict(encoded[name])
+        dtype, shape = read_layout(fields.pop(LAYOUT))
+        out[name] = decompress(name, fields, shape).reshape(shape).to(dtype)
+    return out
+
+
+def flatten(tensors: Params) -> tuple[torch.Tensor, Params]:
+    """All floating tensors as one float64 vector, and the rest: each floating tensor's
+    layout (``name.__flat``) and the non-floating tensors, in their order."""
+    parts = []
+    rest: Params = {}
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point():
+            parts.append(tensor.detach().reshape(-1).to(torch.float64))
+            rest[field(name, FLAT)] = layout(tensor)
+        else:
+            rest[name] = tensor
+    vector = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    return vector, rest
+
+
+def unflatten(vector: torch.Tensor, rest: Params) -> Params:
+    """Undo :func:`flatten`."""
+    out: Params = {}
+    offset = 0
+    for key, value in rest.items():
+        name, sep, part = key.rpartition(SEP)
+        if not sep or part != FLAT:
+            out[key] = value
+            continue
+        dtype, shape = read_layout(value)
+        size = 1
+        for s in shape:
+            size *= s
+        out[name] = vector[offset : offset + size].reshape(shape).to(dtype)
+        offset += size
+    if offset != vector.numel():
+        raise ValueError(f"payload holds {vector.numel()} values, its layout {offset}")
+    return out
+
+
+def combine_plain(payloads: list[Params]) -> Params:
+    """Combine the tensors that travel in the clear in encoded-sum plugins: layouts must
+    agree; other (integer) tensors are counters (or a codec's seeds, equal across
+    clients) and take the element-wise maximum, as
+    :func:`fedweave.strategies.aggregate.weighted_average` does."""
+    out: Params = {}
+    for key, first in payloads[0].items():
+        if key.endswith((SEP + LAYOUT, SEP + FLAT)):
+            for p in payloads[1:]:
+                if not torch.equal(p[key], first):
+                    raise ValueError(f"clients disagree on the layout of {key.rpartition(SEP)[0]!r}")
+            out[key] = first
+            continue
+        acc = first.clone()
+        for p in payloads[1:]:
+            acc = torch.maximum(acc, p[key])
+        out[key] = acc
+    return out

@@ -1,0 +1,210 @@
+"""Homomorphic encryption of updates with CKKS (TenSEAL): the server sums ciphertexts.
+
+Cheon, Kim, Kim & Song, "Homomorphic Encryption for Arithmetic of Approximate Numbers",
+ASIACRYPT 2017; TenSEAL (Benaissa et al. 2021, https://arxiv.org/abs/2104.03152).
+
+**Keys.** The federation's CKKS context is made once, before the run, with
+``fedweave keys --out DIR``: ``DIR/secret.ctx`` (with the secret key) goes to the
+clients, ``DIR/public.ctx`` (without it) to the server; the plugin's ``keys`` names the
+folder. Without ``keys``, the plugin makes a fresh context in its process (simulation).
+
+**Encoding (client).** The floating tensors of the update, flattened and multiplied by
+the client's example count n_k, are packed into as many CKKS vectors as the model needs
+(``poly_degree / 2`` values each) and encrypted; each ciphertext travels serialized as
+a uint8 tensor (``__he_00000``, ...), so any transport carries it and its bytes are
+counted. Layouts and integer tensors travel in the clear.
+
+**Combining (server).** The server deserializes the ciphertexts with the *public*
+context (:class:`HEServer`: built only from the public context's bytes, it never holds
+the secret key) and adds them: Σ_k n_k x_k, still encrypted. No multiplication is
+needed, so one ciphertext modulus suffices.
+
+**Decoding (a key holder).** Decrypting needs the secret key, so the sum is decrypted
+by a key holder and divided by Σ n_k, giving the example-weighted mean. In simulation
+the plugin's client half (which holds the secret context) stands in for the key holder
+when the loop decodes the combined update; over a network this is one more exchange
+(server → a key-holding client → server) that the spine does not have yet. As with
+secure aggregation, the server learns the aggregate and never an individual update.
+
+Precision: CKKS is approximate; with the default scale 2^32 the mean is exact to about
+1e-6, and |Σ_k n_k x_k| must stay below about 2^(60 − scale_bits) (2.7e8 by default).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.packing import combine_plain, flatten, unflatten
+from fedweave.schema import opt
+from fedweave.types import Update, UpdateKind
+
+SECRET_FILE = "secret.ctx"
+PUBLIC_FILE = "public.ctx"
+CHUNK = "__he_"
+COEFF_MOD_BITS = [60, 40]  # one 60-bit ciphertext modulus and the special prime: enough for additions
+
+
+@dataclass
+class HEParams:
+    keys: str | None = opt(
+        None, help="folder made by `fedweave keys`: clients read secret.ctx, the server public.ctx (none: fresh keys)"
+    )
+    poly_degree: Literal[4096, 8192, 16384] = opt(8192, help="without keys: CKKS ring degree (slots per ciphertext: half)")
+    scale_bits: int = opt(32, ge=20, le=50, help="without keys: CKKS scale 2^bits (precision against range)")
+
+
+def tenseal() -> Any:
+    try:
+        import tenseal as ts
+    except ImportError:
+        raise ImportError("plugin 'he' needs TenSEAL: pip install 'fedweave[he]'") from None
+    return ts
+
+
+def make_context(poly_degree: int, scale_bits: int) -> Any:
+    """A fresh CKKS context with its secret key."""
+    ts = tenseal()
+    context = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=poly_degree, coeff_mod_bit_sizes=COEFF_MOD_BITS)
+    context.global_scale = 2.0**scale_bits
+    return context
+
+
+def public_bytes(context: Any) -> bytes:
+    """The serialized context without its secret key."""
+    public = context.copy()
+    public.make_context_public()
+    return public.serialize()
+
+
+def write_keys(out: str | Path, poly_degree: int = 8192, scale_bits: int = 32) -> tuple[Path, Path]:
+    """Make the federation's CKKS context: ``secret.ctx`` (clients, owner-only) and ``public.ctx`` (server)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    context = make_context(poly_degree, scale_bits)
+    secret, public = out / SECRET_FILE, out / PUBLIC_FILE
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(context.serialize(save_secret_key=True))
+    public.write_bytes(public_bytes(context))
+    return secret, public
+
+
+def slot_count(context: Any) -> int:
+    """Values one CKKS ciphertext of ``context`` holds: half the ring degree."""
+    return context.seal_context().data.key_context_data().parms().poly_modulus_degree() // 2
+
+
+class HEServer:
+    """The server half: the public context only (no secret key), and the sum of ciphertexts."""
+
+    def __init__(self, context_bytes: bytes):
+        self.context = tenseal().context_from(context_bytes)
+        if self.context.is_private():
+            raise ValueError("the server's HE context holds a secret key; give the server public.ctx only")
+
+    def add(self, ciphertexts: list[bytes]) -> bytes:
+        ts = tenseal()
+        total = ts.ckks_vector_from(self.context, ciphertexts[0])
+        for data in ciphertexts[1:]:
+            total += ts.ckks_vector_from(self.context, data)
+        return total.serialize()
+
+
+def _one_process(params: HEParams) -> str | None:
+    return "without keys each process would make its own CKKS context; make them with `fedweave keys`" if params.keys is None else None
+
+
+class HE:
+    """Homomorphic encryption (CKKS, TenSEAL): the server sums encrypted updates without the secret key."""
+
+    name = "he"
+    Params = HEParams
+    accepts = frozenset(UpdateKind)
+    combines_encoded = True
+    stage = "secure"
+    points = ("client_send",)
+    one_process = staticmethod(_one_process)
+
+    def __init__(self, hp: HEParams):
+        self.hp = hp
+        self._secret: Any = None  # the client half's context, loaded when a client first needs it
+        self._server: HEServer | None = None
+
+    @property
+    def server(self) -> HEServer:
+        """The server half, built from the public context alone."""
+        if self._server is None:
+            if self.hp.keys is None:
+                self._server = HEServer(public_bytes(self._client_context()))
+            else:
+                self._server = HEServer(_read(Path(self.hp.keys) / PUBLIC_FILE, "the server"))
+        return self._server
+
+    def encode(self, payload: Update, ctx: PluginContext) -> Update:
+        ts = tenseal()
+        context = self._client_context()
+        vector, rest = flatten(payload.tensors)
+        values = (vector * payload.num_examples).numpy()
+        slots = slot_count(context)
+        chunks = {
+            f"{CHUNK}{i // slots:05d}": _bytes_tensor(ts.ckks_vector(context, values[i : i + slots]).serialize())
+            for i in range(0, len(values), slots)
+        }
+        return replace(payload, tensors={**chunks, **rest})
+
+    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
+        names = [k for k in updates[0].tensors if k.startswith(CHUNK)]
+        sums = {k: _bytes_tensor(self.server.add([_tensor_bytes(u.tensors[k]) for u in updates])) for k in names}
+        plain = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
+        return Update(
+            kind=updates[0].kind,
+            tensors={**sums, **plain},
+            num_examples=sum(u.num_examples for u in updates),
+            applied=list(updates[0].applied),
+        )
+
+    def decode(self, payload: Update, ctx: PluginContext) -> Update:
+        """Decrypt the combined sum with the secret key (a key holder's step) and divide by Σ n_k."""
+        ts = tenseal()
+        context = self._client_context()
+        names = sorted(k for k in payload.tensors if k.startswith(CHUNK))
+        values = []
+        for k in names:
+            values.extend(ts.ckks_vector_from(context, _tensor_bytes(payload.tensors[k])).decrypt())
+        mean = torch.tensor(values, dtype=torch.float64) / payload.num_examples
+        rest = {k: v for k, v in payload.tensors.items() if not k.startswith(CHUNK)}
+        return replace(payload, tensors=unflatten(mean, rest))
+
+    def _client_context(self) -> Any:
+        if self._secret is None:
+            if self.hp.keys is None:
+                self._secret = make_context(self.hp.poly_degree, self.hp.scale_bits)
+            else:
+                context = tenseal().context_from(_read(Path(self.hp.keys) / SECRET_FILE, "a client"))
+                if not context.is_private():
+                    raise ValueError(f"plugin 'he': {Path(self.hp.keys) / SECRET_FILE} holds no secret key")
+                self._secret = context
+        return self._secret
+
+
+def _read(path: Path, who: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        raise ValueError(
+            f"plugin 'he': {who} needs {path}, which cannot be read; make the keys with `fedweave keys --out DIR`"
+        ) from None
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.numpy().tobytes()

@@ -1,0 +1,63 @@
+"""Composition rules: every refusal names the key and says why; the allowed chains load."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import small_config
+from fedweave.errors import ConfigError
+
+
+def chain(point: str, *items: str) -> str:
+    return f"plugins.{point}=[{', '.join(items)}]"
+
+
+REFUSED = [
+    (chain("server_send", "{name: clip}"), r"'plugins.server_send\[0\]': plugin 'clip' belongs in plugins.client_send: it bounds client updates"),
+    (chain("client_send", "{name: dpsgd}"), r"'plugins.client_send\[0\]': plugin 'dpsgd' belongs in plugins.client_receive: it sets up each client's private local training"),
+    (chain("server_receive", "{name: topk}"), r"'plugins.server_receive\[0\]': plugin 'topk' belongs in plugins.server_send or plugins.client_send: it encodes at one end and decodes at the other"),
+    (chain("client_receive", "{name: dp_local}"), r"'plugins.client_receive\[0\]': plugin 'dp_local' belongs in plugins.client_send: it adds privacy noise"),
+    (chain("server_send", "{name: secagg}"), r"'plugins.server_send\[0\]': plugin 'secagg' combines client updates while encoded, so it belongs in plugins.client_send"),
+    (chain("client_send", "{name: dp_local}", "{name: clip}"), r"'plugins.client_send\[1\]': plugin 'clip' \(clip\) comes after 'dp_local' \(noise, plugins.client_send\[0\]\); the order is clip, noise, compress, secure: the noise is calibrated to the clip norm"),
+    (chain("client_send", "{name: topk}", "{name: clip}"), r"'plugins.client_send\[1\]': plugin 'clip' \(clip\) comes after 'topk' \(compress.*clipping bounds the update actually sent only when it comes before compression"),
+    (chain("client_send", "{name: qsgd}", "{name: dp_local}"), r"'plugins.client_send\[1\]': plugin 'dp_local' \(noise\) comes after 'qsgd' \(compress.*compressing a noised update is post-processing"),
+    (chain("client_send", "{name: secagg}", "{name: topk}"), r"'plugins.client_send\[1\]': plugin 'topk' comes after 'secagg' \(plugins.client_send\[0\]\), which masks or encrypts the update: nothing may follow it"),
+    (chain("client_send", "{name: he}", "{name: identity}"), r"'plugins.client_send\[1\]': plugin 'identity' comes after 'he'.*nothing may follow it"),
+    (chain("client_send", "{name: dp_central}", "{name: secagg}"), r"'plugins.client_send\[1\]': plugins 'dp_central' \(plugins.client_send\[0\]\) and 'secagg' both make the server combine.*put dp_local before secagg"),
+    (chain("client_send", "{name: topk}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'topk' comes before 'secagg', which sums the encoded updates, but payloads 'topk' encoded for different clients cannot be summed.*randk with shared_indices: true"),
+    (chain("client_send", "{name: quantize, dtype: int8}", "{name: he}"), r"'plugins.client_send\[0\]': plugin 'quantize' comes before 'he'.*cannot be summed"),
+    (chain("client_send", "{name: randk}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'randk' comes before 'secagg'.*cannot be summed"),
+    (chain("client_send", "{name: identity}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'identity' comes before 'secagg'.*can declare summable = True"),
+    (chain("client_send", "{name: secagg}") + " && aggregation.rule=median", r"'plugins.client_send\[0\]': plugin 'secagg' makes the server combine updates while encoded, so it only sees their sum; aggregation.rule 'median'"),
+    (chain("client_send", "{name: he}") + " && strategy=scaffold", r"'plugins.client_send\[0\]': plugin 'he' makes the server combine updates while encoded, which needs a weighted-sum server step; strategy 'scaffold'"),
+    (chain("client_send", "{name: secagg, bits: 20, max_examples: 100000}"), r"'plugins.client_send\[0\].max_examples': 100000 leaves fewer than 8 bits of precision"),
+    (chain("client_send", "{name: secagg}") + " && transport=grpc", r"'plugins.client_send\[0\]': plugin 'secagg' needs the server and the clients in one process \(its key set-up and unmasking exchanges run inside the plugin\); transport 'grpc' runs them apart"),
+    (chain("client_send", "{name: he}") + " && transport=grpc", r"plugin 'he' needs the server and the clients in one process \(without keys each process would make its own CKKS context"),
+    (chain("client_send", "{name: dp_central, adaptive: true, count_noise: 2.0}") + " && transport=grpc", r"plugin 'dp_central' needs .* \(the adaptive clip norm reaches the clients through the plugin object\)"),
+    (chain("client_receive", "{name: dpsgd, target_epsilon: 5.0}") + " && transport=grpc", r"plugin 'dpsgd' needs .*cannot stop at a target ε"),
+    (chain("client_send", "{name: topk, ratio: 0}"), r"'plugins.client_send\[0\].ratio': must be > 0"),
+    (chain("client_send", "{name: he, poly_degree: 1000}"), r"'plugins.client_send\[0\].poly_degree': 1000 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSED, ids=[f"{i}" for i in range(len(REFUSED))])
+def test_refused_chains_say_where_and_why(overrides: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        small_config(*overrides.split(" && "))
+
+
+ALLOWED = [
+    chain("client_send", "{name: clip}", "{name: dp_local}", "{name: quantize, dtype: float16}", "{name: secagg}"),
+    chain("client_send", "{name: clip}", "{name: randk, shared_indices: true}", "{name: he}"),
+    chain("client_send", "{name: dp_central}", "{name: topk}"),
+    chain("client_send", "{name: clip}", "{name: dp_central, adaptive: true, count_noise: 2.0}", "{name: powersgd}"),
+    chain("server_send", "{name: topk}", "{name: quantize}"),
+    chain("client_receive", "{name: dpsgd}"),
+    chain("client_send", "{name: he, keys: keys}") + " && transport=grpc",
+    chain("client_send", "{name: dp_central}", "{name: topk}") + " && transport=grpc",
+]
+
+
+@pytest.mark.parametrize("overrides", ALLOWED)
+def test_allowed_chains_load(overrides: str) -> None:
+    small_config(*overrides.split(" && "))
