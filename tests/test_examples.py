@@ -9,7 +9,8 @@ import pytest
 from fedweave import config as config_mod
 from fedweave import data_parallel, runner
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+EXAMPLES_DIR = Path(__file__).parent.parent / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 
 # Enough to exercise each example's own dataset, model, partition and strategy quickly.
 SHORTEN = ["rounds=1", "eval.federated_every=1"]
@@ -20,7 +21,8 @@ def test_there_are_examples() -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_example_runs(path: Path, tmp_path: Path) -> None:
+def test_example_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES_DIR))  # user modules an example names (custom_strategy.py)
     if config_mod.load(path).mode == "data_parallel":
         config = config_mod.load(path, ["data_parallel.steps=3"])
         records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
