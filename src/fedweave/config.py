@@ -425,6 +425,16 @@ def check_composition(config: Config) -> None:
     from fedweave.strategies import STRATEGIES
 
     strategy = STRATEGIES.get(config.strategy.name, "strategy.name")
+    check_strategy = getattr(strategy, "check_config", None)
+    if check_strategy is not None:
+        check_strategy(config)
+    rule = config.aggregation.rule
+    if rule in ("krum", "multi_krum") and config.clients_per_round <= 2 * config.aggregation.byzantine + 2:
+        raise ConfigError(
+            f"config key 'aggregation.byzantine': {rule} with f={config.aggregation.byzantine} needs more than "
+            f"2f + 2 = {2 * config.aggregation.byzantine + 2} clients per round, the config samples "
+            f"{config.clients_per_round}"
+        )
     for point in ("server_send", "client_receive", "server_receive"):
         for i, spec in enumerate(getattr(config.plugins, point)):
             if PLUGINS.get(spec.name, f"plugins.{point}[{i}].name").combines_encoded:

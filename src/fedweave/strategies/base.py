@@ -15,6 +15,8 @@ A strategy also declares, for the config validator:
 - ``Params``: a dataclass of its hyper-parameters (bounds in field metadata);
 - ``update_kind``: what its clients send (weights, delta, gradient);
 - a constructor ``(hp: Params, ctx: StrategyContext)``;
+- optionally ``check_config(config)``, a static method that refuses impossible
+  settings when the config loads (e.g. FedNova with a local optimiser other than SGD);
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
   encryption) can be used with it.

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from fedweave.errors import ConfigError
 from fedweave.strategies.aggregate import apply_delta, matches, plain_average_option
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
@@ -85,6 +87,15 @@ class FedNova(FedAvg):
     Params = FedNovaParams
     Client = FedNovaClient
     weighted_sum = False
+
+    @staticmethod
+    def check_config(config: Any) -> None:
+        """FedNova's normalising factor counts local SGD steps: refuse other optimisers at load."""
+        if config.local.optimizer != "sgd":
+            raise ConfigError(
+                f"config key 'local.optimizer': FedNova normalises by the steps of local SGD; "
+                f"{config.local.optimizer!r} is not supported"
+            )
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         weights = [float(u.num_examples) for u in updates]

@@ -80,7 +80,7 @@ def krum_scores(tensors: Sequence[Params], byzantine: int) -> torch.Tensor:
     flat = torch.stack(
         [torch.cat([t.flatten().double() for t in ts.values() if t.is_floating_point()]) for ts in tensors]
     )
-    distances = torch.stack([((flat - row) ** 2).sum(dim=1) for row in flat])
+    distances = torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist") ** 2
     distances.fill_diagonal_(float("inf"))
     return distances.sort(dim=1).values[:, : n - byzantine - 2].sum(dim=1)
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fedweave.errors import ConfigError
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import matches, plain_average_option
 from fedweave.strategies.base import StrategyContext
@@ -116,6 +117,15 @@ class Scaffold(FedAvg):
     Params = ScaffoldParams
     Client = ScaffoldClient
     weighted_sum = False
+
+    @staticmethod
+    def check_config(config: Any) -> None:
+        """Option II derives the control variate from local SGD steps: refuse other optimisers at load."""
+        if config.strategy.params.option == "II" and config.local.optimizer != "sgd":
+            raise ConfigError(
+                f"config key 'local.optimizer': SCAFFOLD option II computes control variates from local SGD "
+                f"steps; {config.local.optimizer!r} needs strategy.option=I"
+            )
 
     def __init__(self, hp: ScaffoldParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
