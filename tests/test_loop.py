@@ -105,6 +105,8 @@ def test_round_aggregates_every_answer_weighted_by_examples() -> None:
         "bytes_received": 4 * 16,
         "skipped": False,
         "train_loss": pytest.approx((1 * 0.0 + 2 * 0.1 + 3 * 0.2 + 4 * 0.3) / 10, abs=1e-12),
+        "round_time": 0.0,  # scripted updates report no compute time and no client id
+        "clients": [{"id": -1, "steps": 0, "batch": 0, "compute": 0.0, "idle": 0.0}] * 4,
     }
     assert parts.controller.observed == [(1, [1, 2, 3, 4])]
 

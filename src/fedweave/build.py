@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from fedweave.batching.controller import StaticController
+from fedweave.batching.controller import Controller, StaticController
+from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientStateStore
 from fedweave.config import Config
 from fedweave.plugins import PLUGINS
@@ -113,15 +114,17 @@ def build_strategy(config: Config) -> Any:
     return strategy_class(config)(config.strategy.params, context)
 
 
-def build_controller(config: Config) -> StaticController:
-    return StaticController(
-        config.clients,
-        config.clients_per_round,
-        batch_size=config.local.batch_size,
-        epochs=config.local.epochs,
-        local_steps=config.local.steps,
-        seed=config.seed,
-    )
+def build_controller(config: Config) -> Controller:
+    """The federated controller: ``controller.kind`` static (configured work) or adaptive."""
+    work = {
+        "batch_size": config.local.batch_size,
+        "epochs": config.local.epochs,
+        "local_steps": config.local.steps,
+        "seed": config.seed,
+    }
+    if config.controller.kind == "adaptive":
+        return AdaptiveController(config.clients, config.clients_per_round, **work, settings=config.controller)
+    return StaticController(config.clients, config.clients_per_round, **work)
 
 
 def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store: ClientStateStore) -> ClientRuntime:

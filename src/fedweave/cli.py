@@ -93,6 +93,21 @@ def _node_parsers(sub: Any) -> None:
     client.add_argument("--token", help="this client's token (default: $FEDWEAVE_TOKEN or credentials/client-N.token)")
     client.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
 
+    site = sub.add_parser(
+        "site",
+        help="run a site leader (rank 0: gRPC client of the server, torchdist leader) or a site member",
+        description="topology hierarchical with inner torchdist and transport grpc: the leader relays its "
+        "members' jobs between the server (gRPC) and the site's torch.distributed world; a member "
+        "(rank >= 1) trains its client. See docs/deployment.md (Topologies).",
+    )
+    site.add_argument("config", help="YAML config file (the same as the server's)")
+    site.add_argument("overrides", nargs="*", help="dotted overrides, e.g. torchdist.backend=gloo")
+    site.add_argument("--site", type=int, required=True, metavar="S", help="top-level site index, 0..sites-1")
+    site.add_argument("--rank", type=int, required=True, metavar="R", help="0: the leader; 1..k: the site's members")
+    site.add_argument("--address", metavar="HOST:PORT", help="the server's address instead of grpc.address")
+    site.add_argument("--port", type=int, metavar="P", help="the site world's port (default torchdist.port + S)")
+    site.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
+
     certs = sub.add_parser(
         "certs",
         help="create a CA, server and client certificates and client tokens for grpc.tls / grpc.tokens",
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # `fedweave run -q CONFIG rounds=5` and `fedweave run CONFIG -q rounds=5` mean the same:
     # overrides that follow an option arrive here, not in args.overrides.
-    if getattr(args, "command", None) in ("run", "server", "client"):
+    if getattr(args, "command", None) in ("run", "server", "client", "site"):
         stray = [e for e in extra if "=" in e and not e.startswith("-")]
         args.overrides = [*args.overrides, *stray]
         extra = [e for e in extra if e not in stray]
@@ -128,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return _schema(args.prefix)
         if args.command == "keys":
             return _keys(args)
-        if args.command in ("server", "client", "certs"):
+        if args.command in ("server", "client", "site", "certs"):
             return _node(args)
         return _list()
     except (ConfigError, TaskError) as exc:
@@ -322,6 +337,15 @@ def _serve_node(args: argparse.Namespace) -> int:
         node.install_signal_handlers()
         if args.command == "client":
             node.run_client(config_mod.load(args.config, args.overrides), args.id, address=args.address, token=args.token)
+            return 0
+        if args.command == "site":
+            from fedweave.topologies import deploy
+
+            config = config_mod.load(args.config, args.overrides)
+            if args.rank == 0:
+                deploy.run_site_leader(config, args.site, args.address, args.port)
+            else:
+                deploy.run_site_member(config, args.site, args.rank, args.port)
             return 0
         if args.resume:
             if args.config is not None or args.overrides:

@@ -107,8 +107,42 @@ class PluginsConfig:
 
 @dataclass
 class TopologyConfig:
+    """Who aggregates for whom and each link's transport; see docs/deployment.md (Topologies)."""
+
     SHORTHAND = "kind"
-    kind: Literal["star"] = opt("star", help="who aggregates for whom")
+    kind: Literal["star", "hierarchical", "ring"] = opt(
+        "star",
+        help="who aggregates for whom: star (every client answers the server) | hierarchical (site leaders "
+        "aggregate their members) | ring (decentralized gossip with neighbour averaging, no server step)",
+    )
+    sites: int | list[Any] | None = opt(
+        None,
+        help="hierarchical: N (client ids split into N contiguous sites) or nested lists of client ids, "
+        "one list per site at any depth, e.g. [[0, 1], [2, 3]] or [[[0, 1], [2]], [[3, 4]]]",
+    )
+    inner: Literal["inmemory", "torchdist"] = opt(
+        "inmemory", help="hierarchical: transport between a site leader and its members (torchdist: see torchdist.*)"
+    )
+    outer: Literal["inmemory", "grpc"] | None = opt(
+        None, help="hierarchical: transport between site leaders and the server (none: transport.kind)"
+    )
+    pre_aggregate: Literal["auto", "never"] = opt(
+        "auto",
+        help="auto: a site leader sends its members' weighted average when that is exact (strategy with a "
+        "weighted-sum server step, aggregation.rule mean, updates in the clear), else relays each update | "
+        "never: always relay",
+    )
+    gossip_steps: int = opt(1, ge=1, help="ring: mixing steps with the neighbours after each round of local training")
+
+    def validate(self, prefix: str) -> None:
+        if self.kind != "hierarchical":
+            if self.sites is not None:
+                raise ConfigError(f"config key '{prefix}.sites': only kind 'hierarchical' has sites (kind is {self.kind!r})")
+            return
+        if self.sites is None:
+            raise ConfigError(f"config key '{prefix}.sites': kind 'hierarchical' needs sites: N or lists of client ids")
+        if isinstance(self.sites, int) and self.sites < 1:
+            raise ConfigError(f"config key '{prefix}.sites': must be >= 1, got {self.sites}")
 
 
 @dataclass
@@ -117,6 +151,20 @@ class TransportConfig:
     kind: Literal["inmemory", "grpc"] = opt(
         "inmemory", help="how messages travel: inmemory (simulation) | grpc (separate processes, see grpc.*)"
     )
+
+
+@dataclass
+class TorchDistConfig:
+    """The torch.distributed transport (``topology.inner: torchdist``): gloo or NCCL collectives inside a site."""
+
+    backend: Literal["auto", "gloo", "nccl"] = opt(
+        "auto", help="auto: nccl when every rank has a CUDA device, else gloo"
+    )
+    address: str | None = opt(None, help="rendezvous host (none: $MASTER_ADDR, else 127.0.0.1)")
+    port: int | None = opt(None, ge=0, le=65535, help="rendezvous port (none: $MASTER_PORT, else 29500)")
+    timeout: float = opt(60.0, gt=0, help="seconds a collective or the rendezvous may take before it fails")
+    idle_timeout: float = opt(3600.0, gt=0, help="seconds a site member waits for the next round before it fails")
+    bucket_mb: float = opt(25.0, gt=0, help="largest flat buffer of one collective, in MiB")
 
 
 @dataclass
@@ -250,11 +298,75 @@ class Crash:
 class HeterogeneityConfig:
     """Emulated unlike machines on one box (see :mod:`fedweave.batching.heterogeneity`)."""
 
-    speeds: list[float] = opt(factory=list, help="relative speed per worker, e.g. [1, 2, 4] (empty: no emulation)")
+    speeds: list[float] = opt(
+        factory=list, help="relative speed per worker (federated: per client), e.g. [1, 2, 4] (empty: no emulation)"
+    )
     slowdown: float = opt(1.0, ge=1, help="the fastest configured worker runs this many times slower than native")
     threads: list[int] = opt(factory=list, help="torch threads per worker (empty: the run's threads)")
     schedule: list[SpeedChange] = opt(factory=list, help="speed changes during training: [{step, worker, speed}]")
     crashes: list[Crash] = opt(factory=list, help="emulated crashes: [{step, worker}] (the worker is SIGKILLed)")
+    speed_range: list[float] = opt(
+        factory=list,
+        help="federated: [low, high], each client's speed drawn uniformly from it, seeded (not with speeds)",
+    )
+    clock: Literal["real", "virtual"] = opt(
+        "real",
+        help="federated simulation: real = a client sleeps to last its speed factor x its measured compute time | "
+        "virtual = no sleeps: a client's compute time is its samples x sample_time / speed (deterministic)",
+    )
+    sample_time: float = opt(1e-3, gt=0, help="clock virtual: seconds a client of speed 1 takes per training sample")
+
+
+@dataclass
+class ClientControllerConfig:
+    """The federated controller: each sampled client's local work (see :mod:`fedweave.batching.federated`)."""
+
+    SHORTHAND = "kind"
+    kind: Literal["static", "adaptive"] = opt(
+        "static",
+        help="static: every client does the configured local work | adaptive: work from each client's measured "
+        "speed, so that the round's clients finish together near target_round_time",
+    )
+    adjust: Literal["steps", "batch_size"] = opt(
+        "steps",
+        help="adaptive: a client's local steps follow its speed (batches of local.batch_size) | its batch size "
+        "follows its speed (local.steps steps each)",
+    )
+    target_round_time: float | None = opt(
+        None, gt=0, help="adaptive: seconds of local work per round (none: median compute time of the first round)"
+    )
+    ewma: float = opt(0.5, gt=0, le=1, help="adaptive: weight of the newest measurement of a client's time per sample")
+    min_steps: int = opt(1, ge=1, help="adaptive, adjust steps: fewest local steps a client is given")
+    max_steps: int | None = opt(None, ge=1, help="adaptive, adjust steps: most local steps (none: no limit)")
+    min_batch: int = opt(1, ge=1, help="adaptive, adjust batch_size: smallest batch a client is given")
+    max_batch: int | None = opt(None, ge=1, help="adaptive, adjust batch_size: largest batch (none: no limit)")
+
+    def validate(self, prefix: str) -> None:
+        for low, high in (("min_steps", "max_steps"), ("min_batch", "max_batch")):
+            top = getattr(self, high)
+            if top is not None and top < getattr(self, low):
+                raise ConfigError(f"config key '{prefix}.{high}': {top} is below {low}={getattr(self, low)}")
+
+
+@dataclass
+class AsynchronousConfig:
+    """Buffered asynchronous aggregation, FedBuff (see :mod:`fedweave.asynchronous`)."""
+
+    enabled: bool = opt(
+        False, help="server steps every buffer_size arriving updates, clients never wait (a round = one server step)"
+    )
+    buffer_size: int | None = opt(None, ge=1, help="K, updates per server step (none: the clients a round samples)")
+    concurrency: int | None = opt(None, ge=1, help="clients training at once (none: every client)")
+    staleness: Literal["polynomial", "constant", "hinge"] = opt(
+        "polynomial",
+        help="weight s(t) of an update t server steps old: polynomial (1 + t)^-exponent | constant 1 | "
+        "hinge 1 while t <= hinge_b, then 1 / (hinge_a (t - hinge_b) + 1)",
+    )
+    exponent: float = opt(0.5, ge=0, help="staleness polynomial: s(t) = (1 + t)^-exponent")
+    hinge_a: float = opt(10.0, ge=0, help="staleness hinge: slope after hinge_b")
+    hinge_b: int = opt(4, ge=0, help="staleness hinge: server steps an update may be old at full weight")
+    max_staleness: int | None = opt(None, ge=0, help="updates older than this many server steps are dropped")
+    server_lr: float = opt(1.0, gt=0, help="the server moves this share of the way to the buffer's aggregate")
 
 
 @dataclass
@@ -280,10 +392,13 @@ class Config:
     transport: TransportConfig = opt(factory=TransportConfig)
     launcher: LauncherConfig = opt(factory=LauncherConfig)
     grpc: GrpcConfig = opt(factory=GrpcConfig)
+    torchdist: TorchDistConfig = opt(factory=TorchDistConfig)
     eval: EvalConfig = opt(factory=EvalConfig)
     checkpoint: CheckpointConfig = opt(factory=CheckpointConfig)
     data_parallel: DataParallelConfig = opt(factory=DataParallelConfig)
     heterogeneity: HeterogeneityConfig = opt(factory=HeterogeneityConfig)
+    controller: ClientControllerConfig = opt(factory=ClientControllerConfig)
+    asynchronous: AsynchronousConfig = opt(factory=AsynchronousConfig)
 
     @property
     def clients_per_round(self) -> int:
@@ -308,6 +423,133 @@ class Config:
             )
         if self.mode == "data_parallel":
             _check_data_parallel(self)
+        if self.topology.kind == "hierarchical":
+            _check_sites(self)
+        if self.topology.kind == "ring" and self.transport.kind != "inmemory":
+            raise ConfigError(
+                "config key 'topology.kind': ring gossip runs in simulation (transport: inmemory); "
+                f"got transport {self.transport.kind!r}"
+            )
+        if self.topology.kind == "hierarchical" and self.transport.kind == "grpc" and self.topology.inner != "torchdist":
+            raise ConfigError(
+                "config key 'topology.inner': a hierarchy deployed over gRPC reaches each site's members over "
+                "torch.distributed; set topology.inner: torchdist (inmemory links exist only in simulation)"
+            )
+        if self.topology.outer is not None and self.topology.outer != self.transport.kind:
+            raise ConfigError(
+                f"config key 'topology.outer': {self.topology.outer!r} is the server's link, which is "
+                f"transport: {self.transport.kind!r}; set transport: {self.topology.outer} (or leave outer unset)"
+            )
+        _check_heterogeneity_aware(self)
+
+
+def _check_sites(config: Config) -> None:
+    """Every client id in exactly one site; lists nest to any depth."""
+    sites = config.topology.sites
+    if isinstance(sites, int):
+        if sites > config.clients:
+            raise ConfigError(f"config key 'topology.sites': {sites} sites for {config.clients} clients")
+        return
+    seen: list[int] = []
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, bool) or not isinstance(node, (int, list)):
+            raise ConfigError(f"config key '{key}': expected a client id or a list, got {node!r}")
+        if isinstance(node, int):
+            if not 0 <= node < config.clients:
+                raise ConfigError(f"config key '{key}': {node} is not a client id (0..{config.clients - 1})")
+            seen.append(node)
+            return
+        if not node:
+            raise ConfigError(f"config key '{key}': a site needs at least one member")
+        for i, child in enumerate(node):
+            walk(child, f"{key}[{i}]")
+
+    walk(sites, "topology.sites")
+    if sorted(seen) != list(range(config.clients)):
+        twice = sorted({c for c in seen if seen.count(c) > 1})
+        missing = sorted(set(range(config.clients)) - set(seen))
+        raise ConfigError(
+            f"config key 'topology.sites': every client must be in exactly one site "
+            f"(in several: {twice}, in none: {missing})"
+        )
+
+
+def emulates_clients(config: Config) -> bool:
+    """Whether a federated run emulates unlike clients (``heterogeneity`` speeds, range, schedule, clock)."""
+    het = config.heterogeneity
+    return bool(het.speeds or het.speed_range or het.schedule) or het.slowdown != 1.0 or het.clock == "virtual"
+
+
+def _check_heterogeneity_aware(config: Config) -> None:
+    """Cross-key checks of the federated controller, client emulation and asynchronous aggregation."""
+    het, ctl, asy = config.heterogeneity, config.controller, config.asynchronous
+    if config.mode == "data_parallel":
+        for key, used in (
+            ("controller.kind", ctl.kind != "static"),
+            ("asynchronous.enabled", asy.enabled),
+            ("heterogeneity.speed_range", bool(het.speed_range)),
+            ("heterogeneity.clock", het.clock != "real"),
+        ):
+            if used:
+                raise ConfigError(
+                    f"config key '{key}': applies to mode federated; data_parallel has data_parallel.controller"
+                )
+        return
+    n = config.clients
+    if het.speeds and len(het.speeds) != n:
+        raise ConfigError(
+            f"config key 'heterogeneity.speeds': {len(het.speeds)} values for clients={n}; give one per client or none"
+        )
+    if any(s <= 0 for s in het.speeds):
+        raise ConfigError(f"config key 'heterogeneity.speeds': speeds must be > 0, got {het.speeds}")
+    if het.speed_range:
+        if het.speeds:
+            raise ConfigError("config key 'heterogeneity.speed_range': give speeds or speed_range, not both")
+        if len(het.speed_range) != 2 or not 0 < het.speed_range[0] <= het.speed_range[1]:
+            raise ConfigError(
+                "config key 'heterogeneity.speed_range': expected [low, high] with 0 < low <= high, "
+                f"got {het.speed_range}"
+            )
+    for key in ("threads", "crashes"):
+        if getattr(het, key):
+            raise ConfigError(f"config key 'heterogeneity.{key}': applies to mode data_parallel only")
+    for i, change in enumerate(het.schedule):
+        if change.worker >= n:
+            raise ConfigError(
+                f"config key 'heterogeneity.schedule[{i}].worker': {change.worker} is not a client (0..{n - 1}); "
+                "in federated mode worker is a client id and step a round"
+            )
+    if emulates_clients(config) and (config.transport.kind != "inmemory" or config.topology.kind != "star"):
+        raise ConfigError(
+            "config key 'heterogeneity': emulated client speeds need the in-process simulation (transport "
+            "inmemory, topology star); clients on real machines need no emulation"
+        )
+    target = ctl.target_round_time
+    timeout = config.round_timeout
+    if ctl.kind == "adaptive" and target is not None and timeout is not None and target >= timeout:
+        raise ConfigError(
+            f"config key 'controller.target_round_time': {target} s leaves no margin before round_timeout "
+            f"({config.round_timeout} s); set it below"
+        )
+    if ctl.kind == "adaptive" and ctl.adjust == "batch_size" and config.local.steps is None:
+        raise ConfigError(
+            "config key 'controller.adjust': batch_size needs local.steps: with local.epochs a client's time "
+            "does not depend on its batch size"
+        )
+    if asy.enabled:
+        if het.clock != "virtual":
+            raise ConfigError(
+                "config key 'asynchronous.enabled': asynchronous aggregation is simulated on a virtual clock; "
+                "set heterogeneity.clock: virtual"
+            )
+        if (asy.buffer_size or config.clients_per_round) > n:
+            raise ConfigError(
+                f"config key 'asynchronous.buffer_size': {asy.buffer_size} updates per server step from {n} "
+                "clients, each training a model version at most once"
+            )
+        if asy.concurrency is not None and asy.concurrency > n:
+            raise ConfigError(f"config key 'asynchronous.concurrency': {asy.concurrency} is more than clients={n}")
 
 
 def _check_data_parallel(config: Config) -> None:
@@ -464,6 +706,25 @@ def check_composition(config: Config) -> None:
                     f"{config.strategy.name!r} does not aggregate by a weighted sum"
                 )
     check_chains(config, PLUGINS)
+    if config.asynchronous.enabled:
+        _check_asynchronous(config, strategy, PLUGINS)
+
+
+def _check_asynchronous(config: Config, strategy: Any, plugins: Any) -> None:
+    """Asynchronous aggregation scales each delta by its staleness and has no rounds to set up."""
+    if strategy.update_kind.value != "delta":
+        raise ConfigError(
+            f"config key 'asynchronous.enabled': a stale update is scaled down, which needs delta updates; "
+            f"strategy {config.strategy.name!r} sends {strategy.update_kind.value}"
+        )
+    for point in ("server_send", "client_receive", "client_send", "server_receive"):
+        for i, spec in enumerate(getattr(config.plugins, point)):
+            plugin = plugins.get(spec.name, f"plugins.{point}[{i}].name")
+            if plugin.combines_encoded or hasattr(plugin, "begin_round"):
+                raise ConfigError(
+                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} works per synchronous round "
+                    "(a cohort set up or accounted per round); asynchronous.enabled has no such rounds"
+                )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

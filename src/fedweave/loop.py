@@ -6,7 +6,9 @@
     updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
     updates = [chains.combine(updates)]          (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
-    controller.observe(r, updates); evaluate; on_round(record + chains.metrics())
+    controller.observe(r, updates); evaluate; on_round(record + client timings + chains.metrics())
+
+:mod:`fedweave.asynchronous` is the other spine: buffered asynchronous aggregation.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.batching.controller import Controller
+from fedweave.batching.federated import client_timings
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.strategies.aggregate import all_finite
@@ -41,6 +44,8 @@ RECORD_KEYS = (
     "bytes_sent",
     "bytes_received",
     "skipped",
+    "round_time",
+    "clients",
 )
 """Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
 
@@ -91,8 +96,8 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     plan = parts.controller.plan(rnd)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
     instructions = parts.strategy.configure(rnd, params, plan)
-    exchange = parts.topology.exchange(_encode(parts.chains, instructions), parts.timeout)
-    updates = _accept(parts.chains, exchange.replies, exchange.failures, params)
+    exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions), parts.timeout)
+    updates = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
     record: Record = {
         "round": rnd,
         "clients_sampled": len(plan),
@@ -119,7 +124,8 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         record.update(skipped=True, train_loss=None)
         return params, record
     parts.controller.observe(rnd, updates)
-    record["train_loss"] = _weighted(updates, "train_loss")
+    record["train_loss"] = weighted_metric(updates, "train_loss")
+    record.update(client_timings(plan, updates, parts.timeout))
     return params, record
 
 
@@ -140,7 +146,7 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     instructions = [
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]
-    exchange = parts.topology.exchange(_encode(parts.chains, instructions), parts.timeout)
+    exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions), parts.timeout)
     results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and r.body.num_examples > 0]
     traffic = {"eval_bytes_sent": exchange.bytes_sent, "eval_bytes_received": exchange.bytes_received}
     if not results:
@@ -153,7 +159,7 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     }
 
 
-def _encode(chains: Chains, instructions: list[Instruction]) -> list[Message]:
+def encode_instructions(chains: Chains, instructions: list[Instruction]) -> list[Message]:
     out = []
     for ins in instructions:
         cid = ins.work.client_id
@@ -161,7 +167,7 @@ def _encode(chains: Chains, instructions: list[Instruction]) -> list[Message]:
     return out
 
 
-def _accept(chains: Chains, replies: list[Message], failures: dict[int, str], params: Params) -> list[Update]:
+def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, str], params: Params) -> list[Update]:
     """Decode replies; reject (log, count as failed) anything malformed or non-finite.
 
     A fully decoded update must name only tensors of ``params``, each of its shape; one
@@ -205,7 +211,7 @@ def _mismatch(tensors: Params, params: Params) -> str | None:
     return None
 
 
-def _weighted(updates: list[Update], name: str) -> float | None:
+def weighted_metric(updates: list[Update], name: str) -> float | None:
     pairs = [(u.metrics[name], u.num_examples) for u in updates if name in u.metrics]
     pairs = [(v, n) for v, n in pairs if math.isfinite(v)]
     if not pairs:

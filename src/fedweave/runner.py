@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import config as config_mod
+from fedweave.asynchronous import BufferedServer, run_buffered
+from fedweave.batching.clients import emulated_clients
 from fedweave.batching.selection import sample_clients
 from fedweave.build import (
     build_chains,
@@ -31,7 +33,7 @@ from fedweave.build import (
 )
 from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
-from fedweave.config import Config
+from fedweave.config import Config, emulates_clients
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 MODEL_FILE = "model.pt"
+CLIENTS_PLOT = "clients.png"
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Run:
     partition_summary: str
     store: ClientStateStore
     records: list[Record] = field(default_factory=list)
+    buffered: BufferedServer | None = None  # the state of asynchronous aggregation, when enabled
 
 
 def new_run_dir(config: Config) -> Path:
@@ -111,6 +115,8 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     r.parts.controller.load_state_dict(state["controller"])
     r.store.load_state_dict(state["client_states"])
     r.parts.chains.load_state_dict(state.get("plugins", {}))
+    if r.buffered is not None:
+        r.buffered.load_state_dict(state["asynchronous"])
     metrics = MetricsWriter(run_dir / METRICS_FILE)
     metrics.truncate_after(state["round"])
     r.records = read_metrics(metrics.path)
@@ -145,16 +151,24 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
                     "controller": r.parts.controller.state_dict(),
                     "client_states": r.store.state_dict(),
                     "plugins": r.parts.chains.state_dict(),
+                    "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
                 },
             )
         if on_record is not None:
             on_record(record)
 
     try:
-        r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
+        if r.buffered is None:
+            r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
+        else:
+            r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
     finally:
         r.parts.topology.close()
     atomic_save(r.params, r.run_dir / MODEL_FILE)
+    if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
+        from fedweave.observe.plots import plot_clients
+
+        plot_clients(r.records, r.run_dir / CLIENTS_PLOT)
     return r.records
 
 
@@ -194,6 +208,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         first_round=1,
         partition_summary=format_summary(task.partition_summary),
         store=store,
+        buffered=BufferedServer.from_config(config) if config.asynchronous.enabled else None,
     )
     return _Built(run_, task.partition_summary)
 
@@ -204,7 +219,15 @@ def _topology(config: Config, runtime: ClientRuntime) -> Topology:
         from fedweave.node import server_topology
 
         return server_topology(config)
-    return launch_local(runtime)
+    emulated = emulated_clients(config, runtime.handle)  # None unless client speeds are emulated (star only)
+    if emulated is not None:
+        return emulated
+    if config.topology.kind == "star":
+        return launch_local(runtime)
+    from fedweave.build import strategy_class
+    from fedweave.topologies.arrange import arrange
+
+    return arrange(config, launch_local(runtime).transport, strategy_class(config))
 
 
 def run_config(config: Config, run_dir: Path | None = None) -> Run:

@@ -17,6 +17,8 @@ from fedweave.types import Update, Work
 class Controller(Protocol):
     def plan(self, rnd: int) -> list[Work]: ...
 
+    def work(self, client_id: int) -> Work: ...
+
     def observe(self, rnd: int, updates: list[Update]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -46,7 +48,11 @@ class StaticController:
 
     def plan(self, rnd: int) -> list[Work]:
         ids = sample_clients(numpy_rng(self.seed, "sample", rnd), self.num_clients, self.per_round)
-        return [Work(i, self.batch_size, self.epochs, self.local_steps) for i in ids]
+        return [self.work(i) for i in ids]
+
+    def work(self, client_id: int) -> Work:
+        """The configured local work of one client (asynchronous aggregation asks client by client)."""
+        return Work(client_id, self.batch_size, self.epochs, self.local_steps)
 
     def observe(self, rnd: int, updates: list[Update]) -> None:
         """A static plan ignores what it observes."""

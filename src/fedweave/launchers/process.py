@@ -161,8 +161,11 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
             server_args += [config_file, "--run-dir", str(run_dir)]
         address = f"127.0.0.1:{_free_port()}"
         server = nodes.start("server", [*server_args, "--listen", address])
-        for cid in range(cfg.clients):  # clients retry until the server listens
-            nodes.start(f"client {cid}", ["client", config_file, "--id", str(cid), "--address", address])
+        if cfg.topology.kind == "hierarchical" and cfg.topology.inner == "torchdist":
+            _start_sites(nodes, cfg, config_file, address)
+        else:
+            for cid in range(cfg.clients):  # clients retry until the server listens
+                nodes.start(f"client {cid}", ["client", config_file, "--id", str(cid), "--address", address])
         while server.alive():
             _report(tail, r, on_record)
             time.sleep(POLL)
@@ -178,6 +181,19 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
     log.info("all %d nodes stopped after %.1f s", len(nodes.items), time.monotonic() - started)
     r.params = torch.load(run_dir / MODEL_FILE, weights_only=True)
     return r.records
+
+
+def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None:
+    """Per top-level site: its leader (a gRPC client of the server for each member id) and
+    its members, in the site's own torch.distributed world on a port picked here."""
+    from fedweave.topologies.deploy import site_members
+    from fedweave.topologies.hierarchical import site_tree
+
+    for site in range(len(site_tree(cfg.topology.sites, cfg.clients))):
+        port = str(_free_port())
+        for rank in range(1 + len(site_members(cfg, site))):
+            name = f"site {site} leader" if rank == 0 else f"site {site} rank {rank}"
+            nodes.start(name, ["site", config_file, "--site", str(site), "--rank", str(rank), "--address", address, "--port", port])
 
 
 def _free_port() -> int:

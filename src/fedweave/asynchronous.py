@@ -1,0 +1,288 @@
+"""Buffered asynchronous aggregation: FedBuff.
+
+Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation",
+AISTATS 2022. https://arxiv.org/abs/2106.06639
+
+No client waits for a round. ``concurrency`` clients train at once; each takes the
+current global model and, when it finishes, its update goes into a buffer. Every K
+(``buffer_size``) arrivals the server takes one step, a *round* of this mode:
+
+    dispatch  each free slot gets an idle client drawn uniformly (seeded) among those that
+              have not trained the current model version; it trains now and arrives at
+              now + its compute time on the virtual clock
+    arrive    the in-flight work that finishes first (ties: the one dispatched first);
+              staleness τ = server steps taken since it got its model
+    buffer    kept unless τ > max_staleness, or it failed, or it missed the deadline
+              (round_timeout: the server gives up on it at start + round_timeout)
+    step      when K updates are buffered:
+              x ← x + η_g · (A(x, {s(τ_i) · Δ_i}) − x)
+              A = the strategy's aggregate (FedAvg: x + Σ n_i s(τ_i) Δ_i / Σ n_i),
+              s(τ) = (1 + τ)^-½ by default, η_g = ``server_lr``;
+              controller.observe(buffer); evaluate; on_round(record)
+
+With FedAvg, all updates fresh (τ = 0), η_g = 1 and K = concurrency = clients, each
+step is exactly a synchronous FedAvg round. A client trains each model version at most
+once: trained again from the same model and state it would repeat its update.
+
+The simulation runs on the virtual clock of :mod:`fedweave.batching.clients`
+(``heterogeneity.clock: virtual``): a client's compute time is a function of its work
+and speed, so the order of arrivals, and the whole run, is deterministic. Its state
+(the clock, the work in flight with its computed updates, the buffer, who trained
+which version) is checkpointed, so a resumed run continues exactly as an
+uninterrupted one. Each record also has ``clock`` (virtual seconds at the step),
+``round_time`` (since the previous step) and per client in the buffer
+``{id, steps, batch, compute, staleness}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fedweave.batching.clients import DEADLINE
+from fedweave.config import AsynchronousConfig, Config
+from fedweave.errors import RoundError
+from fedweave.loop import (
+    RECORD_KEYS,
+    Record,
+    RoundParts,
+    accept_updates,
+    encode_instructions,
+    evaluate_round,
+    weighted_metric,
+)
+from fedweave.seeding import numpy_rng
+from fedweave.strategies.base import Strategy
+from fedweave.types import Params, Update
+
+log = logging.getLogger(__name__)
+
+
+def staleness_weight(staleness: int, settings: AsynchronousConfig) -> float:
+    """s(τ): the weight of an update τ server steps old."""
+    if settings.staleness == "constant":
+        return 1.0
+    if settings.staleness == "polynomial":
+        return float((1 + staleness) ** -settings.exponent)
+    if staleness <= settings.hinge_b:
+        return 1.0
+    return 1.0 / (settings.hinge_a * (staleness - settings.hinge_b) + 1)
+
+
+def buffered_step(
+    strategy: Strategy,
+    rnd: int,
+    params: Params,
+    updates: Sequence[Update],
+    staleness: Sequence[int],
+    settings: AsynchronousConfig,
+) -> Params:
+    """One server step on a full buffer: the strategy aggregates the staleness-scaled
+    deltas, the server moves ``server_lr`` of the way there. Integer tensors (counters)
+    and the strategy's extras are not scaled."""
+    scaled = []
+    for update, tau in zip(updates, staleness):
+        weight = staleness_weight(tau, settings)
+        tensors = {k: v * weight if v.is_floating_point() else v for k, v in update.tensors.items()}
+        scaled.append(dataclasses.replace(update, tensors=tensors))
+    target = strategy.aggregate(rnd, params, scaled)
+    lr = settings.server_lr
+    if lr == 1.0:
+        return target
+    return {k: p + lr * (target[k] - p) if p.is_floating_point() else target[k] for k, p in params.items()}
+
+
+@dataclass
+class Flight:
+    """One client's work: dispatched at ``start`` on model version ``version``, arriving at ``finish``."""
+
+    finish: float
+    seq: int  # dispatch number: orders arrivals at the same instant
+    client_id: int
+    version: int
+    start: float
+    batch: int
+    update: Update | None  # None: it failed or missed the deadline
+    reason: str = ""
+
+
+class BufferedServer:
+    """The state of a buffered asynchronous run; :func:`run_buffered` drives it."""
+
+    def __init__(self, settings: AsynchronousConfig, num_clients: int, buffer_size: int, concurrency: int, seed: int):
+        self.settings = settings
+        self.num_clients = num_clients
+        self.buffer_size = buffer_size
+        self.concurrency = concurrency
+        self.seed = seed
+        self.clock = 0.0
+        self.version = 0  # server steps taken
+        self.flights: list[Flight] = []
+        self.buffer: list[Flight] = []
+        self.dispatches = 0
+        self.trained_on: dict[int, int] = {}  # client -> the model version it last started from
+        self.last_step = 0.0  # the clock at the previous server step
+        self.arrived = 0  # arrivals since the previous server step, dropped ones included
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @classmethod
+    def from_config(cls, config: Config) -> BufferedServer:
+        asy = config.asynchronous
+        return cls(
+            asy,
+            config.clients,
+            buffer_size=asy.buffer_size or config.clients_per_round,
+            concurrency=asy.concurrency or config.clients,
+            seed=config.seed,
+        )
+
+    # ------------------------------------------------------------------ events
+
+    def dispatch(self, parts: RoundParts, params: Params) -> None:
+        """Fill the free slots: each drawn client trains now on ``params``."""
+        while len(self.flights) < self.concurrency:
+            busy = {f.client_id for f in self.flights}
+            idle = [c for c in range(self.num_clients) if c not in busy and self.trained_on.get(c) != self.version]
+            if not idle:
+                return
+            cid = idle[int(numpy_rng(self.seed, "async-sample", self.dispatches).integers(len(idle)))]
+            self.dispatches += 1
+            self.trained_on[cid] = self.version
+            work = parts.controller.work(cid)
+            instructions = parts.strategy.configure(self.version + 1, params, [work])
+            exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions), parts.timeout)
+            self.bytes_sent += exchange.bytes_sent
+            self.bytes_received += exchange.bytes_received
+            accepted = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
+            update = accepted[0] if accepted else None
+            reason = exchange.failures.get(cid, "")
+            if update is not None:
+                duration = update.compute_time
+            else:  # the server notices a missed deadline at the deadline, any other failure at once
+                duration = parts.timeout if reason == DEADLINE and parts.timeout is not None else 0.0
+            finish = self.clock + duration
+            self.flights.append(
+                Flight(finish, self.dispatches, cid, self.version, self.clock, work.batch_size, update, reason)
+            )
+
+    def arrive(self) -> bool:
+        """The next arrival advances the clock; True when it went into the buffer."""
+        flight = min(self.flights, key=lambda f: (f.finish, f.seq))
+        self.flights.remove(flight)
+        self.clock = flight.finish
+        self.arrived += 1
+        staleness = self.version - flight.version
+        if flight.update is None:
+            log.warning("client %d sent no update at %.4g s (%s)", flight.client_id, self.clock, flight.reason)
+            return False
+        limit = self.settings.max_staleness
+        if limit is not None and staleness > limit:
+            log.info(
+                "update of client %d dropped: %d server steps old, max_staleness is %d",
+                flight.client_id, staleness, limit,
+            )
+            return False
+        self.buffer.append(flight)
+        return True
+
+    def step(self, parts: RoundParts, params: Params) -> tuple[Params, Record]:
+        """Aggregate the full buffer: the next model version and its record."""
+        flights = sorted(self.buffer, key=lambda f: (f.client_id, f.seq))  # summed in a fixed order
+        self.buffer = []
+        updates = [f.update for f in flights if f.update is not None]
+        staleness = [self.version - f.version for f in flights]
+        rnd = self.version + 1
+        record: Record = {
+            **dict.fromkeys(RECORD_KEYS),
+            "round": rnd,
+            "clients_sampled": self.arrived,
+            "clients_completed": len(updates),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "skipped": False,
+            "round_time": self.clock - self.last_step,
+            "clock": self.clock,
+            "clients": [
+                {"id": f.client_id, "steps": u.local_steps, "batch": min(f.batch, u.num_examples),
+                 "compute": u.compute_time, "staleness": tau}
+                for f, u, tau in zip(flights, updates, staleness)
+            ],
+        }
+        try:
+            params = buffered_step(parts.strategy, rnd, params, updates, staleness, self.settings)
+        except RoundError as exc:
+            log.error("server step %d skipped: %s; global model kept", rnd, exc)
+            record["skipped"] = True
+        else:
+            parts.controller.observe(rnd, updates)
+            record["train_loss"] = weighted_metric(updates, "train_loss")
+        self.version = rnd
+        self.last_step = self.clock
+        self.arrived = self.bytes_sent = self.bytes_received = 0
+        return params, record
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "clock": self.clock,
+            "version": self.version,
+            "flights": list(self.flights),
+            "buffer": list(self.buffer),
+            "dispatches": self.dispatches,
+            "trained_on": dict(self.trained_on),
+            "last_step": self.last_step,
+            "arrived": self.arrived,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clock = float(state["clock"])
+        self.version = int(state["version"])
+        self.flights = list(state["flights"])
+        self.buffer = list(state["buffer"])
+        self.dispatches = int(state["dispatches"])
+        self.trained_on = {int(c): int(v) for c, v in state["trained_on"].items()}
+        self.last_step = float(state["last_step"])
+        self.arrived = int(state["arrived"])
+        self.bytes_sent = int(state["bytes_sent"])
+        self.bytes_received = int(state["bytes_received"])
+
+
+def run_buffered(
+    parts: RoundParts,
+    server: BufferedServer,
+    params: Params,
+    first_round: int,
+    last_round: int,
+    on_round: Callable[[int, Params, Record], None],
+) -> Params:
+    """Server steps ``first_round..last_round``; ``on_round`` records, checkpoints, reports."""
+    if server.version != first_round - 1:
+        raise ValueError(f"the asynchronous state has taken {server.version} server steps, not {first_round - 1}")
+    started = time.perf_counter()
+    while server.version < last_round:
+        server.dispatch(parts, params)
+        if not server.flights:
+            log.error(
+                "asynchronous run stopped after %d server steps: no client is left to train model version %d",
+                server.version, server.version,
+            )
+            break
+        if not server.arrive() or len(server.buffer) < server.buffer_size:
+            continue
+        params, record = server.step(parts, params)
+        record.update(parts.chains.metrics())
+        record.update(evaluate_round(parts, server.version, params, last_round))
+        record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
+        record["bytes_received"] += record.pop("eval_bytes_received", 0)
+        record["wall_time"] = time.perf_counter() - started
+        on_round(server.version, params, record)
+        started = time.perf_counter()
+    return params

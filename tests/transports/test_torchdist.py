@@ -1,0 +1,237 @@
+"""torch.distributed transport: rendezvous, backend choice, bucketing, a gloo site exchange.
+
+The site tests run this process as the leader (rank 0) and members as subprocesses on
+127.0.0.1, every collective bounded by ``torchdist.timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fedweave.config import TorchDistConfig
+from fedweave.errors import ConfigError
+from fedweave.topologies.hierarchical import combine
+from fedweave.transports.torchdist import (
+    Rendezvous,
+    TorchDistLeader,
+    World,
+    choose_backend,
+    plan_buckets,
+    rendezvous,
+)
+from fedweave.types import Instruction, Message, TaskKind, Update, UpdateKind, Work
+
+TENSORS = 40
+
+MEMBER = textwrap.dedent(
+    """
+    import os
+    import sys
+    import torch
+    from fedweave.config import TorchDistConfig
+    from fedweave.transports.torchdist import Rendezvous, TorchDistMember, World
+    from fedweave.types import Message, Update, UpdateKind
+
+    rank, size, port, bucket = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    torch.set_num_threads(1)
+    world = World(TorchDistConfig(timeout=30, bucket_mb=bucket), Rendezvous("127.0.0.1", port, rank, size))
+    (group,) = world.site_groups([list(range(size))])
+
+    def handler(msg):
+        ins = msg.body
+        c = msg.client_id
+        extras = {"c": torch.full((2,), float(c))} if ins.config.get("extras") else {}
+        tensors = {k: v + c if v.is_floating_point() else v + c for k, v in ins.params.items()}
+        return Message(msg.round, c, Update(UpdateKind.DELTA, tensors, c + 1, {"train_loss": float(c)}, extras=extras))
+
+    TorchDistMember(world, group, list(range(size)), handler).serve()
+    world.close()
+    os._exit(0)  # skip torch's slow interpreter teardown
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def params() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = {f"layer{i}.weight": torch.randn(16, generator=gen) for i in range(TENSORS)}
+    out["half"] = torch.randn(8, generator=gen).to(torch.bfloat16)
+    out["steps"] = torch.tensor(7)
+    return out
+
+
+def expected(cid: int, p: dict[str, torch.Tensor], extras: bool = False) -> Update:
+    return Update(
+        UpdateKind.DELTA,
+        {k: v + cid for k, v in p.items()},
+        cid + 1,
+        {"train_loss": float(cid)},
+        extras={"c": torch.full((2,), float(cid))} if extras else {},
+    )
+
+
+class Site:
+    """This process as rank 0 (leader), two member processes; member rank 2 serves clients 1 and 2."""
+
+    def __init__(self, bucket_mb: float):
+        port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", MEMBER, str(r), "3", str(port), str(bucket_mb)],
+                env=env,
+            )
+            for r in (1, 2)
+        ]
+        self.world = World(
+            TorchDistConfig(timeout=30, bucket_mb=bucket_mb),
+            Rendezvous("127.0.0.1", port, 0, 3),
+        )
+        (group,) = self.world.site_groups([[0, 1, 2]])
+        self.leader = TorchDistLeader(self.world, group, [0, 1, 2], {0: 1, 1: 2, 2: 2})
+
+    def close(self) -> None:
+        try:
+            self.leader.close()
+            self.world.close()
+        finally:
+            for p in self.procs:
+                try:
+                    assert p.wait(timeout=20) == 0
+                finally:
+                    p.kill()
+
+
+def messages(rnd: int, p: dict[str, torch.Tensor], **config: object) -> list[Message]:
+    return [
+        Message(
+            rnd, c, Instruction(rnd, TaskKind.TRAIN, Work(c, 8), p, config=dict(config))
+        )
+        for c in range(3)
+    ]
+
+
+def close_to(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float
+) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype
+        and torch.allclose(a[k].double(), b[k].double(), atol=atol)
+        for k in a
+    )
+
+
+def test_site_relays_and_pre_aggregates_with_one_collective_per_bucket() -> None:
+    site = Site(bucket_mb=25.0)
+    try:
+        p = params()
+        # relay: every update arrives whole, in the order of the messages
+        site.leader.calls.clear()
+        ex = site.leader.exchange(messages(1, p), timeout=30)
+        assert not ex.failures
+        assert [r.client_id for r in ex.replies] == [0, 1, 2]
+        for r in ex.replies:
+            assert close_to(r.body.tensors, expected(r.client_id, p).tensors, 0)
+            assert r.body.num_examples == r.client_id + 1
+        # 42 tensors, 3 clients, one bucket each way: header (length, bytes), payload (length, bucket),
+        # reply headers (length, longest, bucket), mode (length, bytes), replies (length, longest, bucket)
+        assert site.leader.calls == {"broadcast": 8, "gather": 4}
+        # pre-aggregation by reduce: one update, the exact weighted mean
+        site.leader.pre_aggregate = True
+        site.leader.calls.clear()
+        ex = site.leader.exchange(messages(2, p), timeout=30)
+        (reply,) = ex.replies
+        want = combine([expected(c, p) for c in range(3)], 0)
+        assert reply.body.num_examples == 6 and reply.client_id == 0
+        assert close_to(
+            reply.body.tensors, want.tensors, 1e-2
+        )  # bf16 rounding of the mean
+        assert close_to(
+            {k: v for k, v in reply.body.tensors.items() if k != "half"},
+            {k: v for k, v in want.tensors.items() if k != "half"},
+            1e-6,
+        )
+        assert reply.body.metrics["train_loss"] == pytest.approx(
+            want.metrics["train_loss"]
+        )
+        assert (
+            site.leader.calls["reduce"] == 2
+        )  # one fp32 bucket (bf16 accumulates in fp32), one int64 max
+        # extras (e.g. control variates) cannot be summed blindly: relayed even when pre-aggregating
+        ex = site.leader.exchange(messages(3, p, extras=True), timeout=30)
+        assert len(ex.replies) == 3
+        assert all(
+            torch.equal(r.body.extras["c"], torch.full((2,), float(r.client_id)))
+            for r in ex.replies
+        )
+        # the leader's bucket size rules: 1 KiB buckets split the ~5 KiB payloads into several collectives
+        site.world.bucket_bytes = 1024
+        for pre in (False, True):
+            site.leader.pre_aggregate = pre
+            site.leader.calls.clear()
+            ex = site.leader.exchange(messages(4, p), timeout=30)
+            assert not ex.failures
+            if pre:
+                assert (
+                    site.leader.calls["reduce"] == 4
+                )  # 2576 fp32 bytes in 1 KiB buckets (3) + the counter
+                assert close_to(ex.replies[0].body.tensors, want.tensors, 1e-2)
+            else:
+                assert (
+                    site.leader.calls["broadcast"] > 10
+                    and site.leader.calls["gather"] > 6
+                )
+                assert close_to(ex.replies[2].body.tensors, expected(2, p).tensors, 0)
+    finally:
+        site.close()
+
+
+def test_plan_buckets() -> None:
+    assert plan_buckets([4, 4, 4, 4], 8) == [(0, 2), (2, 4)]
+    assert plan_buckets([10, 1, 1], 8) == [(0, 1), (1, 3)]
+    assert plan_buckets([], 8) == []
+
+
+def test_rendezvous_from_torchrun_slurm_and_config() -> None:
+    cfg = TorchDistConfig()
+    torchrun = {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+    }
+    assert rendezvous(cfg, torchrun) == Rendezvous("10.0.0.1", 1234, 3, 4, 1)
+    slurm = {
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "0",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.1.1.1",
+    }
+    assert rendezvous(cfg, slurm) == Rendezvous("10.1.1.1", 29500, 2, 8, 0)
+    configured = TorchDistConfig(address="192.168.0.9", port=4321)
+    assert rendezvous(configured, torchrun) == Rendezvous("192.168.0.9", 4321, 3, 4, 1)
+    assert rendezvous(cfg, {}, rank=0, world_size=2).address == "127.0.0.1"
+    with pytest.raises(ConfigError, match="torchrun"):
+        rendezvous(cfg, {})
+    with pytest.raises(ConfigError, match="outside"):
+        rendezvous(cfg, {"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_backend_choice() -> None:
+    assert choose_backend("auto", cuda=False) == "gloo"
+    assert choose_backend("gloo", cuda=True) == "gloo"
+    with pytest.raises(ConfigError, match="nccl"):
+        choose_backend("nccl", cuda=False)
