@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import sys
-import textwrap
 import types
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -17,20 +15,6 @@ from fedweave.errors import ConfigError, TaskError
 from fedweave.task import DATASETS, Dataset, load_dataset
 
 DIGITS_CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
-
-
-@pytest.fixture
-def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
-    """Write a throwaway importable module; returns its name."""
-    name = "fw_user_" + re.sub(r"\W", "_", tmp_path.name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def write(source: str) -> str:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        return name
-
-    yield write
-    sys.modules.pop(name, None)
 
 
 def class_counts(y: torch.Tensor, num_classes: int = 10) -> np.ndarray:

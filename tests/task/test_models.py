@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
-import sys
-import textwrap
-from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -17,20 +13,6 @@ from fedweave.errors import TaskError
 from fedweave.task import CNN, MLP, build_model, evaluate, load_dataset, make_loss
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
-
-
-@pytest.fixture
-def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
-    """Write a throwaway importable module; returns its name."""
-    name = "fw_user_" + re.sub(r"\W", "_", tmp_path.name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def write(source: str) -> str:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        return name
-
-    yield write
-    sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("spec", ["mlp", "cnn"])
