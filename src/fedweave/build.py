@@ -87,9 +87,14 @@ def build_task(config: Config) -> TaskBundle:
 
 
 def initial_params(config: Config, task: TaskBundle) -> Params:
-    """The seeded initial global model (the same in every process)."""
+    """The seeded initial global model (the same in every process), after the strategy's
+    ``check_model`` (if it has one) accepted the model."""
     torch.manual_seed(derive_seed(config.seed, "init"))
-    return {k: v.detach().clone() for k, v in task.make_model().state_dict().items()}
+    model = task.make_model()
+    check_model = getattr(strategy_class(config), "check_model", None)
+    if check_model is not None:  # e.g. MOON needs a representation, FedPer its personal layers
+        check_model(model, config.strategy.params)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def build_chains(config: Config) -> Chains:

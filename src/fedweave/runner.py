@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,9 +94,15 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
             f"run directory {str(run_dir)!r} already holds a run; continue it with "
             "`fedweave run --resume` or choose another directory"
         )
+    fresh = not run_dir.exists() or not any(run_dir.iterdir())
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
-    built = _build(config, run_dir, topology)
+    try:
+        built = _build(config, run_dir, topology)
+    except BaseException:
+        if fresh:  # a run that could not even be built leaves no directory behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     atomic_write_text(json.dumps(built.summary), run_dir / "partition.json")
     return built.run
 

@@ -16,7 +16,9 @@ A strategy also declares, for the config validator:
 - ``update_kind``: what its clients send (weights, delta, gradient);
 - a constructor ``(hp: Params, ctx: StrategyContext)``;
 - optionally ``check_config(config)``, a static method that refuses impossible
-  settings when the config loads (e.g. FedNova with a local optimiser other than SGD);
+  settings when the config loads (e.g. FedNova with a local optimiser other than SGD),
+  and ``check_model(model, hp)``, which refuses a model it cannot train before round 1
+  (MOON needs ``features``/``head``, FedPer patterns that match parameters);
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
   encryption) can be used with it.

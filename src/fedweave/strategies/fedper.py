@@ -102,5 +102,10 @@ class FedPer(FedAvg):
     Params = FedPerParams
     Client = FedPerClient
 
+    @staticmethod
+    def check_model(model: nn.Module, hp: FedPerParams) -> None:
+        """Every personal-layer pattern must name a parameter: refuse a typo before round 1."""
+        matching_keys(model, hp.personal)
+
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         return aggregate_shared(params, updates, self.ctx.average)

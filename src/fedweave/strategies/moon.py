@@ -94,3 +94,8 @@ class Moon(FedAvg):
 
     Params = MoonParams
     Client = MoonClient
+
+    @staticmethod
+    def check_model(model: nn.Module, hp: MoonParams) -> None:
+        """MOON needs the model's representation: refuse a model without one before round 1."""
+        _require_representation(model)

@@ -145,7 +145,10 @@ def _build(spec: str, input_shape: tuple[int, ...], num_classes: int, options: d
         for key, value in (("input_shape", input_shape), ("num_classes", num_classes))
         if takes_any or key in params
     }
-    model = factory(**options, **shape_kwargs)
+    try:
+        model = factory(**options, **shape_kwargs)
+    except TypeError as exc:  # options the factory does not take
+        raise TaskError(f"model '{spec}': {exc} (check task.model_options)") from exc
     if not isinstance(model, nn.Module):
         raise TaskError(
             f"model '{spec}': the factory must return a torch.nn.Module, got {type(model).__name__}"
