@@ -99,9 +99,8 @@ def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
                 )
                 assert_same_params(flat, r.params, atol=1e-5)
                 assert [x["skipped"] for x in records] == [False, False]
-                assert (
-                    records[0]["clients_completed"] == 2
-                )  # one pre-aggregated update per site
+                # one pre-aggregated update per site, each counting its two clients
+                assert records[0]["clients_completed"] == 4
                 assert (
                     abs(records[-1]["test_loss"] - flat_records[-1]["test_loss"]) < 1e-5
                 )

@@ -201,7 +201,7 @@ class BufferedServer:
             **dict.fromkeys(RECORD_KEYS),
             "round": rnd,
             "clients_sampled": self.arrived,
-            "clients_completed": len(updates),
+            "clients_completed": sum(u.clients for u in updates),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "skipped": False,

@@ -101,16 +101,16 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     record: Record = {
         "round": rnd,
         "clients_sampled": len(plan),
-        "clients_completed": len(updates),
+        "clients_completed": sum(u.clients for u in updates),
         "bytes_sent": exchange.bytes_sent,
         "bytes_received": exchange.bytes_received,
         "skipped": False,
     }
-    if len(updates) < parts.min_clients:
+    if record["clients_completed"] < parts.min_clients:
         reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
         log.error(
             "round %d skipped: %d of %d clients answered, min_clients is %d (%s); global model kept",
-            rnd, len(updates), len(plan), parts.min_clients, reasons or "no failures reported",
+            rnd, record["clients_completed"], len(plan), parts.min_clients, reasons or "no failures reported",
         )
         record.update(skipped=True, train_loss=None)
         return params, record

@@ -66,6 +66,7 @@ class Update:
     client_id: int = -1
     local_steps: int = 0
     compute_time: float = 0.0  # seconds of local computation, measured by the client
+    clients: int = 1  # client updates this one stands for (more when a site leader pre-aggregated)
 
 
 @dataclass

@@ -56,7 +56,13 @@ def test_pre_aggregation_sends_one_update_per_site(tmp_path: Path) -> None:
     )
     # the server receives one update per site instead of one per client
     assert tree[0]["bytes_received"] * 3 == star[0]["bytes_received"]
-    assert tree[0]["clients_completed"] == 2
+    # ...but each stands for its site's three clients: completed counts clients, not sites
+    assert tree[0]["clients_completed"] == star[0]["clients_completed"] == 6
+
+
+def test_min_clients_counts_the_clients_behind_a_site_update(tmp_path: Path) -> None:
+    _, tree = run_to_end(tmp_path / "tree", *SIX, "min_clients=5", "topology={kind: hierarchical, sites: 2}")
+    assert all(not r["skipped"] for r in tree)
 
 
 @pytest.mark.parametrize("strategy", ["scaffold", "fednova"])
@@ -117,6 +123,7 @@ def test_combine_is_the_weighted_mean() -> None:
     assert combinable(ups)
     out = combine(ups, 0)
     assert out.num_examples == 4
+    assert out.clients == 2
     assert torch.allclose(out.tensors["w"], torch.full((3,), 3.25))
     assert int(out.tensors["c"]) == 1  # counters take the maximum
     assert out.metrics["train_loss"] == pytest.approx(3.25)

@@ -71,6 +71,7 @@ def combine(updates: Sequence[Update], client_id: int) -> Update:
         client_id=client_id,
         local_steps=max(u.local_steps for u in updates),
         compute_time=max(u.compute_time for u in updates),
+        clients=sum(u.clients for u in updates),
     )
 
 

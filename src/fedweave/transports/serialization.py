@@ -127,6 +127,7 @@ def _body_fields(body: Any) -> tuple[str, dict[str, Any], dict[str, Mapping[str,
             "client_id": body.client_id,
             "local_steps": body.local_steps,
             "compute_time": body.compute_time,
+            "clients": body.clients,
         }
         return "update", fields, {"tensors": body.tensors, "extras": body.extras}
     if isinstance(body, Evaluation):
@@ -292,7 +293,7 @@ def _names(v: Any, what: str) -> list[str]:
 
 _FIELDS = {
     "instruction": {"task", "work", "config", "applied"},
-    "update": {"kind", "num_examples", "metrics", "applied", "client_id", "local_steps", "compute_time"},
+    "update": {"kind", "num_examples", "metrics", "applied", "client_id", "local_steps", "compute_time", "clients"},
     "evaluation": {"num_examples", "metrics", "client_id"},
 }
 
@@ -363,6 +364,7 @@ def _check_fields(layout: _Layout) -> None:
         _names(f["applied"], "applied")
         _check(_is_int(f["local_steps"], 0), "local_steps is not a non-negative integer")
         _check(isinstance(f["compute_time"], (int, float)) and not isinstance(f["compute_time"], bool), "bad compute_time")
+        _check(_is_int(f["clients"], 1), "clients is not a positive integer")
 
 
 def _check_expected(layout: _Layout, expected: Expected) -> None:
@@ -419,6 +421,7 @@ def _build(layout: _Layout, values: dict[tuple[str, str], torch.Tensor]) -> Mess
             client_id=f["client_id"],
             local_steps=f["local_steps"],
             compute_time=float(f["compute_time"]),
+            clients=f["clients"],
         )
     else:
         metrics = _scalars(f["metrics"], "metrics")

@@ -478,6 +478,7 @@ class TorchDistLeader(_Site):
                 client_id=first["client_id"],
                 local_steps=max(r["local_steps"] for r in replies),
                 compute_time=max(r["compute_time"] for r in replies),
+                clients=len(replies),
             )
             result.replies = [Message(messages[0].round, first["client_id"], update)]
             result.bytes_received = sum(
