@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.task import evaluate
@@ -87,16 +87,9 @@ class DecayedFedAvg:
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
         lr = self.server_lr(rnd)
-        new: Params = {}
-        for name, p in params.items():
-            d = delta[name]
-            if not p.is_floating_point():
-                new[name] = d.clone()
-            elif matches(name, self.hp.plain_average):
-                new[name] = p + d
-            else:
-                new[name] = p + lr * d
-        return new
+        # step_floats applies the step to floating tensors, the mean to plain_average ones,
+        # and the clients' value to integer counters.
+        return step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import (
@@ -129,16 +129,9 @@ class DiLoCo(FedAvg):
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         hp = self.hp
         delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
-        out: Params = {}
-        for name, p in params.items():
-            d = delta[name]
-            if not p.is_floating_point():
-                out[name] = d.clone()
-            elif matches(name, hp.plain_average):
-                out[name] = p + d
-            else:
-                out[name] = p - hp.outer_lr * self._direction(name, -d)
-        return out
+        return step_floats(
+            params, delta, hp.plain_average, lambda name, p, d: p - hp.outer_lr * self._direction(name, -d)
+        )
 
     def _direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         m = self.hp.outer_momentum

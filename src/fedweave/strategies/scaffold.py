@@ -14,7 +14,7 @@ from torch import nn
 
 from fedweave.errors import ConfigError
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import matches, plain_average_option
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
@@ -143,16 +143,8 @@ class Scaffold(FedAvg):
         self.control = {
             name: self.control.get(name, torch.zeros_like(d)) + share * d for name, d in control_delta.items()
         }
-        new: Params = {}
-        for name, p in params.items():
-            d = delta[name]
-            if not p.is_floating_point():
-                new[name] = d.clone()
-            elif matches(name, self.hp.plain_average):
-                new[name] = p + d
-            else:
-                new[name] = p + self.hp.global_lr * d
-        return new
+        lr = self.hp.global_lr
+        return step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
 
     def state_dict(self) -> dict[str, Any]:
         return {"control": self.control}
