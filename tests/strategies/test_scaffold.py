@@ -159,3 +159,35 @@ def test_running_statistics_take_the_plain_average() -> None:
     new = strategy.aggregate(1, x, updates)
     assert new["bn.running_var"].item() == pytest.approx(0.3)
     assert new["w"].item() == pytest.approx(2.0)
+
+
+def test_krum_keeps_the_same_client_for_model_and_control_deltas() -> None:
+    """Five clients: model deltas make client 0 central, control deltas make client 1
+    central; Krum's joint pass picks one client and takes both of its deltas."""
+    from functools import partial
+
+    from fedweave.strategies.robust import krum_scores, multi_krum
+
+    def update(d: float, c: float) -> Update:
+        return Update(
+            UpdateKind.DELTA,
+            {k: torch.full_like(v, d) for k, v in X.items()},
+            10,
+            extras={k: torch.full_like(v, c) for k, v in X.items()},
+        )
+
+    updates = [update(0.0, 5.0), update(0.1, 0.0), update(-0.1, 0.2), update(1.0, -0.2), update(-1.0, 3.0)]
+    krum = partial(multi_krum, byzantine=1, select=1)
+    # Krum run on each half alone would pick different clients.
+    assert int(krum_scores([u.tensors for u in updates], 1).argmin()) == 0
+    assert int(krum_scores([u.extras for u in updates], 1).argmin()) == 1
+    strategy = Scaffold(ScaffoldParams(), StrategyContext(num_clients=5, average=krum))
+    new = strategy.aggregate(1, X, updates)
+    joined = [{**u.tensors, **{f"c.{k}": v for k, v in u.extras.items()}} for u in updates]
+    chosen = int(krum_scores(joined, 1).argmin())
+    assert chosen == 1  # by hand: 2 nearest squared distances per entry 0.08 + 0.85, the least
+    for k in X:
+        torch.testing.assert_close(new[k], X[k] + updates[chosen].tensors[k], rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            strategy.state_dict()["control"][k], (5 / 5) * updates[chosen].extras[k], rtol=0, atol=1e-12
+        )

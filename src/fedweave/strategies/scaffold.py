@@ -14,7 +14,7 @@ from torch import nn
 
 from fedweave.errors import ConfigError
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats
+from fedweave.strategies.aggregate import plain_average_option, step_floats, weighted_average
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
@@ -23,6 +23,8 @@ from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Wo
 
 CONTROL = "control"
 """The key of the client's control variate c_i in ``job.state``."""
+JOINT = "__control_delta."
+"""Prefix of the control deltas in a robust rule's joint pass over (Δy_i, Δc_i)."""
 
 
 @dataclass
@@ -107,6 +109,9 @@ class Scaffold(FedAvg):
         x ← x + η_g · mean_w(Δy_i)          (weights: num_examples, as FedAvg)
         c ← c + (|S|/N) · mean(Δc_i)        (uniform, as the paper)
 
+    With a robust aggregation rule, both means become one pass of the rule over the
+    clients' joined (Δy_i, Δc_i), so Krum keeps the same clients for both.
+
     The x step weights clients by their examples like FedAvg, which is the paper's
     uniform mean when clients hold equal data; so the first round, with zero control
     variates and η_g = 1, is FedAvg exactly. The c step is the paper's uniform mean, so
@@ -137,14 +142,31 @@ class Scaffold(FedAvg):
         ]
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
-        delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
-        control_delta = self.ctx.average([u.extras for u in updates], [1.0] * len(updates))
+        if self.ctx.average is weighted_average:
+            delta = weighted_average([u.tensors for u in updates], [u.num_examples for u in updates])
+            control_delta = weighted_average([u.extras for u in updates], [1.0] * len(updates))
+        else:
+            delta, control_delta = self._robust_deltas(updates)
         share = len(updates) / self.ctx.num_clients
         self.control = {
             name: self.control.get(name, torch.zeros_like(d)) + share * d for name, d in control_delta.items()
         }
         lr = self.hp.global_lr
         return step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
+
+    def _robust_deltas(self, updates: list[Update]) -> tuple[Params, Params]:
+        """One pass of the robust rule over each client's (Δy_i, Δc_i) together.
+
+        A rule that selects clients (Krum) then takes the model and the control-variate
+        delta of the same clients, and scores them on both; a coordinate-wise rule
+        (median, trimmed mean) is unchanged by the joining. The selected clients' control
+        deltas are weighted by examples like their model deltas (the paper's uniform mean
+        where clients hold equal data).
+        """
+        joined = [{**u.tensors, **{JOINT + k: v for k, v in u.extras.items()}} for u in updates]
+        both = self.ctx.average(joined, [u.num_examples for u in updates])
+        delta = {k: v for k, v in both.items() if not k.startswith(JOINT)}
+        return delta, {k[len(JOINT):]: v for k, v in both.items() if k.startswith(JOINT)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"control": self.control}
