@@ -10,6 +10,10 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
+from fedweave.batching.sampler import GlobalSampler
+from fedweave.seeding import derive_seed
+from fedweave.strategies.training import LocalOptimizer, LocalSettings
+from fedweave.task import build_model, evaluate, load_dataset, make_loss
 from fedweave.types import Params
 
 SMALL = [
@@ -76,3 +80,24 @@ def comparable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for r in records
     ]
+
+
+def reference(config: config_mod.Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One process taking the same global batches: the params and test metrics a correct run reaches."""
+    dp = config.data_parallel
+    ds = load_dataset(config.task.dataset, seed=config.seed, test_fraction=config.task.test_fraction,
+                      options=config.task.dataset_options)
+    torch.manual_seed(derive_seed(config.seed, "init"))
+    model = build_model(config.task.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
+                        options=config.task.model_options)
+    opt = LocalOptimizer(model.parameters(), LocalSettings(dp.optimizer, dp.lr, dp.momentum, dp.weight_decay))
+    loss_fn = make_loss(config.task.loss)
+    sampler = GlobalSampler(len(ds.y_train), config.seed)
+    while sampler.epoch < dp.epochs:
+        total = sampler.step_size(dp.global_batch)
+        idx = torch.from_numpy(sampler.take([total])[0])
+        opt.zero_grad()
+        loss_fn(model(ds.x_train[idx]), ds.y_train[idx]).backward()
+        opt.step()
+        sampler.advance(total)
+    return model.state_dict(), evaluate(model, ds.x_test, ds.y_test, loss_fn)

@@ -1,4 +1,5 @@
-"""Data-parallel mode: gradient weighting, real gloo runs on loopback, world changes, resume.
+"""Data-parallel mode: gradient weighting, real gloo runs on loopback, world changes (workers
+leaving and joining), resume.
 
 Every run here is a few seconds of real worker processes on 127.0.0.1 (forked, so
 torch is not imported again); each is checked against one process replaying the same
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,15 +20,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import reference
 from fedweave import cli
 from fedweave import config as config_mod
 from fedweave import data_parallel
 from fedweave.batching.dynamic import apportion
-from fedweave.batching.sampler import GlobalSampler
 from fedweave.config import Config, ConfigError
-from fedweave.seeding import derive_seed
-from fedweave.strategies.training import LocalOptimizer, LocalSettings
-from fedweave.task import build_model, evaluate, load_dataset, make_loss
 
 DP = [
     "mode=data_parallel",
@@ -45,27 +46,6 @@ DP = [
 
 def dp_config(*overrides: str) -> Config:
     return config_mod.load(None, [*DP, *overrides])
-
-
-def reference(config: Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One process taking the same global batches: the params and test metrics a correct run reaches."""
-    dp = config.data_parallel
-    ds = load_dataset(config.task.dataset, seed=config.seed, test_fraction=config.task.test_fraction,
-                      options=config.task.dataset_options)
-    torch.manual_seed(derive_seed(config.seed, "init"))
-    model = build_model(config.task.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
-                        options=config.task.model_options)
-    opt = LocalOptimizer(model.parameters(), LocalSettings(dp.optimizer, dp.lr, dp.momentum, dp.weight_decay))
-    loss_fn = make_loss(config.task.loss)
-    sampler = GlobalSampler(len(ds.y_train), config.seed)
-    while sampler.epoch < dp.epochs:
-        total = sampler.step_size(dp.global_batch)
-        idx = torch.from_numpy(sampler.take([total])[0])
-        opt.zero_grad()
-        loss_fn(model(ds.x_train[idx]), ds.y_train[idx]).backward()
-        opt.step()
-        sampler.advance(total)
-    return model.state_dict(), evaluate(model, ds.x_test, ds.y_test, loss_fn)
 
 
 def assert_matches_reference(run_dir: Path, config: Config) -> dict[str, float]:
@@ -227,6 +207,82 @@ def test_too_few_survivors_stop_cleanly_and_the_run_resumes(tmp_path: Path) -> N
     assert_matches_reference(run, config)
 
 
+JOIN = ["data_parallel.workers=2", "heterogeneity.joins=[{step: 12, worker: 2}]"]  # speeds [1, 2, 4]
+
+
+def test_a_worker_joins_at_its_step_and_the_run_still_matches_one_process(tmp_path: Path) -> None:
+    config = dp_config(*JOIN)
+    started = time.perf_counter()
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    assert time.perf_counter() - started < 20
+    # the join closes the metrics window: steps 1-12 by workers 0 and 1, from step 13 on with worker 2
+    assert [rec["step"] for rec in records] == [5, 10, 12, 15, 20, 25, 30]
+    assert [rec["workers"] for rec in records] == [[0, 1]] * 3 + [[0, 1, 2]] * 4
+    assert [rec["generation"] for rec in records] == [0, 0, 0, 1, 1, 1, 1]
+    assert all(sum(rec["batch"]) == pytest.approx(48) for rec in records)
+    # the newcomer starts with the mean throughput of the others: 48 x mean / (X_0 + X_1 + mean) = 16
+    assert records[3]["batch"][2] == 16
+    # no sample lost or repeated across the join, every step weighted by b_i / B: one process's model
+    metrics = assert_matches_reference(tmp_path / "run", config)
+    assert records[-1]["test_accuracy"] == pytest.approx(metrics["accuracy"])
+    assert not (tmp_path / "run" / "rendezvous.json").exists()  # the run no longer takes workers
+
+
+def test_a_joiner_that_dies_before_its_step_is_not_admitted(tmp_path: Path) -> None:
+    config = dp_config(*JOIN)
+    records = data_parallel.execute(
+        data_parallel.prepare(config, tmp_path / "run"), on_start=lambda pids: os.kill(pids[2], signal.SIGKILL)
+    )
+    assert all(rec["workers"] == [0, 1] for rec in records) and records[-1]["step"] == 30
+    assert_matches_reference(tmp_path / "run", config)
+
+
+def test_a_joiner_that_never_arrives_is_dropped_within_the_timeouts(tmp_path: Path) -> None:
+    config = dp_config(*JOIN, "data_parallel.timeout=2")
+    started = time.perf_counter()
+    records = data_parallel.execute(  # announced, then stopped: admitted at step 12, it never forms the group
+        data_parallel.prepare(config, tmp_path / "run"), on_start=lambda pids: os.kill(pids[2], signal.SIGSTOP)
+    )
+    # bounded: the rendezvous times out (2 s), the launcher waits timeout + 5 s for a report, then drops it
+    assert time.perf_counter() - started < 25
+    assert all(rec["workers"] == [0, 1] for rec in records) and records[-1]["step"] == 30
+    assert records[-1]["generation"] == 2  # 1: with the newcomer (never formed), 2: without it
+    assert_matches_reference(tmp_path / "run", config)
+
+
+def test_a_worker_started_by_hand_joins_the_running_job(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = dp_config("data_parallel.workers=2", "heterogeneity.speeds=[]", "data_parallel.epochs=4")
+    r = data_parallel.prepare(config, run)
+    joiner = subprocess.Popen(
+        [sys.executable, "-m", "fedweave", "join", str(run), "--wait", "60", "-v"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in joiner.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if "waiting up to" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(60), "".join(lines)  # imports done: it joins within a poll and a step of the start
+        records = data_parallel.execute(r)
+        assert joiner.wait(30) == 0, "".join(lines)
+        reader.join(10)  # its last lines
+    finally:
+        joiner.kill()
+    assert records[0]["workers"] == [0, 1] and records[-1]["workers"] == [0, 1, 2]
+    assert all(sum(rec["batch"]) == pytest.approx(48) for rec in records)
+    assert_matches_reference(run, config)
+    assert any("worker 2 trained with the run" in line for line in lines)
+    assert cli.main(["join", str(run)]) == 1  # the run is over: nothing to join
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the patch reaches forked workers only (spawned with CUDA)")
 def test_out_of_memory_caps_the_batch_and_the_step_is_taken_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -269,8 +325,20 @@ def test_cli_runs_a_data_parallel_config(tmp_path: Path, capsys: pytest.CaptureF
         ("data_parallel.global_batch=2", "cannot give 3 workers"),
         ("data_parallel.controller.max_batch=10", "exceeds 3 workers x controller.max_batch=10"),
         ("data_parallel.min_workers=4", "'data_parallel.min_workers': 4 is more than"),
+        ("heterogeneity.joins=[{step: 5, worker: 4}]", "'heterogeneity.joins[0].worker': 4; .* this one is 3"),
+        ("heterogeneity.joins=[{step: 0, worker: 3}]", "'heterogeneity.joins[0].step': must be >= 1"),
+        ("heterogeneity.joins=[{step: 5, worker: 3}]", "3 values for data_parallel.workers=3 and 1 join;"),
     ],
 )
 def test_config_errors_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         dp_config(override)
+
+
+def test_joins_are_checked_against_the_joining_workers() -> None:
+    config = dp_config(*JOIN, "heterogeneity.crashes=[{step: 20, worker: 2}]", "heterogeneity.threads=[1, 1, 1]")
+    assert config.heterogeneity.joins[0].worker == 2
+    with pytest.raises(ConfigError, match=r"'heterogeneity.crashes\[0\].step': 11 is before worker 2 joins"):
+        dp_config(*JOIN, "heterogeneity.crashes=[{step: 11, worker: 2}]")
+    with pytest.raises(ConfigError, match="'heterogeneity.joins': applies to mode data_parallel only"):
+        config_mod.load(None, ["heterogeneity.joins=[{step: 1, worker: 2}]"])

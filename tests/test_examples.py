@@ -25,8 +25,15 @@ def test_example_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.syspath_prepend(str(EXAMPLES_DIR))  # user modules an example names (custom_strategy.py)
     if config_mod.load(path).mode == "data_parallel":
         config = config_mod.load(path, ["data_parallel.steps=3"])
+        joins = [{"step": 2, "worker": j.worker} for j in config.heterogeneity.joins]  # within the 3 steps
+        if joins:
+            config = config_mod.load(path, ["data_parallel.steps=3", f"heterogeneity.joins={joins}"])
         records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
         assert records[-1]["step"] == 3 and 0.0 <= records[-1]["test_accuracy"] <= 1.0
+        if config.data_parallel.sync == "asp":  # an asp window lists the workers that pushed in it
+            assert records[-1]["lost"] == [] and 0 < len(records[-1]["workers"]) <= config.data_parallel.workers
+        else:
+            assert len(records[-1]["workers"]) == config.data_parallel.workers + len(joins)
         assert (tmp_path / "run" / "model.pt").is_file()
         return
     config = config_mod.load(path, SHORTEN)

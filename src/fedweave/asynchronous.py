@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.batching.clients import DEADLINE
-from fedweave.config import AsynchronousConfig, Config
+from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError
 from fedweave.loop import (
     RECORD_KEYS,
@@ -62,8 +62,10 @@ from fedweave.types import Params, Update
 log = logging.getLogger(__name__)
 
 
-def staleness_weight(staleness: int, settings: AsynchronousConfig) -> float:
-    """s(τ): the weight of an update τ server steps old."""
+def staleness_weight(staleness: int, settings: StalenessOptions) -> float:
+    """s(τ): the weight of an update τ server steps old (FedBuff's and the parameter server's)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
     if settings.staleness == "constant":
         return 1.0
     if settings.staleness == "polynomial":

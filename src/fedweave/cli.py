@@ -59,6 +59,16 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--out", required=True, metavar="DIR", help="folder to write secret.ctx and public.ctx into")
     keys.add_argument("--poly-degree", type=int, default=8192, choices=(4096, 8192, 16384), help="CKKS ring degree")
     keys.add_argument("--scale-bits", type=int, default=32, help="CKKS scale 2^bits (20..50)")
+
+    join = sub.add_parser(
+        "join",
+        help="add a worker to a data-parallel run going on on this host",
+        description="Start a worker in this process that joins the data-parallel run in RUN_DIR at its "
+        "next step boundary and trains with it to the end (docs/heterogeneity.md, World changes).",
+    )
+    join.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running job")
+    join.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for the run to start")
+    join.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
     _node_parsers(sub)
     return parser
 
@@ -148,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return _list()
     except (ConfigError, TaskError) as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
+        if args.command == "join":
+            return _join(args)
         return 2
     except FedweaveError as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
@@ -261,6 +273,18 @@ def _keys(args: argparse.Namespace) -> int:
 
     if not 20 <= args.scale_bits <= 50:
         raise ConfigError(f"--scale-bits must lie in 20..50, got {args.scale_bits}")
+def _join(args: argparse.Namespace) -> int:
+    """``fedweave join RUN_DIR``: one more worker for a running data-parallel job."""
+    from fedweave import data_parallel
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    worker = data_parallel.join(args.run_dir, wait=args.wait)
+    print(f"worker {worker} trained with the run in {args.run_dir} to its end", file=sys.stderr)
+    return 0
+
+
     secret, public = write_keys(args.out, args.poly_degree, args.scale_bits)
     print(f"secret context (clients only): {secret}\npublic context (server): {public}")
     return 0

@@ -263,8 +263,25 @@ class BatchControllerConfig:
 
 
 @dataclass
-class DataParallelConfig:
-    """Synchronous data-parallel SGD over torch.distributed (``mode: data_parallel``)."""
+class StalenessOptions:
+    """How asynchronous aggregation weighs an update computed on an older model: FedBuff
+    (``asynchronous``) and the data-parallel parameter server (``data_parallel.sync: asp``)."""
+
+    staleness: Literal["polynomial", "constant", "hinge"] = opt(
+        "polynomial",
+        help="weight s(t) of an update t server steps old: polynomial (1 + t)^-exponent | constant 1 | "
+        "hinge 1 while t <= hinge_b, then 1 / (hinge_a (t - hinge_b) + 1)",
+    )
+    exponent: float = opt(0.5, ge=0, help="staleness polynomial: s(t) = (1 + t)^-exponent")
+    hinge_a: float = opt(10.0, ge=0, help="staleness hinge: slope after hinge_b")
+    hinge_b: int = opt(4, ge=0, help="staleness hinge: server steps an update may be old at full weight")
+    max_staleness: int | None = opt(None, ge=0, help="updates older than this many server steps are dropped")
+
+
+@dataclass
+class DataParallelConfig(StalenessOptions):
+    """Data-parallel SGD over torch.distributed (``mode: data_parallel``): synchronous steps
+    (``sync: bsp``) or a parameter server (``sync: asp``, see :mod:`fedweave.parameter_server`)."""
 
     workers: int = opt(2, ge=1, help="worker processes started on this machine")
     global_batch: int = opt(64, ge=1, help="samples per step over all workers (B = sum of the b_i)")
@@ -278,6 +295,12 @@ class DataParallelConfig:
     timeout: float = opt(30.0, gt=0, help="seconds a collective or a re-formation waits before a worker counts as lost")
     min_workers: int = opt(1, ge=1, help="fewest surviving workers that continue after a failure")
     log_every: int = opt(10, ge=1, help="steps per metrics line (and at each epoch's end)")
+    sync: Literal["bsp", "asp"] = opt(
+        "bsp",
+        help="bsp: synchronous steps, every worker waits for the slowest | asp: a parameter server applies each "
+        "worker's gradient as it arrives, nobody waits (see fedweave.parameter_server)",
+    )
+    buffer: int = opt(1, ge=1, help="asp: arriving gradients summed into one server step (K)")
     controller: BatchControllerConfig = opt(factory=BatchControllerConfig)
 
 
@@ -295,6 +318,12 @@ class Crash:
 
 
 @dataclass
+class Join:
+    step: int = opt(ge=1, help="first step the new worker takes part in")
+    worker: int = opt(ge=0, help="the new worker's index: data_parallel.workers for the first join, then + 1")
+
+
+@dataclass
 class HeterogeneityConfig:
     """Emulated unlike machines on one box (see :mod:`fedweave.batching.heterogeneity`)."""
 
@@ -305,6 +334,9 @@ class HeterogeneityConfig:
     threads: list[int] = opt(factory=list, help="torch threads per worker (empty: the run's threads)")
     schedule: list[SpeedChange] = opt(factory=list, help="speed changes during training: [{step, worker, speed}]")
     crashes: list[Crash] = opt(factory=list, help="emulated crashes: [{step, worker}] (the worker is SIGKILLed)")
+    joins: list[Join] = opt(
+        factory=list, help="emulated joins: [{step, worker}] (a new worker joins the running job at that step)"
+    )
     speed_range: list[float] = opt(
         factory=list,
         help="federated: [low, high], each client's speed drawn uniformly from it, seeded (not with speeds)",
@@ -349,7 +381,7 @@ class ClientControllerConfig:
 
 
 @dataclass
-class AsynchronousConfig:
+class AsynchronousConfig(StalenessOptions):
     """Buffered asynchronous aggregation, FedBuff (see :mod:`fedweave.asynchronous`)."""
 
     enabled: bool = opt(
@@ -357,15 +389,6 @@ class AsynchronousConfig:
     )
     buffer_size: int | None = opt(None, ge=1, help="K, updates per server step (none: the clients a round samples)")
     concurrency: int | None = opt(None, ge=1, help="clients training at once (none: every client)")
-    staleness: Literal["polynomial", "constant", "hinge"] = opt(
-        "polynomial",
-        help="weight s(t) of an update t server steps old: polynomial (1 + t)^-exponent | constant 1 | "
-        "hinge 1 while t <= hinge_b, then 1 / (hinge_a (t - hinge_b) + 1)",
-    )
-    exponent: float = opt(0.5, ge=0, help="staleness polynomial: s(t) = (1 + t)^-exponent")
-    hinge_a: float = opt(10.0, ge=0, help="staleness hinge: slope after hinge_b")
-    hinge_b: int = opt(4, ge=0, help="staleness hinge: server steps an update may be old at full weight")
-    max_staleness: int | None = opt(None, ge=0, help="updates older than this many server steps are dropped")
     server_lr: float = opt(1.0, gt=0, help="the server moves this share of the way to the buffer's aggregate")
 
 
@@ -511,7 +534,7 @@ def _check_heterogeneity_aware(config: Config) -> None:
                 "config key 'heterogeneity.speed_range': expected [low, high] with 0 < low <= high, "
                 f"got {het.speed_range}"
             )
-    for key in ("threads", "crashes"):
+    for key in ("threads", "crashes", "joins"):
         if getattr(het, key):
             raise ConfigError(f"config key 'heterogeneity.{key}': applies to mode data_parallel only")
     for i, change in enumerate(het.schedule):
@@ -556,10 +579,18 @@ def _check_data_parallel(config: Config) -> None:
     """Cross-key checks of ``mode: data_parallel``: worker indices, counts, batch bounds."""
     dp, het = config.data_parallel, config.heterogeneity
     n = dp.workers
-    for key, values in (("speeds", het.speeds), ("threads", het.threads)):
-        if values and len(values) != n:
+    total = n + len(het.joins)  # joining workers take the indices n, n + 1, ...
+    joined = f" and {len(het.joins)} join{'s' if len(het.joins) > 1 else ''}" if het.joins else ""
+    for i, join in enumerate(het.joins):
+        if join.worker != n + i:
             raise ConfigError(
-                f"config key 'heterogeneity.{key}': {len(values)} values for data_parallel.workers={n}; "
+                f"config key 'heterogeneity.joins[{i}].worker': {join.worker}; joining workers take the next "
+                f"indices in order, so this one is {n + i} (data_parallel.workers={n})"
+            )
+    for key, values in (("speeds", het.speeds), ("threads", het.threads)):
+        if values and len(values) != total:
+            raise ConfigError(
+                f"config key 'heterogeneity.{key}': {len(values)} values for data_parallel.workers={n}{joined}; "
                 "give one per worker or none"
             )
     if any(t < 1 for t in het.threads):
@@ -568,19 +599,27 @@ def _check_data_parallel(config: Config) -> None:
         raise ConfigError(f"config key 'heterogeneity.speeds': speeds must be > 0, got {het.speeds}")
     for key, items in (("schedule", het.schedule), ("crashes", het.crashes)):
         for i, item in enumerate(items):
-            if item.worker >= n:
+            if item.worker >= total:
                 raise ConfigError(
                     f"config key 'heterogeneity.{key}[{i}].worker': {item.worker} is not a worker "
-                    f"(data_parallel.workers={n}: 0..{n - 1})"
+                    f"(data_parallel.workers={n}{joined}: 0..{total - 1})"
                 )
+    starts = {join.worker: join.step for join in het.joins}
+    for i, crash in enumerate(het.crashes):
+        if crash.step < starts.get(crash.worker, 0):
+            raise ConfigError(
+                f"config key 'heterogeneity.crashes[{i}].step': {crash.step} is before worker {crash.worker} "
+                f"joins (step {starts[crash.worker]})"
+            )
     if dp.min_workers > n:
         raise ConfigError(
             f"config key 'data_parallel.min_workers': {dp.min_workers} is more than data_parallel.workers={n}"
         )
+    _check_sync(dp, het)
     ctl = dp.controller
-    if dp.global_batch < n * ctl.min_batch:
+    if dp.global_batch < total * ctl.min_batch:
         raise ConfigError(
-            f"config key 'data_parallel.global_batch': {dp.global_batch} cannot give {n} workers "
+            f"config key 'data_parallel.global_batch': {dp.global_batch} cannot give {total} workers "
             f"controller.min_batch={ctl.min_batch} each"
         )
     if ctl.max_batch is not None and dp.global_batch > n * ctl.max_batch:
@@ -588,6 +627,23 @@ def _check_data_parallel(config: Config) -> None:
             f"config key 'data_parallel.global_batch': {dp.global_batch} exceeds {n} workers x "
             f"controller.max_batch={ctl.max_batch}"
         )
+
+
+def _check_sync(dp: DataParallelConfig, het: HeterogeneityConfig) -> None:
+    """``data_parallel.sync``: asp's settings only with asp, and what asp cannot do."""
+    if dp.sync == "bsp":
+        defaults = DataParallelConfig()
+        for key in ("staleness", "exponent", "hinge_a", "hinge_b", "max_staleness", "buffer"):
+            if getattr(dp, key) != getattr(defaults, key):
+                raise ConfigError(f"config key 'data_parallel.{key}': applies to data_parallel.sync: asp only")
+        return
+    if dp.optimizer == "adam":
+        raise ConfigError(
+            "config key 'data_parallel.optimizer': adam normalises each step's scale, which would undo asp's "
+            "b_i / B and staleness weights; use sgd with sync: asp"
+        )
+    if het.joins:
+        raise ConfigError("config key 'heterogeneity.joins': workers cannot join an asp run (sync: bsp only)")
 
 
 # --------------------------------------------------------------------------- loading

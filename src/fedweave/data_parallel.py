@@ -25,6 +25,22 @@ completed the failed step), the controller replans over the survivors and the st
 taken again from the same sampler position, so no progress beyond the current step is
 lost and the epoch still covers every sample once.
 
+A worker that joins announces itself in the same store: it claims the next slot
+``join/<i>`` (worker id and the first step it may take part in) and counts itself in
+``joins``. The members read that counter at most every ``JOIN_POLL`` seconds, not
+every step (one store round trip, ~0.1 ms on loopback), and carry what they read in
+the step's all-reduce, so all of them learn of the newcomer at the same step
+boundary. They close the metrics window, name the newcomer to the launcher and report
+as after a failure; the launcher names the next generation, members and newcomer, and
+tells the newcomer which one. The newcomer takes the state (model, optimiser,
+sampler position, controller) from the most advanced member, the controller replans
+with it counted as the mean throughput of the others until its first measured
+steps, and training goes on from the same sampler position. A newcomer that does not
+arrive is dropped like a worker that hangs, within the timeouts. Emulated joins
+(``heterogeneity.joins``) are started with the others and announce themselves before
+the others start, so each is admitted exactly at its step; :func:`join` (``fedweave
+join RUN_DIR``) adds a worker to a running job from another process of this host.
+
 The launcher (:func:`execute`) runs in the calling process: it forks the workers
 (spawns them when CUDA is present, see :func:`resolve_backend`), tails
 ``metrics.jsonl`` for progress, and writes the plot of per-worker batch size, compute
@@ -66,6 +82,15 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 MODEL_FILE = "model.pt"
 PLOT_FILE = "workers.png"
+RENDEZVOUS_FILE = "rendezvous.json"  # where a running job's store listens, for :func:`join`
+
+JOINS_KEY = "joins"  # store counter: joiners announced (slots join/1 .. join/<count> are filled)
+WORKER_IDS_KEY = "worker-ids"  # store counter: the next worker id (for workers joined by hand)
+MAX_JOIN_SLOTS = 100_000
+
+JOIN_POLL = 0.1
+"""Seconds between two reads of the join counter by a worker (a joiner waits at most
+this long, plus a step, to be noticed; the reads cost ~0.1 ms each)."""
 
 Record = dict[str, Any]
 
@@ -239,7 +264,7 @@ def resolve_backend(config: Config) -> tuple[str, str]:
     backend = config.data_parallel.backend
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    workers = config.data_parallel.workers
+    workers = config.data_parallel.workers + len(config.heterogeneity.joins)
     if backend == "nccl" and gpus < workers:
         raise ConfigError(
             f"config key 'data_parallel.backend': nccl needs a GPU per worker; {workers} workers, {gpus} GPUs"
@@ -277,6 +302,12 @@ class _Worker:
         self.window = _Window()
         self.prev_wait = 0.0
         self.members = list(shared.members)
+        self.fresh = False  # a newcomer until it has the run's state
+        self.store: dist.Store | None = None
+        self.seen = 0  # announcements of joiners counted in the store at the last read
+        self.last_poll = -float("inf")
+        self.announced: list[tuple[int, int]] = []  # (worker, first step) of join/1, join/2, ...
+        self.admitted: set[int] = set()  # joiners already taken in (or dropped): never again
         self.metrics = MetricsWriter(shared.run_dir / METRICS_FILE)
         self.logged_step = -1
         self.started = time.perf_counter()
@@ -308,10 +339,13 @@ class _Worker:
 
     # ---------------------------------------------------------------- the run
 
-    def run(self, address: tuple[str, int]) -> None:
+    def run(self, address: tuple[str, int], join_step: int | None = None) -> None:
+        """Train until the run is done; with ``join_step``, first join the running job
+        (taking part from that step at the earliest)."""
         dp = self.config.data_parallel
         store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=dp.timeout))
-        gen = 0
+        self.store = store
+        gen = 0 if join_step is None else self._admission(store, join_step)
         while True:
             group = None
             try:
@@ -320,27 +354,86 @@ class _Worker:
                     self._sync(group)
                 if self.controller.workers != self.members:
                     self.controller.set_workers(self.members)
-                self._train(group)
-                break
+                joiners = self._train(group)
+                if not joiners:
+                    break
+                store.set(f"grow/{gen}", ",".join(map(str, joiners)))  # before the report: the launcher reads it
+                log.info("worker %d: admitting workers %s after step %d", self.id, joiners, self.step)
             except PeerFailure as exc:
                 log.warning("worker %d: generation %d failed at step %d: %s", self.id, gen, self.step, exc)
-                if group is not None:
-                    group.close()
-                self.members = _next_members(store, gen, self.id, self.step, dp.timeout)
-                gen += 1
-                log.warning("worker %d: continuing at step %d with workers %s", self.id, self.step, self.members)
+            if group is not None:
+                group.close()
+            self.members = _next_members(store, gen, self.id, self.step, dp.timeout)
+            gen += 1
+            log.info("worker %d: generation %d at step %d with workers %s", self.id, gen, self.step, self.members)
         group.close()
+
+    def _admission(self, store: dist.Store, first_step: int) -> int:
+        """Announce this worker and wait for the generation that takes it in; its number.
+
+        Each wait is bounded; the whole is bounded by the run: the launcher sets ``end``
+        when it finishes, and its store vanishes with it.
+        """
+        _announce(store, self.id, first_step)
+        key = f"admitted/{self.id}"
+        while not store.check([key]):
+            if store.check(["end"]):
+                raise _Stopped("the run ended before this worker was admitted")
+            try:
+                store.wait([key], datetime.timedelta(seconds=1))
+            except Exception as exc:  # the wait timed out: look again (a vanished store fails the check)
+                log.debug("worker %d: waiting to be admitted: %s", self.id, exc)
+        value = store.get(key).decode()
+        if not value:
+            raise _Stopped("not admitted: the launcher dropped this worker")
+        gen = int(value)
+        self.members = _ids(store.get(f"members/{gen}").decode())
+        self.fresh = True
+        log.info("worker %d: admitted to generation %d with workers %s", self.id, gen, self.members)
+        return gen
 
     def _sync(self, group: _Group) -> None:
         """Every member takes the state of the most advanced one (lowest rank among equals):
-        a member may have completed the step that failed on the others."""
+        a member may have completed the step that failed on the others; a newcomer has none."""
         steps = torch.zeros(group.size, dtype=torch.float64, device=self.device)
-        steps[group.rank] = self.step
+        steps[group.rank] = -1 if self.fresh else self.step
         group.all_reduce(steps)
         src = int(torch.argmax(steps).item())  # the first maximum
-        state = group.broadcast_object(self.state_dict() if group.rank == src else None, src)
+        if steps[src] < 0:
+            raise _Stopped(f"no member of generation {group.gen} holds the run's state (only newcomers are left)")
+        mine = (self.state_dict(), self._join_state()) if group.rank == src else None
+        state, joins = group.broadcast_object(mine, src)
         if group.rank != src:
             self.load_state_dict(state)
+            self.announced = [tuple(a) for a in joins["announced"]]
+            self.admitted = set(joins["admitted"])
+        self.fresh = False
+
+    def _join_state(self) -> dict[str, Any]:
+        """What the members know of joiners (not checkpointed: a resumed run has a new store)."""
+        return {"announced": list(self.announced), "admitted": sorted(self.admitted)}
+
+    def _poll_joins(self, force: bool = False) -> None:
+        """Read the store's count of announced joiners, at most every ``JOIN_POLL`` seconds."""
+        now = time.monotonic()
+        if not force and now - self.last_poll < JOIN_POLL:
+            return
+        assert self.store is not None
+        try:
+            self.seen = int(self.store.add(JOINS_KEY, 0))
+        except Exception as exc:
+            raise _Stopped(f"the launcher's store is gone: {exc}") from exc
+        self.last_poll = now
+
+    def _due_joiners(self, announced: int) -> list[int]:
+        """Joiners to admit after this step: announced (``announced`` is the largest count any
+        member read, the same on every member), due by their first step, not yet admitted."""
+        assert self.store is not None
+        for i in range(len(self.announced) + 1, announced + 1):  # slots up to the count are filled
+            self.announced.append(_parse_announcement(self.store.get(f"join/{i}").decode()))
+        due = sorted({w for w, first in self.announced if first <= self.step} - self.admitted - set(self.members))
+        self.admitted.update(due)
+        return due
 
     def _done(self) -> bool:
         dp = self.config.data_parallel
@@ -348,7 +441,9 @@ class _Worker:
             return self.step >= dp.steps
         return self.sampler.epoch >= dp.epochs
 
-    def _train(self, group: _Group) -> None:
+    def _train(self, group: _Group) -> list[int]:
+        """Take steps until the run is done (returns []) or joiners are due (returns them,
+        after closing the metrics window so that the next one starts with them)."""
         dp = self.config.data_parallel
         data = self.dataset
         members = self.members
@@ -358,6 +453,7 @@ class _Worker:
         dtype = trainable(self.model)[0].dtype
         if group.rank == 0:
             self.logged_step = _last_logged_step(self.metrics.path)
+        self._poll_joins(force=True)
         while not self._done():
             total = self.sampler.step_size(dp.global_batch)
             sizes = self.controller.allocation(total)
@@ -381,13 +477,15 @@ class _Worker:
             self.emulator.pad(self.step, mine, time.process_time() - cpu_start, time.perf_counter() - step_start)
             compute = time.perf_counter() - step_start
             self.emulator.maybe_crash(self.step)
+            self._poll_joins()
 
             n = group.size
-            tail = torch.zeros(1 + 3 * n, dtype=dtype, device=self.device)
+            tail = torch.zeros(1 + 4 * n, dtype=dtype, device=self.device)
             tail[0] = loss
             tail[1 + group.rank] = compute
             tail[1 + n + group.rank] = self.prev_wait
             tail[1 + 2 * n + group.rank] = oom
+            tail[1 + 3 * n + group.rank] = self.seen
             weight = mine / total
             parts = [flat, *(b.detach().reshape(-1).to(dtype) * weight for b in buffers), tail]
             buffer = torch.cat(parts)
@@ -424,6 +522,13 @@ class _Worker:
             self.window.step_time += time.perf_counter() - step_start
             if epoch_end or self.step % dp.log_every == 0 or self._done():
                 self._record(group, epoch_end)
+            if not self._done():
+                joiners = self._due_joiners(int(max(tail[1 + 3 * n :])))
+                if joiners:
+                    if self.window.steps:
+                        self._record(group, False)
+                    return joiners
+        return []
 
     def _record(self, group: _Group, epoch_end: bool) -> None:
         """Close the metrics window; rank 0 writes it (with an evaluation at epoch ends or the
@@ -502,11 +607,38 @@ def _next_members(store: dist.Store, gen: int, worker: int, step: int, timeout: 
         store.wait([key], datetime.timedelta(seconds=2 * timeout + 10))
     except Exception as exc:
         raise _Stopped(f"no new generation after {2 * timeout + 10:.0f} s: {exc}") from exc
-    value = store.get(key).decode()
-    members = [int(v) for v in value.split(",")] if value else []
+    members = _ids(store.get(key).decode())
     if worker not in members:
         raise _Stopped("the run stopped: too few workers left" if not members else "excluded from the run")
     return members
+
+
+def _ids(value: str) -> list[int]:
+    """Worker ids from their comma-separated form in the store."""
+    return [int(v) for v in value.split(",")] if value else []
+
+
+def _announce(store: dist.Store, worker: int, first_step: int) -> int:
+    """Claim the next free slot ``join/<i>`` for ``worker`` (atomically: compare-and-set on a
+    missing key), then count it; the slot's number.
+
+    Slots are claimed in order from the count + 1, so whoever reads a count c finds
+    join/1 .. join/c filled, however many joiners announce at once.
+    """
+    record = f"{worker},{first_step}"
+    slot = int(store.add(JOINS_KEY, 0)) + 1
+    while slot <= MAX_JOIN_SLOTS:
+        if store.compare_set(f"join/{slot}", "", record).decode() == record:
+            store.add(JOINS_KEY, 1)
+            log.info("worker %d: announced in slot %d (from step %d)", worker, slot, first_step)
+            return slot
+        slot += 1
+    raise DataParallelError(f"no free join slot among the first {MAX_JOIN_SLOTS}")
+
+
+def _parse_announcement(value: str) -> tuple[int, int]:
+    worker, first_step = value.split(",")
+    return int(worker), int(first_step)
 
 
 def _load(config: Config) -> Dataset:
@@ -524,8 +656,8 @@ def _make_model(config: Config, dataset: Dataset) -> nn.Module:
     )
 
 
-def _worker_main(worker: int, shared: _Shared, port_conn: Any) -> None:
-    """Entry point of a worker process."""
+def _worker_main(worker: int, shared: _Shared, port_conn: Any, join_step: int | None = None) -> None:
+    """Entry point of a worker process (of a joining one with ``join_step``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the workers
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -534,10 +666,58 @@ def _worker_main(worker: int, shared: _Shared, port_conn: Any) -> None:
         raise SystemExit(4)
     address = port_conn.recv()
     try:
-        _Worker(worker, shared).run(address)
+        _Worker(worker, shared).run(address, join_step)
     except _Stopped as exc:
         log.error("worker %d: %s", worker, exc)
         raise SystemExit(3) from None
+
+
+def join(run_dir: str | Path, wait: float = 0.0) -> int:
+    """Add a worker, in this process, to the data-parallel run going on in ``run_dir``;
+    return its worker id once the run is done.
+
+    The run's launcher must be on this host (its store listens on 127.0.0.1; the
+    address is in ``run_dir/rendezvous.json`` while the run goes on). The worker gets
+    the next free id, announces itself, is admitted at the next step boundary the
+    members notice it (within ``JOIN_POLL`` seconds and a step), and trains to the end.
+    ``wait``: seconds to wait for the run to start (its rendezvous file to appear).
+    Raises :class:`DataParallelError` when no run is going on there or the worker was
+    not admitted or dropped out.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / RENDEZVOUS_FILE
+    deadline = time.monotonic() + wait
+    if not path.exists():
+        log.info("waiting up to %.0f s for a run in %s", wait, run_dir)
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        rendezvous = json.loads(path.read_text())
+        config = config_mod.load(run_dir / CONFIG_FILE)
+    except FileNotFoundError as exc:
+        raise DataParallelError(f"no data-parallel run is going on in {str(run_dir)!r}: {exc.filename} is missing")
+    if config.mode != "data_parallel":
+        raise DataParallelError(f"{str(run_dir)!r} holds a {config.mode} run, not a data-parallel one")
+    dp = config.data_parallel
+    address = (rendezvous["host"], int(rendezvous["port"]))
+    try:
+        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=dp.timeout))
+        worker = int(store.add(WORKER_IDS_KEY, 1)) - 1
+    except Exception as exc:  # a stale rendezvous file: the launcher is gone
+        raise DataParallelError(f"the run in {str(run_dir)!r} does not answer at {address}: {exc}") from exc
+    backend = rendezvous["backend"]
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and worker >= gpus:
+        raise DataParallelError(f"worker {worker} needs GPU {worker} for nccl; this host has {gpus}")
+    shared = _Shared(
+        config=config, run_dir=run_dir, members=list(range(dp.workers)), backend=backend, start_method="spawn"
+    )
+    log.info("joining the run in %s as worker %d", run_dir, worker)
+    try:
+        _Worker(worker, shared).run(address, join_step=0)
+    except (_Stopped, dist.DistError) as exc:
+        raise DataParallelError(f"worker {worker}: {str(exc).splitlines()[0]}") from None
+    return worker
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -611,32 +791,35 @@ def execute(
     (worker id -> pid). Raises :class:`DataParallelError` when the run could not finish
     (the last checkpoint stays intact: continue with :func:`resume`).
     """
+    if r.config.data_parallel.sync == "asp":
+        from fedweave import parameter_server
+
+        return parameter_server.execute(r, on_record, on_start)
     cfg = r.config
     dp = cfg.data_parallel
     if r.finished:
         log.info("%s already finished", r.run_dir)
         return r.records
     backend, method = resolve_backend(cfg)
-    members = list(range(dp.workers))
+    # emulated joiners whose step a resumed run has passed start with the others
+    joins = {j.worker: j.step for j in cfg.heterogeneity.joins if j.step > r.start_step}
+    members = [w for w in range(dp.workers + len(cfg.heterogeneity.joins)) if w not in joins]
     ctx = multiprocessing.get_context(method)
     shared = _Shared(
         config=cfg, run_dir=r.run_dir, members=members, backend=backend, start_method=method,
         resume=r.resume_state, dataset=_load(cfg) if method == "fork" else None,
     )
-    procs: dict[int, Any] = {}
-    conns = {}
-    for w in members:
-        receive, send = ctx.Pipe(duplex=False)
-        procs[w] = ctx.Process(target=_worker_main, args=(w, shared, receive), name=f"fedweave-worker-{w}")
-        procs[w].start()
-        conns[w] = send
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=dp.timeout)
+    procs, conns = spawn_workers(
+        ctx, [*members, *joins], _worker_main, lambda w, pipe: (w, shared, pipe, joins.get(w)), "fedweave-worker"
     )
+    store = launcher_store(dp.timeout)
     store.set("members/0", ",".join(map(str, members)))
-    for w in members:
-        conns[w].send(("127.0.0.1", store.port))
-        conns[w].close()
+    store.add(WORKER_IDS_KEY, dp.workers + len(cfg.heterogeneity.joins))  # the next id joins by hand get
+    release_workers(conns, joins, store.port)  # joiners announce themselves first: each is admitted at its step
+    _await_announcements(store, len(joins), procs, dp.timeout)
+    release_workers(conns, members, store.port)
+    rendezvous = r.run_dir / RENDEZVOUS_FILE
+    atomic_write_text(json.dumps({"host": "127.0.0.1", "port": store.port, "backend": backend}), rendezvous)
     if on_start is not None:
         on_start({w: p.pid for w, p in procs.items()})
     tail = _Tail(r.run_dir / METRICS_FILE)
@@ -644,6 +827,11 @@ def execute(
     try:
         failure = _supervise(store, procs, members, dp.timeout, dp.min_workers, tail, r.records, on_record)
     finally:
+        rendezvous.unlink(missing_ok=True)
+        store.set("end", "1")  # joiners still waiting to be admitted stop
+        for w in joins:
+            if not store.check([f"admitted/{w}"]):
+                log.info("worker %d was never admitted: the run ended before step %d", w, joins[w])
         for p in procs.values():
             if p.is_alive():
                 p.kill()
@@ -659,6 +847,45 @@ def execute(
     if failure is not None:
         raise DataParallelError(f"{failure}; the last checkpoint is intact: fedweave run --resume {r.run_dir}")
     return r.records
+
+
+def _await_announcements(store: dist.Store, count: int, procs: Mapping[int, Any], timeout: float) -> None:
+    """Wait (bounded) until ``count`` joiners have announced themselves."""
+    deadline = time.monotonic() + timeout
+    while int(store.add(JOINS_KEY, 0)) < count:
+        if time.monotonic() > deadline or not all(p.is_alive() for p in procs.values()):
+            log.warning("the joining workers did not all announce themselves: they join when they do")
+            return
+        time.sleep(0.01)
+
+
+def spawn_workers(
+    ctx: Any, ids: Sequence[int], target: Callable[..., None], args: Callable[[int, Any], tuple], name: str
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """One process per worker id, each waiting on its pipe for the store's address
+    (:func:`release_workers`); ``args(id, pipe)`` are the target's arguments."""
+    procs: dict[int, Any] = {}
+    conns: dict[int, Any] = {}
+    for w in ids:
+        receive, send = ctx.Pipe(duplex=False)
+        procs[w] = ctx.Process(target=target, args=args(w, receive), name=f"{name}-{w}")
+        procs[w].start()
+        conns[w] = send
+    return procs, conns
+
+
+def launcher_store(timeout: float) -> dist.TCPStore:
+    """The run's TCP store, held by the launcher on a free loopback port."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
+
+
+def release_workers(conns: Mapping[int, Any], ids: Sequence[int], port: int) -> None:
+    """Send the store's address to the workers ``ids``: they start."""
+    for w in ids:
+        conns[w].send(("127.0.0.1", port))
+        conns[w].close()
 
 
 class _Tail:
@@ -689,18 +916,28 @@ def _supervise(
     records: list[Record],
     on_record: Callable[[Record], None] | None,
 ) -> str | None:
-    """Follow the workers until all have exited; name each new generation after a failure.
+    """Follow the workers until all have exited; name each new generation after a failure
+    or when the members ask to admit joiners (``grow/<gen>``).
 
-    Returns None when the run finished, else why it stopped.
+    ``procs`` are the processes this launcher started; a member without one joined by
+    hand (:func:`join`): it counts as alive until it fails to report. Returns None when
+    the run finished, else why it stopped.
     """
     gen = 0
     poll = 0.05
+
+    def alive(w: int) -> bool:
+        return w not in procs or procs[w].is_alive()
+
     while True:
         for record in tail.read():
             records.append(record)
             if on_record is not None:
                 on_record(record)
-        codes = {w: procs[w].exitcode for w in members}
+        codes = {w: procs[w].exitcode for w in members if w in procs}
+        if not codes:
+            store.set(f"members/{gen + 1}", "")
+            return f"data-parallel run stopped at generation {gen}: no worker started by this launcher is left"
         if all(c is not None for c in codes.values()) and any(c == 0 for c in codes.values()):
             failed = {w: c for w, c in codes.items() if c != 0}
             if failed:
@@ -711,31 +948,39 @@ def _supervise(
         if not dead and not reported:
             time.sleep(poll)
             continue
-        # A failure in generation ``gen``: wait (bounded) for every live member to report.
+        # A failure or a join in generation ``gen``: wait (bounded) for every live member to report.
         deadline = time.monotonic() + timeout + 5.0
         while time.monotonic() < deadline:
-            alive = [w for w in members if procs[w].is_alive()]
-            if all(store.check([f"report/{gen}/{w}"]) for w in alive):
+            if all(store.check([f"report/{gen}/{w}"]) for w in members if alive(w)):
                 break
             time.sleep(poll)
-        alive = [w for w in members if procs[w].is_alive()]
-        survivors = [w for w in alive if store.check([f"report/{gen}/{w}"])]
-        for w in alive:
-            if w not in survivors:
-                log.warning("worker %d did not report within %.0f s after a failure: killed", w, timeout + 5)
-                procs[w].kill()
+        survivors = [w for w in members if alive(w) and store.check([f"report/{gen}/{w}"])]
+        for w in members:
+            if alive(w) and w not in survivors:
+                log.warning("worker %d did not report within %.0f s after a failure: dropped", w, timeout + 5)
+                if w in procs:
+                    procs[w].kill()
         lost = [w for w in members if w not in survivors]
-        codes_lost = {w: procs[w].exitcode for w in lost}
-        if len(survivors) < min_workers:
+        codes_lost = {w: procs[w].exitcode if w in procs else None for w in lost}
+        grow = _ids(store.get(f"grow/{gen}").decode()) if store.check([f"grow/{gen}"]) else []
+        joiners = [w for w in grow if alive(w)]  # one that died while waiting is not admitted
+        if len(survivors) + len(joiners) < min_workers:
             store.set(f"members/{gen + 1}", "")
+            for w in grow:
+                store.set(f"admitted/{w}", "")
             return (
                 f"data-parallel run stopped at generation {gen}: workers {lost} lost "
                 f"(exit codes {codes_lost}), {len(survivors)} left, min_workers is {min_workers}"
             )
-        log.warning("workers %s lost (exit codes %s); continuing with %s", lost, codes_lost, survivors)
-        members = survivors
+        if lost:
+            log.warning("workers %s lost (exit codes %s); continuing with %s", lost, codes_lost, survivors)
+        if grow:
+            log.info("workers %s join (%s admitted)", grow, joiners)
+        members = sorted(survivors + joiners)
         gen += 1
         store.set(f"members/{gen}", ",".join(map(str, members)))
+        for w in grow:  # after the members: a joiner reads them once admitted
+            store.set(f"admitted/{w}", str(gen) if w in joiners else "")
 
 
 def run_config(config: Config, run_dir: Path | None = None) -> DataParallelRun:

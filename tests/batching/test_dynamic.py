@@ -207,6 +207,17 @@ def test_workers_leaving_and_joining_replan() -> None:
     assert c.batches == {0: 32, 1: 64, 3: 128}
 
 
+def test_a_slow_newcomer_starts_at_the_mean_share_and_is_learned_at_the_first_decision() -> None:
+    c = BatchController(B, [0, 1])
+    simulate(c, [2.0, 4.0], 20)
+    c.set_workers([0, 1, 2])
+    # throughputs (2, 4, mean 3) in the plan until worker 2 is measured: 224 x (2, 4, 3) / 9
+    assert c.batches == {0: 50, 1: 99, 2: 75}
+    trace = simulate(c, lambda step: {0: 2.0, 1: 4.0, 2: 1.0}, 30)
+    assert change_steps(trace) == [c.settings.warmup + c.settings.every - 1]  # one warm-up step, then a window
+    assert c.batches == {0: 64, 1: 128, 2: 32}
+
+
 def test_memory_guard_caps_a_worker_whose_throughput_falls_after_an_increase() -> None:
     # worker 2 thrashes above 100 samples: its speed falls to a quarter
     def thrashing(ctl: BatchController) -> object:

@@ -57,5 +57,6 @@ def test_thread_limits_and_crash_steps() -> None:
     config = HeterogeneityConfig(threads=[1, 2], crashes=[Crash(step=7, worker=1)])
     assert worker_threads(config, 1, default=1) == 2
     assert worker_threads(HeterogeneityConfig(), 1, default=3) == 3
+    assert worker_threads(config, 2, default=3) == 3  # a worker joined by hand, beyond the list
     assert Emulator(config, 1).crash_steps == {7}
     Emulator(config, 0).maybe_crash(7)  # not this worker: nothing happens

@@ -24,6 +24,11 @@ To reproduce a cluster of unlike nodes on one machine (config ``heterogeneity``)
   gives worker 2 speed 1 from step 200 on (another entry later can restore it).
 - **crashes**: ``crashes: [{step: 7, worker: 2}]`` SIGKILLs worker 2 at step 7 just
   before its all-reduce, as a machine failure would.
+- **joins**: ``joins: [{step: 12, worker: 3}]`` has the launcher start worker 3 with
+  the others; it announces itself and the running workers admit it at step 12 (see
+  :mod:`fedweave.data_parallel`). Joining workers take the indices after
+  ``data_parallel.workers``, and ``speeds`` / ``threads`` list them too. A worker
+  beyond the configured ones (joined by hand) runs at the fastest configured speed.
 """
 
 from __future__ import annotations
@@ -120,6 +125,6 @@ class Emulator:
 
 def worker_threads(config: HeterogeneityConfig, worker: int, default: int) -> int:
     """Torch intra-op threads of ``worker``: its ``threads`` entry, else ``default`` (0: torch's own)."""
-    if config.threads:
+    if worker < len(config.threads):
         return config.threads[worker]
     return default

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 PANELS = (("batch", "batch size (samples)"), ("compute_time", "compute time (s/step)"), ("idle_time", "idle time (s/step)"))
+ASYNC_PANELS = (("updates", "updates per window"), ("staleness", "staleness (server steps)"))
+"""Drawn when the records have them (``data_parallel.sync: asp``)."""
 
 
 def worker_series(records: Sequence[dict[str, Any]], key: str) -> dict[int, tuple[list[float], list[float]]]:
@@ -22,16 +24,18 @@ def worker_series(records: Sequence[dict[str, Any]], key: str) -> dict[int, tupl
 
 
 def plot_workers(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Per-worker batch size, compute time and idle time per step against the step, as a PNG."""
+    """Per-worker batch size, compute time and idle time per step (with asp also updates and
+    staleness) against the step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     path = Path(path)
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 7), sharex=True)
+    panels = PANELS + tuple(panel for panel in ASYNC_PANELS if worker_series(records, panel[0]))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7 * len(panels) / len(PANELS)), sharex=True)
     try:
-        for ax, (key, label) in zip(axes, PANELS):
+        for ax, (key, label) in zip(axes, panels):
             for worker, (steps, values) in sorted(worker_series(records, key).items()):
                 ax.plot(steps, values, marker=".", label=f"worker {worker}")
             ax.set_ylabel(label)
