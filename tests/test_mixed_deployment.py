@@ -7,8 +7,10 @@ same config (and keeps its own SCAFFOLD control variate across rounds).
   leader of both sites' process groups. FedAvg is pre-aggregated in each site by a reduce
   (exact weighted sum).
 - mixed protocols (``launcher: process``): a ``fedweave server`` process speaks gRPC to two
-  ``fedweave site`` leader processes, each the gloo leader of its own site's world with two
-  member processes (members relayed, any strategy).
+  ``fedweave site`` leader processes, each ONE gRPC node for its site and the gloo leader of
+  its own site's world with two member processes: FedAvg is pre-aggregated in each site (the
+  server sends each site the model once and receives one update per site), SCAFFOLD's
+  updates are relayed (its control variates must reach the server whole).
 
 Each must equal the flat in-memory run (≤ 1e-5).
 """
@@ -31,12 +33,14 @@ from fedweave import runner
 from fedweave.build import strategy_class
 from fedweave.topologies.deploy import TorchDistHierarchy, world_size
 from fedweave.transports.torchdist import Rendezvous, World
+from fedweave.types import params_nbytes
 
 COMMON = [
     "clients=4",
     "rounds=2",
     "topology={kind: hierarchical, sites: 2, inner: torchdist}",
     "torchdist.timeout=60",
+    "task.model_options={hidden: [256]}",  # 13 kB of parameters: tensors dominate the metadata
 ]
 STRATEGIES = ["fedavg", "scaffold"]  # a weighted-sum strategy and a stateful one
 
@@ -95,7 +99,7 @@ def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
                 r = runner.prepare(cfg, tmp_path / f"sites-{i}", topology=topology)
                 records = runner.execute(r)
                 flat, flat_records = run_to_end(
-                    tmp_path / f"flat-{i}", *COMMON[:2], f"seed={i}"
+                    tmp_path / f"flat-{i}", *COMMON[:2], COMMON[-1], f"seed={i}"
                 )
                 assert_same_params(flat, r.params, atol=1e-5)
                 assert [x["skipped"] for x in records] == [False, False]
@@ -118,8 +122,10 @@ def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
 def test_grpc_across_gloo_inside_matches_the_in_memory_run(
     tmp_path: Path, strategy: str
 ) -> None:
-    """``launcher: process`` starts the gRPC server, two site leaders and four member processes;
-    the leaders relay (SCAFFOLD's members keep their control variates across rounds)."""
+    """``launcher: process`` starts the gRPC server, two site leaders and four member processes.
+    FedAvg: each site is sent the model once and answers one pre-aggregated update, so the
+    server's traffic is two models each way per round, not four. SCAFFOLD: relayed (its
+    members keep their control variates across rounds), each site still sent the model once."""
     mixed, records = run_to_end(
         tmp_path / "mixed",
         *COMMON,
@@ -131,10 +137,20 @@ def test_grpc_across_gloo_inside_matches_the_in_memory_run(
         "round_timeout=60",
     )
     flat, flat_records = run_to_end(
-        tmp_path / "flat", *COMMON[:2], f"strategy={strategy}"
+        tmp_path / "flat", *COMMON[:2], COMMON[-1], f"strategy={strategy}"
     )
     assert_same_params(flat, mixed, atol=1e-5)
     assert [r["clients_completed"] for r in records] == [4, 4]
+    model = params_nbytes(flat)
+    for r in records:
+        # each of the two sites gets the model once (SCAFFOLD: and the server's control variate
+        # from round 2), plus metadata; relayed per member it would be 4 (8) models
+        models_down = 2 if strategy == "fedavg" or r["round"] == 1 else 4
+        assert models_down * model <= r["bytes_sent"] < (models_down + 0.5) * model
+        if strategy == "fedavg":  # one pre-aggregated update per site
+            assert 2 * model <= r["bytes_received"] < 2.5 * model
+        else:  # every member's update and control-variate delta, relayed whole
+            assert r["bytes_received"] >= 8 * model
     assert records[-1]["test_loss"] == pytest.approx(
         flat_records[-1]["test_loss"], abs=1e-5
     )

@@ -1,6 +1,6 @@
 """Credentials of a gRPC federation: a CA, a server certificate, client certificates, tokens.
 
-``fedweave certs --out DIR --clients N`` writes, into ``DIR``:
+``fedweave certs --out DIR --clients N [--sites S]`` writes, into ``DIR``:
 
 ===========================  ====================================================
 ``ca.pem``                   the federation's certificate authority (every node)
@@ -8,8 +8,14 @@
 ``server.pem``/``server.key``  the server's certificate, valid for the given hosts
 ``client-<i>.pem``/``.key``  client ``i``'s certificate (common name ``client-<i>``)
 ``client-<i>.token``         client ``i``'s secret token (give it to that client only)
-``tokens.json``              SHA-256 of every client token (the server's copy)
+``site-<s>.pem``/``.key``    site ``s``'s leader certificate (common name ``site-<s>``)
+``site-<s>.token``           site ``s``'s leader token
+``tokens.json``              SHA-256 of every token (the server's copy): client ``i``
+                             under ``"<i>"``, site ``s`` under ``"site-<s>"``
 ===========================  ====================================================
+
+A site leader of a hierarchical gRPC deployment is one node for its whole site, so it
+has credentials of its own, not its members'.
 
 A config points ``grpc.credentials`` at such a folder; :mod:`fedweave.transports.grpc`
 reads the files a node needs by these names. Keys and tokens are written readable by
@@ -37,21 +43,39 @@ TOKENS = "tokens.json"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
+def client_name(client_id: int) -> str:
+    """The common name of client ``client_id``'s certificate (and the stem of its files)."""
+    return f"client-{client_id}"
+
+
+def site_name(site: int) -> str:
+    """The common name of site ``site``'s leader certificate (and the stem of its files)."""
+    return f"site-{site}"
+
+
+def cert_file(name: str) -> str:
+    return f"{name}.pem"
+
+
+def key_file(name: str) -> str:
+    return f"{name}.key"
+
+
+def token_file(name: str) -> str:
+    return f"{name}.token"
+
+
+def token_entry(name: str) -> str:
+    """The key of a node's token in tokens.json: a client's id alone, a site's name."""
+    return name.removeprefix("client-") if name.startswith("client-") else name
+
+
 def client_cert(client_id: int) -> str:
-    return f"client-{client_id}.pem"
+    return cert_file(client_name(client_id))
 
 
 def client_key(client_id: int) -> str:
-    return f"client-{client_id}.key"
-
-
-def client_token(client_id: int) -> str:
-    return f"client-{client_id}.token"
-
-
-def client_name(client_id: int) -> str:
-    """The common name of client ``client_id``'s certificate."""
-    return f"client-{client_id}"
+    return key_file(client_name(client_id))
 
 
 def hash_token(token: str) -> str:
@@ -78,11 +102,14 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def make_credentials(
-    out: str | Path, clients: int, hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 365
+    out: str | Path, clients: int, hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 365, sites: int = 0
 ) -> Path:
-    """Write a CA, a server certificate for ``hosts``, ``clients`` client certificates and tokens."""
+    """Write a CA, a server certificate for ``hosts``, and a certificate and token for each of
+    ``clients`` clients and ``sites`` site leaders."""
     if clients < 1:
         raise ConfigError(f"certs: --clients must be at least 1, got {clients}")
+    if sites < 0:
+        raise ConfigError(f"certs: --sites must be at least 0, got {sites}")
     x509, hashes, serialization, ec, eku, name_oid = _crypto()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,14 +186,13 @@ def make_credentials(
     server_cert, server_key = leaf(hosts[0] if hosts else "fedweave-server", eku.SERVER_AUTH, alt_names)
     _write(out / SERVER_CERT, server_cert)
     _write(out / SERVER_KEY, server_key, private=True)
-    hashes_by_client = {}
-    for cid in range(clients):
-        name = client_name(cid)
+    token_hashes = {}
+    for name in [client_name(c) for c in range(clients)] + [site_name(s) for s in range(sites)]:
         cert, key = leaf(name, eku.CLIENT_AUTH, [x509.DNSName(name)])
-        _write(out / client_cert(cid), cert)
-        _write(out / client_key(cid), key, private=True)
+        _write(out / cert_file(name), cert)
+        _write(out / key_file(name), key, private=True)
         token = secrets.token_hex(32)
-        _write(out / client_token(cid), token.encode(), private=True)
-        hashes_by_client[str(cid)] = hash_token(token)
-    _write(out / TOKENS, json.dumps(hashes_by_client, indent=1).encode(), private=True)
+        _write(out / token_file(name), token.encode(), private=True)
+        token_hashes[token_entry(name)] = hash_token(token)
+    _write(out / TOKENS, json.dumps(token_hashes, indent=1).encode(), private=True)
     return out

@@ -105,9 +105,10 @@ def _node_parsers(sub: Any) -> None:
 
     site = sub.add_parser(
         "site",
-        help="run a site leader (rank 0: gRPC client of the server, torchdist leader) or a site member",
-        description="topology hierarchical with inner torchdist and transport grpc: the leader relays its "
-        "members' jobs between the server (gRPC) and the site's torch.distributed world; a member "
+        help="run a site leader (rank 0: one gRPC node of the server, torchdist leader) or a site member",
+        description="topology hierarchical with inner torchdist and transport grpc: the leader takes one job "
+        "per round for its whole site from the server (gRPC), runs it in the site's torch.distributed world "
+        "and answers the members' pre-aggregated update (where exact) or their updates; a member "
         "(rank >= 1) trains its client. See docs/deployment.md (Topologies).",
     )
     site.add_argument("config", help="YAML config file (the same as the server's)")
@@ -116,16 +117,20 @@ def _node_parsers(sub: Any) -> None:
     site.add_argument("--rank", type=int, required=True, metavar="R", help="0: the leader; 1..k: the site's members")
     site.add_argument("--address", metavar="HOST:PORT", help="the server's address instead of grpc.address")
     site.add_argument("--port", type=int, metavar="P", help="the site world's port (default torchdist.port + S)")
+    site.add_argument("--token", help="the leader's token (default: $FEDWEAVE_TOKEN or credentials/site-S.token)")
     site.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
 
     certs = sub.add_parser(
         "certs",
-        help="create a CA, server and client certificates and client tokens for grpc.tls / grpc.tokens",
-        description="Write DIR/ca.pem, server.pem/.key (for --host names), client-<i>.pem/.key/.token "
-        "and tokens.json; point grpc.credentials at DIR. Keep ca.key off the nodes.",
+        help="create a CA, server, client and site-leader certificates and tokens for grpc.tls / grpc.tokens",
+        description="Write DIR/ca.pem, server.pem/.key (for --host names), client-<i>.pem/.key/.token, "
+        "site-<s>.pem/.key/.token and tokens.json; point grpc.credentials at DIR. Keep ca.key off the nodes.",
     )
     certs.add_argument("--out", required=True, metavar="DIR", help="folder to write the credentials into")
     certs.add_argument("--clients", type=int, required=True, metavar="N", help="number of clients")
+    certs.add_argument(
+        "--sites", type=int, default=0, metavar="S", help="number of site leaders (hierarchical gRPC; default 0)"
+    )
     certs.add_argument(
         "--host", action="append", metavar="NAME", help="server host name or IP (repeatable; default localhost, 127.0.0.1, ::1)"
     )
@@ -153,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
             return _schema(args.prefix)
         if args.command == "keys":
             return _keys(args)
+        if args.command == "join":
+            return _join(args)
         if args.command in ("server", "client", "site", "certs"):
             return _node(args)
         return _list()
     except (ConfigError, TaskError) as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
-        if args.command == "join":
-            return _join(args)
         return 2
     except FedweaveError as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
@@ -268,11 +273,6 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def _keys(args: argparse.Namespace) -> int:
-    from fedweave.plugins.secure.he import write_keys
-
-    if not 20 <= args.scale_bits <= 50:
-        raise ConfigError(f"--scale-bits must lie in 20..50, got {args.scale_bits}")
 def _join(args: argparse.Namespace) -> int:
     """``fedweave join RUN_DIR``: one more worker for a running data-parallel job."""
     from fedweave import data_parallel
@@ -285,6 +285,11 @@ def _join(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from fedweave.plugins.secure.he import write_keys
+
+    if not 20 <= args.scale_bits <= 50:
+        raise ConfigError(f"--scale-bits must lie in 20..50, got {args.scale_bits}")
     secret, public = write_keys(args.out, args.poly_degree, args.scale_bits)
     print(f"secret context (clients only): {secret}\npublic context (server): {public}")
     return 0
@@ -333,8 +338,9 @@ def _node(args: argparse.Namespace) -> int:
     if args.command == "certs":
         from fedweave.certs import DEFAULT_HOSTS, make_credentials
 
-        out = make_credentials(args.out, args.clients, args.host or DEFAULT_HOSTS, args.days)
-        print(f"credentials for a server and {args.clients} clients in {out}; set grpc.credentials: {out}")
+        out = make_credentials(args.out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites)
+        sites = f" and {args.sites} site leaders" if args.sites else ""
+        print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
         return 0
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if not os.environ.get(node.PARENT_ENV):
@@ -367,7 +373,7 @@ def _serve_node(args: argparse.Namespace) -> int:
 
             config = config_mod.load(args.config, args.overrides)
             if args.rank == 0:
-                deploy.run_site_leader(config, args.site, args.address, args.port)
+                deploy.run_site_leader(config, args.site, args.address, args.port, args.token)
             else:
                 deploy.run_site_member(config, args.site, args.rank, args.port)
             return 0

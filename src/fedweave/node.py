@@ -6,6 +6,8 @@ The server runs :func:`fedweave.loop.run` unchanged over a
 :class:`~fedweave.transports.grpc.server.GrpcServerTransport`; a client serves its
 own id with a :class:`~fedweave.client.ClientRuntime` and keeps its own
 :class:`~fedweave.client.ClientStateStore`, so stateful algorithms work across rounds.
+In a hierarchical deployment the server's nodes are the site leaders instead
+(:mod:`fedweave.topologies.deploy`), one per top-level site of the config's tree.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from fedweave.checkpoint import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config
 from fedweave.errors import ConfigError
+from fedweave.topologies.deploy import SiteBatches
+from fedweave.topologies.hierarchical import site_tree
 from fedweave.topologies.star import Star
 
 log = logging.getLogger(__name__)
@@ -33,10 +37,14 @@ PARENT_ENV = "FEDWEAVE_PARENT_PID"
 """Set by the process launcher: a node ends when the process of this id does."""
 
 
-def server_topology(config: Config, listen: str | None = None) -> Star:
-    """A star whose clients connect over gRPC (the server starts listening now)."""
+def server_topology(config: Config, listen: str | None = None) -> Star | SiteBatches:
+    """The server's gRPC topology (it starts listening now): a star whose clients connect, or,
+    for ``topology.kind: hierarchical``, one node per top-level site whose leader connects."""
     from fedweave.transports.grpc.server import GrpcServerTransport
 
+    if config.topology.kind == "hierarchical":
+        tree = site_tree(config.topology.sites, config.clients)  # type: ignore[arg-type]
+        return SiteBatches(tree, GrpcServerTransport(config.grpc, len(tree), listen=listen, role="site"))
     return Star(GrpcServerTransport(config.grpc, config.clients, listen=listen))
 
 

@@ -78,7 +78,19 @@ class Evaluation:
     client_id: int = -1
 
 
-Body = Union[Instruction, Update, Evaluation]
+@dataclass
+class Control:
+    """One step of a plugin's own protocol, server to client and back (secure aggregation's
+    key set-up and unmasking). ``plugin`` names the plugin that answers it on the client,
+    ``step`` the step; all its data (public keys, encrypted shares, client ids) travels as
+    tensors, so the round's bytes count it."""
+
+    plugin: str
+    step: str
+    tensors: Params = field(default_factory=dict)
+
+
+Body = Union[Instruction, Update, Evaluation, Control]
 
 
 @dataclass
@@ -99,5 +111,7 @@ def body_nbytes(body: Body) -> int:
     """Bytes of tensor data a message body carries."""
     if isinstance(body, Evaluation):
         return 0
+    if isinstance(body, Control):
+        return params_nbytes(body.tensors)
     tensors = body.params if isinstance(body, Instruction) else body.tensors
     return params_nbytes(tensors) + params_nbytes(body.extras)

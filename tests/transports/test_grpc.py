@@ -7,6 +7,7 @@ corrupted and oversized chunks. Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import socket
@@ -22,13 +23,15 @@ import pytest
 import torch
 
 from fedweave import config as config_mod
-from fedweave.certs import client_cert, client_key, make_credentials
+from fedweave.certs import cert_file, client_cert, client_key, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import TransportError
+from fedweave.topologies.deploy import SiteBatches
+from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.transports.grpc.server import GrpcServerTransport
-from fedweave.transports.serialization import FRAME, encode_frames
+from fedweave.transports.serialization import FRAME, SiteJob, SiteReply, encode_frames
 from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 FAST = [
@@ -474,3 +477,109 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
     assert records[0]["clients_completed"] == 2 and not records[0].get("skipped")
     assert records[1]["skipped"] is True and records[1]["clients_completed"] == 1
     assert "round 2 skipped: 1 of 2 clients answered, min_clients is 2 (client 1: lost" in caplog.text
+
+
+# --------------------------------------------------------------------------- site leaders
+
+
+def site_leader(pre_aggregate: bool, failing: tuple[int, ...] = ()) -> Handler:
+    """A site leader without a site: its members echo, ``failing`` ones fail; pre-aggregated
+    with ``combine`` (what a torchdist reduce computes) or relayed."""
+
+    def handle(msg: Message) -> Message:
+        job = msg.body
+        assert isinstance(job, SiteJob)
+        replies = [echo(m) for m in job.messages if m.client_id not in failing]
+        failures = {m.client_id: "boom" for m in job.messages if m.client_id in failing}
+        if pre_aggregate:
+            replies = [Message(msg.round, replies[0].client_id, combine([r.body for r in replies], replies[0].client_id))]
+        return Message(msg.round, msg.client_id, SiteReply(replies, failures))
+
+    return handle
+
+
+@contextmanager
+def sites(s: GrpcConfig, handlers: list[Handler], **kw: Any) -> Iterator[tuple[SiteBatches, Cluster]]:
+    """A site-role server for [[0, 1], [2, 3]] behind its topology, and a gRPC site leader per handler."""
+    topology = SiteBatches([[0, 1], [2, 3]], GrpcServerTransport(s, 2, listen="127.0.0.1:0", role="site"))
+    c = Cluster(s, topology.transport)
+    for site, handler in enumerate(handlers):
+        c.start(site, handler, role="site", **kw)
+    try:
+        yield topology, c
+    finally:
+        topology.close()
+        for site in c.threads:
+            c.clients[site].stop()
+            c.join(site)
+
+
+@pytest.fixture(scope="module")
+def site_credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_credentials(tmp_path_factory.mktemp("site-credentials"), 2, sites=2)
+
+
+@pytest.mark.parametrize("tls", ["none", "mtls"])
+def test_a_site_leader_is_one_node_for_its_site(site_credentials: Path, tls: str) -> None:
+    s = settings(f"grpc.tls={tls}", f"grpc.credentials={site_credentials}", "grpc.tokens=true")
+    big = {"w": torch.randn(100, 100)}  # 40 kB: the tensors dominate the traffic
+    model = 40_000
+    with sites(s, [site_leader(True), site_leader(False, failing=(3,))]) as (topology, c):
+        for rnd in (1, 2):
+            result = topology.exchange(jobs([3, 2, 1, 0], big, rnd), timeout=20)
+            assert result.failures == {3: "boom"}
+            # site 1 relays client 2; site 0 answers one update for clients 1 and 0, under its first id
+            assert [(r.client_id, r.body.clients) for r in result.replies] == [(2, 1), (1, 2)]
+            pre = result.replies[1].body
+            assert pre.num_examples == 10 + 11
+            assert torch.allclose(pre.tensors["w"], big["w"] + 11 / 21, atol=1e-6)  # (10 w + 11 (w + 1)) / 21
+            assert 2 * model < result.bytes_sent < 2.2 * model  # the model once per site, not per client
+            assert 2 * model < result.bytes_received < 2.2 * model
+    assert c.errors == {}
+
+
+def test_a_site_reply_must_account_for_every_member(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+
+    def forgetful(msg: Message) -> Message:  # answers for client 0 only, says nothing of client 1
+        reply = site_leader(False)(msg)
+        reply.body.messages.pop()
+        return reply
+
+    with sites(settings(), [forgetful, site_leader(False)]) as (topology, c):
+        result = topology.exchange(jobs([0, 1, 2, 3], PARAMS), timeout=20)
+        why = "rejected: SerializationError: the site's answers stand for 1 clients and its failures for 0, but its job had 2"
+        assert result.failures == {0: f"site 0: {why}", 1: f"site 0: {why}"}
+        assert [r.client_id for r in result.replies] == [2, 3]  # the other site is unaffected
+        assert "reply of site 0 refused" in caplog.text
+
+
+def test_a_site_server_refuses_clients_and_foreign_sites(
+    site_credentials: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    assert set(json.loads((site_credentials / "tokens.json").read_text())) == {"0", "1", "site-0", "site-1"}
+    assert (site_credentials / "site-1.pem").is_file() and (site_credentials / "site-1.key").stat().st_mode & 0o077 == 0
+    base = ["grpc.tls=mtls", "grpc.tokens=true", "grpc.join_timeout=0"]
+    s = settings(*base, f"grpc.credentials={site_credentials}")
+    stolen = tmp_path / "stolen"  # client 0's valid certificate and token, presented by site 1
+    shutil.copytree(site_credentials, stolen)
+    for name in (cert_file, key_file, token_file):
+        shutil.copy(site_credentials / name("client-0"), stolen / name("site-1"))
+    with sites(s, [site_leader(True)]) as (topology, c):
+        client = GrpcClient(s, 1, echo, address=c.server.address)  # a client of a star, not a site
+        with pytest.raises(TransportError, match="UNAUTHENTICATED"):
+            client.run()
+        assert "this server serves site leaders" in caplog.text
+        with pytest.raises(TransportError, match="UNAUTHENTICATED"):
+            GrpcClient(s, 1, echo, role="site", address=c.server.address, token="guessed").run()
+        assert "site 1: missing or wrong token" in caplog.text
+        thief = settings(*base, f"grpc.credentials={stolen}")
+        with pytest.raises(TransportError, match="UNAUTHENTICATED"):  # client 0's token is not site 1's
+            GrpcClient(thief, 1, echo, role="site", address=c.server.address).run()
+        stolen_token = (site_credentials / token_file("site-1")).read_text()
+        with pytest.raises(TransportError, match="PERMISSION_DENIED"):  # and its certificate neither
+            GrpcClient(thief, 1, echo, role="site", address=c.server.address, token=stolen_token).run()
+        assert "site 1: its certificate belongs to ['client-0']" in caplog.text
+        result = topology.exchange(jobs([0, 1], PARAMS), timeout=20)  # site 0 is served throughout
+        assert result.failures == {} and result.replies[0].body.clients == 2

@@ -350,3 +350,94 @@ def test_reordered_lost_and_unchecked_chunks_are_rejected() -> None:
     struct.pack_into("<B", bad_kind, 0, 9)
     with pytest.raises(SerializationError, match="not a data frame"):
         feed_all([bad_kind])
+
+
+# --------------------------------------------------------------------------- site batches
+
+
+def site_job(params: dict[str, torch.Tensor], ids: tuple[int, ...] = (4, 5, 7)) -> Message:
+    extras = {"c": torch.full((4,), 2.0)}
+    members = [
+        Message(3, c, Instruction(3, TaskKind.TRAIN, Work(c, 8 + c), params, {"lr": 0.1 * c}, extras)) for c in ids
+    ]
+    return Message(3, 1, ser.SiteJob(members, timeout=12.5))
+
+
+def site_reply() -> Message:
+    pre = Update(UpdateKind.WEIGHTS, {"w": torch.arange(6.0).reshape(2, 3)}, 30, {"train_loss": 0.5}, client_id=4, clients=2)
+    return Message(3, 1, ser.SiteReply([Message(3, 4, pre)], {7: "missed the round deadline (9 s)"}))
+
+
+def test_a_site_job_carries_a_shared_model_once() -> None:
+    params = {"w": torch.randn(50, 40), "b": torch.randn(40)}
+    job = site_job(params)
+    one = ser.encoded_size(Message(3, 4, job.body.messages[0].body))
+    # three members' instructions, the model and the extras in the data section once
+    assert ser.encoded_size(job) < one + 1024
+    for decoded in decoders(job, expected={"w": (50, 40), "b": (40,)}):
+        body = decoded.body
+        assert isinstance(body, ser.SiteJob) and body.timeout == 12.5 and decoded.client_id == 1
+        assert [m.client_id for m in body.messages] == [4, 5, 7]
+        for m, sent in zip(body.messages, job.body.messages):
+            assert m.round == 3 and m.body.work == sent.body.work and m.body.config == sent.body.config
+            same(m.body.params, params)
+            same(m.body.extras, sent.body.extras)
+        assert body.messages[0].body.params["w"] is body.messages[2].body.params["w"]
+
+
+def test_a_site_reply_round_trips_with_its_failures() -> None:
+    reply = site_reply()
+    evaluation = Message(3, 5, Evaluation(9, {"accuracy": 0.75}, client_id=5))
+    reply.body.messages.append(evaluation)
+    for decoded in decoders(reply, expected={"w": (2, 3)}):
+        body = decoded.body
+        assert isinstance(body, ser.SiteReply) and body.failures == {7: "missed the round deadline (9 s)"}
+        (pre, ev) = body.messages
+        assert pre.client_id == 4 and pre.body.clients == 2 and pre.body.num_examples == 30
+        same(pre.body.tensors, reply.body.messages[0].body.tensors)
+        assert ev.body == evaluation.body
+    with pytest.raises(PayloadMismatch, match="tensor 'w' has shape"):  # checked inside the batch too
+        ser.decode(ser.encode(reply), expected={"w": (3, 2)})
+    with pytest.raises(PayloadMismatch, match="unexpected tensor 'w'"):
+        ser.decode(ser.encode(site_job({"w": torch.ones(2)})), expected={"v": (2,)})
+
+
+def test_site_batches_hold_only_their_kind_of_message() -> None:
+    with pytest.raises(SerializationError, match="a site_job cannot hold a message of kind 'update'"):
+        ser.encode(Message(3, 1, ser.SiteJob([site_reply().body.messages[0]])))
+    with pytest.raises(SerializationError, match="a site_reply cannot hold a message of kind 'instruction'"):
+        ser.encode(Message(3, 1, ser.SiteReply([instruction({})])))
+    with pytest.raises(SerializationError, match="cannot hold a message of kind 'site_job'"):
+        ser.encode(Message(3, 1, ser.SiteReply([Message(3, 2, site_job({}).body)])))  # type: ignore[arg-type]
+
+
+def batch_meta(msg: Message) -> tuple[dict[str, Any], bytes]:
+    buf = ser.encode(msg)
+    _, _, _, meta_len, _, _ = ser.HEADER.unpack_from(buf)
+    meta = json.loads(bytes(buf[ser.HEADER.size : ser.HEADER.size + meta_len]))
+    return meta, bytes(buf[-(-(ser.HEADER.size + meta_len) // ser.ALIGN) * ser.ALIGN :])
+
+
+BATCH_MALFORMED = {
+    "item of another round": ("reply", lambda m: m["fields"]["items"][0].update(round=2), "is for round 2"),
+    "pool index out of range": ("reply", lambda m: m["fields"]["items"][0]["tensors"]["tensors"].update(w=1), "names no pool"),
+    "unused pool tensor": ("reply", lambda m: m["fields"]["items"][0]["tensors"]["tensors"].clear(), "used by no item"),
+    "unknown group": ("reply", lambda m: m["fields"]["items"][0]["tensors"].update(params={}), "tensor groups"),
+    "instruction in a reply": ("reply", lambda m: m["fields"]["items"][0].update(body="instruction"), "cannot hold"),
+    "bad inner field": ("reply", lambda m: m["fields"]["items"][0]["fields"].update(clients=0), "clients is not"),
+    "failure of an answering client": ("reply", lambda m: m["fields"]["failures"].update({"4": "x"}), "failure '4'"),
+    "failure not a reason": ("reply", lambda m: m["fields"]["failures"].update({"7": 3}), "failure '7'"),
+    "pool out of order": ("reply", lambda m: m["tensors"][0].__setitem__(1, "1"), "pool tensors"),
+    "duplicate client": ("job", lambda m: m["fields"]["items"][1].update(client_id=4), "client_id 4"),
+    "negative timeout": ("job", lambda m: m["fields"].update(timeout=-1), "timeout"),
+    "items not a list": ("job", lambda m: m["fields"].update(items={}), "items is not a list"),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCH_MALFORMED))
+def test_malformed_site_batches_are_rejected(name: str) -> None:
+    which, change, why = BATCH_MALFORMED[name]
+    meta, data = batch_meta(site_reply() if which == "reply" else site_job({"w": torch.ones(3)}))
+    change(meta)
+    with pytest.raises(SerializationError, match=f"malformed message metadata: .*{why}"):
+        ser.decode(forge(meta, data))

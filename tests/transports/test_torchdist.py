@@ -7,16 +7,19 @@ The site tests run this process as the leader (rank 0) and members as subprocess
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 from fedweave.config import TorchDistConfig
 from fedweave.errors import ConfigError
+from fedweave.transports import torchdist
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.torchdist import (
     Rendezvous,
@@ -34,6 +37,7 @@ MEMBER = textwrap.dedent(
     """
     import os
     import sys
+    import time
     import torch
     from fedweave.config import TorchDistConfig
     from fedweave.transports.torchdist import Rendezvous, TorchDistMember, World
@@ -47,6 +51,7 @@ MEMBER = textwrap.dedent(
     def handler(msg):
         ins = msg.body
         c = msg.client_id
+        time.sleep(ins.config.get("sleep", {}).get(str(c), 0))
         extras = {"c": torch.full((2,), float(c))} if ins.config.get("extras") else {}
         tensors = {k: v + c if v.is_floating_point() else v + c for k, v in ins.params.items()}
         return Message(msg.round, c, Update(UpdateKind.DELTA, tensors, c + 1, {"train_loss": float(c)}, extras=extras))
@@ -196,6 +201,36 @@ def test_site_relays_and_pre_aggregates_with_one_collective_per_bucket() -> None
                 assert close_to(ex.replies[2].body.tensors, expected(2, p).tensors, 0)
     finally:
         site.close()
+
+
+def test_a_member_past_the_timeout_fails_its_client_alone_and_a_stopped_one_fails_the_site_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torchdist, "ANSWER_GRACE", 1.0)
+    site = Site(bucket_mb=25.0)
+    try:
+        p = params()
+        started = time.monotonic()
+        ex = site.leader.exchange(messages(1, p, sleep={"0": 3.0}), timeout=1.0)
+        assert time.monotonic() - started < 2.5  # not the 3 s client 0 trains
+        assert list(ex.failures) == [0] and ex.failures[0].startswith("missed the round deadline (")
+        assert [r.client_id for r in ex.replies] == [1, 2]  # rank 2's clients are unaffected
+        # the site is whole: client 0's late job finishes (its result dropped), then it trains again
+        ex = site.leader.exchange(messages(2, p), timeout=30)
+        assert not ex.failures and [r.client_id for r in ex.replies] == [0, 1, 2]
+        assert close_to(ex.replies[0].body.tensors, expected(0, p).tensors, 0)
+        # a member that cannot answer at all (its process stopped) fails the site after timeout + grace
+        os.kill(site.procs[1].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        ex = site.leader.exchange(messages(3, p), timeout=1.0)
+        assert time.monotonic() - started < 5
+        assert sorted(ex.failures) == [0, 1, 2] and not ex.replies
+        assert "site group broken: RuntimeError: not every rank of [0, 1, 2] took part in a" in ex.failures[2]
+    finally:
+        for proc in site.procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        site.world.close()
 
 
 def test_plan_buckets() -> None:

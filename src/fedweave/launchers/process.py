@@ -184,7 +184,7 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
 
 
 def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None:
-    """Per top-level site: its leader (a gRPC client of the server for each member id) and
+    """Per top-level site: its leader (one gRPC node of the server for the whole site) and
     its members, in the site's own torch.distributed world on a port picked here."""
     from fedweave.topologies.deploy import site_members
     from fedweave.topologies.hierarchical import site_tree

@@ -5,23 +5,30 @@ rank per client in the order of the site tree. Each top-level site is one proces
 (rank 0 and its members). On rank 0, :func:`torchdist_topology` gives the loop a
 hierarchical topology whose site links are :class:`~fedweave.transports.torchdist.TorchDistLeader`;
 every other rank runs :func:`serve_member` with a client runtime built from the same config.
+
+Across institutions (``transport: grpc``), each top-level site is its own torch.distributed
+world led by a site leader (:func:`run_site_leader`) that is ONE gRPC node of the server:
+the server's :class:`SiteBatches` sends it one job per round (the global model once, each
+member's instruction) and gets one answer back (the members' pre-aggregated update where
+that is exact, else their updates relayed). Every node derives the site tree from the same
+config.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
+from typing import Any
 
 from fedweave.config import Config
-from fedweave.errors import ConfigError
+from fedweave.errors import ConfigError, TransportError
 from fedweave.topologies.hierarchical import (
     Site,
     exact_pre_aggregation,
     leaves,
     site_tree,
 )
-from fedweave.transports.base import Exchange
+from fedweave.transports.base import Exchange, Transport
+from fedweave.transports.serialization import SiteJob, SiteReply
 from fedweave.transports.torchdist import (
     Handler,
     Rendezvous,
@@ -29,7 +36,7 @@ from fedweave.transports.torchdist import (
     TorchDistMember,
     World,
 )
-from fedweave.types import Message
+from fedweave.types import Message, Update
 
 log = logging.getLogger(__name__)
 
@@ -158,93 +165,109 @@ def site_members(config: Config, site: int) -> dict[int, int]:
     return {cid: rank for rank, cid in enumerate(leaves(tree[site]), start=1)}
 
 
-class _Batcher:
-    """Turns the gRPC clients' one-job calls into one site exchange per round.
+class SiteBatches:
+    """The server's view of a hierarchy whose top-level sites are each ONE node of ``link``
+    (addressed by site index; over gRPC, a site leader).
 
-    Each member id has its own gRPC client thread; a job waits up to ``window`` seconds
-    for the site's other jobs of the round, so the members train in parallel.
+    Per exchange each site gets one :class:`~fedweave.transports.serialization.SiteJob`
+    holding its members' messages (a tensor they share, the global model, travels once)
+    and answers one :class:`~fedweave.transports.serialization.SiteReply`: its members'
+    replies, or one pre-aggregated update standing for the members that answered, and
+    each failed member's reason. A site that fails as a whole (lost, late, refused)
+    fails each of its clients. Replies come back in the order of the messages.
     """
 
-    def __init__(self, leader: TorchDistLeader, ids: list[int], window: float = 0.2):
-        self.leader = leader
-        self.ids = set(ids)
-        self.window = window
-        self.cond = threading.Condition()
-        self.pending: dict[int, Message] = {}
-        self.done: dict[int, Message | str] = {}
-        self.busy = False
+    def __init__(self, tree: list[Any], link: Transport):
+        self.transport = link
+        self.sites = [leaves(site) for site in tree]
+        self.site_of = {cid: s for s, ids in enumerate(self.sites) for cid in ids}
 
-    def handle(self, msg: Message) -> Message:
-        with self.cond:
-            self.pending[msg.client_id] = msg
-            self.cond.notify_all()
-            deadline = time.monotonic() + self.window
-            while msg.client_id not in self.done:
-                if not self.busy and (
-                    set(self.pending) >= self.ids or time.monotonic() >= deadline
-                ):
-                    self._run()  # this thread runs the exchange for everyone pending
-                    continue
-                self.cond.wait(timeout=max(0.01, deadline - time.monotonic()))
-            result = self.done.pop(msg.client_id)
-        if isinstance(result, str):
-            raise RuntimeError(result)
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        result = Exchange()
+        per_site: dict[int, list[Message]] = {}
+        for m in messages:
+            if m.client_id not in self.site_of:
+                result.failures[m.client_id] = "the client is in no site of topology.sites"
+                continue
+            per_site.setdefault(self.site_of[m.client_id], []).append(m)
+        if not per_site:
+            return result
+        rnd = messages[0].round
+        jobs = [Message(rnd, s, SiteJob(msgs, timeout)) for s, msgs in sorted(per_site.items())]
+        ex = self.transport.exchange(jobs, timeout)
+        result.bytes_sent, result.bytes_received = ex.bytes_sent, ex.bytes_received
+        for reply in ex.replies:
+            assert isinstance(reply.body, SiteReply)  # the transport checked it against the job
+            result.replies.extend(reply.body.messages)
+            result.failures.update(reply.body.failures)
+        for s, why in ex.failures.items():
+            for m in per_site[s]:
+                result.failures[m.client_id] = f"site {s}: {why}"
+        order = {m.client_id: i for i, m in enumerate(messages)}
+        result.replies.sort(key=lambda r: order.get(r.client_id, len(order)))
         return result
 
-    def _run(self) -> None:
-        batch = [self.pending.pop(c) for c in sorted(self.pending)]
-        self.busy = True
-        self.cond.release()
-        try:
-            ex = self.leader.exchange(batch, None)
-        finally:
-            self.cond.acquire()
-            self.busy = False
-        for reply in ex.replies:
-            self.done[reply.client_id] = reply
-        for m in batch:
-            self.done.setdefault(
-                m.client_id, ex.failures.get(m.client_id, "no reply from the site")
-            )
-        self.cond.notify_all()
+    def close(self) -> None:
+        self.transport.close()
+
+
+MEMBER_SHARE = 0.9
+"""The share of the server's deadline a site leader gives its members; the rest is for the
+site's answer to reach the server."""
+
+
+def site_handler(leader: TorchDistLeader, site: int) -> Handler:
+    """A site leader's job handler: the members' messages go to ``leader`` (which pre-aggregates
+    when it was built to), their replies and failures come back as one :class:`SiteReply`."""
+
+    def handle(msg: Message) -> Message:
+        job = msg.body
+        if not isinstance(job, SiteJob):
+            raise TransportError(f"site {site} got a {type(job).__name__}, not a site job")
+        timeout = None if job.timeout is None else job.timeout * MEMBER_SHARE
+        ex = leader.exchange(job.messages, timeout)
+        answered = sum(r.body.clients if isinstance(r.body, Update) else 1 for r in ex.replies)
+        log.info(
+            "site %d, round %d: %d of %d members answered in %d message(s)",
+            site, msg.round, answered, len(job.messages), len(ex.replies),
+        )
+        return Message(msg.round, site, SiteReply(ex.replies, ex.failures))
+
+    return handle
 
 
 def run_site_leader(
-    config: Config, site: int, address: str | None = None, port: int | None = None
+    config: Config,
+    site: int,
+    address: str | None = None,
+    port: int | None = None,
+    token: str | None = None,
 ) -> int:
-    """A site leader between a gRPC server and its site: a gRPC client for each member id
-    (relaying each member's update unchanged, so any strategy works) and the torchdist
-    leader of the site's own world (rank 0 on ``port``, default :func:`site_port`). Returns the jobs answered."""
+    """A site leader between a gRPC server and its site: ONE gRPC node (``site-<site>``) for the
+    whole site, and the torchdist leader of the site's own world (rank 0 on ``port``, default
+    :func:`site_port`). Its members' updates are pre-aggregated by a reduce where that is exact
+    (:func:`~fedweave.topologies.hierarchical.exact_pre_aggregation`), else relayed. Returns the
+    jobs answered."""
+    from fedweave.build import strategy_class
     from fedweave.transports.grpc.client import GrpcClient
 
     members = site_members(config, site)
     port = site_port(config, site) if port is None else port
-    rdv = Rendezvous(config.torchdist.address or "127.0.0.1", port, 0, 1 + len(members))
+    ranks = list(range(1 + len(members)))
+    rdv = Rendezvous(config.torchdist.address or "127.0.0.1", port, 0, len(ranks))
+    pre = exact_pre_aggregation(config, strategy_class(config))
     world = World(config.torchdist, rdv)
     try:
-        (group,) = world.site_groups([list(range(1 + len(members)))])
-        leader = TorchDistLeader(world, group, list(range(1 + len(members))), members)
-        batcher = _Batcher(leader, list(members))
-        clients = [
-            GrpcClient(
-                config.grpc, cid, batcher.handle, address=address, seed=config.seed
-            )
-            for cid in members
-        ]
-        counts: list[int] = []
-        threads = [
-            threading.Thread(
-                target=lambda c=c: counts.append(c.run()),
-                name=f"site-{site}-client-{c.client_id}",
-            )
-            for c in clients
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        leader.close()
-        return sum(counts)
+        (group,) = world.site_groups([ranks])
+        leader = TorchDistLeader(world, group, ranks, members, pre)
+        log.info("site %d: %d members, %s", site, len(members), "pre-aggregating" if pre else "relaying")
+        client = GrpcClient(
+            config.grpc, site, site_handler(leader, site), role="site", address=address, token=token, seed=config.seed
+        )
+        try:
+            return client.run()
+        finally:
+            leader.close()
     finally:
         world.close()
 

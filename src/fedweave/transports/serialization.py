@@ -28,22 +28,37 @@ frame (kind, flags, sequence number, CRC-32 of the chunk, offset) and
 :class:`FrameDecoder` checks each frame (order, size, checksum) before feeding it to
 a :class:`StreamDecoder`. No frame holds the whole message, so a message of any size
 (also over 2 GB) travels as a bounded stream.
+
+A :class:`~fedweave.types.Control` body (a step of a plugin's own protocol, such as
+secure aggregation's key set-up) carries its plugin and step names, checked to be short
+identifiers, and one group of tensors, which its plugin checks.
+
+Site batches: a :class:`SiteJob` (a gRPC site leader's round: every member's instruction)
+and a :class:`SiteReply` (the members' updates or evaluations, or one pre-aggregated
+update, and each failed member's reason) are one message each. Their metadata lists the
+inner messages (``items``: client id, body kind, fields, and per tensor group a name ->
+pool index map); their tensors are a ``pool`` in which a tensor shared by several inner
+messages (the global model every member receives) travels once. Decoding checks every
+item as a message of its own, every pool index, that every pooled tensor is used, and
+that each item belongs to the batch's round.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 import struct
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
-from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 MAGIC = b"FWMS"
 VERSION = 1
@@ -64,9 +79,19 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,99}")
+"""A control message's plugin and step: a short identifier."""
 
 # The tensor groups of each body, the first being the one checked against ``expected``.
-_GROUPS = {"instruction": ("params", "extras"), "update": ("tensors", "extras"), "evaluation": ()}
+_GROUPS = {
+    "instruction": ("params", "extras"),
+    "update": ("tensors", "extras"),
+    "evaluation": (),
+    "control": ("tensors",),
+}
+_BATCHES = {"site_job": ("instruction",), "site_reply": ("update", "evaluation")}
+"""Site batch bodies and the inner bodies each may hold; their tensors are one ``pool`` group."""
+_GROUPS.update(dict.fromkeys(_BATCHES, ("pool",)))
 
 Expected = Mapping[str, Sequence[int]]
 """Tensor name -> shape a receiver expects (a sent update may carry a subset)."""
@@ -74,6 +99,24 @@ Expected = Mapping[str, Sequence[int]]
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class SiteJob:
+    """Server to a site leader: one round's instructions for the site's members (client ids),
+    and the seconds the server waits for the answer (None: no deadline)."""
+
+    messages: list[Message]
+    timeout: float | None = None
+
+
+@dataclass
+class SiteReply:
+    """A site leader to the server: its members' replies (or one pre-aggregated update standing
+    for ``clients`` of them) and each failed member's reason."""
+
+    messages: list[Message]
+    failures: dict[int, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -133,7 +176,35 @@ def _body_fields(body: Any) -> tuple[str, dict[str, Any], dict[str, Mapping[str,
     if isinstance(body, Evaluation):
         fields = {"num_examples": body.num_examples, "metrics": body.metrics, "client_id": body.client_id}
         return "evaluation", fields, {}
+    if isinstance(body, Control):
+        return "control", {"plugin": body.plugin, "step": body.step}, {"tensors": body.tensors}
+    if isinstance(body, (SiteJob, SiteReply)):
+        return _batch_fields(body)
     raise SerializationError(f"cannot serialize a message body of type {type(body).__name__}")
+
+
+def _batch_fields(body: SiteJob | SiteReply) -> tuple[str, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:
+    """A site batch: its messages as items whose tensors index a pool (each shared tensor once)."""
+    kind = "site_job" if isinstance(body, SiteJob) else "site_reply"
+    pool: dict[int, tuple[str, torch.Tensor]] = {}
+    items = []
+    for m in body.messages:
+        inner, fields, groups = _body_fields(m.body)
+        if inner not in _BATCHES[kind]:
+            raise SerializationError(f"a {kind} cannot hold a message of kind {inner!r} (only {', '.join(_BATCHES[kind])})")
+        refs: dict[str, dict[str, int]] = {}
+        for group, named in groups.items():
+            refs[group] = {}
+            for name, t in named.items():
+                entry = pool.setdefault(id(t), (str(len(pool)), t))
+                refs[group][name] = int(entry[0])
+        items.append({"round": m.round, "client_id": m.client_id, "body": inner, "fields": fields, "tensors": refs})
+    extra: dict[str, Any] = (
+        {"timeout": body.timeout}
+        if isinstance(body, SiteJob)
+        else {"failures": {str(c): str(why) for c, why in body.failures.items()}}
+    )
+    return kind, {"items": items, **extra}, {"pool": dict(pool.values())}
 
 
 def _plan(message: Message) -> _Plan:
@@ -295,6 +366,9 @@ _FIELDS = {
     "instruction": {"task", "work", "config", "applied"},
     "update": {"kind", "num_examples", "metrics", "applied", "client_id", "local_steps", "compute_time", "clients"},
     "evaluation": {"num_examples", "metrics", "client_id"},
+    "control": {"plugin", "step"},
+    "site_job": {"items", "timeout"},
+    "site_reply": {"items", "failures"},
 }
 
 
@@ -347,6 +421,13 @@ def _layout(meta_bytes: bytes | memoryview, meta_crc: int, data_len: int, expect
 
 def _check_fields(layout: _Layout) -> None:
     f = layout.fields
+    if layout.body in _BATCHES:
+        _check_batch(layout)
+        return
+    if layout.body == "control":
+        for key in ("plugin", "step"):
+            _check(isinstance(f[key], str) and _NAME.fullmatch(f[key]) is not None, f"control {key} {f[key]!r} is not a name")
+        return
     if layout.body == "instruction":
         _check(f["task"] in {t.value for t in TaskKind}, f"unknown task {f['task']!r}")
         w = f["work"]
@@ -367,14 +448,73 @@ def _check_fields(layout: _Layout) -> None:
         _check(_is_int(f["clients"], 1), "clients is not a positive integer")
 
 
+def _items(layout: _Layout) -> list[tuple[_Layout, dict[str, dict[str, int]]]]:
+    """A checked site batch's items, each as the layout of a message of its own (tensors taken from
+    the pool) and its group -> name -> pool index map."""
+    pool = {t.name: t for t in layout.tensors}
+    out = []
+    for item in layout.fields["items"]:
+        tensors = [
+            dataclasses.replace(pool[str(i)], group=group, name=name)
+            for group, named in item["tensors"].items()
+            for name, i in named.items()
+        ]
+        inner = _Layout(item["round"], item["client_id"], item["body"], item["fields"], tensors, 0, 0)
+        out.append((inner, item["tensors"]))
+    return out
+
+
+def _check_batch(layout: _Layout) -> None:
+    f = layout.fields
+    pool = layout.tensors
+    _check([t.name for t in pool] == [str(i) for i in range(len(pool))], "pool tensors are not named 0..n-1 in order")
+    items = f["items"]
+    _check(isinstance(items, list), "items is not a list")
+    used: set[int] = set()
+    ids: set[int] = set()
+    for n, item in enumerate(items):
+        _check(
+            isinstance(item, dict) and set(item) == {"round", "client_id", "body", "fields", "tensors"},
+            f"item {n} is not a mapping of round, client_id, body, fields, tensors",
+        )
+        _check(item["round"] == layout.round, f"item {n} is for round {item['round']!r}, the batch for {layout.round}")
+        cid, kind = item["client_id"], item["body"]
+        _check(_is_int(cid, 0) and cid not in ids, f"item {n}: client_id {cid!r} is not a new non-negative integer")
+        ids.add(cid)
+        _check(kind in _BATCHES[layout.body], f"item {n}: a {layout.body} cannot hold a message of kind {kind!r}")
+        fields, refs = item["fields"], item["tensors"]
+        _check(isinstance(fields, dict) and set(fields) == _FIELDS[kind], f"item {n}: {kind} fields are not {sorted(_FIELDS[kind])}")
+        _check(isinstance(refs, dict) and set(refs) <= set(_GROUPS[kind]), f"item {n}: tensor groups are not of {_GROUPS[kind]}")
+        for group, named in refs.items():
+            _check(isinstance(named, dict), f"item {n}: {group} is not a mapping of names to pool indices")
+            for name, i in named.items():
+                _check(_is_int(i, 0) and i < len(pool), f"item {n}: {group} {name!r} names no pool tensor ({i!r})")
+                used.add(i)
+    _check(used == set(range(len(pool))), "a pool tensor is used by no item")
+    for inner, _ in _items(layout):
+        _check_fields(inner)
+    if layout.body == "site_job":
+        t = f["timeout"]
+        _check(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0), "timeout is not positive")
+    else:
+        failures = f["failures"]
+        _check(isinstance(failures, dict), "failures is not a mapping")
+        for c, why in failures.items():
+            _check(c.isdigit() and int(c) not in ids and isinstance(why, str), f"failure {c!r} is not a reason of another client")
+
+
 def _check_expected(layout: _Layout, expected: Expected) -> None:
     """The primary tensors (params / update tensors) must be known names of the expected shapes.
 
     Only checked when no plugin was applied: an encoded payload (compressed, masked)
     legitimately carries other names and shapes, which its plugin's decode checks.
     """
+    if layout.body in _BATCHES:
+        for inner, _ in _items(layout):
+            _check_expected(inner, expected)
+        return
     groups = _GROUPS[layout.body]
-    if not groups or layout.fields["applied"]:
+    if not groups or layout.body == "control" or layout.fields["applied"]:
         return
     for t in layout.tensors:
         if t.group != groups[0]:
@@ -393,6 +533,15 @@ def _check_bool(t: torch.Tensor, name: str) -> None:
 
 def _build(layout: _Layout, values: dict[tuple[str, str], torch.Tensor]) -> Message:
     f = layout.fields
+    if layout.body in _BATCHES:
+        messages = [
+            _build(inner, {(g, name): values[("pool", str(i))] for g, named in refs.items() for name, i in named.items()})
+            for inner, refs in _items(layout)
+        ]
+        if layout.body == "site_job":
+            return Message(layout.round, layout.client_id, SiteJob(messages, f["timeout"]))
+        failures = {int(c): why for c, why in f["failures"].items()}
+        return Message(layout.round, layout.client_id, SiteReply(messages, failures))
     groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in _GROUPS[layout.body]}
     for t in layout.tensors:
         value = values[(t.group, t.name)]
@@ -423,6 +572,8 @@ def _build(layout: _Layout, values: dict[tuple[str, str], torch.Tensor]) -> Mess
             compute_time=float(f["compute_time"]),
             clients=f["clients"],
         )
+    elif layout.body == "control":
+        body = Control(plugin=f["plugin"], step=f["step"], tensors=groups["tensors"])
     else:
         metrics = _scalars(f["metrics"], "metrics")
         body = Evaluation(num_examples=f["num_examples"], metrics=metrics, client_id=f["client_id"])

@@ -24,6 +24,15 @@ torchrun and Slurm set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE
 A failed or timed-out collective breaks the site's group: the exchange reports every
 member of the site as failed (the round goes on with the other sites) and later
 exchanges fail at once.
+
+An exchange's ``timeout`` travels with the round: each member runs its jobs in a thread
+of their own and answers when they are done or the timeout has passed, whichever comes
+first, so a job past the deadline is a failure of that client alone (its late result is
+dropped; the member's next jobs wait for it at most their own deadline). Until the members
+have answered, the leader's collectives end by ``timeout`` + :data:`ANSWER_GRACE` seconds: a
+member that cannot take part at all (a stopped process) breaks the site then, not after
+``torchdist.timeout``. The leader never waits on the members' idle group longer than
+``torchdist.timeout`` (members wait there up to ``idle_timeout`` for the next round).
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +60,9 @@ from fedweave.types import Instruction, Message, Update, UpdateKind, Work
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Message]
+
+ANSWER_GRACE = 5.0
+"""Seconds past an exchange's timeout the leader waits for the members' answers."""
 
 
 @dataclass
@@ -202,10 +216,31 @@ class _Site:
         self.ranks = list(ranks)
         self.leader = self.ranks[0]
         self.calls: Counter[str] = Counter()
+        self.until: float | None = None  # monotonic time by which every collective must end
 
     @property
     def is_leader(self) -> bool:
         return self.world.rdv.rank == self.leader
+
+    def _collective(self, kind: str, call: Any, *args: Any, idle: bool = False, **kw: Any) -> None:
+        """Run collective ``call`` and wait for it: until ``self.until`` when set, else the group's
+        timeout (``torchdist.timeout``; a member waiting ``idle`` for a round: ``idle_timeout``;
+        the leader never waits idle)."""
+        self.calls[kind] += 1
+        if self.until is not None:
+            limit = self.until - time.monotonic()
+        elif idle and self.is_leader:
+            limit = self.world.cfg.timeout
+        else:
+            call(*args, **kw)
+            return
+        work = call(*args, async_op=True, **kw)
+        try:
+            work.wait(timeout=timedelta(seconds=max(limit, 0.001)))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"not every rank of {self.ranks} took part in a {kind} within {max(limit, 0.0):.3g} s ({exc})"
+            ) from None
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.world.device)
@@ -221,9 +256,9 @@ class _Site:
                 dtype=torch.int64,
             )
         )
-        self.calls["broadcast"] += 1
-        dist.broadcast(
-            size, src=self.leader, group=self.control if idle else self.group
+        self._collective(
+            "broadcast", dist.broadcast, size, src=self.leader,
+            group=self.control if idle else self.group, idle=idle,
         )
         total, bucket = int(size[0]), int(size[1])
         buf = (
@@ -238,8 +273,7 @@ class _Site:
                 if data is not None
                 else torch.empty(hi - lo, dtype=torch.uint8)
             )
-            self.calls["broadcast"] += 1
-            dist.broadcast(piece, src=self.leader, group=self.group)
+            self._collective("broadcast", dist.broadcast, piece, src=self.leader, group=self.group)
             out[lo:hi] = piece.cpu().numpy().tobytes()
         return out
 
@@ -252,8 +286,7 @@ class _Site:
             if self.is_leader
             else None
         )
-        self.calls["gather"] += 1
-        dist.gather(size, sizes_t, dst=self.leader, group=self.group)
+        self._collective("gather", dist.gather, size, sizes_t, dst=self.leader, group=self.group)
         # every rank pads its buckets alike: the leader broadcasts the largest size and its bucket size
         longest = self._dev(
             torch.tensor(
@@ -264,8 +297,7 @@ class _Site:
                 dtype=torch.int64,
             )
         )
-        self.calls["broadcast"] += 1
-        dist.broadcast(longest, src=self.leader, group=self.group)
+        self._collective("broadcast", dist.broadcast, longest, src=self.leader, group=self.group)
         total, bucket = int(longest[0]), int(longest[1])
         mine = torch.zeros(total, dtype=torch.uint8)
         if data:
@@ -278,8 +310,7 @@ class _Site:
                 if self.is_leader
                 else None
             )
-            self.calls["gather"] += 1
-            dist.gather(piece, parts, dst=self.leader, group=self.group)
+            self._collective("gather", dist.gather, piece, parts, dst=self.leader, group=self.group)
             if outs is not None and parts is not None:
                 for out, part in zip(outs, parts):
                     out[lo:hi] = part.cpu().numpy().tobytes()
@@ -297,8 +328,7 @@ class _Site:
         out: list[torch.Tensor] = []
         for lo, hi in plan_buckets(sizes, bucket):
             flat = self._dev(torch.cat([t.reshape(-1) for t in tensors[lo:hi]]))
-            self.calls["reduce"] += 1
-            dist.reduce(flat, dst=self.leader, op=op, group=self.group)
+            self._collective("reduce", dist.reduce, flat, dst=self.leader, op=op, group=self.group)
             flat = flat.cpu()
             offset = 0
             for t in tensors[lo:hi]:
@@ -385,7 +415,7 @@ class TorchDistLeader(_Site):
             }
             return result
         try:
-            return self._exchange(messages)
+            return self._exchange(messages, timeout)
         except (
             RuntimeError,
             ValueError,
@@ -398,7 +428,8 @@ class TorchDistLeader(_Site):
             }
             return result
 
-    def _exchange(self, messages: list[Message]) -> Exchange:
+    def _exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        deadline = None if timeout is None else time.monotonic() + timeout
         templates: list[bytes] = []
         keys: dict[tuple[Any, ...], int] = {}
         jobs = []
@@ -424,10 +455,16 @@ class TorchDistLeader(_Site):
                     dataclasses.asdict(body.work),
                 ]
             )
-        header = {"op": "round", "sizes": [len(t) for t in templates], "jobs": jobs}
-        self.broadcast_bytes(json.dumps(header).encode(), idle=True)
-        self.broadcast_bytes(b"".join(templates))
-        gathered = self.gather_bytes(b"")
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        header = {"op": "round", "sizes": [len(t) for t in templates], "jobs": jobs, "timeout": remaining}
+        # until the members have answered, every collective ends by the deadline + grace
+        self.until = None if deadline is None else deadline + ANSWER_GRACE
+        try:
+            self.broadcast_bytes(json.dumps(header).encode(), idle=True)
+            self.broadcast_bytes(b"".join(templates))
+            gathered = self.gather_bytes(b"")
+        finally:
+            self.until = None
         assert gathered is not None
         heads = [
             json.loads(g) if g else {"replies": [], "failures": {}} for g in gathered
@@ -523,6 +560,7 @@ class TorchDistMember(_Site):
     ):
         super().__init__(world, group, ranks)
         self.handler = handler
+        self._late: threading.Thread | None = None  # jobs of an earlier round still running
 
     def serve(self) -> int:
         """Answer rounds until the leader stops the site; return the jobs answered."""
@@ -531,11 +569,13 @@ class TorchDistMember(_Site):
             header = json.loads(self.broadcast_bytes(None, idle=True))
             if header["op"] == "stop":
                 return done
+            timeout = header.get("timeout")
+            deadline = None if timeout is None else time.monotonic() + timeout
             blob = self.broadcast_bytes(None)
             offsets = [0]
             for size in header["sizes"]:
                 offsets.append(offsets[-1] + size)
-            replies: list[tuple[dict[str, Any], bytes, Message]] = []
+            mine: list[tuple[int, Message]] = []
             failures: dict[int, str] = {}
             for rank, index, cid, work in header["jobs"]:
                 if rank != self.world.rdv.rank:
@@ -545,10 +585,16 @@ class TorchDistMember(_Site):
                         blob[offsets[index] : offsets[index + 1]], copy=True
                     )
                     body = dataclasses.replace(template.body, work=Work(**work))  # type: ignore[arg-type]
-                    reply = self.handler(Message(template.round, cid, body))
+                    mine.append((cid, Message(template.round, cid, body)))
                 except Exception as exc:  # one client's failure must not stop the site
-                    log.warning("client %d failed: %s", cid, exc, exc_info=True)
+                    log.warning("client %d: instruction refused: %s", cid, exc)
                     failures[cid] = f"{type(exc).__name__}: {exc}"
+            answers = self._run(mine, deadline, timeout)
+            replies: list[tuple[dict[str, Any], bytes, Message]] = []
+            for cid, _ in mine:
+                reply = answers[cid]
+                if isinstance(reply, str):
+                    failures[cid] = reply
                     continue
                 data = bytes(serialization.encode(reply))
                 replies.append((self._describe(reply, len(data)), data, reply))
@@ -567,6 +613,46 @@ class TorchDistMember(_Site):
                 )  # type: ignore[misc]
             else:
                 self.gather_bytes(b"".join(r[1] for r in replies))
+
+    def _run(
+        self, jobs: list[tuple[int, Message]], deadline: float | None, timeout: float | None
+    ) -> dict[int, Message | str]:
+        """Each job's reply, or why it failed: the jobs run in order in a thread of their own, and
+        those not done by ``deadline`` fail (the thread finishes its current job, then stops)."""
+        answers: dict[int, Message | str] = {}
+        stop = threading.Event()
+
+        def work() -> None:
+            for cid, msg in jobs:
+                if stop.is_set():
+                    return
+                try:
+                    answers[cid] = self.handler(msg)
+                except Exception as exc:  # one client's failure must not stop the site
+                    log.warning("client %d failed: %s", cid, exc, exc_info=True)
+                    answers[cid] = f"{type(exc).__name__}: {exc}"
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if self._late is not None:
+            self._late.join(left())
+            if self._late.is_alive():
+                why = "still training a job of an earlier round that missed its deadline"
+                return {cid: why for cid, _ in jobs}
+            self._late = None
+        thread = threading.Thread(target=work, name="fedweave-member-jobs", daemon=True)
+        thread.start()
+        thread.join(left())
+        if thread.is_alive():
+            stop.set()
+            self._late = thread
+        done = dict(answers)  # a job that ends from now on is late: dropped
+        missed = f"missed the round deadline ({timeout:.3g} s)" if timeout is not None else "no answer"
+        for cid, _ in jobs:
+            if cid not in done:
+                log.warning("client %d: %s", cid, missed)
+        return {cid: done.get(cid, missed) for cid, _ in jobs}
 
     @staticmethod
     def _describe(reply: Message, size: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""The client side of the gRPC transport: one client's connection to the server.
+"""The client side of the gRPC transport: one node's connection to the server.
 
-:class:`GrpcClient` registers, sends heartbeats from a thread of their own (so a long
+The node is a client, or the site leader of a hierarchical deployment (``role="site"``:
+its jobs are :class:`~fedweave.transports.serialization.SiteJob` batches). :class:`GrpcClient` registers, sends heartbeats from a thread of their own (so a long
 local training keeps the client alive), pulls each job, runs it through ``handler``
 (the client runtime) and pushes the reply. A failed call is retried with exponential
 backoff, also across a network blip, for at most ``grpc.connect_timeout`` seconds of
@@ -50,26 +51,28 @@ SHUTDOWN = _Shutdown()
 
 
 class GrpcClient:
-    """Serves the jobs of client ``client_id`` with ``handler`` until the server stops it."""
+    """Serves the jobs of node ``node_id`` (a client id, or a site index with ``role="site"``)
+    with ``handler`` until the server stops it."""
 
     def __init__(
         self,
         settings: GrpcConfig,
-        client_id: int,
+        node_id: int,
         handler: Handler,
         *,
+        role: str = "client",
         address: str | None = None,
         token: str | None = None,
         seed: int = 0,
     ):
         grpc = p.grpc_module()
         self.settings = settings
-        self.client_id = client_id
+        self.node = p.Node(role, node_id)
         self.handler = handler
         self.address = address or settings.address
         self._grpc = grpc
-        self._token = p.client_token(settings, client_id, token)
-        credentials = p.channel_credentials(settings, client_id)
+        self._token = p.node_token(settings, self.node, token)
+        credentials = p.channel_credentials(settings, self.node)
         opts = p.options(settings, server=False)
         self._channel = (
             grpc.secure_channel(self.address, credentials, options=opts)
@@ -82,7 +85,7 @@ class GrpcClient:
         self._push_rpc = self._channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
         self._session: str | None = None
         self._stop = threading.Event()
-        self._backoff = p.Backoff(settings.backoff_initial, settings.backoff_max, seed, client_id)
+        self._backoff = p.Backoff(settings.backoff_initial, settings.backoff_max, seed, role, node_id)
         self.jobs_done = 0
 
     def stop(self) -> None:
@@ -91,14 +94,14 @@ class GrpcClient:
 
     def run(self) -> int:
         """Serve jobs until the server says stop; return how many were answered."""
-        beats = threading.Thread(target=self._heartbeats, name=f"fedweave-heartbeat-{self.client_id}", daemon=True)
+        beats = threading.Thread(target=self._heartbeats, name=f"fedweave-heartbeat-{self.node.name}", daemon=True)
         try:
             self._retrying("register", self._register)
             beats.start()
             while not self._stop.is_set():
                 job = self._retrying("pull", self._pull)
                 if job is SHUTDOWN:
-                    log.info("client %d: the server ended the run", self.client_id)
+                    log.info("%s: the server ended the run", self.node)
                     break
                 if job is None:
                     continue
@@ -109,13 +112,13 @@ class GrpcClient:
                         reply = self.handler(job.message)
                     except Exception as exc:  # report it, so the server need not wait for a deadline
                         rnd = job.message.round
-                        log.warning("client %d: job of round %d failed: %s", self.client_id, rnd, exc, exc_info=True)
+                        log.warning("%s: job of round %d failed: %s", self.node, rnd, exc, exc_info=True)
                         error = f"{type(exc).__name__}: {exc}"
                 job.message = None  # the instruction's tensors are not needed past training
                 self._retrying("push", lambda: self._push(job.id, reply, error))
                 self.jobs_done += 1
         except _Stopped:
-            log.info("client %d stopped while retrying a call", self.client_id)
+            log.info("%s stopped while retrying a call", self.node)
         finally:
             self._stop.set()
             if beats.is_alive():
@@ -126,7 +129,7 @@ class GrpcClient:
     # ------------------------------------------------------------------ calls
 
     def _metadata(self, job: str | None = None) -> list[tuple[str, str]]:
-        metadata = [(p.CLIENT_KEY, str(self.client_id))]
+        metadata = [(self.node.key, str(self.node.id))]
         if self._token is not None:
             metadata.append((p.TOKEN_KEY, self._token))
         if self._session is not None:
@@ -149,7 +152,7 @@ class GrpcClient:
         if not isinstance(session, str):
             raise SerializationError("the server's registration reply holds no session")
         self._session = session
-        log.info("client %d registered with %s", self.client_id, self.address)
+        log.info("%s registered with %s", self.node, self.address)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval):
@@ -158,7 +161,7 @@ class GrpcClient:
             try:
                 self._heartbeat_rpc(b"{}", metadata=self._metadata(), timeout=self.settings.rpc_timeout)
             except self._grpc.RpcError as exc:
-                log.debug("client %d: heartbeat failed: %s", self.client_id, exc.code())
+                log.debug("%s: heartbeat failed: %s", self.node, exc.code())
 
     def _pull(self) -> _Job | _Shutdown | None:
         s = self.settings
@@ -178,12 +181,12 @@ class GrpcClient:
             for frame in frames:
                 decoder.feed(frame)
             message = decoder.finish()
-            if message.client_id != self.client_id:
-                raise SerializationError(f"the job is for client {message.client_id}, not {self.client_id}")
+            if message.client_id != self.node.id:
+                raise SerializationError(f"the job is for {self.node.role} {message.client_id}, not {self.node.id}")
         except SerializationError as exc:
             if hasattr(frames, "cancel"):
                 frames.cancel()
-            log.warning("client %d: job %s refused: %s: %s", self.client_id, control["job"], type(exc).__name__, exc)
+            log.warning("%s: job %s refused: %s: %s", self.node, control["job"], type(exc).__name__, exc)
             return _Job(control["job"], None, f"instruction refused: {type(exc).__name__}: {exc}")
         return _Job(control["job"], message)
 
@@ -200,7 +203,7 @@ class GrpcClient:
             self._push_rpc(frames(), metadata=self._metadata(job), timeout=s.stream_timeout)
         except self._grpc.RpcError as exc:
             if exc.code() == self._grpc.StatusCode.FAILED_PRECONDITION and "is closed" in (exc.details() or ""):
-                log.info("client %d: reply to job %s dropped: %s", self.client_id, job, exc.details())
+                log.info("%s: reply to job %s dropped: %s", self.node, job, exc.details())
                 return
             raise
 
@@ -216,10 +219,10 @@ class GrpcClient:
             except grpc.RpcError as exc:
                 code = exc.code()
                 if p.refused(code):
-                    log.error("client %d: the server refused %s: %s", self.client_id, what, exc.details())
-                    raise p.transport_error(f"client {self.client_id}: the server refused {what}", exc) from None
+                    log.error("%s: the server refused %s: %s", self.node, what, exc.details())
+                    raise p.transport_error(f"{self.node}: the server refused {what}", exc) from None
                 if code == grpc.StatusCode.FAILED_PRECONDITION and what != "register":
-                    log.warning("client %d: %s; registering again", self.client_id, exc.details())
+                    log.warning("%s: %s; registering again", self.node, exc.details())
                     self._retrying("register", self._register)
                     continue
                 problem = f"{code.name}: {exc.details()}"
@@ -228,12 +231,12 @@ class GrpcClient:
             now = time.monotonic()
             failing_since = now if failing_since is None else failing_since
             if now - failing_since > self.settings.connect_timeout:
-                hint = " (if TLS is on, check this client's certificate)" if self.settings.tls != "none" else ""
+                hint = f" (if TLS is on, check this {self.node.role}'s certificate)" if self.settings.tls != "none" else ""
                 raise TransportError(
-                    f"client {self.client_id}: cannot {what} with {self.address} for "
+                    f"{self.node}: cannot {what} with {self.address} for "
                     f"{self.settings.connect_timeout:g} s{hint}; last error {problem}"
                 )
             delay = self._backoff.next()
-            log.info("client %d: %s failed (%s); retrying in %.2f s", self.client_id, what, problem, delay)
+            log.info("%s: %s failed (%s); retrying in %.2f s", self.node, what, problem, delay)
             if self._stop.wait(delay):
                 raise _Stopped

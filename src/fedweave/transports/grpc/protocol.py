@@ -12,9 +12,11 @@ Pull          server-streaming  one CONTROL frame (``job`` / ``idle`` / ``shutdo
 Push          client-streaming  the reply as DATA frames, or one CONTROL ``error`` frame
 ============  ================  ======================================================
 
-Every call carries the metadata ``fedweave-client`` (the client id), and, when the
-server asks for them, ``fedweave-token``; every call after Register also carries
-``fedweave-session``, and Push the ``fedweave-job`` it answers. Frames are those of
+Every call carries the caller's identity, ``fedweave-client`` (a client id) or, for the
+site leader of a hierarchical deployment, ``fedweave-site`` (a top-level site index), and,
+when the server asks for them, ``fedweave-token``; every call after Register also carries
+``fedweave-session``, and Push the ``fedweave-job`` it answers. A server serves one kind of
+node: clients (star) or site leaders (hierarchical). Frames are those of
 :mod:`fedweave.transports.serialization`; a CONTROL frame has kind 2 and a JSON body.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +44,7 @@ PULL = "Pull"
 PUSH = "Push"
 
 CLIENT_KEY = "fedweave-client"
+SITE_KEY = "fedweave-site"
 TOKEN_KEY = "fedweave-token"
 SESSION_KEY = "fedweave-session"
 JOB_KEY = "fedweave-job"
@@ -49,6 +53,27 @@ TOKEN_ENV = "FEDWEAVE_TOKEN"
 CONTROL = 2
 MAX_CONTROL_BYTES = 64 << 10
 FRAME_SLACK = 64 << 10  # gRPC message limit = chunk size + this
+
+
+@dataclass(frozen=True)
+class Node:
+    """Who a gRPC peer of the server is: client ``id``, or the leader of top-level site ``id``."""
+
+    role: str  # "client" | "site"
+    id: int
+
+    @property
+    def name(self) -> str:
+        """Its certificate's common name and the stem of its credential files."""
+        return certs.client_name(self.id) if self.role == "client" else certs.site_name(self.id)
+
+    @property
+    def key(self) -> str:
+        """The call metadata that carries its id."""
+        return CLIENT_KEY if self.role == "client" else SITE_KEY
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.id}"
 
 
 def grpc_module() -> Any:
@@ -135,7 +160,7 @@ def _read(folder: Path, name: str) -> bytes:
     except OSError as exc:
         raise ConfigError(
             f"config key 'grpc.credentials': cannot read {str(path)!r} ({exc.strerror}); "
-            "create the folder with `fedweave certs --out DIR --clients N`"
+            "create the folder with `fedweave certs --out DIR --clients N [--sites S]`"
         ) from None
 
 
@@ -151,8 +176,8 @@ def server_credentials(settings: GrpcConfig) -> Any:
     return grpc.ssl_server_credentials([pair])
 
 
-def channel_credentials(settings: GrpcConfig, client_id: int) -> Any:
-    """Client TLS credentials (None without TLS): the CA, and with ``mtls`` this client's key pair."""
+def channel_credentials(settings: GrpcConfig, node: Node) -> Any:
+    """A node's TLS credentials (None without TLS): the CA, and with ``mtls`` the node's key pair."""
     if settings.tls == "none":
         return None
     grpc = grpc_module()
@@ -160,30 +185,32 @@ def channel_credentials(settings: GrpcConfig, client_id: int) -> Any:
     ca = _read(folder, certs.CA_CERT)
     if settings.tls == "mtls":
         return grpc.ssl_channel_credentials(
-            ca, _read(folder, certs.client_key(client_id)), _read(folder, certs.client_cert(client_id))
+            ca, _read(folder, certs.key_file(node.name)), _read(folder, certs.cert_file(node.name))
         )
     return grpc.ssl_channel_credentials(ca)
 
 
-def client_token(settings: GrpcConfig, client_id: int, token: str | None = None) -> str | None:
-    """The token a client presents: ``token``, else $FEDWEAVE_TOKEN, else credentials/client-<id>.token."""
+def node_token(settings: GrpcConfig, node: Node, token: str | None = None) -> str | None:
+    """The token a node presents: ``token``, else $FEDWEAVE_TOKEN, else credentials/<name>.token
+    (``client-<id>.token``, ``site-<s>.token``)."""
     if token is None:
         token = os.environ.get(TOKEN_ENV)
     if token is None and settings.tokens:
-        token = _read(Path(settings.credentials or "."), certs.client_token(client_id)).decode().strip()
+        token = _read(Path(settings.credentials or "."), certs.token_file(node.name)).decode().strip()
     return token
 
 
-def token_hashes(settings: GrpcConfig) -> dict[int, str] | None:
-    """The server's SHA-256 of each client's token (None when tokens are not required)."""
+def token_hashes(settings: GrpcConfig) -> dict[str, str] | None:
+    """The server's SHA-256 of each node's token, by :func:`fedweave.certs.token_entry` (None when
+    tokens are not required)."""
     if not settings.tokens:
         return None
     raw = _read(Path(settings.credentials or "."), certs.TOKENS)
     try:
         data = json.loads(raw.decode())
-        return {int(k): str(v) for k, v in data.items()}
+        return {str(k): str(v) for k, v in data.items()}
     except (UnicodeDecodeError, ValueError, AttributeError):
-        raise ConfigError(f"config key 'grpc.credentials': {certs.TOKENS} is not a JSON object of client tokens") from None
+        raise ConfigError(f"config key 'grpc.credentials': {certs.TOKENS} is not a JSON object of tokens") from None
 
 
 class Backoff:

@@ -7,6 +7,11 @@ counts as lost when nothing (heartbeat, pull, push) has come from it for
 ``grpc.heartbeat_timeout`` seconds, so a long local training is never mistaken for a
 dead client and a dead client never holds a round until its deadline. Jobs and
 replies are dropped when their exchange returns, so memory does not grow with rounds.
+
+With ``role="site"`` the nodes are the site leaders of a hierarchical deployment (top-level
+site indices, each authenticated like a client with credentials of its own): each job is
+a :class:`~fedweave.transports.serialization.SiteJob` and its reply must be a
+:class:`~fedweave.transports.serialization.SiteReply` that accounts for every member.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fedweave.certs import client_name, hash_token
+from fedweave.certs import hash_token, token_entry
 from fedweave.errors import SerializationError, TransportError
 from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p
-from fedweave.transports.serialization import FRAME, FrameDecoder, encode_frames
-from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update
+from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, encode_frames
+from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
 
 if TYPE_CHECKING:
     from fedweave.config import GrpcConfig
@@ -61,20 +66,28 @@ class _Job:
 
 
 def _expected(message: Message) -> dict[str, tuple[int, ...]] | None:
-    """The shapes a plain update to this instruction must have (None when plugins encoded it)."""
+    """The shapes a plain update to this instruction (or to a site job's) must have (None when
+    plugins encoded it)."""
     body = message.body
-    if isinstance(body, Instruction) and body.task is TaskKind.TRAIN and not body.applied:
-        return {name: tuple(t.shape) for name, t in body.params.items()}
-    return None
+    bodies = [m.body for m in body.messages] if isinstance(body, SiteJob) else [body]
+    shapes = {
+        name: tuple(t.shape)
+        for b in bodies
+        if isinstance(b, Instruction) and b.task is TaskKind.TRAIN and not b.applied
+        for name, t in b.params.items()
+    }
+    return shapes or None
 
 
 class GrpcServerTransport:
-    """Serves jobs to clients over gRPC; ``exchange`` / ``close`` as any transport."""
+    """Serves jobs to ``num_nodes`` clients (or site leaders, ``role="site"``) over gRPC;
+    ``exchange`` / ``close`` as any transport. Messages are addressed by node id."""
 
-    def __init__(self, settings: GrpcConfig, num_clients: int, *, listen: str | None = None):
+    def __init__(self, settings: GrpcConfig, num_nodes: int, *, listen: str | None = None, role: str = "client"):
         grpc = p.grpc_module()
         self.settings = settings
-        self.num_clients = num_clients
+        self.num_nodes = num_nodes
+        self.role = role
         self._grpc = grpc
         self._cond = threading.Condition()
         self._clients: dict[int, _Client] = {}
@@ -95,7 +108,7 @@ class GrpcServerTransport:
             },
         )
         # Each client holds at most one pull and one push; heartbeats and registrations are short.
-        pool = ThreadPoolExecutor(max_workers=2 * num_clients + 8, thread_name_prefix="fedweave-grpc")
+        pool = ThreadPoolExecutor(max_workers=2 * num_nodes + 8, thread_name_prefix="fedweave-grpc")
         self._server = grpc.server(pool, handlers=[handler], options=p.options(settings, server=True))
         bind = listen or settings.listen or settings.address
         credentials = p.server_credentials(settings)
@@ -121,8 +134,8 @@ class GrpcServerTransport:
             return result
         if not self._joined:
             self._joined = True
-            joined = self.wait_for_clients(self.num_clients, self.settings.join_timeout)
-            log.info("%d of %d clients registered before the first round", joined, self.num_clients)
+            joined = self.wait_for_clients(self.num_nodes, self.settings.join_timeout)
+            log.info("%d of %d %ss registered before the first round", joined, self.num_nodes, self.role)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         lost_after = self.settings.heartbeat_timeout
@@ -167,11 +180,11 @@ class GrpcServerTransport:
                 result.replies.append(job.reply)
             else:
                 result.failures[job.client_id] = job.reason
-                log.warning("round %d: client %d failed: %s", job.message.round, job.client_id, job.reason)
+                log.warning("round %d: %s %d failed: %s", job.message.round, self.role, job.client_id, job.reason)
         return result
 
     def wait_for_clients(self, count: int, timeout: float) -> int:
-        """Wait until ``count`` clients have registered (at most ``timeout`` s); return how many did."""
+        """Wait until ``count`` nodes have registered (at most ``timeout`` s); return how many did."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while len(self._clients) < count and time.monotonic() < deadline:
@@ -210,27 +223,39 @@ class GrpcServerTransport:
     def _authenticate(self, context: Any, registering: bool = False) -> int:
         codes = self._grpc.StatusCode
         metadata = dict(context.invocation_metadata())
-        raw = metadata.get(p.CLIENT_KEY, "")
-        if not str(raw).isdigit() or not 0 <= int(raw) < self.num_clients:
-            why = f"unknown client id {raw!r} (clients are 0..{self.num_clients - 1})"
+        key = p.CLIENT_KEY if self.role == "client" else p.SITE_KEY
+        other = p.SITE_KEY if self.role == "client" else p.CLIENT_KEY
+        if key not in metadata and other in metadata:
+            kind = "site leaders" if self.role == "site" else "clients"
+            why = f"{other} {metadata[other]!r}: this server serves {kind} (topology.kind differs from the server's?)"
             self._refuse(context, codes.UNAUTHENTICATED, why)
-        cid = int(raw)
+        raw = metadata.get(key, "")
+        if not str(raw).isdigit() or not 0 <= int(raw) < self.num_nodes:
+            why = f"unknown {self.role} id {raw!r} ({self.role}s are 0..{self.num_nodes - 1})"
+            self._refuse(context, codes.UNAUTHENTICATED, why)
+        node = p.Node(self.role, int(raw))
+        cid = node.id
         if self._tokens is not None:
-            token, expected = metadata.get(p.TOKEN_KEY), self._tokens.get(cid)
+            token, expected = metadata.get(p.TOKEN_KEY), self._tokens.get(token_entry(node.name))
             if token is None or expected is None or not hmac.compare_digest(hash_token(str(token)), expected):
-                self._refuse(context, codes.UNAUTHENTICATED, f"client {cid}: missing or wrong token")
+                self._refuse(context, codes.UNAUTHENTICATED, f"{node}: missing or wrong token")
         if self.settings.tls == "mtls":
             names = [n.decode(errors="replace") for n in context.auth_context().get("x509_common_name", [])]
-            if names != [client_name(cid)]:
-                self._refuse(context, codes.PERMISSION_DENIED, f"client {cid}: its certificate belongs to {names}")
+            if names != [node.name]:
+                self._refuse(context, codes.PERMISSION_DENIED, f"{node}: its certificate belongs to {names}")
         if not registering:
             with self._cond:
                 client = self._clients.get(cid)
                 if client is None or metadata.get(p.SESSION_KEY) != client.session:
-                    why = f"client {cid} is not registered (or was replaced); register again"
+                    why = f"{node} is not registered (or was replaced); register again"
                     context.abort(codes.FAILED_PRECONDITION, why)
                 client.last_seen = time.monotonic()
         return cid
+
+    def _alive(self, cid: int) -> None:
+        client = self._clients.get(cid)
+        if client is not None:
+            client.last_seen = time.monotonic()
 
     def _register(self, request: bytes, context: Any) -> bytes:
         cid = self._authenticate(context, registering=True)
@@ -239,7 +264,7 @@ class GrpcServerTransport:
             again = cid in self._clients
             self._clients[cid] = _Client(session, context.peer(), time.monotonic())
             self._cond.notify_all()
-        log.info("client %d %s from %s", cid, "registered again" if again else "registered", context.peer())
+        log.info("%s %d %s from %s", self.role, cid, "registered again" if again else "registered", context.peer())
         return p.encode_json(
             {"session": session, "heartbeat_interval": self.settings.heartbeat_interval, "closing": self._closing}
         )
@@ -284,17 +309,23 @@ class GrpcServerTransport:
         try:
             yield p.control_frame({"type": "job", "job": job.id, "round": job.message.round})
             for frame in encode_frames(job.message, self.settings.chunk_bytes, self.settings.checksum):
+                if not job.open:  # its round is over (deadline, lost): the link has better uses
+                    break
                 yield frame
                 sent += len(frame) - FRAME.size
-            delivered = True
+            else:
+                delivered = True
         finally:
             with self._cond:
                 if job.state == "sending":
                     job.state = "sent" if delivered else "pending"
                 job.bytes_sent += sent if delivered else 0
                 self._cond.notify_all()
-            if not delivered:
-                log.info("round %d: sending to client %d broke off; it may pull again", job.message.round, cid)
+            if not delivered and job.open:
+                log.info("round %d: sending to %s %d broke off; it may pull again", job.message.round, self.role, cid)
+        if not delivered:
+            log.info("round %d: stopped sending job %s to %s %d: %s", job.message.round, job.id, self.role, cid, job.reason)
+            context.abort(self._grpc.StatusCode.ABORTED, f"job {job.id} is closed (its round is over): {job.reason}")
 
     def _push(self, request_iterator: Iterator[bytes], context: Any) -> bytes:
         codes = self._grpc.StatusCode
@@ -303,7 +334,7 @@ class GrpcServerTransport:
         with self._cond:
             job = self._jobs.get(cid)
             if job is None or job.id != job_id or not job.open:
-                context.abort(codes.FAILED_PRECONDITION, f"job {job_id} of client {cid} is closed (its round is over)")
+                context.abort(codes.FAILED_PRECONDITION, f"job {job_id} of {self.role} {cid} is closed (its round is over)")
         s = self.settings
         decoder = FrameDecoder(
             max_chunk_bytes=s.chunk_bytes,
@@ -314,6 +345,7 @@ class GrpcServerTransport:
         rnd = job.message.round
         try:
             for frame in request_iterator:
+                self._alive(cid)  # a long upload on a slow link is a sign of life, as a heartbeat is
                 control = p.parse_control(frame)
                 if control is None:
                     decoder.feed(frame)
@@ -321,17 +353,17 @@ class GrpcServerTransport:
                 if control["type"] != "error":
                     raise SerializationError(f"unexpected control frame {control['type']!r} in a reply")
                 reason = str(control.get("reason", ""))[:500]
-                log.warning("round %d: client %d reports an error: %s", rnd, cid, reason)
-                self._close_job(job, failed=f"client error: {reason}")
+                log.warning("round %d: %s %d reports an error: %s", rnd, self.role, cid, reason)
+                self._close_job(job, failed=f"{self.role} error: {reason}")
                 return p.encode_json({"ok": True})
             reply = decoder.finish()
             self._check_reply(job, reply)
         except SerializationError as exc:
-            log.warning("round %d: reply of client %d refused: %s: %s", rnd, cid, type(exc).__name__, exc)
+            log.warning("round %d: reply of %s %d refused: %s: %s", rnd, self.role, cid, type(exc).__name__, exc)
             self._close_job(job, failed=f"rejected: {type(exc).__name__}: {exc}")
             context.abort(codes.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}")
         except self._grpc.RpcError as exc:
-            log.info("round %d: reply of client %d broke off (%s); it may push again", rnd, cid, exc)
+            log.info("round %d: reply of %s %d broke off (%s); it may push again", rnd, self.role, cid, exc)
             context.abort(codes.ABORTED, "the reply stream broke off")
         self._close_job(job, reply=reply, received=decoder.stream.received)
         return p.encode_json({"ok": True})
@@ -341,13 +373,29 @@ class GrpcServerTransport:
         sent = job.message
         if reply.client_id != job.client_id or reply.round != sent.round:
             raise SerializationError(
-                f"reply is for client {reply.client_id} round {reply.round}, expected client "
+                f"reply is for node {reply.client_id} round {reply.round}, expected node "
                 f"{job.client_id} round {sent.round}"
             )
-        instruction = sent.body
-        wanted = Evaluation if isinstance(instruction, Instruction) and instruction.task is TaskKind.EVALUATE else Update
-        if not isinstance(reply.body, wanted):
-            raise SerializationError(f"reply holds a {type(reply.body).__name__}, expected a {wanted.__name__}")
+        if not isinstance(sent.body, SiteJob):
+            _check_answer(sent, reply.body)
+            return
+        if not isinstance(reply.body, SiteReply):
+            raise SerializationError(f"reply holds a {type(reply.body).__name__}, expected a SiteReply")
+        members = {m.client_id: m for m in sent.body.messages}
+        counted = 0
+        for item in reply.body.messages:
+            if item.client_id not in members:
+                raise SerializationError(f"the site answers for client {item.client_id}, which is not in its job")
+            _check_answer(members[item.client_id], item.body)
+            counted += item.body.clients if isinstance(item.body, Update) else 1
+        strangers = sorted(set(reply.body.failures) - set(members))
+        if strangers:
+            raise SerializationError(f"the site reports failures of clients {strangers}, which are not in its job")
+        if counted + len(reply.body.failures) != len(members):
+            raise SerializationError(
+                f"the site's answers stand for {counted} clients and its failures for {len(reply.body.failures)}, "
+                f"but its job had {len(members)}"
+            )
 
     def _close_job(
         self, job: _Job, *, reply: Message | None = None, failed: str | None = None, received: int = 0
@@ -360,3 +408,12 @@ class GrpcServerTransport:
             else:
                 job.state, job.reason = "failed", failed or "failed"
             self._cond.notify_all()
+
+
+def _check_answer(sent: Message, body: object) -> None:
+    """A client's answer must be an evaluation for an evaluation, a control step for a control step, else an update."""
+    instruction = sent.body
+    wanted = Evaluation if isinstance(instruction, Instruction) and instruction.task is TaskKind.EVALUATE else Update
+    wanted = Control if isinstance(instruction, Control) else wanted
+    if not isinstance(body, wanted):
+        raise SerializationError(f"reply holds a {type(body).__name__}, expected a {wanted.__name__}")
