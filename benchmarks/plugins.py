@@ -15,7 +15,10 @@ the same federation size:
 
 Secure aggregation is also timed with 100 clients (SecAgg+, 14 neighbours) against
 plaintext FedAvg with 100 clients, and HE with 10 clients. The machine's load moves the
-timings; accuracies and bytes are exact for the seed.
+timings; accuracies and bytes are exact for the seed. For the configurations in
+``PAIRED`` a second measurement follows the table, steadier under load: the plugin's
+rounds and the dense rounds interleaved in one process, CPU seconds of each round, and
+the median of the per-round ratios (``--paired-rounds``, 0 to skip).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from fedweave import config as config_mod
-from fedweave import runner
+from fedweave import loop, runner
 
 BASE = [
     "task.dataset=mnist5k",
@@ -83,6 +86,25 @@ CONFIGS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+PAIRED = ("secagg+100", "secagg+100-k6")
+
+
+def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Path) -> tuple[float, float, float]:
+    """Median CPU seconds per round of the dense run and of the plugin run, their rounds
+    interleaved so that the machine's load falls on both alike, and the median of the
+    per-round ratios. The first round (caches, lazy imports) is left out."""
+    runs = [runner.prepare(config_mod.load(None, [*BASE, *federation, *extra]), out / f"paired{i}") for i, extra in enumerate(([], plugins))]
+    params = [r.params for r in runs]
+    cpu: list[list[float]] = [[], []]
+    for rnd in range(1, rounds + 2):
+        for i, r in enumerate(runs):
+            started = time.process_time()
+            params[i], _ = loop.train_round(r.parts, rnd, params[i])
+            cpu[i].append(time.process_time() - started)
+    dense, plugin = cpu[0][1:], cpu[1][1:]
+    return statistics.median(dense), statistics.median(plugin), statistics.median(p / d for d, p in zip(dense, plugin))
+
+
 def run(overrides: list[str], out: Path) -> dict[str, Any]:
     config = config_mod.load(None, [*BASE, *overrides])
     r = runner.prepare(config, out)
@@ -104,6 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="run these configurations only")
+    parser.add_argument("--paired-rounds", type=int, default=10, help="paired rounds per PAIRED configuration")
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = args.only or list(CONFIGS)
@@ -122,6 +145,14 @@ def main() -> None:
                 print_row(*rows[-1], header=len(rows) == 1)
             rows.append((name, run([*federation, *plugins], Path(tmp) / f"run{i}"), baselines[key]))
             print_row(*rows[-1])
+        paired = [n for n in names if n in PAIRED] if args.paired_rounds > 0 else []
+        if paired:
+            print(f"\n| paired rounds ({args.paired_rounds}) | dense CPU s / round | plugin CPU s / round | CPU × |")
+            print("| --- | ---: | ---: | ---: |")
+        for name in paired:
+            federation, plugins = CONFIGS[name]
+            dense, plugin, ratio = paired_cost(federation, plugins, args.paired_rounds, Path(tmp) / name)
+            print(f"| {name} | {dense:.3f} | {plugin:.3f} | {ratio:.2f} |", flush=True)
 
 
 def print_row(name: str, r: dict[str, Any], base: dict[str, Any], header: bool = False) -> None:

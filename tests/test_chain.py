@@ -200,3 +200,20 @@ def test_a_combining_plugin_with_fedavg_is_accepted_and_averages_the_same(tmp_pa
     combined, records = run_to_end(tmp_path / "combined", f"plugins.client_send=['{SUMMING}']")
     assert all(r["clients_completed"] == 4 and not r["skipped"] for r in records)
     assert_same_params(plain, combined, atol=1e-6)
+
+
+def test_a_metric_two_plugins_report_is_named_by_each_plugin() -> None:
+    @dataclass
+    class Reporting:
+        name: str
+        values: dict[str, float]
+
+        def metrics(self) -> dict[str, float]:
+            return self.values
+
+    chains = Chains(
+        client_receive=Chain([Reporting("dpsgd", {"epsilon": 2.0})]),  # type: ignore[list-item]
+        client_send=Chain([Reporting("dp_central", {"epsilon": 5.0, "clip_norm": 0.5})]),  # type: ignore[list-item]
+    )
+    assert chains.metrics() == {"dpsgd.epsilon": 2.0, "dp_central.epsilon": 5.0, "clip_norm": 0.5}
+    assert Chains(client_send=chains.client_send).metrics() == {"epsilon": 5.0, "clip_norm": 0.5}

@@ -1,4 +1,5 @@
-"""Tests of fedweave.client: the state store, one runtime serving every client, the scale property."""
+"""Tests of fedweave.client: the state store, one runtime serving every client, the scale property,
+control messages with per-client private plugin state."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from fedweave import runner
 from fedweave.batching.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
 from fedweave.client import ClientRuntime, ClientStateStore
+from fedweave.plugins.chain import Chain, Chains, PluginContext
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob
 from fedweave.task.models import MLP
-from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, Update, Work
+from fedweave.types import Control, Evaluation, Instruction, Message, Params, TaskKind, Update, UpdateKind, Work
 
 
 class CountingClient(FedAvgClient):
@@ -209,3 +211,54 @@ def test_the_planned_local_work_is_followed(runtime_and_params: tuple[ClientRunt
         message, body=dataclasses.replace(message.body, work=Work(2, batch_size=4, local_steps=3))
     )
     assert runtime.handle(message).body.local_steps == 3
+
+
+# --------------------------------------------------------------------------- control messages
+
+
+class Tally:
+    """A plugin with a client half: each client counts, in its private state, the control
+    messages it got and answers the count; ``reset`` empties its state."""
+
+    name = "tally"
+    accepts = frozenset(UpdateKind)
+    combines_encoded = False
+
+    def answer(self, control: Control, ctx: PluginContext) -> Control:
+        assert ctx.side == "client" and ctx.state is not None
+        if control.step == "reset":
+            ctx.state.clear()
+            return Control("tally", "reset")
+        ctx.state["n"] = ctx.state.get("n", 0) + int(control.tensors["add"])
+        return Control("tally", "count", {"n": torch.tensor([ctx.state["n"]])})
+
+    def encode(self, payload: Any, ctx: PluginContext) -> Any:
+        return payload
+
+    def decode(self, payload: Any, ctx: PluginContext) -> Any:
+        return payload
+
+
+def test_control_messages_reach_their_plugin_with_each_clients_private_state(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    runtime, _ = runtime_and_params
+    tally = Tally()
+    served = ClientRuntime(
+        runtime.algorithm, runtime.data, runtime.model, runtime.loss_fn, runtime.settings,
+        Chains(client_send=Chain([tally])), ClientStateStore(), runtime.seed,
+    )
+
+    def count(cid: int, add: int) -> int:
+        reply = served.handle(Message(1, cid, Control("tally", "count", {"add": torch.tensor([add])})))
+        assert reply.client_id == cid and reply.body.plugin == "tally"
+        return int(reply.body.tensors["n"])
+
+    assert [count(0, 1), count(1, 5), count(0, 2), count(1, 1)] == [1, 5, 3, 6]  # one state per client
+    assert served.plugin_state == {0: {"n": 3}, 1: {"n": 6}}
+    served.handle(Message(1, 0, Control("tally", "reset")))
+    assert served.plugin_state == {1: {"n": 6}}  # an emptied state is dropped
+    with pytest.raises(ValueError, match="no plugin of this client answers control messages of 'secagg'"):
+        served.handle(Message(1, 1, Control("secagg", "advertise")))
+    with pytest.raises(ValueError, match=r"client id 9 is outside 0\.\.3"):
+        served.handle(Message(1, 9, Control("tally", "count", {"add": torch.tensor([1])})))

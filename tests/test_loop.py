@@ -1,4 +1,5 @@
-"""Tests of fedweave.loop with scripted clients: sampling, failures, rejection, skipped rounds, evaluation."""
+"""Tests of fedweave.loop with scripted clients: sampling, failures, rejection, skipped rounds, evaluation,
+a plugin's own protocol steps."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import torch
 from fedweave.batching.controller import StaticController
 from fedweave.batching.selection import sample_clients
 from fedweave.loop import RECORD_KEYS, Record, RoundParts, federated_evaluate, run, train_round
-from fedweave.plugins.chain import Chains
+from fedweave.errors import RoundError
+from fedweave.plugins.chain import Chain, Chains
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
 from fedweave.topologies.star import Star
 from fedweave.transports.base import Exchange
 from fedweave.transports.inmemory import InMemoryTransport
-from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, Update, UpdateKind
+from fedweave.types import Control, Evaluation, Instruction, Message, Params, TaskKind, Update, UpdateKind
 
 Handler = Callable[[Message], Message]
 
@@ -260,3 +262,89 @@ def test_federated_evaluation_schedule() -> None:
     run(make_parts(handle, federated_every=2), start(), 1, 5, lambda rnd, p, rec: records.append(rec))
     assert [r["round"] for r in records if "federated_accuracy" in r] == [2, 4, 5]
     assert all(r["federated_accuracy"] == 1.0 for r in records if "federated_accuracy" in r)
+
+
+class Roll:
+    """A combining plugin with a protocol of its own: ``setup`` asks each client for a number
+    and keeps those that answer an odd one; ``combine`` asks the trained clients again and
+    returns their plain weighted mean. Tensors of its messages: one int64 each (8 bytes)."""
+
+    name = "roll"
+    accepts = frozenset(UpdateKind)
+    combines_encoded = True
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, list[int]]] = []
+
+    def setup(self, rnd: int, cohort: list[int], exchange: Any) -> list[int]:
+        answers = exchange({c: Control("roll", "draw", {"n": torch.tensor([c])}) for c in cohort})
+        self.asked.append(("draw", sorted(answers)))
+        if not answers:
+            raise RoundError("roll: nobody answered the draw")
+        return [c for c, a in answers.items() if int(a.tensors["n"]) % 2 == 1]
+
+    def combine(self, updates: list[Update], ctx: Any, exchange: Any) -> Update:
+        answers = exchange({u.client_id: Control("roll", "check") for u in updates})
+        self.asked.append(("check", sorted(answers)))
+        total = sum(u.num_examples for u in updates)
+        mean = sum(u.tensors["w"] * u.num_examples for u in updates) / total
+        return Update(UpdateKind.DELTA, {"w": mean}, total, applied=["roll"])
+
+    def encode(self, payload: Any, ctx: Any) -> Any:
+        return payload
+
+    def decode(self, payload: Any, ctx: Any) -> Any:
+        return payload
+
+
+def roll_clients(numbers: dict[int, int], wrong_step: set[int] = frozenset()) -> tuple[Handler, list[tuple[str, int]]]:
+    """Clients that answer a draw with ``numbers[cid]``, a check with nothing, and train as scripted."""
+    seen: list[tuple[str, int]] = []
+
+    def handle(msg: Message) -> Message:
+        body = msg.body
+        if isinstance(body, Control):
+            seen.append((body.step, msg.client_id))
+            step = "other" if msg.client_id in wrong_step else body.step
+            tensors = {"n": torch.tensor([numbers[msg.client_id]])} if body.step == "draw" else {}
+            return Message(msg.round, msg.client_id, Control("roll", step, tensors))
+        seen.append(("train", msg.client_id))
+        update = scripted(msg.client_id)
+        update.applied, update.client_id = ["roll"], msg.client_id
+        return Message(msg.round, msg.client_id, update)
+
+    return handle, seen
+
+
+def test_a_plugin_protocol_runs_its_steps_through_the_topology_and_its_bytes_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plugin = Roll()
+    handler, seen = roll_clients({0: 1, 1: 4, 2: 7, 3: 9}, wrong_step={3})
+    parts = make_parts(handler)
+    parts.chains = Chains(client_send=Chain([plugin]))
+    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+        params, record = train_round(parts, 1, start())
+    # 3 answered the draw with the wrong step: ignored; 1 drew an even number: not set up
+    assert seen == [("draw", 0), ("draw", 1), ("draw", 2), ("draw", 3), ("train", 0), ("train", 2), ("check", 0), ("check", 2)]
+    assert plugin.asked == [("draw", [0, 1, 2]), ("check", [0, 2])]
+    assert "round 1: client 3's answer is not a draw step of roll" in caplog.text
+    assert_w(params, (1 * 1 + 3 * 3) / 4)
+    assert record["clients_sampled"] == 4 and record["clients_completed"] == 2
+    assert record["bytes_sent"] == 4 * 8 + 2 * 16  # four draws (one int64), two instructions (w: 2 float64)
+    assert record["bytes_received"] == 4 * 8 + 2 * 16  # four drawn numbers, two updates
+
+
+def test_a_protocol_set_up_that_fails_skips_the_round_before_training(caplog: pytest.LogCaptureFixture) -> None:
+    def silent(cid: int) -> Update:
+        raise ConnectionError("gone")
+
+    handler, seen = clients({c: silent for c in range(4)})
+    parts = make_parts(handler)
+    parts.chains = Chains(client_send=Chain([Roll()]))
+    with caplog.at_level(logging.ERROR, logger="fedweave.loop"):
+        kept, record = train_round(parts, 2, start())
+    assert seen == [0, 1, 2, 3]  # the draws only: nobody was asked to train
+    assert record["skipped"] is True and record["train_loss"] is None and record["clients_completed"] == 0
+    assert "round 2 skipped: roll: nobody answered the draw; global model kept" in caplog.text
+    assert_w(kept, 0.0)

@@ -5,6 +5,11 @@ each message it loads the received parameters into that model, restores the
 client's own state from a :class:`ClientStateStore`, runs the strategy's client
 half and keeps the new state. Memory therefore grows with the clients that keep
 state, never with one model per client.
+
+A :class:`~fedweave.types.Control` message is a step of a plugin's own protocol
+(secure aggregation's key set-up and unmasking): the runtime hands it to that
+plugin's client half with the client's private plugin state, which it keeps per
+client id in this process (never checkpointed, never sent: keys and shares).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm
 from fedweave.strategies.training import ClientJob, LocalSettings, LossFn
-from fedweave.types import Instruction, Message, TaskKind
+from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
 
 
 @dataclass
@@ -96,26 +101,37 @@ class ClientRuntime:
         self.chains = chains
         self.store = store
         self.seed = seed
+        self.plugin_state: dict[int, dict[str, Any]] = {}  # client id -> its plugins' private state
 
     def handle(self, msg: Message) -> Message:
         cid = msg.client_id
-        if not isinstance(msg.body, Instruction):
+        if not isinstance(msg.body, (Instruction, Control)):
             raise TypeError(f"client {cid} expected an instruction, got {type(msg.body).__name__}")
-        ctx = PluginContext(round=msg.round, client_id=cid, side="client")
-        instruction = self.chains.to_client(msg.body, ctx)
+        if not 0 <= cid < len(self.data):
+            raise ValueError(f"client id {cid} is outside 0..{len(self.data) - 1}")
+        state = self.plugin_state.setdefault(cid, {})
+        ctx = PluginContext(round=msg.round, client_id=cid, side="client", state=state)
+        try:
+            if isinstance(msg.body, Control):
+                return Message(msg.round, cid, self.chains.answer(msg.body, ctx))
+            return Message(msg.round, cid, self._work(cid, self.chains.to_client(msg.body, ctx), ctx))
+        finally:
+            if not state:
+                self.plugin_state.pop(cid, None)
+
+    def _work(self, cid: int, instruction: Instruction, ctx: PluginContext) -> Update | Evaluation:
         job = self._job(cid, instruction)
         if instruction.task is TaskKind.EVALUATE:
-            evaluation = self.algorithm.evaluate(job)
-            return Message(msg.round, cid, dataclasses.replace(evaluation, client_id=cid))
+            return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid)
         start = time.perf_counter()
         update = self.algorithm.train(job)
         update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
+        if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
+            update.metrics = {**update.metrics, **job.settings.privacy.report()}
         self.store.put(cid, job.state)
-        return Message(msg.round, cid, self.chains.client_send.encode(update, ctx))
+        return self.chains.client_send.encode(update, dataclasses.replace(ctx, config=instruction.config))
 
     def _job(self, cid: int, instruction: Instruction) -> ClientJob:
-        if not 0 <= cid < len(self.data):
-            raise ValueError(f"client id {cid} is outside 0..{len(self.data) - 1}")
         self.model.load_state_dict(instruction.params)
         settings = self.settings
         overrides = {k: v for k, v in instruction.config.items() if hasattr(settings, k)}

@@ -1,12 +1,17 @@
 """The federated spine: one function per round, taking its parts.
 
     plan    = controller.plan(r); chains.begin_round(r, cohort)   (may end the run: BudgetSpent)
+    plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
     send    = chains.server_send.encode(strategy.configure(r, global, plan))
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
-    updates = [chains.combine(updates)]          (only with secure aggregation / HE plugins)
+    updates = [chains.combine(updates, control)] (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
     controller.observe(r, updates); evaluate; on_round(record + client timings + chains.metrics())
+
+``control`` sends a plugin's control messages through the round's topology with the
+round's timeout; their bytes count in the round's. Too few answers, too few survivors
+to unmask (:class:`~fedweave.errors.RoundError`) skip the round and keep the model.
 
 :mod:`fedweave.asynchronous` is the other spine: buffered asynchronous aggregation.
 """
@@ -27,7 +32,8 @@ from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.strategies.aggregate import all_finite
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Topology
-from fedweave.types import Evaluation, Instruction, Message, Params, TaskKind, Update, Work
+from fedweave.transports.base import Exchange
+from fedweave.types import Control, Evaluation, Instruction, Message, Params, TaskKind, Update, Work
 
 log = logging.getLogger(__name__)
 
@@ -95,38 +101,68 @@ def run(
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
     plan = parts.controller.plan(rnd)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
-    instructions = parts.strategy.configure(rnd, params, plan)
-    exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions), parts.timeout)
-    updates = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
-    record: Record = {
-        "round": rnd,
-        "clients_sampled": len(plan),
-        "clients_completed": sum(u.clients for u in updates),
-        "bytes_sent": exchange.bytes_sent,
-        "bytes_received": exchange.bytes_received,
-        "skipped": False,
-    }
-    if record["clients_completed"] < parts.min_clients:
-        reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
-        log.error(
-            "round %d skipped: %d of %d clients answered, min_clients is %d (%s); global model kept",
-            rnd, record["clients_completed"], len(plan), parts.min_clients, reasons or "no failures reported",
-        )
-        record.update(skipped=True, train_loss=None)
-        return params, record
+    traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
+    record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
     try:
+        ready = set(parts.chains.setup(rnd, [w.client_id for w in plan], traffic.control))  # e.g. SecAgg's keys
+        plan = [w for w in plan if w.client_id in ready]
+        exchange = traffic.exchange(encode_instructions(parts.chains, parts.strategy.configure(rnd, params, plan)))
+        updates = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
+        record["clients_completed"] = sum(u.clients for u in updates)
+        if record["clients_completed"] < parts.min_clients:
+            reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
+            raise RoundError(
+                f"{record['clients_completed']} of {record['clients_sampled']} clients answered, min_clients is "
+                f"{parts.min_clients} ({reasons or 'no failures reported'})"
+            )
         aggregated = updates
         if parts.chains.client_send.combiner is not None:
-            aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"))]
+            aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"), traffic.control)]
         params = parts.strategy.aggregate(rnd, params, aggregated)
-    except RoundError as exc:  # e.g. too few SecAgg survivors, too few clients for Krum
+    except RoundError as exc:  # too few answers, too few SecAgg survivors, too few clients for Krum
         log.error("round %d skipped: %s; global model kept", rnd, exc)
         record.update(skipped=True, train_loss=None)
-        return params, record
+        return params, record | traffic.counts()
     parts.controller.observe(rnd, updates)
     record["train_loss"] = weighted_metric(updates, "train_loss")
     record.update(client_timings(plan, updates, parts.timeout))
-    return params, record
+    return params, record | traffic.counts()
+
+
+class RoundTraffic:
+    """A round's exchanges through its topology, with their bytes counted: the training
+    exchange and the control steps of a plugin's own protocol (:meth:`control`)."""
+
+    def __init__(self, topology: Topology, rnd: int, timeout: float | None):
+        self.topology = topology
+        self.round = rnd
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def exchange(self, messages: list[Message]) -> Exchange:
+        result = self.topology.exchange(messages, self.timeout)
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        return result
+
+    def control(self, bodies: dict[int, Control]) -> dict[int, Control]:
+        """Send each client its control message; the answers of those that answered in kind."""
+        result = self.exchange([Message(self.round, cid, body) for cid, body in bodies.items()])
+        answers = {}
+        for reply in result.replies:
+            sent, body = bodies.get(reply.client_id), reply.body
+            if sent is None or not isinstance(body, Control) or (body.plugin, body.step) != (sent.plugin, sent.step):
+                log.warning("round %d: client %d's answer is not a %s step of %s", self.round, reply.client_id,
+                            getattr(sent, "step", "?"), getattr(sent, "plugin", "?"))
+                continue
+            answers[reply.client_id] = body
+        for cid, why in sorted(result.failures.items()):
+            log.info("round %d: client %d dropped at step %s: %s", self.round, cid, bodies[cid].step, why)
+        return answers
+
+    def counts(self) -> Record:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
 
 
 def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int) -> Record:
@@ -162,8 +198,8 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
 def encode_instructions(chains: Chains, instructions: list[Instruction]) -> list[Message]:
     out = []
     for ins in instructions:
-        cid = ins.work.client_id
-        out.append(Message(ins.round, cid, chains.server_send.encode(ins, PluginContext(ins.round, cid, "server"))))
+        ctx = PluginContext(ins.round, ins.work.client_id, "server")
+        out.append(Message(ins.round, ctx.client_id, chains.server_send.encode(chains.instruct(ins, ctx), ctx)))
     return out
 
 
@@ -173,6 +209,7 @@ def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, s
     A fully decoded update must name only tensors of ``params``, each of its shape; one
     still encoded for a combining plugin (``applied`` not empty) is checked after combining.
     """
+    chains.observe([r.body for r in replies if isinstance(r.body, Update)])
     updates = []
     for reply in replies:
         cid = reply.client_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 from pathlib import Path
@@ -133,6 +135,10 @@ def test_dpsgd_epsilon_equals_opacus_privacy_engine_and_training_is_clipped() ->
     job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
     result = train_local(job)
     assert result.steps == 8 and result.num_examples == 64
+    assert plugin.metrics() == {}  # the server counts what it receives, nothing yet
+    report = ins.config["privacy"].report()
+    assert report == {"dpsgd_rate": 16 / 64, "dpsgd_steps": 8.0}
+    plugin.observe([dataclasses.replace(update({}), metrics=report)])
     ours = plugin.metrics()["epsilon"]
 
     reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
@@ -197,3 +203,40 @@ def test_private_plugins_keep_payloads_intact() -> None:
         out = make(name).encode(update(tensors), ctx())
         assert out.tensors is not tensors and set(tensors) <= set(out.tensors)
         assert torch.equal(out.tensors["bn.num_batches_tracked"], tensors["bn.num_batches_tracked"])
+
+
+def test_dpsgd_ledger_counts_each_report_it_receives_and_skips_malformed_ones(caplog: pytest.LogCaptureFixture) -> None:
+    """The server's ledger: one (z, q, steps) entry per report, per client; a bad report is logged, not counted."""
+    from fedweave.plugins.privacy.accountant import epsilon
+
+    plugin = make("dpsgd", noise_multiplier=1.1)
+    good = {"dpsgd_rate": 0.25, "dpsgd_steps": 4.0}
+    reports = [
+        dataclasses.replace(update({}, client_id=3), metrics={**good, "train_loss": 0.5}),
+        dataclasses.replace(update({}, client_id=5), metrics={"dpsgd_rate": 1.5, "dpsgd_steps": 4.0}),
+        dataclasses.replace(update({}, client_id=6), metrics={"train_loss": 0.5}),  # no private training
+    ]
+    plugin.observe(reports)
+    plugin.observe(reports[:1])
+    assert plugin.ledger == {3: [(1.1, 0.25, 4), (1.1, 0.25, 4)]}
+    assert plugin.metrics()["epsilon"] == pytest.approx(epsilon([(1.1, 0.25, 8)], DELTA))
+    assert "client 5 reported rate 1.5" in caplog.text
+
+
+def test_adaptive_dp_central_sends_its_clip_norm_with_each_instruction() -> None:
+    """The client clips to the norm the server's instruction carries, not to its own copy."""
+    from fedweave.plugins.chain import Chain, Chains
+    from fedweave.types import Instruction, TaskKind, Work
+
+    server = make("dp_central", clip=1.0, noise_multiplier=0.5, adaptive=True, count_noise=1.0)
+    server.clip_norm = 0.25  # where adaptation has taken it
+    chains = Chains(client_send=Chain([server]))
+    ins = chains.instruct(Instruction(1, TaskKind.TRAIN, Work(0, 8), {}), ctx(side="server"))
+    assert ins.config == {"dp_central.clip": 0.25}
+    client = make("dp_central", clip=1.0, noise_multiplier=0.5, adaptive=True, count_noise=1.0)  # another process
+    tensors = {"w": torch.full((4,), 1.0)}  # norm 2
+    out = client.encode(update(tensors), dataclasses.replace(ctx(), config=ins.config))
+    assert l2_norm({"w": out.tensors["w"]}) == pytest.approx(0.25)
+    assert out.tensors["__dp_unclipped"].item() == 0
+    with pytest.raises(ValueError, match="clip norm nan is not a positive number"):
+        client.encode(update(tensors), dataclasses.replace(ctx(), config={"dp_central.clip": float("nan")}))

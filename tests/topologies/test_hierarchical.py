@@ -93,6 +93,8 @@ def test_robust_rule_and_plugins_disable_pre_aggregation() -> None:
     assert not exact("aggregation.rule=median")
     assert not exact("strategy=scaffold")
     assert not exact("topology.pre_aggregate=never")
+    assert not exact("plugins.client_receive=[dpsgd]")  # its ledger observes each client's report
+    assert exact("plugins.client_receive=[identity]")
 
 
 def test_site_tree_and_validation() -> None:

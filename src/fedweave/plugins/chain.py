@@ -28,12 +28,29 @@ A plugin is a small object with:
   ``num_examples``) and whose ``num_examples`` is their total. The strategy then
   aggregates that single update.
 
+A combining plugin may run a protocol of its own messages (secure aggregation's key
+set-up and unmasking). It then has ``setup(rnd, cohort, exchange) -> ready``: the loop
+calls it before the training exchange with the round's cohort and takes only the
+clients it returns (those that completed the set-up); its ``combine`` takes the
+``exchange`` too; and its client half is ``answer(control, ctx) -> Control``, which a
+client runtime calls with each :class:`~fedweave.types.Control` addressed to the
+plugin. ``exchange`` sends one control message per client through the round's
+topology and returns the answers of those that answered (a :data:`ControlExchange`).
+On the client, ``ctx.state`` is that client's private plugin state, kept by its
+runtime in its own process (keys, shares); on the server it is None, so a server half
+cannot reach a client's secrets even in a simulation that runs both in one process.
+
 Optional hooks, each called on every plugin of the four chains that has it:
 
 - ``bind(config)``: once, when the run is built (the run seed, the number of clients);
-- ``begin_round(rnd, client_ids)``: before a round's broadcast, with its cohort (secure
-  aggregation's key set-up); raising :class:`~fedweave.errors.BudgetSpent` ends the run
+- ``begin_round(rnd, client_ids)``: before a round's set-up and broadcast, with its
+  cohort (a privacy ledger); raising :class:`~fedweave.errors.BudgetSpent` ends the run
   before the round (a privacy budget would be exceeded);
+- ``instruct(ctx) -> dict``: server side, for each instruction, settings of the plugin's
+  client half for that client (adaptive DP's current clip norm); merged into the
+  instruction's ``config``, which the client half reads as ``ctx.config`` when it encodes;
+- ``observe(updates)``: server side, every update received, before any is decoded or
+  rejected (a privacy ledger counts what each client released);
 - ``metrics() -> dict[str, float]``: after each round, merged into its record (``epsilon``);
 - ``state_dict()`` / ``load_state_dict(state)``: per-client state kept in checkpoints
   (error-feedback residuals, privacy ledgers).
@@ -41,10 +58,11 @@ Optional hooks, each called on every plugin of the four chains that has it:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from fedweave.types import Instruction, Update, UpdateKind
+from fedweave.types import Control, Instruction, Update, UpdateKind
 
 POINTS = ("server_send", "client_receive", "client_send", "server_receive")
 
@@ -58,6 +76,12 @@ class PluginContext:
     round: int
     client_id: int
     side: str  # "server" or "client"
+    state: dict[str, Any] | None = field(default=None, compare=False)  # client side: its private plugin state
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False)  # client side: the instruction's config
+
+
+ControlExchange = Callable[[dict[int, Control]], dict[int, Control]]
+"""Send each client id its control message; the answers of the clients that answered."""
 
 
 class Plugin(Protocol):
@@ -134,13 +158,32 @@ class Chains:
         partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
         return replace(partial, applied=update.applied[:cut])
 
-    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
-        """Combine still-encoded updates into one, decode it, then filter it."""
+    def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:
+        """Combine still-encoded updates into one (with the plugin's own exchange when it runs
+        a protocol), decode it, then filter it."""
         combiner = self.client_send.combiner
         if combiner is None:
             raise ValueError("no combining plugin in client_send")
-        combined = combiner.combine(updates, ctx)  # type: ignore[attr-defined]
+        if hasattr(combiner, "setup"):
+            combined = combiner.combine(updates, ctx, exchange)  # type: ignore[attr-defined]
+        else:
+            combined = combiner.combine(updates, ctx)  # type: ignore[attr-defined]
         return self.server_receive.filter(self.client_send.decode(combined, ctx), ctx)
+
+    def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
+        """The combining plugin's set-up steps, if it runs a protocol; the clients ready to train."""
+        combiner = self.client_send.combiner
+        if combiner is None or not hasattr(combiner, "setup"):
+            return cohort
+        return combiner.setup(rnd, cohort, exchange)  # type: ignore[attr-defined]
+
+    def answer(self, control: Control, ctx: PluginContext) -> Control:
+        """Client side: the answer of the plugin ``control`` is addressed to."""
+        for point in POINTS:
+            for plugin in getattr(self, point).plugins:
+                if plugin.name == control.plugin and hasattr(plugin, "answer"):
+                    return plugin.answer(control, ctx)  # type: ignore[attr-defined]
+        raise ValueError(f"no plugin of this client answers control messages of {control.plugin!r}")
 
     def _hooked(self, hook: str) -> list[tuple[str, Any]]:
         """``(point[index], bound hook)`` of every plugin that has ``hook``, in chain order."""
@@ -159,11 +202,33 @@ class Chains:
         for _, hook in self._hooked("begin_round"):
             hook(rnd, client_ids)
 
+    def instruct(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
+        """Server side: the instruction with its plugins' per-client settings in ``config``."""
+        hooks = self._hooked("instruct")
+        if not hooks:
+            return instruction
+        config = dict(instruction.config)
+        for _, hook in hooks:
+            config.update(hook(ctx))
+        return replace(instruction, config=config)
+
+    def observe(self, updates: list[Update]) -> None:
+        for _, hook in self._hooked("observe"):
+            hook(updates)
+
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for _, hook in self._hooked("metrics"):
-            out.update(hook())
-        return out
+        """Every plugin's metrics; a name two plugins report (both DP plugins' ``epsilon``)
+        becomes ``<plugin>.<name>`` for each, so neither hides the other."""
+        reports = [(hook.__self__.name, hook()) for _, hook in self._hooked("metrics")]
+        seen: dict[str, int] = {}
+        for _, report in reports:
+            for key in report:
+                seen[key] = seen.get(key, 0) + 1
+        return {
+            (key if seen[key] == 1 else f"{name}.{key}"): value
+            for name, report in reports
+            for key, value in report.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {where: hook() for where, hook in self._hooked("state_dict")}

@@ -7,7 +7,8 @@ replies, and answers its parent:
 
 - **pre-aggregated** when that is exact: the strategy's server step needs only the
   example-weighted sum of the updates (``weighted_sum``), the aggregation rule is the
-  mean, no server-side plugin must see each update, and the updates arrive in the clear.
+  mean, no server-side plugin must see each update (a DP-SGD ledger observes each
+  client's report), and the updates arrive in the clear.
   The site answers one update, the weighted mean of its members' tensors with the sum of
   their examples as its weight. Since Σ_s N_s · (Σ_{k∈s} n_k x_k / N_s) / Σ_s N_s =
   Σ_k n_k x_k / Σ_k n_k, a tree of such sites gives the server exactly the flat weighted
@@ -23,6 +24,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Union
 
+from fedweave.plugins import PLUGINS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Message, Update, body_nbytes
@@ -178,4 +180,5 @@ def exact_pre_aggregation(config: Any, strategy_cls: type) -> bool:
         and config.aggregation.rule == "mean"
         and not config.plugins.server_receive
         and not config.plugins.client_send
+        and not any(hasattr(PLUGINS.get(spec.name, "plugins"), "observe") for spec in config.plugins.client_receive)
     )

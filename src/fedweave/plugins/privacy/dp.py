@@ -37,8 +37,9 @@ so that both releases together cost what one Gaussian mechanism of multiplier z 
 
 The noise is drawn from generators seeded by the run seed, round and client, so runs
 are reproducible; a deployment that needs cryptographically strong noise must replace
-them. In simulation the clients read the current clip norm from the plugin; in a
-deployment the server sends it with the round's instructions.
+them. The server sends the current clip norm with each instruction (``instruct``, the
+instruction's ``config``), so the clients clip to the same C in simulation and in a
+deployment.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ from fedweave.types import Params, Update, UpdateKind
 
 UNCLIPPED = "__dp_unclipped"
 """The adaptive-clipping bit b_k a client sends with its update (int8, never compressed)."""
+CLIP = "dp_central.clip"
+"""Instruction config: the clip norm C the client clips to this round (adaptive clipping)."""
 
 
 @dataclass
@@ -145,10 +148,6 @@ class DPLocal:
         return replace(payload)
 
 
-def _one_process(params: DPCentralParams) -> str | None:
-    return "the adaptive clip norm reaches the clients through the plugin object" if params.adaptive else None
-
-
 class DPCentral:
     """DP-FedAvg, central noise: clients clip, the server adds noise once to the sum."""
 
@@ -158,7 +157,6 @@ class DPCentral:
     combines_encoded = True
     stage = "noise"
     points = ("client_send",)
-    one_process = staticmethod(_one_process)
 
     def __init__(self, hp: DPCentralParams):
         self.hp = hp
@@ -184,10 +182,17 @@ class DPCentral:
             out["clip_norm"] = self.clip_norm
         return out
 
+    def instruct(self, ctx: PluginContext) -> dict[str, Any]:
+        """The clip norm of the round, for the clients (it moves when adaptive)."""
+        return {CLIP: self.clip_norm} if self.hp.adaptive else {}
+
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
-        clipped, norm = clip_tensors(payload.tensors, self.clip_norm)
+        clip = float(ctx.config.get(CLIP, self.clip_norm))
+        if not (math.isfinite(clip) and clip > 0):
+            raise ValueError(f"plugin 'dp_central': the server's clip norm {clip!r} is not a positive number")
+        clipped, norm = clip_tensors(payload.tensors, clip)
         if self.hp.adaptive:
-            clipped[UNCLIPPED] = torch.tensor([int(norm <= self.clip_norm)], dtype=torch.int8)
+            clipped[UNCLIPPED] = torch.tensor([int(norm <= clip)], dtype=torch.int8)
         return replace(payload, tensors=clipped)
 
     def combine(self, updates: list[Update], ctx: PluginContext) -> Update:

@@ -16,9 +16,12 @@ assumes; a round runs as many steps as the non-private loop would.
 
 ε is per client (a guarantee about each example of that client's data): each client's
 history of (z, q, steps) goes to Opacus's RDP accountant, and the metrics report the
-largest ε over clients. In simulation the history lives in the plugin; with clients in
-their own processes (gRPC) each client keeps its own and the server's metrics carry no
-ε, so a target ε is refused there.
+largest ε over clients. The history is the server's: a client reports the sampling
+rate and steps of its private training with its update (``dpsgd_rate``,
+``dpsgd_steps`` in its metrics), and the server half records every report it receives
+(``observe``), before the update is decoded or rejected, since the update was released
+all the same. So ε, and a target ε, work the same in simulation and with clients in
+their own processes; the ledger is saved in the server's checkpoints.
 
 Limitation: Opacus computes per-example gradients of the loss's per-example terms; a
 term of the loss that is not per example (FedProx's proximal term) is dropped from the
@@ -27,6 +30,7 @@ private gradient. Models with BatchNorm are refused (per-example gradients do no
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass, replace
@@ -39,7 +43,14 @@ from fedweave.plugins.chain import Payload, PluginContext
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.schema import opt
 from fedweave.seeding import torch_generator
-from fedweave.types import Instruction, TaskKind, UpdateKind
+from fedweave.types import Instruction, TaskKind, Update, UpdateKind
+
+log = logging.getLogger(__name__)
+
+RATE = "dpsgd_rate"
+"""Update metric: the Poisson sampling rate q of the client's private training this round."""
+STEPS = "dpsgd_steps"
+"""Update metric: the noisy steps it took."""
 
 
 @dataclass
@@ -60,12 +71,6 @@ def _opacus() -> tuple[Any, Any, Any]:
     return GradSampleModule, DPOptimizer, ModuleValidator
 
 
-def _one_process(params: DPSGDParams) -> str | None:
-    if params.target_epsilon is None:
-        return None
-    return "each client's privacy ledger stays in the client's process, so the server cannot stop at a target ε"
-
-
 class DPSGD:
     """DP-SGD (Abadi et al. 2016) in local training, through Opacus; ε per client from its RDP accountant."""
 
@@ -75,7 +80,6 @@ class DPSGD:
     combines_encoded = False
     stage = "train"
     points = ("client_receive",)
-    one_process = staticmethod(_one_process)
 
     def __init__(self, hp: DPSGDParams):
         self.hp = hp
@@ -92,7 +96,7 @@ class DPSGD:
     def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
         if not isinstance(payload, Instruction) or payload.task is not TaskKind.TRAIN:
             return replace(payload)
-        private = PrivateTraining(self.hp, lambda entry: self._record(ctx.client_id, entry), self._noise_seed(ctx))
+        private = PrivateTraining(self.hp, self._noise_seed(ctx))
         return replace(payload, config={**payload.config, "privacy": private})
 
     def begin_round(self, rnd: int, client_ids: list[int]) -> None:
@@ -114,8 +118,19 @@ class DPSGD:
         self.ledger = {int(k): list(v) for k, v in state["ledger"].items()}
         self._cache = {}
 
-    def _record(self, client_id: int, entry: tuple[float, float, int]) -> None:
-        self.ledger.setdefault(client_id, []).append(entry)
+    def observe(self, updates: list[Update]) -> None:
+        """Record each update's report of its private training (the server's ledger)."""
+        for update in updates:
+            if RATE not in update.metrics and STEPS not in update.metrics:
+                continue
+            rate, steps = update.metrics.get(RATE, math.nan), update.metrics.get(STEPS, math.nan)
+            if not (0 < rate <= 1 and steps >= 0 and float(steps).is_integer()):
+                log.warning(
+                    "plugin 'dpsgd': client %d reported rate %r and steps %r, not a private training; not counted",
+                    update.client_id, rate, steps,
+                )
+                continue
+            self.ledger.setdefault(update.client_id, []).append((self.hp.noise_multiplier, rate, int(steps)))
 
     def _epsilon(self, client_id: int) -> float:
         history = self.ledger[client_id]
@@ -132,10 +147,14 @@ class DPSGD:
 class PrivateTraining:
     """One client's private local training for one round (see the module doc)."""
 
-    def __init__(self, hp: DPSGDParams, record: Callable[[tuple[float, float, int]], None], noise: torch.Generator):
+    def __init__(self, hp: DPSGDParams, noise: torch.Generator):
         self.hp = hp
-        self.record = record
         self.noise = noise
+        self.spent: dict[str, float] = {}
+
+    def report(self) -> dict[str, float]:
+        """What the round's private training spent, for the server's ledger (empty before it ran)."""
+        return dict(self.spent)
 
     def train_local(
         self,
@@ -194,5 +213,5 @@ class PrivateTraining:
         finally:
             dp.zero_grad(set_to_none=True)
             wrapped._close()
-        self.record((self.hp.noise_multiplier, rate, total_steps))
+        self.spent = {RATE: rate, STEPS: float(total_steps)}
         return TrainResult(steps=total_steps, num_examples=n, mean_loss=loss_sum / seen if seen else float("nan"))

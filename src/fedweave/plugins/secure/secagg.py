@@ -13,57 +13,84 @@ wraps. Then, in the field of integers mod 2^bits,
 
     y_u = n_u x_u + PRG(b_u) + Σ_{v ∈ N(u), v > u} PRG(s_uv) − Σ_{v ∈ N(u), v < u} PRG(s_uv)
 
-where b_u is a fresh random self-mask seed, N(u) the client's neighbours (every other
-client for SecAgg; ``neighbours`` of them on a ring over a random permutation of the
-round's cohort for SecAgg+), and s_uv = HKDF-SHA256(X25519(sk_u, pk_v)) the seed both
-ends of a pair derive from their key agreement. PRG is AES-256-CTR keyed by the seed.
-y_u is uniform in the field whatever the update: the server learns nothing from it.
+where b_u is a fresh random self-mask seed, N(u) the client's neighbours that completed
+the key set-up (every other client for SecAgg; ``neighbours`` of them on a ring over a
+seeded permutation of the round's cohort for SecAgg+), and s_uv the pair's mask seed.
+PRG is AES-256-CTR keyed by the seed, one call over the whole vector. y_u is uniform in
+the field whatever the update: the server learns nothing from it.
 
-**Combining (server).** Pairwise masks cancel in the sum of every pair that both sent.
-For each client that sent, the server asks its surviving neighbours for their Shamir
-shares of b_u (threshold t of the neighbourhood) and removes PRG(b_u); for each client
-that dropped after the set-up, it asks for the shares of its secret key sk_d, recomputes
-s_dv for its surviving neighbours v and removes those masks. It never asks for both
-secrets of one client. Fewer than t surviving holders of a needed secret raise
+**Messages** (:class:`~fedweave.types.Control` bodies through the round's topology; the
+server half is :meth:`SecAgg.setup` and :meth:`SecAgg.combine`, the client half
+:meth:`SecAgg.answer` and :meth:`SecAgg.encode`, whose secrets live in the client's
+private state, ``ctx.state``, and never leave its process):
+
+0. ``advertise``: each client makes a fresh X25519 key pair (k_u, K_u), a self-mask seed
+   b_u and a record key r_u; it answers its public key K_u.
+1. ``share``: the server sends each client the cohort and its neighbours' public keys.
+   The client derives, once per pair, X25519(k_u, K_v) and from it with HKDF-SHA256 two
+   independent keys: the channel key c_uv and the mask seed s_uv. It answers (a) its
+   mask seeds, sealed with AES-256-GCM under r_u (the *seed record*, which the server
+   keeps and cannot open), and (b) for each neighbour, its Shamir shares of r_u and b_u
+   (threshold t of its neighbourhood, itself included), sealed with AES-256-GCM under
+   c_uv (round, sender and receiver bound to each). One agreement per pair serves the
+   channel and the mask; what a drop-out's shares reveal, r_d, opens its mask seeds and
+   never its channel keys, so the shares of b_d it sent stay sealed (as the second key
+   pair of the paper ensures there).
+2. ``forward``: the server forwards each client the shares addressed to it by the
+   neighbours that completed step 1; the client opens and keeps them, and masks only
+   with those neighbours. Then the training exchange, whose reply is y_u (:meth:`encode`).
+3. ``unmask``: the server sends each client whose y_u arrived the survivors among its
+   neighbours; it answers its shares of b_w for the survivors (itself included) and of
+   r_w for the neighbours that dropped: never both for one client, and only once.
+
+**Combining (server).** Pairwise masks cancel in the sum of every pair that both sent;
+the server removes PRG(b_u) of every survivor, and for each client d that dropped after
+step 1 it rebuilds r_d, opens d's seed record and removes the masks s_dv of d's
+surviving neighbours. Clients that drop before step 1 are not in the round. Fewer than t
+surviving (or answering) holders of a needed secret raise
 :class:`~fedweave.errors.RoundError`, which the loop turns into a skipped round.
 
-**Message flow.** A deployment runs, per round: (0) the server asks the cohort to
-advertise keys and each client answers with its public keys; (1) the server forwards the
-key list, each client Shamir-shares sk_u and b_u to its neighbours, encrypted for each
-of them, through the server; (2) the training exchange, whose reply is y_u (this
-plugin's ``encode``); (3) the server sends the list of survivors and each survivor
-answers with the shares asked for. fedweave's round has one exchange, so in
-simulation steps 0, 1 and 3 run inside the plugin (``begin_round`` and ``combine``, with
-one :class:`ClientSecrets` per client standing for the client), and only step 2's masked
-vector crosses the transport — an int32 (bits ≤ 32) or int64 tensor, so any transport
-carries it and its bytes are counted. Key and share traffic (a few hundred bytes per
-neighbour) is not.
+The server is honest but curious: it follows the protocol (it forwards the public keys
+it received); the consistency checks and signatures of the paper's malicious model are
+not implemented.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import hmac
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedweave.errors import ConfigError, RoundError
-from fedweave.plugins.chain import PluginContext
-from fedweave.plugins.packing import combine_plain, flatten, unflatten
+from fedweave.plugins.chain import ControlExchange, PluginContext
+from fedweave.plugins.packing import FLAT, combine_plain, field, layout, unflatten
 from fedweave.plugins.secure import shamir
 from fedweave.schema import opt
-from fedweave.seeding import numpy_rng
-from fedweave.types import Update, UpdateKind
+from fedweave.seeding import derive_seed, numpy_rng
+from fedweave.types import Control, Params, Update, UpdateKind
 
 log = logging.getLogger(__name__)
 
 MASKED = "__secagg_masked"
 SUM = "__secagg_sum"
+
+ADVERTISE, SHARE, FORWARD, UNMASK = "advertise", "share", "forward", "unmask"
+MASKED_STEP = "masked"  # a client's state once it sent y_u (not a message)
+
+KEY_BYTES = 32
+SECRET_LIMBS = KEY_BYTES * 8 // shamir.LIMB_BITS
+SEALED_SHARES = 2 * SECRET_LIMBS * 4 + 16  # shares of r_u and b_u as uint32 limbs, and the GCM tag
 
 
 @dataclass
@@ -89,47 +116,108 @@ class SecAggParams:
 @functools.cache
 def _crypto() -> Any:
     try:
-        from cryptography.hazmat.primitives import hashes
+        from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
         raise ImportError("plugin 'secagg' needs cryptography: pip install 'fedweave[privacy]'") from None
-    return hashes, X25519PrivateKey, X25519PublicKey, Cipher, algorithms, modes, HKDF
+    return SimpleNamespace(
+        InvalidTag=InvalidTag,
+        PrivateKey=X25519PrivateKey,
+        PublicKey=X25519PublicKey,
+        Cipher=Cipher,
+        AES=algorithms.AES,
+        CTR=modes.CTR(bytes(16)),
+        AESGCM=AESGCM,
+    )
+
+
+def hkdf(secret: bytes, *infos: bytes) -> list[bytes]:
+    """HKDF-SHA256 (RFC 5869) without salt: one 32-byte key per ``info``, from one extraction."""
+    prk = hmac.digest(bytes(32), secret, "sha256")
+    return [hmac.digest(prk, info + b"\x01", "sha256") for info in infos]
+
+
+def pair_info(purpose: str, rnd: int, u: int, v: int) -> bytes:
+    """HKDF's context for a pair's key: what it is for, the round, the pair (in either order)."""
+    return f"fedweave secagg {purpose}|round {rnd}|{min(u, v)}|{max(u, v)}".encode()
+
+
+def _aad(what: str, rnd: int, sender: int, receiver: int) -> bytes:
+    return f"fedweave secagg {what}|round {rnd}|{sender}->{receiver}".encode()
+
+
+def _nonce(sender: int) -> bytes:
+    # Every GCM key here (a pair's channel key, a record key) is fresh for the round and
+    # encrypts once per sender.
+    return sender.to_bytes(12, "big")
+
+
+def _open(key: bytes, nonce: bytes, sealed: bytes, aad: bytes, what: str) -> bytes:
+    c = _crypto()
+    try:
+        return c.AESGCM(key).decrypt(nonce, sealed, aad)
+    except c.InvalidTag:
+        raise ValueError(f"secagg: {what} does not authenticate") from None
 
 
 class Field:
-    """The integers mod 2^bits as numpy arrays (uint32 up to 32 bits, else uint64; wrap-around is the modulus)."""
+    """The integers mod 2^bits as numpy arrays (uint32 up to 32 bits, else uint64; wrap-around is the modulus).
+
+    It keeps two buffers, reused across calls (a fresh 400 KB array costs its page faults
+    every time): the PRG's output and a real work vector for quantization. Both are
+    wiped when a :meth:`workspace` ends, so no keystream or plaintext outlives its call.
+    """
 
     def __init__(self, bits: int):
         self.bits = bits
         self.dtype = np.uint32 if bits <= 32 else np.uint64
         self.wire = torch.int32 if bits <= 32 else torch.int64
+        self.width = np.dtype(self.dtype).itemsize * 8
         self.mask = self.dtype((1 << bits) - 1)
-        self._buffer = np.empty(0, dtype=np.uint8)
+        self._stream = np.empty(0, dtype=np.uint8)
+        self._work = np.empty(0, dtype=np.float64)
 
-    def add_mask(self, acc: np.ndarray, seed: bytes, subtract: bool = False) -> None:
-        """``acc`` ± PRG(seed) in place, PRG being AES-256-CTR keyed by ``seed``.
+    @contextlib.contextmanager
+    def workspace(self, size: int, real: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The PRG buffer (``size`` entries and one AES block more) and a work vector of ``real``."""
+        nbytes = size * (self.width // 8) + 15
+        if self._stream.size != nbytes:
+            self._stream = np.empty(nbytes, dtype=np.uint8)
+        if self._work.size != size or self._work.dtype != real:
+            self._work = np.empty(size, dtype=real)
+        try:
+            yield self._stream, self._work
+        finally:
+            self._stream.fill(0)
+            self._work.fill(0)
 
-        Arithmetic wraps mod 2^32 or 2^64, a multiple of 2^bits, so reducing once at the
-        end gives the same residue as reducing every mask.
-        """
-        _, _, _, Cipher, algorithms, modes, _ = _crypto()
-        nbytes = acc.nbytes
-        if self._buffer.size != nbytes + 15:  # update_into wants room for one block more
-            self._buffer = np.empty(nbytes + 15, dtype=np.uint8)
-        Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update_into(_zeros(nbytes), self._buffer)
-        values = self._buffer[:nbytes].view(self.dtype)
+    def prg(self, seed: bytes, stream: np.ndarray, nbytes: int | None = None) -> np.ndarray:
+        """PRG(seed): AES-256-CTR keyed by ``seed``, one call, written into ``stream``: a field
+        entry for each entry of the workspace, or ``nbytes`` uniform bytes."""
+        c = _crypto()
+        whole = nbytes is None
+        nbytes = stream.size - 15 if nbytes is None else nbytes
+        c.Cipher(c.AES(seed), c.CTR).encryptor().update_into(_zeros(nbytes), stream[: nbytes + 15])
+        return stream[:nbytes].view(self.dtype) if whole else stream[:nbytes]
+
+    def add_mask(self, acc: np.ndarray, seed: bytes, stream: np.ndarray, subtract: bool = False) -> None:
+        """``acc`` ± PRG(seed) in place. Arithmetic wraps mod 2^32 or 2^64, a multiple of
+        2^bits, so reducing once at the end gives the same residue as reducing every mask."""
+        values = self.prg(seed, stream)
         if subtract:
-            acc -= values
+            np.subtract(acc, values, out=acc)
         else:
-            acc += values
+            np.add(acc, values, out=acc)
 
     def reduce(self, values: np.ndarray) -> np.ndarray:
-        return values & self.mask
+        if self.bits < self.width:
+            np.bitwise_and(values, self.mask, out=values)
+        return values
 
     def to_wire(self, values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values.view(np.int32 if self.bits <= 32 else np.int64).copy())
+        return torch.from_numpy(values.view(np.int32 if self.bits <= 32 else np.int64))
 
     def from_wire(self, tensor: torch.Tensor) -> np.ndarray:
         return tensor.numpy().view(self.dtype)
@@ -140,46 +228,138 @@ def _zeros(nbytes: int) -> bytes:
     return bytes(nbytes)
 
 
-def derive_seed(shared: bytes, round_: int) -> bytes:
-    """HKDF-SHA256 of an X25519 shared secret: the pair's 32-byte mask seed for a round."""
-    hashes, _, _, _, _, _, HKDF = _crypto()
-    info = f"fedweave secagg pairwise mask, round {round_}".encode()
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
+@functools.lru_cache(maxsize=4096)
+def _public_key(raw: bytes) -> Any:
+    """A parsed X25519 public key (public data: a simulation's clients parse each one once)."""
+    return _crypto().PublicKey.from_public_bytes(raw)
 
 
-class ClientSecrets:
-    """What one client holds for one round: its keys, self-mask seed and the shares it received."""
+@functools.lru_cache(maxsize=8)
+def ring(seed: int, rnd: int, cohort: tuple[int, ...], neighbours: int | None) -> dict[int, tuple[int, ...]]:
+    """Each client's masking neighbours, public: all others (SecAgg), or ``neighbours`` of them
+    on a ring over a permutation of the cohort seeded by the run seed and the round (SecAgg+)."""
+    n = len(cohort)
+    half = n if neighbours is None else math.ceil(neighbours / 2)
+    if 2 * half >= n - 1:
+        return {u: tuple(v for v in cohort if v != u) for u in cohort}
+    order = [cohort[i] for i in numpy_rng(seed, "secagg", "graph", rnd).permutation(n)]
+    return {u: tuple(sorted(order[(i + d) % n] for d in range(-half, half + 1) if d)) for i, u in enumerate(order)}
 
-    def __init__(self, client_id: int):
-        _, X25519PrivateKey, _, _, _, _, _ = _crypto()
-        self.client_id = client_id
-        self.key = X25519PrivateKey.generate()
-        self.self_seed = os.urandom(32)
-        self.public = self.key.public_key().public_bytes_raw()
-        self.shares: dict[int, tuple[shamir.Share, shamir.Share]] = {}  # owner -> (of sk, of b)
 
-    def share_out(self, holders: list[int], threshold: int) -> dict[int, tuple[shamir.Share, shamir.Share]]:
-        """Shamir shares of this client's secret key and self-mask seed, one pair per holder."""
-        xs = [h + 1 for h in holders]
-        key_shares = shamir.split(shamir.to_int(self.key.private_bytes_raw()), threshold, xs)
-        seed_shares = shamir.split(shamir.to_int(self.self_seed), threshold, xs)
-        return {h: (key_shares[h + 1], seed_shares[h + 1]) for h in holders}
+def threshold_of(fraction: float, neighbours: int) -> int:
+    """t of a neighbourhood of ``neighbours`` others and the client itself."""
+    return math.ceil(fraction * (neighbours + 1))
 
-    def reveal(self, owner: int, dropped: bool) -> shamir.Share:
-        """Step 3: the share of ``owner``'s secret key if it dropped, else of its self-mask seed."""
-        key_share, seed_share = self.shares[owner]
-        return key_share if dropped else seed_share
+
+@dataclass(frozen=True)
+class Quantizer:
+    """Clipping to [−R, R] and stochastic rounding to integers in [0, levels].
+
+    An entry maps to t = (x + R) · levels / 2R. It is rounded to the nearest multiple of
+    2^−f (f = ``fraction_bits``: 8 where the real type and the field have room, so within
+    2^−9 of a step), then up with probability its fractional part, by adding f uniform
+    bits and shifting them out: E[q] = t within 2^−9 of a step. In place, no per-entry
+    Python.
+    """
+
+    clip: float
+    levels: int
+    real: Any  # np.float32 or np.float64
+    fraction_bits: int
+
+    @classmethod
+    def of(cls, clip: float, levels: int, width: int) -> Quantizer:
+        used = levels.bit_length()
+        real = np.float32 if used + 8 <= 24 else np.float64
+        mantissa = 24 if real is np.float32 else 53
+        return cls(clip, levels, real, max(0, min(8, mantissa - used, width - used)))
+
+    def __call__(self, x: np.ndarray, noise: np.ndarray, work: np.ndarray, spare: np.ndarray, out: np.ndarray) -> None:
+        """``out`` = the quantized ``x``. ``noise``: one uniform byte per entry, read first;
+        ``work`` (real, may be ``x``) and ``spare`` (of ``out``'s type, may overlap ``noise``): scratch."""
+        f = self.fraction_bits
+        np.copyto(out, noise if f == 8 else noise >> (8 - f), casting="unsafe")  # f random bits
+        scale = self.levels / (2 * self.clip) * (1 << f)
+        np.multiply(x, self.real(scale), out=work)
+        work += self.real(self.clip * scale + 0.5)  # + 0.5: to the nearest multiple of 2^-f
+        np.clip(work, 0.5, self.levels * (1 << f) + 0.5, out=work)
+        np.copyto(spare, work, casting="unsafe")  # truncation: the floor, as work > 0
+        out += spare
+        np.right_shift(out, out.dtype.type(f), out=out)
+
+
+def flatten_into(tensors: Params, out: np.ndarray) -> Params:
+    """Copy the floating tensors into the vector ``out``; return the rest, laid out as
+    :func:`~fedweave.plugins.packing.flatten` does, so :func:`~fedweave.plugins.packing.unflatten` undoes it."""
+    rest: Params = {}
+    target, offset = torch.from_numpy(out), 0
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point():
+            target[offset : offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+            offset += tensor.numel()
+            rest[field(name, FLAT)] = layout(tensor)
+        else:
+            rest[name] = tensor
+    return rest
+
+
+def _u8(rows: list[bytes], width: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(len(rows), width)
+
+
+def _ids(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _tensor(control: Control, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """``control``'s tensor ``name`` as an array, checked: a ValueError names what is wrong."""
+    t = control.tensors.get(name)
+    if t is None or t.dtype != dtype or tuple(t.shape) != shape:
+        got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+        raise ValueError(f"secagg {control.step}: expected {name} of {dtype} {shape}, got {got}")
+    return t.numpy()
+
+
+def _id_list(control: Control, name: str, allowed: tuple[int, ...] | list[int] | None = None) -> list[int]:
+    """``control``'s tensor ``name``: a sorted list of distinct client ids (each in ``allowed``, if given)."""
+    t = control.tensors.get(name)
+    if t is None or t.dtype != torch.int32 or t.dim() != 1:
+        raise ValueError(f"secagg {control.step}: expected {name} as a 1-d int32 tensor")
+    ids = t.tolist()
+    if ids != sorted(set(ids)) or (allowed is not None and not set(ids) <= set(allowed)):
+        raise ValueError(f"secagg {control.step}: {name} is not a sorted list of distinct expected client ids")
+    return ids
+
+
+class ClientRound:
+    """One client's secrets for one round, in its private state (its own process); each is
+    dropped as soon as the protocol no longer needs it."""
+
+    def __init__(self, rnd: int):
+        self.round = rnd
+        self.step = ADVERTISE
+        self.key: Any = _crypto().PrivateKey.generate()  # k_u
+        self.public = self.key.public_key().public_bytes_raw()  # K_u
+        self.self_seed: bytes | None = os.urandom(KEY_BYTES)  # b_u
+        self.record_key: bytes | None = os.urandom(KEY_BYTES)  # r_u: opens the seed record; rebuilt if it drops
+        self.neighbours: tuple[int, ...] = ()
+        self.threshold = 0
+        self.channels: dict[int, bytes] = {}  # neighbour -> c_uv
+        self.seeds: dict[int, bytes] = {}  # neighbour -> s_uv
+        self.shares: dict[int, np.ndarray] = {}  # owner -> this client's shares (2, limbs) of (r_owner, b_owner)
+        self.masking: list[int] = []  # neighbours that completed the set-up
 
 
 @dataclass
-class RoundSetup:
-    """The server's view of a round's set-up: cohort, graph, public keys, thresholds."""
+class ServerRound:
+    """The server's view of a round's set-up: public keys, sealed seed records, who did what."""
 
     round: int
-    neighbours: dict[int, list[int]]
-    public: dict[int, Any]  # X25519 public keys
+    neighbours: dict[int, tuple[int, ...]]
     threshold: dict[int, int]
-    clients: dict[int, ClientSecrets]  # in simulation: the clients' own state
+    records: dict[int, bytes]  # client -> its mask seeds sealed under r_u (opened only if it drops)
+    shared: list[int]  # completed step 1: its shares exist, its neighbours mask with it
+    ready: list[int]  # received its neighbours' shares: may send a masked update
 
 
 class SecAgg:
@@ -191,83 +371,86 @@ class SecAgg:
     combines_encoded = True
     stage = "secure"
     points = ("client_send",)
-    one_process = "its key set-up and unmasking exchanges run inside the plugin"
+    messages = "its key set-up and unmasking are steps of their own between the server and each client"
 
     def __init__(self, hp: SecAggParams):
         self.hp = hp
         self.field = Field(hp.bits)
         self.levels = (1 << (hp.bits - math.ceil(math.log2(hp.max_examples)))) - 1
+        self.quantize = Quantizer.of(hp.clip_range, self.levels, self.field.width)
         self.seed = 0
-        self.setup: RoundSetup | None = None
+        self.round: ServerRound | None = None
 
     def bind(self, config: Any) -> None:
         self.seed = config.seed
 
-    # ------------------------------------------------- steps 0 and 1: key set-up
+    def graph(self, rnd: int, cohort: list[int]) -> dict[int, tuple[int, ...]]:
+        return ring(self.seed, rnd, tuple(sorted(cohort)), self.hp.neighbours)
 
-    def begin_round(self, rnd: int, client_ids: list[int]) -> None:
-        """Advertise keys and share secrets among the round's cohort (simulated; see the module doc)."""
-        cohort = sorted(set(client_ids))
-        graph = self.graph(rnd, cohort)
-        clients = {u: ClientSecrets(u) for u in cohort}
-        threshold = {u: math.ceil(self.hp.threshold * (len(graph[u]) + 1)) for u in cohort}
-        for u in cohort:
-            for holder, pair in clients[u].share_out([u, *graph[u]], threshold[u]).items():
-                clients[holder].shares[u] = pair
-        public = {u: _public_key(c.public) for u, c in clients.items()}  # as each client parses the key list
-        self.setup = RoundSetup(rnd, graph, public, threshold, clients)
+    # ------------------------------------------------------------------ server half
 
-    def graph(self, rnd: int, cohort: list[int]) -> dict[int, list[int]]:
-        """Each client's masking neighbours: all others, or a ring over a seeded permutation (SecAgg+)."""
-        n = len(cohort)
-        if self.hp.neighbours is None or self.hp.neighbours >= n - 1:
-            return {u: [v for v in cohort if v != u] for u in cohort}
-        order = [cohort[i] for i in numpy_rng(self.seed, self.name, "graph", rnd).permutation(n)]
-        half = math.ceil(self.hp.neighbours / 2)
-        if 2 * half >= n - 1:
-            return {u: [v for v in cohort if v != u] for u in cohort}
+    def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
+        """Steps 0 and 1 and the forwarding of the shares; the clients that may train and mask."""
+        probe = _crypto().PrivateKey.generate()
+
+        def read_key(u: int, a: Control) -> bytes:
+            raw = bytes(_tensor(a, "key", torch.uint8, (1, KEY_BYTES)))
+            try:  # a low-order point would break every agreement with it: refused here, once
+                probe.exchange(_public_key(raw))
+            except ValueError:
+                raise ValueError("its public key is not a valid X25519 point") from None
+            return raw
+
+        public = self._answers(rnd, exchange({u: Control(self.name, ADVERTISE) for u in sorted(set(cohort))}), read_key)
+        members = sorted(public)
+        if len(members) < 2:
+            raise RoundError(f"secagg: {len(members)} client(s) advertised keys; secure aggregation needs 2")
+        graph = self.graph(rnd, members)
+        asks = {
+            u: Control(self.name, SHARE, {"cohort": _ids(members), "keys": _u8([public[v] for v in graph[u]], KEY_BYTES)})
+            for u in members
+        }
+
+        def read_shares(u: int, a: Control) -> tuple[bytes, torch.Tensor]:
+            _tensor(a, "shares", torch.uint8, (len(graph[u]), SEALED_SHARES))
+            return bytes(_tensor(a, "record", torch.uint8, (1, len(graph[u]) * KEY_BYTES + 16))), a.tensors["shares"]
+
+        replies = self._answers(rnd, exchange(asks), read_shares)
+        threshold = {u: threshold_of(self.hp.threshold, len(graph[u])) for u in members}
+        # A client with fewer than t − 1 neighbours that shared could never be unmasked: it
+        # leaves before anyone masks with it, which may thin out others' neighbourhoods.
+        shared = set(replies)
+        while thin := {v for v in shared if sum(u in shared for u in graph[v]) + 1 < threshold[v]}:
+            log.warning("round %d: clients %s leave secure aggregation: too few neighbours shared", rnd, sorted(thin))
+            shared -= thin
+        forward = {}
+        for v in sorted(shared):
+            senders = [(u, replies[u][1][graph[u].index(v)]) for u in graph[v] if u in shared]
+            forward[v] = Control(self.name, FORWARD, {
+                "senders": _ids([u for u, _ in senders]), "shares": torch.stack([row for _, row in senders])
+            })
+        ready = sorted(self._answers(rnd, exchange(forward), lambda u, a: None))
+        records = {u: replies[u][0] for u in shared}
+        self.round = ServerRound(rnd, graph, threshold, records, sorted(shared), ready)
+        if len(ready) < 2:
+            raise RoundError(f"secagg: {len(ready)} client(s) completed the key set-up; secure aggregation needs 2")
+        return ready
+
+    def _answers(self, rnd: int, answers: dict[int, Control], read: Any) -> dict[int, Any]:
+        """``read(client, answer)`` of each answer; a malformed one drops its client (logged)."""
         out = {}
-        for i, u in enumerate(order):
-            out[u] = sorted(order[(i + d) % n] for d in range(-half, half + 1) if d)
+        for u, a in sorted(answers.items()):
+            try:
+                out[u] = read(u, a)
+            except ValueError as exc:
+                log.warning("round %d: client %d leaves secure aggregation: %s", rnd, u, exc)
         return out
 
-    # ------------------------------------------------------ step 2: masked input
-
-    def encode(self, payload: Update, ctx: PluginContext) -> Update:
-        setup = self._setup(ctx.round)
-        u = ctx.client_id
-        if u not in setup.clients:
-            raise ValueError(f"client {u} is not in round {ctx.round}'s secure-aggregation cohort")
-        if payload.num_examples > self.hp.max_examples:
-            raise ValueError(
-                f"client {u} holds {payload.num_examples} examples, more than secagg's max_examples={self.hp.max_examples}"
-            )
-        vector, rest = flatten(payload.tensors)
-        real = np.float32 if self.levels < 2**24 else np.float64  # float32 resolves 2^-8 of a step at worst
-        x = vector.numpy().astype(real)
-        r = self.hp.clip_range
-        clipped = int(np.count_nonzero(np.abs(x) > r))
-        if clipped > x.size // 100:
-            log.warning("secagg: client %d clipped %d of %d entries to ±%g (raise clip_range)", u, clipped, x.size, r)
-        scaled = (np.clip(x, -r, r) + r) * real(self.levels / (2 * r))
-        lower = np.floor(scaled)
-        up = numpy_rng(self.seed, self.name, ctx.round, u).random(x.size, dtype=real) < scaled - lower
-        masked = np.minimum(lower + up, self.levels).astype(self.field.dtype)  # stochastic rounding
-        masked *= self.field.dtype(payload.num_examples)
-        secrets = setup.clients[u]
-        self.field.add_mask(masked, secrets.self_seed)
-        for v in setup.neighbours[u]:
-            seed = derive_seed(secrets.key.exchange(setup.public[v]), ctx.round)
-            self.field.add_mask(masked, seed, subtract=u > v)
-        tensors = {MASKED: self.field.to_wire(self.field.reduce(masked)), **rest}
-        return replace(payload, tensors=tensors)
-
-    # --------------------------------------------------- step 3: unmasking the sum
-
-    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
-        setup = self._setup(ctx.round)
-        survivors = [u.client_id for u in updates]
-        if len(set(survivors)) != len(survivors) or not set(survivors) <= set(setup.clients):
+    def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:
+        """Step 3: sum the masked updates, ask the survivors for shares, remove the masks."""
+        setup = self._server_round(ctx.round)
+        survivors = sorted(u.client_id for u in updates)
+        if len(set(survivors)) != len(survivors) or not set(survivors) <= set(setup.ready):
             raise RoundError(f"secagg: round {ctx.round}'s updates do not come from distinct members of its cohort")
         examples = sum(u.num_examples for u in updates)
         if examples > self.hp.max_examples:
@@ -276,19 +459,29 @@ class SecAgg:
                 f"{self.hp.max_examples}, so their field sum may have wrapped"
             )
         alive = set(survivors)
-        dropped = sorted(set(setup.clients) - alive)
+        dropped = [d for d in setup.shared if d not in alive]
+        for owner in [*survivors, *dropped]:
+            holders = [h for h in (owner, *setup.neighbours[owner]) if h in alive]
+            _enough(owner, len(holders), setup.threshold[owner], owner not in alive, "survived")
+        asked = {v: [w for w in setup.neighbours[v] if w in alive] for v in survivors}
+        answers = exchange({v: Control(self.name, UNMASK, {"survivors": _ids(asked[v])}) for v in survivors})
+        seeds, keys = self._collect(ctx.round, setup, answers, asked, alive)
         total = self.field.from_wire(updates[0].tensors[MASKED]).copy()
         for u in updates[1:]:
-            total += self.field.from_wire(u.tensors[MASKED])
-        for u in survivors:
-            self.field.add_mask(total, shamir.to_bytes(self._recover(setup, u, alive, dropped=False)), subtract=True)
-        _, X25519PrivateKey, _, _, _, _, _ = _crypto()
-        for d in dropped:
-            key = X25519PrivateKey.from_private_bytes(shamir.to_bytes(self._recover(setup, d, alive, dropped=True)))
-            for v in setup.neighbours[d]:
-                if v in alive:
-                    seed = derive_seed(key.exchange(setup.public[v]), ctx.round)
-                    self.field.add_mask(total, seed, subtract=v < d)  # remove what v added for the pair (v, d)
+            np.add(total, self.field.from_wire(u.tensors[MASKED]), out=total)
+        with self.field.workspace(total.size, self.quantize.real) as (stream, _):
+            for owner in survivors:
+                self_seed = _recover(owner, seeds.get(owner), setup.threshold[owner], False)
+                self.field.add_mask(total, self_seed, stream, subtract=True)
+            for d in dropped:
+                record_key = _recover(d, keys.get(d), setup.threshold[d], True)
+                try:
+                    record = _open(record_key, _nonce(d), setup.records[d], _aad("seeds", ctx.round, d, d), f"client {d}'s seed record")
+                except ValueError as exc:
+                    raise RoundError(f"{exc} with its rebuilt key") from None
+                for v, seed in zip(setup.neighbours[d], _chunks(record)):
+                    if v in alive:  # remove what v added for the pair (v, d): +PRG(s_vd) when v < d
+                        self.field.add_mask(total, seed, stream, subtract=v < d)
         plain = combine_plain([{k: t for k, t in u.tensors.items() if k != MASKED} for u in updates])
         return Update(
             kind=updates[0].kind,
@@ -296,6 +489,27 @@ class SecAgg:
             num_examples=examples,
             applied=list(updates[0].applied),
         )
+
+    def _collect(
+        self, rnd: int, setup: ServerRound, answers: dict[int, Control], asked: dict[int, list[int]], alive: set[int]
+    ) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, list[tuple[int, np.ndarray]]]]:
+        """The shares each survivor answered, by owner: of b_w (survivors) and of r_w (drop-outs)."""
+        seeds: dict[int, list[tuple[int, np.ndarray]]] = {}
+        keys: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for v, reply in sorted(answers.items()):
+            owners = sorted([v, *asked[v]])
+            gone = [w for w in setup.neighbours[v] if w in setup.shared and w not in alive]
+            try:
+                seed_rows = _tensor(reply, "seed", torch.int32, (len(owners), SECRET_LIMBS))
+                key_rows = _tensor(reply, "key", torch.int32, (len(gone), SECRET_LIMBS))
+            except ValueError as exc:
+                log.warning("round %d: client %d's unmasking answer refused: %s", rnd, v, exc)
+                continue
+            for w, row in zip(owners, seed_rows):
+                seeds.setdefault(w, []).append((v + 1, row))
+            for w, row in zip(gone, key_rows):
+                keys.setdefault(w, []).append((v + 1, row))
+        return seeds, keys
 
     def decode(self, payload: Update, ctx: PluginContext) -> Update:
         """Dequantize the unmasked sum Σ n_u x_u into the example-weighted mean of the updates."""
@@ -307,26 +521,156 @@ class SecAgg:
         mean = (total / self.levels * (2 * r) - r * n) / n
         return replace(payload, tensors=unflatten(torch.from_numpy(mean), rest))
 
-    # ----------------------------------------------------------------- helpers
+    def _server_round(self, rnd: int) -> ServerRound:
+        if self.round is None or self.round.round != rnd:
+            raise RoundError(f"secagg has no key set-up for round {rnd} (setup was not run)")
+        return self.round
 
-    def _setup(self, rnd: int) -> RoundSetup:
-        if self.setup is None or self.setup.round != rnd:
-            raise ValueError(f"secagg has no key set-up for round {rnd} (begin_round was not called)")
-        return self.setup
+    # ------------------------------------------------------------------ client half
 
-    def _recover(self, setup: RoundSetup, owner: int, alive: set[int], dropped: bool) -> int:
-        """Ask ``owner``'s surviving share holders for their shares; interpolate its secret."""
-        holders = [h for h in [owner, *setup.neighbours[owner]] if h in alive]
-        need = setup.threshold[owner]
-        if len(holders) < need:
-            what = "secret key" if dropped else "self-mask seed"
-            raise RoundError(
-                f"secagg: only {len(holders)} of client {owner}'s share holders survived, its {what} needs "
-                f"{need} (threshold); the sum cannot be unmasked"
+    def answer(self, control: Control, ctx: PluginContext) -> Control:
+        """The client's side of steps 0, 1, forward and 3, with its secrets in ``ctx.state``."""
+        if ctx.state is None:
+            raise ValueError("secagg's client half needs the client's private state (ctx.state)")
+        if control.step == ADVERTISE:
+            mine = ClientRound(ctx.round)
+            ctx.state[self.name] = mine
+            return Control(self.name, ADVERTISE, {"key": _u8([mine.public], KEY_BYTES)})
+        if control.step == SHARE:
+            return self._share(control, self._client_round(ctx, ADVERTISE), ctx.client_id)
+        if control.step == FORWARD:
+            return self._receive(control, self._client_round(ctx, SHARE), ctx.client_id)
+        if control.step == UNMASK:
+            mine = self._client_round(ctx, MASKED_STEP)
+            del ctx.state[self.name]  # one answer per round: the server never gets both secrets of a client
+            return self._reveal(control, mine, ctx.client_id)
+        raise ValueError(f"secagg has no step {control.step!r}")
+
+    def _share(self, control: Control, mine: ClientRound, u: int) -> Control:
+        c = _crypto()
+        members = _id_list(control, "cohort")
+        if u not in members:
+            raise ValueError(f"secagg share: client {u} is not in the cohort it was sent")
+        neighbours = self.graph(mine.round, members)[u]  # the client derives its neighbourhood itself
+        rows = [bytes(row) for row in _tensor(control, "keys", torch.uint8, (len(neighbours), KEY_BYTES))]
+        if len({*rows, mine.public}) != len(rows) + 1:
+            raise ValueError("secagg share: the neighbours' public keys are not distinct")
+        for v, row in zip(neighbours, rows):
+            agreed = mine.key.exchange(_public_key(row))
+            mine.channels[v], mine.seeds[v] = hkdf(
+                agreed, pair_info("share key", mine.round, u, v), pair_info("mask", mine.round, u, v)
             )
-        return shamir.combine([setup.clients[h].reveal(owner, dropped) for h in holders[:need]])
+        mine.key = None  # the channel keys and seeds are all this client needs of it
+        mine.neighbours = neighbours
+        mine.threshold = threshold_of(self.hp.threshold, len(neighbours))
+        assert mine.record_key is not None and mine.self_seed is not None
+        record = c.AESGCM(mine.record_key).encrypt(
+            _nonce(u), b"".join(mine.seeds[v] for v in neighbours), _aad("seeds", mine.round, u, u)
+        )
+        points = sorted((u, *neighbours))
+        shares = shamir.split(shamir.to_limbs([mine.record_key, mine.self_seed]), mine.threshold, [h + 1 for h in points])
+        index = {h: i for i, h in enumerate(points)}
+        mine.shares[u] = shares[index[u]]
+        sealed = [
+            c.AESGCM(mine.channels[v]).encrypt(_nonce(u), shares[index[v]].astype("<u4").tobytes(), _aad("share", mine.round, u, v))
+            for v in neighbours
+        ]
+        mine.record_key = None  # sealed its seeds; its own share of r_u is all it keeps
+        mine.step = SHARE
+        return Control(self.name, SHARE, {
+            "record": _u8([record], len(record)),
+            "shares": _u8(sealed, SEALED_SHARES),
+        })
+
+    def _receive(self, control: Control, mine: ClientRound, u: int) -> Control:
+        senders = _id_list(control, "senders", mine.neighbours)
+        if len(senders) + 1 < mine.threshold:
+            raise ValueError(
+                f"secagg forward: only {len(senders)} neighbours completed the set-up, fewer than the "
+                f"threshold {mine.threshold} of this client's neighbourhood"
+            )
+        sealed = _tensor(control, "shares", torch.uint8, (len(senders), SEALED_SHARES))
+        for v, row in zip(senders, sealed):
+            plain = _open(mine.channels[v], _nonce(v), bytes(row), _aad("share", mine.round, v, u), f"the share from client {v}")
+            mine.shares[v] = np.frombuffer(plain, dtype="<u4").reshape(2, SECRET_LIMBS).astype(np.int64)
+        mine.masking = senders
+        mine.seeds = {v: mine.seeds[v] for v in senders}
+        mine.channels = {}
+        mine.step = FORWARD
+        return Control(self.name, FORWARD)
+
+    def _reveal(self, control: Control, mine: ClientRound, u: int) -> Control:
+        survivors = _id_list(control, "survivors", mine.masking)
+        if len(survivors) + 1 < mine.threshold:
+            raise ValueError(
+                f"secagg unmask: only {len(survivors)} neighbours survived, fewer than the threshold "
+                f"{mine.threshold} of this client's neighbourhood; no share is revealed"
+            )
+        gone = [w for w in mine.masking if w not in survivors]
+        seed = np.stack([mine.shares[w][1] for w in sorted([u, *survivors])]).astype(np.int32)
+        key = np.stack([mine.shares[w][0] for w in gone]).astype(np.int32) if gone else np.zeros((0, SECRET_LIMBS), np.int32)
+        return Control(self.name, UNMASK, {"seed": torch.from_numpy(seed), "key": torch.from_numpy(key)})
+
+    def encode(self, payload: Update, ctx: PluginContext) -> Update:
+        """Step 2: quantize the update, add the self mask and the pairwise masks."""
+        mine = self._client_round(ctx, FORWARD)
+        u = ctx.client_id
+        if payload.num_examples > self.hp.max_examples:
+            raise ValueError(
+                f"client {u} holds {payload.num_examples} examples, more than secagg's max_examples={self.hp.max_examples}"
+            )
+        size = sum(t.numel() for t in payload.tensors.values() if t.is_floating_point())
+        masked = np.empty(size, dtype=self.field.dtype)
+        rounding = hashlib.sha256(derive_seed(self.seed, self.name, "rounding", ctx.round, u).to_bytes(8, "big"))
+        with self.field.workspace(size, self.quantize.real) as (stream, work):
+            rest = flatten_into(payload.tensors, work)
+            r = self.hp.clip_range
+            low, high = (work.min(), work.max()) if size else (0.0, 0.0)
+            if not (np.isfinite(low) and np.isfinite(high)):  # the server cannot see it once masked
+                raise ValueError(f"client {u}'s update holds NaN or infinite values; it is not masked")
+            if low < -r or high > r:
+                clipped = int(np.count_nonzero((work > r) | (work < -r)))
+                if clipped > size // 100:
+                    log.warning("secagg: client %d clipped %d of %d entries to ±%g (raise clip_range)", u, clipped, size, r)
+            noise = self.field.prg(rounding.digest(), stream, size)
+            self.quantize(work, noise, work, stream[: masked.nbytes].view(masked.dtype), masked)
+            masked *= self.field.dtype(payload.num_examples)
+            assert mine.self_seed is not None
+            self.field.add_mask(masked, mine.self_seed, stream)
+            for v in mine.masking:
+                self.field.add_mask(masked, mine.seeds[v], stream, subtract=u > v)
+        mine.self_seed, mine.seeds = None, {}  # masked: its shares are all it keeps
+        mine.step = MASKED_STEP
+        return replace(payload, tensors={MASKED: self.field.to_wire(self.field.reduce(masked)), **rest})
+
+    def _client_round(self, ctx: PluginContext, step: str) -> ClientRound:
+        mine = None if ctx.state is None else ctx.state.get(self.name)
+        if mine is None or mine.round != ctx.round:
+            raise ValueError(f"client {ctx.client_id} has no secure-aggregation set-up for round {ctx.round}")
+        if mine.step != step:
+            raise ValueError(f"client {ctx.client_id} is at secagg step {mine.step!r} of round {ctx.round}, not {step!r}")
+        return mine
 
 
-def _public_key(raw: bytes) -> Any:
-    _, _, X25519PublicKey, _, _, _, _ = _crypto()
-    return X25519PublicKey.from_public_bytes(raw)
+def _chunks(record: bytes) -> list[bytes]:
+    return [record[i : i + KEY_BYTES] for i in range(0, len(record), KEY_BYTES)]
+
+
+def _enough(owner: int, count: int, need: int, dropped: bool, verb: str) -> None:
+    if count < need:
+        what = "record key" if dropped else "self-mask seed"
+        raise RoundError(
+            f"secagg: only {count} of client {owner}'s share holders {verb}, its {what} needs {need} "
+            "(threshold); the sum cannot be unmasked"
+        )
+
+
+def _recover(owner: int, shares: list[tuple[int, np.ndarray]] | None, need: int, dropped: bool) -> bytes:
+    """Interpolate ``owner``'s record key (``dropped``) or self-mask seed from ``need`` of its ``shares``."""
+    shares = shares or []
+    _enough(owner, len(shares), need, dropped, "answered")
+    limbs = shamir.combine([x for x, _ in shares[:need]], np.stack([row for _, row in shares[:need]]))
+    try:
+        return shamir.from_limbs(limbs)[0]
+    except ValueError as exc:
+        raise RoundError(f"secagg: client {owner}'s shares are inconsistent ({exc})") from None
