@@ -200,7 +200,7 @@ def test_three_workers_at_speeds_1_2_4_reach_the_accuracy_of_bsp(tmp_path: Path)
     config = asp_config()
     started = time.perf_counter()
     records = run(config, tmp_path / "run")
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 60  # bounded: no hang, even on a loaded machine
     _, bsp = reference(config)  # what bsp reaches with the same samples (its runs equal this replay)
     last = records[-1]
     assert last["epoch"] == 4.0 and last["lost"] == []
@@ -232,7 +232,7 @@ def test_dynamic_batches_even_out_the_update_rates(tmp_path: Path) -> None:
     started = time.perf_counter()
     dynamic = run(asp_config(*cnn), tmp_path / "dynamic")
     static = run(asp_config(*cnn, "data_parallel.controller=static"), tmp_path / "static")
-    assert time.perf_counter() - started < 25
+    assert time.perf_counter() - started < 60  # bounded: no hang, even on a loaded machine
     half = {name: records[-1]["step"] // 2 for name, records in (("d", dynamic), ("s", static))}
     dyn, sta = per_worker(dynamic, "updates", half["d"]), per_worker(static, "updates", half["s"])
     # after the controller settles; measured 1.00-1.31 dynamic (e.g. 16:16:16), 3.25-4.0 static (e.g. 8:16:32)
@@ -253,7 +253,7 @@ def test_a_crashed_worker_does_not_hang_the_run_and_its_samples_go_to_another(tm
     )
     started = time.perf_counter()
     records = run(config, tmp_path / "run")
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 60  # bounded: no hang, even on a loaded machine
     assert records[-1]["lost"] == [1] and records[-1]["workers"] == [0, 2] and records[-1]["epoch"] == 2.0
     assert sum(rec["samples"] for rec in records) == 2 * DIGITS  # its range was handed out again
     assert records[-1]["test_accuracy"] > 0.5
@@ -266,7 +266,7 @@ def test_too_few_workers_stop_the_run_cleanly_and_it_resumes(tmp_path: Path) -> 
     started = time.perf_counter()
     with pytest.raises(data_parallel.DataParallelError, match="min_workers is 3.*--resume"):
         run(config, run_dir)
-    assert time.perf_counter() - started < 15
+    assert time.perf_counter() - started < 60  # bounded: no hang, even on a loaded machine
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["state"]
     assert saved["sync"] == "asp" and saved["completed"] == 1 and not (run_dir / "model.pt").exists()
     text = (run_dir / "config.yaml").read_text().replace("crashes:\n  - step: 60\n    worker: 0\n", "crashes: []\n")
@@ -289,7 +289,7 @@ def test_a_hung_worker_is_timed_out_and_dropped(tmp_path: Path) -> None:
 
     started = time.perf_counter()
     records = run(config, tmp_path / "run", on_record=stop_once, on_start=pids.update)
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 60  # bounded: no hang, even on a loaded machine
     assert records[-1]["lost"] == [2] and records[-1]["epoch"] == 2.0
     assert sum(rec["samples"] for rec in records) == 2 * DIGITS
 

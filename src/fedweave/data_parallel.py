@@ -274,6 +274,28 @@ def resolve_backend(config: Config) -> tuple[str, str]:
     return backend, ("spawn" if cuda else "fork")
 
 
+def make_optimizer(model: nn.Module, dp: config_mod.DataParallelConfig) -> LocalOptimizer:
+    """The optimiser of ``data_parallel`` (the same step on every worker, or on the parameter server)."""
+    return LocalOptimizer(
+        model.parameters(),
+        LocalSettings(optimizer=dp.optimizer, lr=dp.lr, momentum=dp.momentum, weight_decay=dp.weight_decay),
+    )
+
+
+def worker_setup(worker: int, shared: _Shared) -> tuple[Emulator, torch.device, Dataset]:
+    """What every worker process starts with: its threads, its emulated speed, its device
+    (its own GPU with NCCL) and the dataset (inherited when forked, else loaded)."""
+    cfg = shared.config
+    threads = worker_threads(cfg.heterogeneity, worker, cfg.threads)
+    if threads:
+        torch.set_num_threads(threads)
+    emulator = Emulator(cfg.heterogeneity, worker, threads or torch.get_num_threads())
+    device = torch.device(f"cuda:{worker}") if shared.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return emulator, device, shared.dataset or _load(cfg)
+
+
 class _Worker:
     def __init__(self, worker: int, shared: _Shared):
         cfg = shared.config
@@ -281,21 +303,11 @@ class _Worker:
         self.id = worker
         self.shared = shared
         self.config = cfg
-        threads = worker_threads(cfg.heterogeneity, worker, cfg.threads)
-        if threads:
-            torch.set_num_threads(threads)
-        self.emulator = Emulator(cfg.heterogeneity, worker, threads or torch.get_num_threads())
-        self.device = torch.device(f"cuda:{worker}") if shared.backend == "nccl" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.dataset = shared.dataset or _load(cfg)
+        self.emulator, self.device, self.dataset = worker_setup(worker, shared)
         torch.manual_seed(derive_seed(cfg.seed, "init"))
         self.model = _make_model(cfg, self.dataset).to(self.device)
         self.loss_fn = make_loss(cfg.task.loss)
-        self.optimizer = LocalOptimizer(
-            self.model.parameters(),
-            LocalSettings(optimizer=dp.optimizer, lr=dp.lr, momentum=dp.momentum, weight_decay=dp.weight_decay),
-        )
+        self.optimizer = make_optimizer(self.model, dp)
         self.sampler = GlobalSampler(len(self.dataset.y_train), cfg.seed)
         self.controller = BatchController(dp.global_batch, shared.members, dp.controller)
         self.step = 0

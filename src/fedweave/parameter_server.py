@@ -92,7 +92,6 @@ from torch import nn
 
 from fedweave.asynchronous import staleness_weight
 from fedweave.batching.dynamic import BatchController
-from fedweave.batching.heterogeneity import Emulator, worker_threads
 from fedweave.batching.sampler import GlobalSampler
 from fedweave.checkpoint import CHECKPOINT, atomic_save
 from fedweave.config import StalenessOptions
@@ -110,14 +109,16 @@ from fedweave.data_parallel import (
     float_buffers,
     launcher_store,
     local_contribution,
+    make_optimizer,
     release_workers,
     resolve_backend,
     spawn_workers,
     trainable,
+    worker_setup,
 )
 from fedweave.observe.metrics import MetricsWriter
 from fedweave.seeding import derive_seed
-from fedweave.strategies.training import LocalOptimizer, LocalSettings
+from fedweave.strategies.training import LocalOptimizer
 from fedweave.task import evaluate, make_loss
 
 log = logging.getLogger(__name__)
@@ -285,14 +286,7 @@ class _AspWorker:
         cfg = shared.config
         self.id = worker
         self.config = cfg
-        threads = worker_threads(cfg.heterogeneity, worker, cfg.threads)
-        if threads:
-            torch.set_num_threads(threads)
-        self.emulator = Emulator(cfg.heterogeneity, worker, threads or torch.get_num_threads())
-        self.device = torch.device(f"cuda:{worker}") if shared.backend == "nccl" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.dataset = shared.dataset or _load(cfg)
+        self.emulator, self.device, self.dataset = worker_setup(worker, shared)
         self.model = _make_model(cfg, self.dataset).to(self.device)  # its values come with each task
         self.loss_fn = make_loss(cfg.task.loss)
         self.params = trainable(self.model)
@@ -534,11 +528,7 @@ class _Server:
         self.workers = sorted(procs)
         torch.manual_seed(derive_seed(cfg.seed, "init"))
         model = _make_model(cfg, dataset)
-        optimizer = LocalOptimizer(
-            model.parameters(),
-            LocalSettings(optimizer=dp.optimizer, lr=dp.lr, momentum=dp.momentum, weight_decay=dp.weight_decay),
-        )
-        self.ps = ParameterServer(model, optimizer, dp.global_batch, dp, dp.buffer)
+        self.ps = ParameterServer(model, make_optimizer(model, dp), dp.global_batch, dp, dp.buffer)
         self.loss_fn = make_loss(cfg.task.loss)
         self.controller = BatchController(dp.global_batch, self.workers, dp.controller)
         self.ranges = Ranges(GlobalSampler(len(dataset.y_train), cfg.seed), None if dp.steps else dp.epochs)
