@@ -10,13 +10,16 @@ same config (and keeps its own SCAFFOLD control variate across rounds).
   ``fedweave site`` leader processes, each ONE gRPC node for its site and the gloo leader of
   its own site's world with two member processes: FedAvg is pre-aggregated in each site (the
   server sends each site the model once and receives one update per site), SCAFFOLD's
-  updates are relayed (its control variates must reach the server whole).
+  updates are relayed (its control variates must reach the server whole). Every round ends
+  with a federated evaluation through the same site jobs: each site is sent the model once,
+  and its members' evaluations are relayed, never pre-aggregated.
 
-Each must equal the flat in-memory run (≤ 1e-5).
+Each must equal the flat in-memory run (≤ 1e-5; the federated metrics ≤ 1e-6).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -120,12 +123,15 @@ def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_grpc_across_gloo_inside_matches_the_in_memory_run(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategy: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``launcher: process`` starts the gRPC server, two site leaders and four member processes.
     FedAvg: each site is sent the model once and answers one pre-aggregated update, so the
     server's traffic is two models each way per round, not four. SCAFFOLD: relayed (its
-    members keep their control variates across rounds), each site still sent the model once."""
+    members keep their control variates across rounds), each site still sent the model once.
+    The federated evaluation after each round: the model once more per site, and every
+    member's evaluation relayed to the server (the site leaders' logs count them)."""
+    caplog.set_level(logging.INFO, logger="fedweave")  # the nodes log at the launcher's level
     mixed, records = run_to_end(
         tmp_path / "mixed",
         *COMMON,
@@ -135,22 +141,36 @@ def test_grpc_across_gloo_inside_matches_the_in_memory_run(
         "grpc.heartbeat_interval=0.25",
         "grpc.poll_timeout=0.5",
         "round_timeout=60",
+        "eval.federated_every=1",
     )
     flat, flat_records = run_to_end(
-        tmp_path / "flat", *COMMON[:2], COMMON[-1], f"strategy={strategy}"
+        tmp_path / "flat", *COMMON[:2], COMMON[-1], f"strategy={strategy}", "eval.federated_every=1"
     )
     assert_same_params(flat, mixed, atol=1e-5)
     assert [r["clients_completed"] for r in records] == [4, 4]
     model = params_nbytes(flat)
-    for r in records:
-        # each of the two sites gets the model once (SCAFFOLD: and the server's control variate
-        # from round 2), plus metadata; relayed per member it would be 4 (8) models
-        models_down = 2 if strategy == "fedavg" or r["round"] == 1 else 4
+    for r, f in zip(records, flat_records, strict=True):
+        # the training job: each of the two sites gets the model once (SCAFFOLD: and the server's
+        # control variate from round 2); the evaluation job: the model once more per site; plus
+        # metadata. Relayed per member it would be 4 (8) + 4 models.
+        models_down = (2 if strategy == "fedavg" or r["round"] == 1 else 4) + 2
         assert models_down * model <= r["bytes_sent"] < (models_down + 0.5) * model
-        if strategy == "fedavg":  # one pre-aggregated update per site
+        if strategy == "fedavg":  # one pre-aggregated update per site, and four small evaluations
             assert 2 * model <= r["bytes_received"] < 2.5 * model
         else:  # every member's update and control-variate delta, relayed whole
             assert r["bytes_received"] >= 8 * model
+        for key in ("federated_accuracy", "federated_loss"):
+            assert r[key] == pytest.approx(f[key], abs=1e-6), key
     assert records[-1]["test_loss"] == pytest.approx(
         flat_records[-1]["test_loss"], abs=1e-5
     )
+    # what each site leader sent the server per round: its two members' evaluations, relayed
+    # (never one pre-aggregated evaluation), and FedAvg's one pre-aggregated update
+    trained = "1 update(s)" if strategy == "fedavg" else "2 update(s)"
+    for site in (0, 1):
+        lines = [m for m in caplog.messages if m.startswith(f"[site {site} leader]") and "members answered" in m]
+        assert [m.split(": ", 1)[1] for m in lines] == [
+            f"site {site}, round {rnd}: 2 of 2 members answered in {sent}"
+            for rnd in (1, 2)
+            for sent in (trained, "2 evaluation(s)")
+        ]

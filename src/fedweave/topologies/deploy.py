@@ -17,6 +17,7 @@ config.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 from fedweave.config import Config
@@ -227,9 +228,11 @@ def site_handler(leader: TorchDistLeader, site: int) -> Handler:
         timeout = None if job.timeout is None else job.timeout * MEMBER_SHARE
         ex = leader.exchange(job.messages, timeout)
         answered = sum(r.body.clients if isinstance(r.body, Update) else 1 for r in ex.replies)
+        kinds = Counter(type(r.body).__name__.lower() for r in ex.replies)
         log.info(
-            "site %d, round %d: %d of %d members answered in %d message(s)",
-            site, msg.round, answered, len(job.messages), len(ex.replies),
+            "site %d, round %d: %d of %d members answered in %s",
+            site, msg.round, answered, len(job.messages),
+            ", ".join(f"{n} {kind}(s)" for kind, n in sorted(kinds.items())) or "nothing",
         )
         return Message(msg.round, site, SiteReply(ex.replies, ex.failures))
 
