@@ -77,6 +77,38 @@ def test_store_state_dict_round_trip() -> None:
     assert torch.equal(restored.get(3)["x"], torch.tensor([1.5]))
 
 
+def test_a_staged_state_is_committed_only_for_the_accepted_round() -> None:
+    store = ClientStateStore()
+    store.put(1, {"x": torch.tensor([1.0])})
+    store.stage(1, 4, {"x": torch.tensor([2.0])})
+    assert store.get(1)["x"].item() == 1.0 and len(store) == 1  # training goes on from the committed state
+    store.settle(1, 3, training=False)  # an evaluation while round 4 is unsettled: still pending
+    assert store.pending_state_dict()[1][0] == 4
+    store.settle(1, 4, training=False)
+    assert store.get(1)["x"].item() == 2.0 and not store.pending_state_dict()
+    store.stage(1, 5, {"x": torch.tensor([3.0])})
+    store.settle(1, 4, training=True)  # a new round, and round 5 was not applied: dropped
+    assert store.get(1)["x"].item() == 2.0 and not store.pending_state_dict()
+    store.stage(1, 6, {})  # a client that drops its state does so when round 6 is applied
+    store.settle(1, 6, training=True)
+    assert len(store) == 0
+    store.stage(2, 1, {})  # no state before or after: nothing is kept
+    assert len(store) == 0
+    store.stage(2, 1, {"x": torch.tensor([7.0])})
+    assert len(store) == 1 and store.get(2) == {}
+    store.settle(2, None, training=True)  # a sender that does not track acceptance: commit
+    assert store.get(2)["x"].item() == 7.0
+
+
+def test_pending_states_round_trip() -> None:
+    store = ClientStateStore()
+    store.stage(3, 2, {"x": torch.tensor([1.5])})
+    restored = ClientStateStore()
+    restored.load_pending_state_dict({"3": store.pending_state_dict()[3]})
+    restored.settle(3, 2, training=True)
+    assert torch.equal(restored.get(3)["x"], torch.tensor([1.5]))
+
+
 def test_state_tensors_are_stored_compact() -> None:
     store = ClientStateStore()
     wide = torch.zeros(4, 4).t()
@@ -134,11 +166,15 @@ def test_evaluate_message(runtime_and_params: tuple[ClientRuntime, Params]) -> N
 def test_client_state_is_restored_and_kept(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
     runtime, params = runtime_and_params
     runtime.store.load_state_dict({})
-    for rnd in (1, 2, 3):
-        runtime.handle(train_message(0, params, rnd))
-        runtime.handle(train_message(1, params, rnd))
+    runtime.store.load_pending_state_dict({})
+    accepted = {1: 0, 2: 1, 3: 2, 4: 2, 5: 4}  # round -> the last applied round the server tells: round 3 rejected
+    for rnd in (1, 2, 3, 4, 5):
+        runtime.handle(train_message(0, params, rnd, accepted_round=accepted[rnd]))
+        runtime.handle(train_message(1, params, rnd, accepted_round=accepted[rnd]))
     assert set(runtime.store.state_dict()) == {0}
-    assert runtime.store.get(0)["rounds"].item() == 3
+    assert runtime.store.get(0)["rounds"].item() == 3  # rounds 1, 2 and 4; round 5 pending
+    runtime.handle(Message(5, 0, Instruction(5, TaskKind.EVALUATE, Work(0, 64), params, {"accepted_round": 5})))
+    assert runtime.store.get(0)["rounds"].item() == 4 and not runtime.store.pending_state_dict()
 
 
 def test_bad_messages(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
@@ -147,6 +183,8 @@ def test_bad_messages(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
         runtime.handle(train_message(9, params))
     with pytest.raises(TypeError, match="client 0 expected an instruction, got Evaluation"):
         runtime.handle(Message(1, 0, Evaluation(1, {})))
+    with pytest.raises(ValueError, match="client 0: instruction config 'accepted_round' is -1, not a round >= 0"):
+        runtime.handle(train_message(0, params, accepted_round=-1))
 
 
 # --------------------------------------------------------------------------- scale
@@ -193,9 +231,14 @@ def test_models_do_not_grow_with_clients(tmp_path: Path, monkeypatch: pytest.Mon
 
     sampled = [sample_clients(numpy_rng(0, "sample", rnd), 200, 20) for rnd in (1, 2, 3)]
     even_rounds = Counter(cid for ids in sampled for cid in ids if cid % 2 == 0)
-    states = many.store.state_dict()
-    assert set(states) == set(even_rounds)  # only clients that had state, and no others
-    assert {cid: int(s["rounds"]) for cid, s in states.items()} == dict(even_rounds)
+    # Every update was applied, but a client hears so only in its next instruction: the state of
+    # its last round is pending (the server's record says it is to be kept), the one before committed.
+    pending = many.store.pending_state_dict()
+    assert {cid: int(s["rounds"]) for cid, (_, s) in pending.items()} == dict(even_rounds)
+    assert all(many.parts.accepted.rounds[cid] == rnd for cid, (rnd, _) in pending.items())
+    committed = {cid: int(s["rounds"]) for cid, s in many.store.state_dict().items()}
+    assert committed == {cid: n - 1 for cid, n in even_rounds.items() if n > 1}
+    assert len(many.store) == len(even_rounds)  # only clients that had state, and no others
 
 
 def test_a_stateless_strategy_keeps_no_client_state(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ a plugin's own protocol steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from fedweave.batching.controller import StaticController
 from fedweave.batching.selection import sample_clients
-from fedweave.loop import RECORD_KEYS, Record, RoundParts, federated_evaluate, run, train_round
+from fedweave.loop import RECORD_KEYS, AcceptedRounds, Record, RoundParts, federated_evaluate, run, train_round
 from fedweave.errors import RoundError
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.seeding import numpy_rng
@@ -21,7 +22,18 @@ from fedweave.strategies.fedavg import FedAvg, FedAvgParams
 from fedweave.topologies.star import Star
 from fedweave.transports.base import Exchange
 from fedweave.transports.inmemory import InMemoryTransport
-from fedweave.types import Control, Evaluation, Instruction, Message, Params, TaskKind, Update, UpdateKind
+from fedweave.types import (
+    ACCEPTED_ROUND,
+    Control,
+    Evaluation,
+    Instruction,
+    Message,
+    Params,
+    TaskKind,
+    Update,
+    UpdateKind,
+    Work,
+)
 
 Handler = Callable[[Message], Message]
 
@@ -184,6 +196,45 @@ def test_too_few_answers_skip_the_round_and_keep_the_model(caplog: pytest.LogCap
     assert "round 2 skipped: 2 of 4 clients answered, min_clients is 3" in caplog.text
     assert "client 0: RuntimeError: gone" in caplog.text
     assert parts.controller.observed == []
+
+
+def test_each_instruction_tells_its_client_the_last_round_the_server_applied() -> None:
+    """Round 1: client 2 sends NaN (rejected). Round 2: only client 3 answers, min_clients=2 (skipped).
+    Round 3: everybody. Federated evaluation afterwards."""
+    told: dict[int, dict[int, int]] = {}  # round -> client -> accepted_round in its instruction
+    bad = {1: {2: "nan"}, 2: {0: "crash", 1: "crash", 2: "crash"}}
+
+    def handle(msg: Message) -> Message:
+        ins = msg.body
+        assert isinstance(ins, Instruction)
+        told.setdefault(msg.round if ins.task is TaskKind.TRAIN else -1, {})[msg.client_id] = ins.config[ACCEPTED_ROUND]
+        if ins.task is TaskKind.EVALUATE:
+            return Message(msg.round, msg.client_id, Evaluation(1, {"accuracy": 1.0}))
+        fault = bad.get(msg.round, {}).get(msg.client_id)
+        if fault == "crash":
+            raise RuntimeError("gone")
+        update = scripted(msg.client_id, float("nan") if fault == "nan" else None)
+        return Message(msg.round, msg.client_id, dataclasses.replace(update, client_id=msg.client_id))
+
+    parts = make_parts(handle, min_clients=2, federated_every=3)
+    run(parts, start(), 1, 3, lambda rnd, params, record: None)
+    assert told == {
+        1: {0: 0, 1: 0, 2: 0, 3: 0},
+        2: {0: 1, 1: 1, 2: 0, 3: 1},  # client 2's round-1 update was rejected
+        3: {0: 1, 1: 1, 2: 0, 3: 1},  # round 2 was skipped: client 3's update there was not applied either
+        -1: {0: 3, 1: 3, 2: 3},  # the evaluation after round 3 (clients 0, 1, 2)
+    }
+    assert parts.accepted.rounds == {0: 3, 1: 3, 2: 3, 3: 3}
+
+
+def test_a_pre_aggregated_update_counts_for_each_member() -> None:
+    accepted = AcceptedRounds()
+    site = Update(UpdateKind.DELTA, {}, 10, client_id=4, clients=3, members=[4, 5, 7])
+    accepted.applied(2, [site, Update(UpdateKind.DELTA, {}, 1, client_id=1)])
+    assert accepted.rounds == {4: 2, 5: 2, 7: 2, 1: 2}
+    stamped = accepted.stamp(Instruction(3, TaskKind.TRAIN, Work(5, 8), start(), config={"lr": 0.1}))
+    assert stamped.config == {"lr": 0.1, ACCEPTED_ROUND: 2}
+    assert accepted.stamp(Instruction(3, TaskKind.TRAIN, Work(6, 8), start())).config == {ACCEPTED_ROUND: 0}
 
 
 def test_evaluation_every_n_rounds_and_on_the_last() -> None:

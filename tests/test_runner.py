@@ -128,7 +128,10 @@ def test_stateful_strategy_state_is_checkpointed(tmp_path: Path) -> None:
     run_to_end(tmp_path, STATEFUL)
     saved = load_checkpoint(tmp_path)
     assert set(saved["strategy"]["velocity"]) == set(saved["params"])
-    assert set(saved["client_states"]) == {0, 1, 2, 3}
+    assert set(saved["client_states"]) == {0, 1, 2, 3}  # round 2's, committed when round 3 began
+    # round 3's, pending until a later instruction tells each client the server applied it
+    assert {cid: rnd for cid, (rnd, _) in saved["client_pending"].items()} == dict.fromkeys(range(4), 3)
+    assert saved["accepted"] == dict.fromkeys(range(4), 3)
 
 
 def test_resume_from_an_older_checkpoint_redoes_the_later_rounds(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ current global model and, when it finishes, its update goes into a buffer. Every
 (``buffer_size``) arrivals the server takes one step, a *round* of this mode:
 
     dispatch  each free slot gets an idle client drawn uniformly (seeded) among those that
-              have not trained the current model version; it trains now and arrives at
-              now + its compute time on the virtual clock
+              have not trained the current model version and whose last update is settled
+              (not waiting in the buffer); it trains now and arrives at now + its compute
+              time on the virtual clock
     arrive    the in-flight work that finishes first (ties: the one dispatched first);
               staleness τ = server steps taken since it got its model
     buffer    kept unless τ > max_staleness, or it failed, or it missed the deadline
@@ -18,11 +19,15 @@ current global model and, when it finishes, its update goes into a buffer. Every
               x ← x + η_g · (A(x, {s(τ_i) · Δ_i}) − x)
               A = the strategy's aggregate (FedAvg: x + Σ n_i s(τ_i) Δ_i / Σ n_i),
               s(τ) = (1 + τ)^-½ by default, η_g = ``server_lr``;
-              controller.observe(buffer); evaluate; on_round(record)
+              accepted.applied(buffer); controller.observe(buffer); evaluate; on_round(record)
 
 With FedAvg, all updates fresh (τ = 0), η_g = 1 and K = concurrency = clients, each
 step is exactly a synchronous FedAvg round. A client trains each model version at most
-once: trained again from the same model and state it would repeat its update.
+once: trained again from the same model and state it would repeat its update. A client
+keeps the state it trained (SCAFFOLD's c_i) only when its update is applied in a step
+(:class:`~fedweave.loop.AcceptedRounds`): dropped ones are forgotten on both sides. So
+that the client knows which state to train from, it is not dispatched again while its
+update waits in the buffer.
 
 The simulation runs on the virtual clock of :mod:`fedweave.batching.clients`
 (``heterogeneity.clock: virtual``): a client's compute time is a function of its work
@@ -148,7 +153,7 @@ class BufferedServer:
     def dispatch(self, parts: RoundParts, params: Params) -> None:
         """Fill the free slots: each drawn client trains now on ``params``."""
         while len(self.flights) < self.concurrency:
-            busy = {f.client_id for f in self.flights}
+            busy = {f.client_id for f in self.flights} | {f.client_id for f in self.buffer}
             idle = [c for c in range(self.num_clients) if c not in busy and self.trained_on.get(c) != self.version]
             if not idle:
                 return
@@ -157,7 +162,9 @@ class BufferedServer:
             self.trained_on[cid] = self.version
             work = parts.controller.work(cid)
             instructions = parts.strategy.configure(self.version + 1, params, [work])
-            exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions), parts.timeout)
+            exchange = parts.topology.exchange(
+                encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout
+            )
             self.bytes_sent += exchange.bytes_sent
             self.bytes_received += exchange.bytes_received
             accepted = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
@@ -221,6 +228,8 @@ class BufferedServer:
             log.error("server step %d skipped: %s; global model kept", rnd, exc)
             record["skipped"] = True
         else:
+            for f, u in zip(flights, updates):
+                parts.accepted.applied(f.version + 1, [u])  # the round of the instruction it trained on
             parts.controller.observe(rnd, updates)
             record["train_loss"] = weighted_metric(updates, "train_loss")
         self.version = rnd

@@ -6,6 +6,19 @@ client's own state from a :class:`ClientStateStore`, runs the strategy's client
 half and keeps the new state. Memory therefore grows with the clients that keep
 state, never with one model per client.
 
+The new state is kept in two phases, so that a client's state never runs ahead of the
+server's view of it (SCAFFOLD's c_i against the server's c, FedDyn's gradient term
+against h): after training it is *pending* for that round, and the client goes on
+training from its *committed* state. Every instruction carries, under
+:data:`~fedweave.types.ACCEPTED_ROUND`, the last round whose update of this client the
+server applied. On receipt the client commits its pending state when that is its
+round; a training instruction otherwise drops it (the server trains a client only once
+its previous update is settled: applied, rejected, late or dropped), an evaluation
+keeps it (the update may still be waiting in an asynchronous buffer). A client whose
+update the server rejected therefore continues exactly as if it had not trained that
+round. An instruction without the key (a caller that does not track acceptance)
+commits at once. At most one pending state is kept per client.
+
 A :class:`~fedweave.types.Control` message is a step of a plugin's own protocol
 (secure aggregation's key set-up and unmasking): the runtime hands it to that
 plugin's client half with the client's private plugin state, which it keeps per
@@ -15,6 +28,7 @@ client id in this process (never checkpointed, never sent: keys and shares).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +40,9 @@ from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm
 from fedweave.strategies.training import ClientJob, LocalSettings, LossFn
-from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
+from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,7 +59,9 @@ class ClientData:
 
 
 class ClientStateStore:
-    """Per-client state kept between rounds.
+    """Per-client state kept between rounds: the committed state a client trains from,
+    and at most one pending state per client, trained in a round whose update the
+    server has not yet confirmed (see the module doc).
 
     Only clients that have state take memory; tensors are stored as compact,
     contiguous detached copies so a client's later edits never alias the store.
@@ -51,24 +69,56 @@ class ClientStateStore:
 
     def __init__(self) -> None:
         self._states: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, tuple[int, dict[str, Any]]] = {}  # client id -> (round, state)
 
     def get(self, client_id: int) -> dict[str, Any]:
+        """A copy of the client's committed state."""
         return {k: _copy(v) for k, v in self._states.get(client_id, {}).items()}
 
     def put(self, client_id: int, state: dict[str, Any]) -> None:
+        """Commit ``state`` (empty: the client keeps none)."""
         if state:
             self._states[client_id] = {k: _copy(v) for k, v in state.items()}
         else:
             self._states.pop(client_id, None)
 
+    def stage(self, client_id: int, rnd: int, state: dict[str, Any]) -> None:
+        """Keep ``state``, trained in round ``rnd``, pending until the server settles that round."""
+        if state or client_id in self._states:
+            self._pending[client_id] = (rnd, {k: _copy(v) for k, v in state.items()})
+        else:
+            self._pending.pop(client_id, None)
+
+    def settle(self, client_id: int, accepted_round: int | None, training: bool) -> None:
+        """Commit the pending state if its round is ``accepted_round`` (None: commit in any case);
+        otherwise drop it before ``training``, or keep it waiting."""
+        if client_id not in self._pending:
+            return
+        rnd, state = self._pending[client_id]
+        if accepted_round is None or rnd == accepted_round:
+            del self._pending[client_id]
+            self.put(client_id, state)
+        elif training:
+            del self._pending[client_id]
+            log.info("client %d: the server did not apply its round %d update; that round's state is dropped",
+                     client_id, rnd)
+
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._states.keys() | self._pending.keys())
 
     def state_dict(self) -> dict[int, dict[str, Any]]:
+        """The committed states, by client id."""
         return self._states
 
     def load_state_dict(self, state: dict[int, dict[str, Any]]) -> None:
         self._states = {int(k): dict(v) for k, v in state.items()}
+
+    def pending_state_dict(self) -> dict[int, tuple[int, dict[str, Any]]]:
+        """The pending states, by client id: (round, state)."""
+        return self._pending
+
+    def load_pending_state_dict(self, pending: dict[int, tuple[int, dict[str, Any]]]) -> None:
+        self._pending = {int(k): (int(rnd), dict(state)) for k, (rnd, state) in pending.items()}
 
 
 def _copy(value: Any) -> Any:
@@ -120,6 +170,10 @@ class ClientRuntime:
                 self.plugin_state.pop(cid, None)
 
     def _work(self, cid: int, instruction: Instruction, ctx: PluginContext) -> Update | Evaluation:
+        accepted = instruction.config.get(ACCEPTED_ROUND)
+        if accepted is not None and (not isinstance(accepted, int) or isinstance(accepted, bool) or accepted < 0):
+            raise ValueError(f"client {cid}: instruction config {ACCEPTED_ROUND!r} is {accepted!r}, not a round >= 0")
+        self.store.settle(cid, accepted, training=instruction.task is TaskKind.TRAIN)
         job = self._job(cid, instruction)
         if instruction.task is TaskKind.EVALUATE:
             return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid)
@@ -128,7 +182,7 @@ class ClientRuntime:
         update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
         if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
             update.metrics = {**update.metrics, **job.settings.privacy.report()}
-        self.store.put(cid, job.state)
+        self.store.stage(cid, instruction.round, job.state)
         return self.chains.client_send.encode(update, dataclasses.replace(ctx, config=instruction.config))
 
     def _job(self, cid: int, instruction: Instruction) -> ClientJob:

@@ -7,11 +7,14 @@
     updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
     updates = [chains.combine(updates, control)] (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
+    accepted.applied(r, updates)                 (each client hears it in its next instruction)
     controller.observe(r, updates); evaluate; on_round(record + client timings + chains.metrics())
 
 ``control`` sends a plugin's control messages through the round's topology with the
 round's timeout; their bytes count in the round's. Too few answers, too few survivors
-to unmask (:class:`~fedweave.errors.RoundError`) skip the round and keep the model.
+to unmask (:class:`~fedweave.errors.RoundError`) skip the round and keep the model;
+then no client's update counts as applied, so every client of the round drops the
+state it trained (:class:`AcceptedRounds`).
 
 :mod:`fedweave.asynchronous` is the other spine: buffered asynchronous aggregation.
 """
@@ -21,8 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedweave.batching.controller import Controller
@@ -33,7 +36,17 @@ from fedweave.strategies.aggregate import all_finite
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Topology
 from fedweave.transports.base import Exchange
-from fedweave.types import Control, Evaluation, Instruction, Message, Params, TaskKind, Update, Work
+from fedweave.types import (
+    ACCEPTED_ROUND,
+    Control,
+    Evaluation,
+    Instruction,
+    Message,
+    Params,
+    TaskKind,
+    Update,
+    Work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +69,38 @@ RECORD_KEYS = (
 """Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
 
 
+class AcceptedRounds:
+    """Per client, the last round whose update the server applied to the model.
+
+    Every instruction tells its client (``config[ACCEPTED_ROUND]``, 0 for none), so that
+    the client keeps the state it trained in that round and drops the state of a round
+    whose update was rejected (malformed, non-finite, late), skipped with its round, or
+    dropped as too stale (:mod:`fedweave.client`). A pre-aggregated update counts for
+    each of its ``members``. Checkpointed with the run, so a resumed run tells the
+    clients the same. A rule that discards updates inside ``aggregate`` (Krum) still
+    counts them as applied: it gives no account of whom it kept.
+    """
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, int] = {}
+
+    def applied(self, rnd: int, updates: Iterable[Update]) -> None:
+        """The server folded ``updates``, trained in round ``rnd``, into the model."""
+        for update in updates:
+            for cid in update.members or [update.client_id]:
+                self.rounds[cid] = rnd
+
+    def stamp(self, instruction: Instruction) -> Instruction:
+        cid = instruction.work.client_id
+        return replace(instruction, config={**instruction.config, ACCEPTED_ROUND: self.rounds.get(cid, 0)})
+
+    def state_dict(self) -> dict[int, int]:
+        return dict(self.rounds)
+
+    def load_state_dict(self, state: dict[int, int]) -> None:
+        self.rounds = {int(c): int(r) for c, r in state.items()}
+
+
 @dataclass
 class RoundParts:
     """What a round needs. Built from the config by :mod:`fedweave.runner`."""
@@ -71,6 +116,7 @@ class RoundParts:
     federated_eval_every: int
     federated_eval_clients: Callable[[int], list[int]]  # round -> client ids
     eval_batch_size: int
+    accepted: AcceptedRounds = field(default_factory=AcceptedRounds)
 
 
 def run(
@@ -106,7 +152,8 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     try:
         ready = set(parts.chains.setup(rnd, [w.client_id for w in plan], traffic.control))  # e.g. SecAgg's keys
         plan = [w for w in plan if w.client_id in ready]
-        exchange = traffic.exchange(encode_instructions(parts.chains, parts.strategy.configure(rnd, params, plan)))
+        instructions = parts.strategy.configure(rnd, params, plan)
+        exchange = traffic.exchange(encode_instructions(parts.chains, instructions, parts.accepted))
         updates = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
         record["clients_completed"] = sum(u.clients for u in updates)
         if record["clients_completed"] < parts.min_clients:
@@ -119,6 +166,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         if parts.chains.client_send.combiner is not None:
             aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"), traffic.control)]
         params = parts.strategy.aggregate(rnd, params, aggregated)
+        parts.accepted.applied(rnd, updates)
     except RoundError as exc:  # too few answers, too few SecAgg survivors, too few clients for Krum
         log.error("round %d skipped: %s; global model kept", rnd, exc)
         record.update(skipped=True, train_loss=None)
@@ -182,7 +230,7 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     instructions = [
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]
-    exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions), parts.timeout)
+    exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
     results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and r.body.num_examples > 0]
     traffic = {"eval_bytes_sent": exchange.bytes_sent, "eval_bytes_received": exchange.bytes_received}
     if not results:
@@ -195,9 +243,10 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     }
 
 
-def encode_instructions(chains: Chains, instructions: list[Instruction]) -> list[Message]:
+def encode_instructions(chains: Chains, instructions: list[Instruction], accepted: AcceptedRounds) -> list[Message]:
+    """Each instruction told its client's last applied round, through the server_send chain."""
     out = []
-    for ins in instructions:
+    for ins in map(accepted.stamp, instructions):
         ctx = PluginContext(ins.round, ins.work.client_id, "server")
         out.append(Message(ins.round, ctx.client_id, chains.server_send.encode(chains.instruct(ins, ctx), ctx)))
     return out

@@ -121,6 +121,8 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     r.parts.strategy.load_state_dict(state["strategy"])
     r.parts.controller.load_state_dict(state["controller"])
     r.store.load_state_dict(state["client_states"])
+    r.store.load_pending_state_dict(state.get("client_pending", {}))  # absent in checkpoints of older versions
+    r.parts.accepted.load_state_dict(state.get("accepted", {}))
     r.parts.chains.load_state_dict(state.get("plugins", {}))
     if r.buffered is not None:
         r.buffered.load_state_dict(state["asynchronous"])
@@ -157,6 +159,8 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
                     "strategy": r.parts.strategy.state_dict(),
                     "controller": r.parts.controller.state_dict(),
                     "client_states": r.store.state_dict(),
+                    "client_pending": r.store.pending_state_dict(),
+                    "accepted": r.parts.accepted.state_dict(),
                     "plugins": r.parts.chains.state_dict(),
                     "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
                 },

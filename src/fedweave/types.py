@@ -40,6 +40,12 @@ class Work:
     local_steps: int | None = None  # when set, overrides epochs: exactly this many steps
 
 
+ACCEPTED_ROUND = "accepted_round"
+"""The key of ``Instruction.config`` by which the server tells a client the last round whose
+update of that client it applied (0: none); the client then keeps or drops the state it
+trained in that round (see :mod:`fedweave.client`)."""
+
+
 @dataclass
 class Instruction:
     """Server to client: what to do this round and with which parameters."""
@@ -67,6 +73,7 @@ class Update:
     local_steps: int = 0
     compute_time: float = 0.0  # seconds of local computation, measured by the client
     clients: int = 1  # client updates this one stands for (more when a site leader pre-aggregated)
+    members: list[int] = field(default_factory=list)  # their client ids when pre-aggregated; empty: client_id
 
 
 @dataclass

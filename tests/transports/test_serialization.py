@@ -12,7 +12,7 @@ import torch
 
 from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
 from fedweave.transports import serialization as ser
-from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+from fedweave.types import ACCEPTED_ROUND, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 DTYPES = list(ser.DTYPES.values())
 
@@ -115,6 +115,14 @@ def test_update_and_evaluation_round_trip() -> None:
         assert got == ev
 
 
+def test_the_accepted_round_travels_in_the_instruction_config() -> None:
+    msg = instruction({"w": sample(torch.float32)})
+    msg.body.config[ACCEPTED_ROUND] = 2
+    for got in decoders(msg):
+        accepted = got.body.config[ACCEPTED_ROUND]
+        assert accepted == 2 and type(accepted) is int  # the client compares it with its pending round
+
+
 def test_decode_of_a_writable_buffer_is_zero_copy() -> None:
     buf = ser.encode(update({"w": torch.arange(1000, dtype=torch.float32)}))
     got = ser.decode(buf).body.tensors["w"]
@@ -161,7 +169,7 @@ def test_stream_decoder_allocates_each_tensor_once() -> None:
 # --------------------------------------------------------------------------- malformations
 
 
-def forge(meta: dict[str, Any], data: bytes = b"", *, magic: bytes = ser.MAGIC, version: int = 1, flags: int = 0) -> bytes:
+def forge(meta: dict[str, Any], data: bytes = b"", *, magic: bytes = ser.MAGIC, version: int = ser.VERSION, flags: int = 0) -> bytes:
     """A message with arbitrary metadata and a correct header (so only the metadata is wrong)."""
     raw = json.dumps(meta).encode()
     head = ser.HEADER.pack(magic, version, flags, len(raw), zlib.crc32(raw), len(data)) + raw
@@ -235,7 +243,7 @@ def test_header_problems_are_rejected() -> None:
 
 
 def _with_meta(raw: bytes) -> bytes:
-    head = ser.HEADER.pack(ser.MAGIC, 1, 0, len(raw), zlib.crc32(raw), 0) + raw
+    head = ser.HEADER.pack(ser.MAGIC, ser.VERSION, 0, len(raw), zlib.crc32(raw), 0) + raw
     return head + bytes(-len(head) % ser.ALIGN)
 
 
@@ -278,7 +286,7 @@ def test_oversized_message_is_rejected_before_allocation() -> None:
     with pytest.raises(PayloadTooLarge, match="exceeds"):
         ser.decode(ser.encode(msg), max_bytes=size - 1)
     # A header that declares 1 TB is refused from its first 24 bytes: nothing is allocated.
-    huge = ser.HEADER.pack(ser.MAGIC, 1, 0, 10, 0, 1 << 40)
+    huge = ser.HEADER.pack(ser.MAGIC, ser.VERSION, 0, 10, 0, 1 << 40)
     stream = ser.StreamDecoder(max_bytes=1 << 30)
     with pytest.raises(PayloadTooLarge):
         stream.feed(huge)
@@ -364,7 +372,7 @@ def site_job(params: dict[str, torch.Tensor], ids: tuple[int, ...] = (4, 5, 7)) 
 
 
 def site_reply() -> Message:
-    pre = Update(UpdateKind.WEIGHTS, {"w": torch.arange(6.0).reshape(2, 3)}, 30, {"train_loss": 0.5}, client_id=4, clients=2)
+    pre = Update(UpdateKind.WEIGHTS, {"w": torch.arange(6.0).reshape(2, 3)}, 30, {"train_loss": 0.5}, client_id=4, clients=2, members=[4, 5])
     return Message(3, 1, ser.SiteReply([Message(3, 4, pre)], {7: "missed the round deadline (9 s)"}))
 
 
@@ -394,6 +402,7 @@ def test_a_site_reply_round_trips_with_its_failures() -> None:
         assert isinstance(body, ser.SiteReply) and body.failures == {7: "missed the round deadline (9 s)"}
         (pre, ev) = body.messages
         assert pre.client_id == 4 and pre.body.clients == 2 and pre.body.num_examples == 30
+        assert pre.body.members == [4, 5]  # the server tells each of them whether it applied their update
         same(pre.body.tensors, reply.body.messages[0].body.tensors)
         assert ev.body == evaluation.body
     with pytest.raises(PayloadMismatch, match="tensor 'w' has shape"):  # checked inside the batch too
@@ -425,6 +434,8 @@ BATCH_MALFORMED = {
     "unknown group": ("reply", lambda m: m["fields"]["items"][0]["tensors"].update(params={}), "tensor groups"),
     "instruction in a reply": ("reply", lambda m: m["fields"]["items"][0].update(body="instruction"), "cannot hold"),
     "bad inner field": ("reply", lambda m: m["fields"]["items"][0]["fields"].update(clients=0), "clients is not"),
+    "members not one per client": ("reply", lambda m: m["fields"]["items"][0]["fields"].update(members=[4]), "members"),
+    "member not an id": ("reply", lambda m: m["fields"]["items"][0]["fields"].update(members=[4, "5"]), "members"),
     "failure of an answering client": ("reply", lambda m: m["fields"]["failures"].update({"4": "x"}), "failure '4'"),
     "failure not a reason": ("reply", lambda m: m["fields"]["failures"].update({"7": 3}), "failure '7'"),
     "pool out of order": ("reply", lambda m: m["tensors"][0].__setitem__(1, "1"), "pool tensors"),

@@ -8,7 +8,8 @@ through ``state_dict`` / ``load_state_dict``.
 The client half (``Strategy.Client``) trains and evaluates on a client's data. State a
 client keeps across rounds (control variates, a personal model) lives in
 ``job.state``: the runtime restores it before the call and keeps it afterwards, keyed
-by client id, so one client object can serve any number of clients.
+by client id, so one client object can serve any number of clients; it commits the new
+state only once the server has applied the round's update (:mod:`fedweave.client`).
 
 A strategy also declares, for the config validator:
 

@@ -10,7 +10,8 @@ replies, and answers its parent:
   mean, no server-side plugin must see each update (a DP-SGD ledger observes each
   client's report), and the updates arrive in the clear.
   The site answers one update, the weighted mean of its members' tensors with the sum of
-  their examples as its weight. Since Σ_s N_s · (Σ_{k∈s} n_k x_k / N_s) / Σ_s N_s =
+  their examples as its weight, naming its members (so the server tells each of them
+  whether their update was applied). Since Σ_s N_s · (Σ_{k∈s} n_k x_k / N_s) / Σ_s N_s =
   Σ_k n_k x_k / Σ_k n_k, a tree of such sites gives the server exactly the flat weighted
   average, at every depth.
 - **relayed** otherwise (SCAFFOLD's control variates, FedDyn, FedNova, robust rules,
@@ -74,6 +75,7 @@ def combine(updates: Sequence[Update], client_id: int) -> Update:
         local_steps=max(u.local_steps for u in updates),
         compute_time=max(u.compute_time for u in updates),
         clients=sum(u.clients for u in updates),
+        members=[cid for u in updates for cid in (u.members or [u.client_id])],  # whose update the server applies
     )
 
 

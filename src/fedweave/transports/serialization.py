@@ -61,7 +61,8 @@ from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 MAGIC = b"FWMS"
-VERSION = 1
+VERSION = 2
+"""2: updates name the clients behind them (``members``); site-job, site-reply and control bodies."""
 HEADER = struct.Struct("<4sHHIIQ")
 ALIGN = 64
 CHUNK_BYTES = 1 << 20
@@ -113,7 +114,7 @@ class SiteJob:
 @dataclass
 class SiteReply:
     """A site leader to the server: its members' replies (or one pre-aggregated update standing
-    for ``clients`` of them) and each failed member's reason."""
+    for ``clients`` of them, named in its ``members``) and each failed member's reason."""
 
     messages: list[Message]
     failures: dict[int, str] = field(default_factory=dict)
@@ -171,6 +172,7 @@ def _body_fields(body: Any) -> tuple[str, dict[str, Any], dict[str, Mapping[str,
             "local_steps": body.local_steps,
             "compute_time": body.compute_time,
             "clients": body.clients,
+            "members": list(body.members),
         }
         return "update", fields, {"tensors": body.tensors, "extras": body.extras}
     if isinstance(body, Evaluation):
@@ -364,7 +366,9 @@ def _names(v: Any, what: str) -> list[str]:
 
 _FIELDS = {
     "instruction": {"task", "work", "config", "applied"},
-    "update": {"kind", "num_examples", "metrics", "applied", "client_id", "local_steps", "compute_time", "clients"},
+    "update": {
+        "kind", "num_examples", "metrics", "applied", "client_id", "local_steps", "compute_time", "clients", "members"
+    },
     "evaluation": {"num_examples", "metrics", "client_id"},
     "control": {"plugin", "step"},
     "site_job": {"items", "timeout"},
@@ -446,6 +450,11 @@ def _check_fields(layout: _Layout) -> None:
         _check(_is_int(f["local_steps"], 0), "local_steps is not a non-negative integer")
         _check(isinstance(f["compute_time"], (int, float)) and not isinstance(f["compute_time"], bool), "bad compute_time")
         _check(_is_int(f["clients"], 1), "clients is not a positive integer")
+        members = f["members"]
+        _check(
+            isinstance(members, list) and all(_is_int(m, 0) for m in members) and len(members) in (0, f["clients"]),
+            "members is not a list of one client id per client of the update (or empty)",
+        )
 
 
 def _items(layout: _Layout) -> list[tuple[_Layout, dict[str, dict[str, int]]]]:
@@ -571,6 +580,7 @@ def _build(layout: _Layout, values: dict[tuple[str, str], torch.Tensor]) -> Mess
             local_steps=f["local_steps"],
             compute_time=float(f["compute_time"]),
             clients=f["clients"],
+            members=list(f["members"]),
         )
     elif layout.body == "control":
         body = Control(plugin=f["plugin"], step=f["step"], tensors=groups["tensors"])

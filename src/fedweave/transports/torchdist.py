@@ -516,6 +516,7 @@ class TorchDistLeader(_Site):
                 local_steps=max(r["local_steps"] for r in replies),
                 compute_time=max(r["compute_time"] for r in replies),
                 clients=len(replies),
+                members=sorted((r["client_id"] for r in replies), key=order.__getitem__),
             )
             result.replies = [Message(messages[0].round, first["client_id"], update)]
             result.bytes_received = sum(
