@@ -119,8 +119,9 @@ def test_round_aggregates_every_answer_weighted_by_examples() -> None:
         "bytes_received": 4 * 16,
         "skipped": False,
         "train_loss": pytest.approx((1 * 0.0 + 2 * 0.1 + 3 * 0.2 + 4 * 0.3) / 10, abs=1e-12),
-        "round_time": 0.0,  # scripted updates report no compute time and no client id
-        "clients": [{"id": -1, "steps": 0, "batch": 0, "compute": 0.0, "idle": 0.0}] * 4,
+        "round_time": 0.0,  # scripted updates report no compute time and claim no client id:
+        # each counts for its sender, with the batch the plan gave it
+        "clients": [{"id": i, "steps": 0, "batch": i + 1, "compute": 0.0, "idle": 0.0} for i in range(4)],
     }
     assert parts.controller.observed == [(1, [1, 2, 3, 4])]
 
@@ -399,3 +400,16 @@ def test_a_protocol_set_up_that_fails_skips_the_round_before_training(caplog: py
     assert record["skipped"] is True and record["train_loss"] is None and record["clients_completed"] == 0
     assert "round 2 skipped: roll: nobody answered the draw; global model kept" in caplog.text
     assert_w(kept, 0.0)
+
+
+def test_an_update_counts_for_its_sender_whatever_id_it_claims(caplog: pytest.LogCaptureFixture) -> None:
+    """Client 1 claims to be client 3; a 'site' update from client 2 names members without it."""
+    claims_three = lambda cid: dataclasses.replace(scripted(cid), client_id=3)  # noqa: E731
+    foreign_site = lambda cid: dataclasses.replace(scripted(cid), clients=2, members=[0, 3])  # noqa: E731
+    handler, _ = clients({1: claims_three, 2: foreign_site})
+    parts = make_parts(handler)
+    params, record = train_round(parts, 1, start())
+    assert record["clients_completed"] == 3  # 0, 1 (as itself) and 3; client 2's update is refused
+    assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)
+    assert parts.accepted.state_dict() == {0: 1, 1: 1, 3: 1}
+    assert "update of client 2 rejected: it stands for clients [0, 3], which do not include its sender" in caplog.text

@@ -255,17 +255,23 @@ def encode_instructions(chains: Chains, instructions: list[Instruction], accepte
 def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, str], params: Params) -> list[Update]:
     """Decode replies; reject (log, count as failed) anything malformed or non-finite.
 
-    A fully decoded update must name only tensors of ``params``, each of its shape; one
-    still encoded for a combining plugin (``applied`` not empty) is checked after combining.
+    An update counts for the client that sent it (the transport's id, authenticated over
+    gRPC), whatever id it claims; a pre-aggregated one must name its sender among its
+    ``members``. A fully decoded update must name only tensors of ``params``, each of its
+    shape; one still encoded for a combining plugin (``applied`` not empty) is checked
+    after combining.
     """
-    chains.observe([r.body for r in replies if isinstance(r.body, Update)])
+    chains.observe([replace(r.body, client_id=r.client_id) for r in replies if isinstance(r.body, Update)])
     updates = []
     for reply in replies:
         cid = reply.client_id
         try:
             if not isinstance(reply.body, Update):
                 raise ValueError(f"expected an update, got {type(reply.body).__name__}")
-            update = chains.to_server(reply.body, PluginContext(reply.round, cid, "server"))
+            if reply.body.members and cid not in reply.body.members:
+                raise ValueError(f"it stands for clients {reply.body.members}, which do not include its sender")
+            # attributed to its sender (authenticated over gRPC), never to the id it claims
+            update = chains.to_server(replace(reply.body, client_id=cid), PluginContext(reply.round, cid, "server"))
         except Exception as exc:
             log.warning("round %d: update of client %d rejected: %s", reply.round, cid, exc)
             failures[cid] = f"rejected: {exc}"

@@ -7,6 +7,8 @@ corrupted and oversized chunks. Every wait is bounded.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import shutil
@@ -552,6 +554,25 @@ def test_a_site_reply_must_account_for_every_member(caplog: pytest.LogCaptureFix
         assert result.failures == {0: f"site 0: {why}", 1: f"site 0: {why}"}
         assert [r.client_id for r in result.replies] == [2, 3]  # the other site is unaffected
         assert "reply of site 0 refused" in caplog.text
+
+
+def test_a_site_reply_may_not_stand_for_clients_outside_its_job_or_twice(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+
+    def claims(members: list[int]) -> Handler:
+        def handle(msg: Message) -> Message:  # one pre-aggregated update naming ``members``
+            reply = site_leader(True)(msg)
+            item = reply.body.messages[0]
+            item.body = dataclasses.replace(item.body, members=members)
+            return reply
+
+        return handle
+
+    for members in ([0, 2], [0, 0], [1, 1]):  # a stranger; one client twice; twice and without its sender
+        with sites(settings(), [claims(members), site_leader(False)]) as (topology, c):
+            result = topology.exchange(jobs([0, 1, 2, 3], PARAMS), timeout=20)
+            assert set(result.failures) == {0, 1} and [r.client_id for r in result.replies] == [2, 3]
+            assert f"stands for clients {members}" in result.failures[0]
 
 
 def test_a_site_server_refuses_clients_and_foreign_sites(

@@ -383,11 +383,20 @@ class GrpcServerTransport:
             raise SerializationError(f"reply holds a {type(reply.body).__name__}, expected a SiteReply")
         members = {m.client_id: m for m in sent.body.messages}
         counted = 0
+        covered: set[int] = set(reply.body.failures)
         for item in reply.body.messages:
             if item.client_id not in members:
                 raise SerializationError(f"the site answers for client {item.client_id}, which is not in its job")
             _check_answer(members[item.client_id], item.body)
             counted += item.body.clients if isinstance(item.body, Update) else 1
+            named = (item.body.members or [item.client_id]) if isinstance(item.body, Update) else [item.client_id]
+            ids = set(named)
+            if item.client_id not in ids or len(ids) < len(named) or not ids <= set(members) or ids & covered:
+                raise SerializationError(
+                    f"the site's answer for client {item.client_id} stands for clients {named}: not each of them "
+                    "once, including that client, from its job and not answered or failed already"
+                )
+            covered |= ids
         strangers = sorted(set(reply.body.failures) - set(members))
         if strangers:
             raise SerializationError(f"the site reports failures of clients {strangers}, which are not in its job")
