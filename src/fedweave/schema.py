@@ -189,7 +189,8 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, Any, st
     """``(key, type, default, help)`` for every field of ``cls``, nested sections flattened."""
     rows = []
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    own = set(cls.__dict__.get("__annotations__", {}))  # a section's own keys before those it inherits
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
