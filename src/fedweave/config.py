@@ -633,7 +633,7 @@ def _check_sync(dp: DataParallelConfig, het: HeterogeneityConfig) -> None:
     """``data_parallel.sync``: asp's settings only with asp, and what asp cannot do."""
     if dp.sync == "bsp":
         defaults = DataParallelConfig()
-        for key in ("staleness", "exponent", "hinge_a", "hinge_b", "max_staleness", "buffer"):
+        for key in [*(f.name for f in dataclasses.fields(StalenessOptions)), "buffer"]:
             if getattr(dp, key) != getattr(defaults, key):
                 raise ConfigError(f"config key 'data_parallel.{key}': applies to data_parallel.sync: asp only")
         return

@@ -803,15 +803,15 @@ def execute(
     (worker id -> pid). Raises :class:`DataParallelError` when the run could not finish
     (the last checkpoint stays intact: continue with :func:`resume`).
     """
+    if r.finished:
+        log.info("%s already finished", r.run_dir)
+        return r.records
     if r.config.data_parallel.sync == "asp":
         from fedweave import parameter_server
 
         return parameter_server.execute(r, on_record, on_start)
     cfg = r.config
     dp = cfg.data_parallel
-    if r.finished:
-        log.info("%s already finished", r.run_dir)
-        return r.records
     backend, method = resolve_backend(cfg)
     # emulated joiners whose step a resumed run has passed start with the others
     joins = {j.worker: j.step for j in cfg.heterogeneity.joins if j.step > r.start_step}

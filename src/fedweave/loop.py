@@ -261,7 +261,12 @@ def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, s
     shape; one still encoded for a combining plugin (``applied`` not empty) is checked
     after combining.
     """
-    chains.observe([replace(r.body, client_id=r.client_id) for r in replies if isinstance(r.body, Update)])
+    # each update counts for its sender (authenticated over gRPC), never for the id it claims
+    replies = [
+        Message(r.round, r.client_id, replace(r.body, client_id=r.client_id)) if isinstance(r.body, Update) else r
+        for r in replies
+    ]
+    chains.observe([r.body for r in replies if isinstance(r.body, Update)])
     updates = []
     for reply in replies:
         cid = reply.client_id
@@ -270,8 +275,7 @@ def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, s
                 raise ValueError(f"expected an update, got {type(reply.body).__name__}")
             if reply.body.members and cid not in reply.body.members:
                 raise ValueError(f"it stands for clients {reply.body.members}, which do not include its sender")
-            # attributed to its sender (authenticated over gRPC), never to the id it claims
-            update = chains.to_server(replace(reply.body, client_id=cid), PluginContext(reply.round, cid, "server"))
+            update = chains.to_server(reply.body, PluginContext(reply.round, cid, "server"))
         except Exception as exc:
             log.warning("round %d: update of client %d rejected: %s", reply.round, cid, exc)
             failures[cid] = f"rejected: {exc}"

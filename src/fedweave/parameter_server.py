@@ -748,7 +748,8 @@ def execute(
     on_record: Callable[[Record], None] | None = None,
     on_start: Callable[[dict[int, int]], None] | None = None,
 ) -> list[Record]:
-    """Run ``r`` with the parameter server in this process; the metrics records.
+    """Run ``r`` (not finished: :func:`fedweave.data_parallel.execute` checks) with the
+    parameter server in this process; the metrics records.
 
     The same contract as :func:`fedweave.data_parallel.execute`: ``on_record`` gets each
     metrics line, ``on_start`` the worker pids; :class:`DataParallelError` when the run
@@ -756,9 +757,6 @@ def execute(
     """
     cfg = r.config
     dp = cfg.data_parallel
-    if r.finished:
-        log.info("%s already finished", r.run_dir)
-        return r.records
     backend, method = resolve_backend(cfg)
     ctx = multiprocessing.get_context(method)
     dataset = _load(cfg)

@@ -141,9 +141,9 @@ def _setup(link: Link) -> str | None:
 @pytest.fixture
 def link() -> Iterator[Link]:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        pytest.skip("this test puts the gRPC server and client in two network namespaces, which need root")
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("needs the ip and tc commands (iproute2)")
+        pytest.skip("the ip and tc commands (iproute2) that build the rate-limited link are not installed")
     tag = f"fw{os.getpid() % 100000}"
     made = Link(f"{tag}-srv", f"{tag}-cli", f"{tag}s", f"{tag}c")
     try:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from fedweave.plugins import PLUGINS
+from fedweave.plugins.chain import POINTS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Message, Update, body_nbytes
@@ -182,5 +183,7 @@ def exact_pre_aggregation(config: Any, strategy_cls: type) -> bool:
         and config.aggregation.rule == "mean"
         and not config.plugins.server_receive
         and not config.plugins.client_send
-        and not any(hasattr(PLUGINS.get(spec.name, "plugins"), "observe") for spec in config.plugins.client_receive)
+        and not any(
+            hasattr(PLUGINS.get(spec.name, "plugins"), "observe") for point in POINTS for spec in getattr(config.plugins, point)
+        )
     )
