@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fedweave.batching.controller import StaticController
+from fedweave.config import AggregationConfig
 from fedweave.batching.selection import sample_clients
 from fedweave.loop import RECORD_KEYS, AcceptedRounds, Record, RoundParts, federated_evaluate, run, train_round
 from fedweave.errors import RoundError
@@ -19,6 +20,7 @@ from fedweave.plugins.chain import Chain, Chains
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.strategies.robust import averager
 from fedweave.topologies.star import Star
 from fedweave.transports.base import Exchange
 from fedweave.transports.inmemory import InMemoryTransport
@@ -236,6 +238,56 @@ def test_a_pre_aggregated_update_counts_for_each_member() -> None:
     stamped = accepted.stamp(Instruction(3, TaskKind.TRAIN, Work(5, 8), start(), config={"lr": 0.1}))
     assert stamped.config == {"lr": 0.1, ACCEPTED_ROUND: 2}
     assert accepted.stamp(Instruction(3, TaskKind.TRAIN, Work(6, 8), start())).config == {ACCEPTED_ROUND: 0}
+
+
+def site(cid: int, value: float, members: list[int]) -> Update:
+    """A pre-aggregated update from client ``cid``, standing for ``members``."""
+    return dataclasses.replace(scripted(cid, value), clients=len(members), members=members)
+
+
+ALL = {c: 1 for c in (0, 1, 2, 5, 6, 3, 7, 4)}
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "w", "accepted"),
+    [
+        # Krum scores, f = 1 (the 2 nearest others; squared distances summed over the 2 coordinates):
+        # 0: 2·(1 + 9) = 20, 1: 2·(1 + 4) = 10, 2: 2·(92² + 96²), 3: 2·(4 + 9) = 26, 4: 2·(16 + 36) = 104
+        (AggregationConfig("krum"), 2.0, {1: 1}),
+        (AggregationConfig("multi_krum"), (1 * 1 + 2 * 2 + 4 * 4 + 5 * 8) / 12, {0: 1, 1: 1, 3: 1, 7: 1, 4: 1}),
+        (AggregationConfig("median"), 4.0, ALL),  # every update moves some coordinate: all count
+        (AggregationConfig("trimmed_mean", trim_fraction=0.2), (2 + 4 + 8) / 3, ALL),
+        (AggregationConfig("mean"), (1 * 1 + 2 * 2 + 3 * 100 + 4 * 4 + 5 * 8) / 15, ALL),
+    ],
+    ids=["krum", "multi_krum", "median", "trimmed_mean", "mean"],
+)
+def test_updates_the_rule_discards_do_not_count_as_applied(
+    caplog: pytest.LogCaptureFixture, aggregation: AggregationConfig, w: float, accepted: dict[int, int]
+) -> None:
+    """Deltas 1, 2, 100, 4, 8 (weights 1..5); client 2's update, the outlier, is a site's for
+    clients 2, 5, 6 and client 3's one for 3, 7: a discarded site update counts for none of
+    its members, a kept one for all of them."""
+    caplog.set_level(logging.INFO, logger="fedweave.loop")
+    handler, _ = clients({
+        0: lambda cid: scripted(cid, 1.0),
+        1: lambda cid: scripted(cid, 2.0),
+        2: lambda cid: site(cid, 100.0, [2, 5, 6]),
+        3: lambda cid: site(cid, 4.0, [3, 7]),
+        4: lambda cid: scripted(cid, 8.0),
+    })
+    parts = make_parts(handler, num_clients=5, per_round=5)
+    parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=5, average=averager(aggregation)))
+    params, record = train_round(parts, 1, start())
+    assert_w(params, w)
+    assert type(params) is dict  # what the step kept is the loop's business; the model is plain Params
+    assert record["clients_completed"] == 8 and not record["skipped"]
+    assert parts.accepted.rounds == accepted
+    discarded = sorted(set(ALL) - set(accepted))
+    assert ("the aggregation rule discarded" in caplog.text) == bool(discarded)
+    if aggregation.rule == "multi_krum":
+        assert "round 1: the aggregation rule discarded the updates of clients [2, 5, 6]" in caplog.text
+    stamped = parts.accepted.stamp(Instruction(2, TaskKind.TRAIN, Work(2, 8), start()))
+    assert stamped.config[ACCEPTED_ROUND] == (1 if 2 in accepted else 0)  # so client 2 keeps or drops its state
 
 
 def test_evaluation_every_n_rounds_and_on_the_last() -> None:

@@ -6,6 +6,7 @@ resume, and for gRPC clients that keep their own state."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +35,8 @@ TRAIN = {name: cls.train for name, cls in CLIENT.items()}
 
 class Script:
     """Patches a strategy's client half: the listed (round, client) pairs train and send a
-    NaN update ("nan"), or fail before training ("crash"); it records the state each client
+    NaN update ("nan") or a valid one far from everybody's ("outlier"), or fail before
+    training ("crash"); it records the state each client
     trained from and the state it left, per (round, client)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, strategy: str, faults: dict[tuple[int, int], str]):
@@ -54,6 +56,8 @@ class Script:
             self.after[at] = _clone(job.state[self.key])
             if fault == "nan":
                 update = poison(update)
+            elif fault == "outlier":
+                update = dataclasses.replace(update, tensors={k: 50 * v for k, v in update.tensors.items()})
             return update
 
         monkeypatch.setattr(CLIENT[strategy], "train", train)
@@ -91,6 +95,16 @@ def run(tmp_path: Path, *overrides: str) -> tuple[runner.Run, list[dict[str, Any
     return r, runner.execute(r)
 
 
+def assert_later_rounds_start_alike(faulty: Script, absent: Script) -> None:
+    """Every client trained every round after the first from the same state in both runs."""
+    later = sorted(at for at in faulty.before if at[0] > 1)
+    assert later == sorted(at for at in absent.before if at[0] > 1) and len(later) == 8
+    for at in later:
+        assert (absent.before[at] is None) == (faulty.before[at] is None), at
+        if faulty.before[at] is not None:
+            assert_same_params(absent.before[at], faulty.before[at])
+
+
 @pytest.mark.parametrize("strategy", ["scaffold", "feddyn"])
 def test_a_rejected_update_leaves_the_client_as_if_it_had_not_trained(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, strategy: str
@@ -112,12 +126,37 @@ def test_a_rejected_update_leaves_the_client_as_if_it_had_not_trained(
     server_state = SERVER_STATE[strategy]
     assert_same_params(r.parts.strategy.state_dict()[server_state], r_absent.parts.strategy.state_dict()[server_state])
     assert [x["train_loss"] for x in records] == [x["train_loss"] for x in records_absent]
-    later = sorted(at for at in poisoned.before if at[0] > 1)
-    assert later == sorted(at for at in absent.before if at[0] > 1) and len(later) == 8
-    for at in later:  # every client trained every later round from the same state
-        assert (absent.before[at] is None) == (poisoned.before[at] is None), at
-        if poisoned.before[at] is not None:
-            assert_same_params(absent.before[at], poisoned.before[at])
+    assert_later_rounds_start_alike(poisoned, absent)
+
+
+KRUM = ["strategy=scaffold", "aggregation={rule: multi_krum, byzantine: 0, multi_krum_m: 3}"]
+
+
+def test_an_update_krum_discards_leaves_the_client_as_if_it_had_not_trained(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SCAFFOLD with Multi-Krum keeping 3 of the 4 updates: in round 1 it discards client 1's
+    outlier, later the honest update farthest from the others. Each discarded client keeps
+    its old c_i and c stays the mean of all c_i; the run equals the one in which client 1
+    never sent its round-1 update (Krum keeps all three there)."""
+    caplog.set_level(logging.INFO, logger="fedweave.loop")
+    outlying = Script(monkeypatch, "scaffold", {(1, 1): "outlier"})
+    r, records = run(tmp_path / "outlier", *KRUM)
+    assert records[0]["clients_completed"] == 4
+    assert "round 1: the aggregation rule discarded the updates of clients [1]" in caplog.text
+    assert caplog.text.count("the aggregation rule discarded") == 3  # one client each round
+    assert outlying.before[(2, 1)] is None  # client 1 trains round 2 from its initial state
+    for cid in (0, 2, 3):  # the others from the state their kept round-1 update left
+        assert_same_params(outlying.before[(2, cid)], outlying.after[(1, cid)])
+    assert_control_is_the_mean_of_the_clients(r)
+
+    absent = Script(monkeypatch, "scaffold", {(1, 1): "crash"})
+    r_absent, records_absent = run(tmp_path / "absent", *KRUM)
+    assert records_absent[0]["clients_completed"] == 3
+    assert_same_params(r.params, r_absent.params)
+    assert_same_params(r.parts.strategy.control, r_absent.parts.strategy.control)
+    assert r.parts.accepted.rounds == r_absent.parts.accepted.rounds
+    assert_later_rounds_start_alike(outlying, absent)
 
 
 FAULTS = {(1, 1): "nan", (2, 0): "nan", (2, 1): "nan", (2, 2): "nan"}
@@ -158,10 +197,15 @@ def test_resume_after_rejected_and_skipped_rounds_is_bit_identical(
     [
         ["asynchronous.buffer_size=2", "asynchronous.max_staleness=1"],  # stale updates dropped
         ["asynchronous.buffer_size=3"],  # stale updates wait in the buffer while others arrive
+        ["asynchronous.buffer_size=3", "asynchronous.server_lr=0.5",
+         "aggregation={rule: multi_krum, byzantine: 0, multi_krum_m: 2}"],
     ],
-    ids=["dropped", "waiting"],
+    ids=["dropped", "waiting", "krum"],
 )
-def test_fedbuff_clients_keep_the_state_of_applied_updates_only(tmp_path: Path, buffer: list[str]) -> None:
+def test_fedbuff_clients_keep_the_state_of_applied_updates_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, buffer: list[str]
+) -> None:
+    caplog.set_level(logging.INFO, logger="fedweave.asynchronous")
     r, records = run(
         tmp_path,
         "strategy=scaffold", "heterogeneity.clock=virtual", "asynchronous.enabled=true", "local.steps=10",
@@ -170,6 +214,8 @@ def test_fedbuff_clients_keep_the_state_of_applied_updates_only(tmp_path: Path, 
     dropped = sum(x["clients_sampled"] - x["clients_completed"] for x in records)
     stale = sum(c["staleness"] > 0 for x in records for c in x["clients"])
     assert dropped >= 2 if "asynchronous.max_staleness=1" in buffer else (dropped == 0 and stale >= 4)
+    krum = any("multi_krum" in b for b in buffer)  # Multi-Krum discards one update of each step's three
+    assert caplog.text.count("the aggregation rule discarded") == (len(records) if krum else 0)
     assert_control_is_the_mean_of_the_clients(r)
 
 

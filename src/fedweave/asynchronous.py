@@ -19,7 +19,8 @@ current global model and, when it finishes, its update goes into a buffer. Every
               x ← x + η_g · (A(x, {s(τ_i) · Δ_i}) − x)
               A = the strategy's aggregate (FedAvg: x + Σ n_i s(τ_i) Δ_i / Σ n_i),
               s(τ) = (1 + τ)^-½ by default, η_g = ``server_lr``;
-              accepted.applied(buffer); controller.observe(buffer); evaluate; on_round(record)
+              accepted.applied(the buffer's updates that A kept: Krum discards some);
+              controller.observe(buffer); evaluate; on_round(record)
 
 With FedAvg, all updates fresh (τ = 0), η_g = 1 and K = concurrency = clients, each
 step is exactly a synchronous FedAvg round. A client trains each model version at most
@@ -61,6 +62,7 @@ from fedweave.loop import (
     weighted_metric,
 )
 from fedweave.seeding import numpy_rng
+from fedweave.strategies.aggregate import kept_indices, with_selection
 from fedweave.strategies.base import Strategy
 from fedweave.types import Params, Update
 
@@ -90,7 +92,8 @@ def buffered_step(
 ) -> Params:
     """One server step on a full buffer: the strategy aggregates the staleness-scaled
     deltas, the server moves ``server_lr`` of the way there. Integer tensors (counters)
-    and the strategy's extras are not scaled."""
+    and the strategy's extras are not scaled. Names the updates the strategy kept, as its
+    ``aggregate`` does (:class:`~fedweave.strategies.aggregate.Selected`)."""
     scaled = []
     for update, tau in zip(updates, staleness):
         weight = staleness_weight(tau, settings)
@@ -100,7 +103,8 @@ def buffered_step(
     lr = settings.server_lr
     if lr == 1.0:
         return target
-    return {k: p + lr * (target[k] - p) if p.is_floating_point() else target[k] for k, p in params.items()}
+    moved = {k: p + lr * (target[k] - p) if p.is_floating_point() else target[k] for k, p in params.items()}
+    return with_selection(target, moved)
 
 
 @dataclass
@@ -228,8 +232,13 @@ class BufferedServer:
             log.error("server step %d skipped: %s; global model kept", rnd, exc)
             record["skipped"] = True
         else:
-            for f, u in zip(flights, updates):
-                parts.accepted.applied(f.version + 1, [u])  # the round of the instruction it trained on
+            kept = kept_indices(params, len(updates))
+            if len(kept) < len(updates):
+                log.info("server step %d: the aggregation rule discarded the updates of clients %s", rnd,
+                         [c for i, u in enumerate(updates) if i not in kept for c in u.members or [u.client_id]])
+            for i in kept:  # applied in the round of the instruction it trained on
+                parts.accepted.applied(flights[i].version + 1, [updates[i]])
+            params = dict(params)
             parts.controller.observe(rnd, updates)
             record["train_loss"] = weighted_metric(updates, "train_loss")
         self.version = rnd

@@ -7,7 +7,7 @@
     updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
     updates = [chains.combine(updates, control)] (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
-    accepted.applied(r, updates)                 (each client hears it in its next instruction)
+    accepted.applied(r, kept updates)            (each client hears it in its next instruction)
     controller.observe(r, updates); evaluate; on_round(record + client timings + chains.metrics())
 
 ``control`` sends a plugin's control messages through the round's topology with the
@@ -32,7 +32,7 @@ from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
-from fedweave.strategies.aggregate import all_finite
+from fedweave.strategies.aggregate import all_finite, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Topology
 from fedweave.transports.base import Exchange
@@ -74,11 +74,13 @@ class AcceptedRounds:
 
     Every instruction tells its client (``config[ACCEPTED_ROUND]``, 0 for none), so that
     the client keeps the state it trained in that round and drops the state of a round
-    whose update was rejected (malformed, non-finite, late), skipped with its round, or
-    dropped as too stale (:mod:`fedweave.client`). A pre-aggregated update counts for
-    each of its ``members``. Checkpointed with the run, so a resumed run tells the
-    clients the same. A rule that discards updates inside ``aggregate`` (Krum) still
-    counts them as applied: it gives no account of whom it kept.
+    whose update was rejected (malformed, non-finite, late), skipped with its round,
+    dropped as too stale, or discarded by the aggregation rule (:mod:`fedweave.client`).
+    A rule such as Krum discards updates inside the strategy's ``aggregate``, which then
+    returns a :class:`~fedweave.strategies.aggregate.Selected` naming those it kept; only
+    they are recorded here. A pre-aggregated update counts for each of its ``members``,
+    kept or discarded together. Checkpointed with the run, so a resumed run tells the
+    clients the same.
     """
 
     def __init__(self) -> None:
@@ -165,8 +167,16 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         aggregated = updates
         if parts.chains.client_send.combiner is not None:
             aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"), traffic.control)]
-        params = parts.strategy.aggregate(rnd, params, aggregated)
-        parts.accepted.applied(rnd, updates)
+        result = parts.strategy.aggregate(rnd, params, aggregated)
+        params = dict(result)  # plain Params, whether or not the step names the updates it kept
+        kept = kept_indices(result, len(aggregated))
+        if len(kept) < len(aggregated):
+            log.info("round %d: the aggregation rule discarded the updates of clients %s", rnd,
+                     [c for i, u in enumerate(aggregated) if i not in kept for c in u.members or [u.client_id]])
+        applied = [aggregated[i] for i in kept]
+        if aggregated is not updates:  # the combined update stands for all of them
+            applied = updates if applied else []
+        parts.accepted.applied(rnd, applied)
     except RoundError as exc:  # too few answers, too few SecAgg survivors, too few clients for Krum
         log.error("round %d skipped: %s; global model kept", rnd, exc)
         record.update(skipped=True, train_loss=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,13 +15,18 @@ from fedweave import runner
 from fedweave.config import AggregationConfig
 from fedweave.errors import ConfigError, RoundError
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import weighted_average
+from fedweave.strategies import STRATEGIES
+from fedweave.strategies.aggregate import Selected, kept_indices, weighted_average, with_selection
+from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fednova import NORM
 from fedweave.strategies.robust import averager, coordinate_median, krum_scores, multi_krum, trimmed_mean
 from fedweave.strategies.training import ClientJob
-from fedweave.types import Params, Update
+from fedweave.types import Params, Update, UpdateKind
 
 from conftest import assert_same_params, run_to_end
+
+from .conftest import tiny_params
 
 
 def sets(values: list[list[float]], counts: list[int] | None = None) -> list[Params]:
@@ -65,6 +71,57 @@ def test_krum_and_multi_krum_by_hand() -> None:
     assert_same_params(multi_krum(updates, weights, byzantine=1, select=3), three, atol=1e-6)
     four = {"x": torch.tensor([10 / 10]), "y": torch.tensor([14 / 10]), "n": torch.tensor(3)}  # m = n − f
     assert_same_params(multi_krum(updates, weights, byzantine=1, select=None), four, atol=1e-6)
+
+
+def test_krum_names_the_updates_it_kept_the_coordinate_rules_keep_all() -> None:
+    # the points of the test above, reordered: scores e 292, d 9, a 5, c 8, b 6
+    points = [(10.0, 10.0), (2.0, 2.0), (0.0, 0.0), (0.0, 2.0), (1.0, 0.0)]
+    updates = [{"x": torch.tensor([x]), "y": torch.tensor([y])} for x, y in points]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert multi_krum(updates, weights, byzantine=1, select=1).kept == (2,)
+    three = multi_krum(updates, weights, byzantine=1, select=3)
+    assert three.kept == (2, 3, 4)  # scores 5, 8, 6: named in input order
+    assert_same_params(three, {"x": torch.tensor([5 / 12]), "y": torch.tensor([8 / 12])}, atol=1e-6)
+    assert multi_krum(updates, weights, byzantine=1, select=None).kept == (1, 2, 3, 4)  # m = n − f drops e
+    for rule in (weighted_average, coordinate_median, functools.partial(trimmed_mean, fraction=0.2)):
+        combined = rule(updates, weights)
+        assert not isinstance(combined, Selected) and kept_indices(combined, 5) == [0, 1, 2, 3, 4]
+    assert with_selection(three, {"z": torch.tensor([1.0])}).kept == (2, 3, 4)
+    assert not isinstance(with_selection(updates[0], {"z": torch.tensor([1.0])}), Selected)
+
+
+def strategy_updates(name: str) -> list[Update]:
+    """Four updates of Tiny's shapes and equal examples, deltas s · tiny_params for
+    s = 0.01, 3, −0.02, 0.03: update 1 lies far from the others. SCAFFOLD's carry
+    Δc = −s/2 · tiny_params; FedNova's all the same a_i, so its scales are all 1."""
+    out = []
+    for cid, s in enumerate([0.01, 3.0, -0.02, 0.03]):
+        extras = {"scaffold": tiny_params(-s / 2), "fednova": {NORM: torch.tensor(4.0, dtype=torch.float64)}}
+        out.append(Update(UpdateKind.DELTA, tiny_params(s), 10, client_id=cid, extras=extras.get(name, {})))
+    return out
+
+
+@pytest.mark.parametrize("name", STRATEGIES.names())
+def test_every_strategy_names_the_updates_krum_kept_and_steps_as_if_only_they_came(name: str) -> None:
+    """Multi-Krum (f = 0, m = 3) of the four updates above keeps 0, 2, 3 (the distances
+    lie on a line: client 1's two nearest are ≥ 2.97 away, the others' ≤ 0.05). The step
+    names them, and equals the strategy's mean step over those three alone: the same new
+    model and the same server state (SCAFFOLD's c and FedDyn's h move by 3/8 of the
+    mean, not 4/8, with N = 8 clients)."""
+    cls = STRATEGIES.get(name, "strategy.name")
+    updates = strategy_updates(name)
+    three_of_four = functools.partial(multi_krum, byzantine=0, select=3)
+    krum = cls(cls.Params(), StrategyContext(num_clients=8, average=three_of_four))
+    mean = cls(cls.Params(), StrategyContext(num_clients=8))
+    got = krum.aggregate(1, tiny_params(), updates)
+    assert kept_indices(got, 4) == [0, 2, 3]
+    assert_same_params(got, mean.aggregate(1, tiny_params(), [updates[i] for i in (0, 2, 3)]), atol=1e-12)
+    state, expected = krum.state_dict(), mean.state_dict()
+    assert state.keys() == expected.keys()
+    for key in state:
+        assert_same_params(state[key], expected[key], atol=1e-12)
+    if name in ("scaffold", "feddyn"):
+        assert any(bool(t.abs().sum() > 0) for t in next(iter(state.values())).values())  # the state did move
 
 
 def test_krum_needs_more_than_2f_plus_2_updates() -> None:

@@ -166,6 +166,7 @@ def test_krum_keeps_the_same_client_for_model_and_control_deltas() -> None:
     central; Krum's joint pass picks one client and takes both of its deltas."""
     from functools import partial
 
+    from fedweave.strategies.aggregate import kept_indices
     from fedweave.strategies.robust import krum_scores, multi_krum
 
     def update(d: float, c: float) -> Update:
@@ -186,8 +187,9 @@ def test_krum_keeps_the_same_client_for_model_and_control_deltas() -> None:
     joined = [{**u.tensors, **{f"c.{k}": v for k, v in u.extras.items()}} for u in updates]
     chosen = int(krum_scores(joined, 1).argmin())
     assert chosen == 1  # by hand: 2 nearest squared distances per entry 0.08 + 0.85, the least
+    assert kept_indices(new, 5) == [chosen]  # only client 1's update counts as applied
     for k in X:
         torch.testing.assert_close(new[k], X[k] + updates[chosen].tensors[k], rtol=0, atol=1e-12)
         torch.testing.assert_close(
-            strategy.state_dict()["control"][k], (5 / 5) * updates[chosen].extras[k], rtol=0, atol=1e-12
+            strategy.state_dict()["control"][k], (1 / 5) * updates[chosen].extras[k], rtol=0, atol=1e-12
         )

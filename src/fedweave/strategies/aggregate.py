@@ -2,6 +2,10 @@
 
 Floating-point tensors are averaged; integer tensors (``num_batches_tracked`` and the
 like) are counters, never summed or averaged: they take the element-wise maximum.
+
+A rule that discards whole inputs (Krum) says which it kept with :class:`Selected`, and a
+server step built on it passes that on (:func:`with_selection`), so the loop counts only
+the kept updates as applied (:class:`fedweave.loop.AcceptedRounds`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,29 @@ def plain_average_option(step: str) -> Any:
         help=f"glob patterns of state-dict names set to the clients' average instead of taking the {step} "
         "(running statistics)",
     )
+
+
+class Selected(dict[str, torch.Tensor]):
+    """Tensors combined from only some of the inputs: those at the indices ``kept``, ascending.
+
+    Params in every other respect. A rule that discards whole inputs (Krum) returns one;
+    plain ``Params`` mean every input contributed (the mean, the median, the trimmed mean:
+    every update moves some coordinates).
+    """
+
+    def __init__(self, tensors: Params, kept: Sequence[int]):
+        super().__init__(tensors)
+        self.kept = tuple(sorted(kept))
+
+
+def kept_indices(combined: Params, count: int) -> list[int]:
+    """The indices of the ``count`` inputs ``combined`` was made of: those a :class:`Selected` names, else all."""
+    return list(combined.kept) if isinstance(combined, Selected) else list(range(count))
+
+
+def with_selection(source: Params, result: Params) -> Params:
+    """``result``, computed from ``source``, naming the same kept inputs: a :class:`Selected` when ``source`` is one."""
+    return Selected(result, source.kept) if isinstance(source, Selected) else result
 
 
 def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Params:

@@ -2,6 +2,10 @@
 
 The server half turns the controller's plan into instructions (:meth:`Strategy.configure`)
 and folds the clients' updates into new global parameters (:meth:`Strategy.aggregate`).
+When its averaging rule discarded whole updates (Krum), ``aggregate`` returns the new
+parameters as a :class:`~fedweave.strategies.aggregate.Selected` naming the updates it
+kept (:func:`~fedweave.strategies.aggregate.with_selection` passes on the rule's), and
+only those count as applied; plain ``Params`` mean it applied them all.
 Its state (server optimiser moments, control variates, ...) is saved in checkpoints
 through ``state_dict`` / ``load_state_dict``.
 
@@ -45,7 +49,8 @@ class StrategyContext:
     ``average`` is the rule that combines the clients' tensors: the weighted mean by
     default, a robust rule (median, trimmed mean, Krum) when the config's
     ``aggregation.rule`` asks for one. Strategies whose server step averages updates
-    call it instead of :func:`~fedweave.strategies.aggregate.weighted_average`.
+    call it instead of :func:`~fedweave.strategies.aggregate.weighted_average`. A rule
+    that discards inputs (Krum) returns a :class:`~fedweave.strategies.aggregate.Selected`.
     """
 
     num_clients: int

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats
+from fedweave.strategies.aggregate import kept_indices, plain_average_option, step_floats, with_selection
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
@@ -87,7 +87,7 @@ class FedDynClient(FedAvgClient):
 
 class FedDyn(FedAvg):
     """FedDyn (Acar et al., 2021), server half, with m = ``ctx.num_clients`` and P the
-    clients of the round::
+    clients of the round whose updates are applied (a rule like Krum discards some)::
 
         h ← h − α·(1/m)·Σ_{k∈P} (θ_k − θ^{t−1})
         θ^t ← (1/|P|)·Σ_{k∈P} θ_k − h/α
@@ -107,9 +107,9 @@ class FedDyn(FedAvg):
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         delta = self.ctx.average([u.tensors for u in updates], [1.0] * len(updates))
-        share = len(updates) / self.ctx.num_clients
+        share = len(kept_indices(delta, len(updates))) / self.ctx.num_clients
         params, self.h = server_step(params, delta, self.h, self.hp.alpha, share, self.hp.plain_average)
-        return params
+        return with_selection(delta, params)
 
     def state_dict(self) -> dict[str, Any]:
         return {"h": self.h}

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fedweave.errors import ConfigError
-from fedweave.strategies.aggregate import apply_delta, matches, plain_average_option
+from fedweave.strategies.aggregate import apply_delta, matches, plain_average_option, with_selection
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.types import Params, Update, UpdateKind
@@ -102,4 +102,4 @@ class FedNova(FedAvg):
         scales = nova_scales([float(u.extras[NORM]) for u in updates], weights)
         scaled = [_scaled(u.tensors, s, self.hp.plain_average) for u, s in zip(updates, scales)]
         delta = self.ctx.average(scaled, weights)
-        return apply_delta(params, delta)
+        return with_selection(delta, apply_delta(params, delta))

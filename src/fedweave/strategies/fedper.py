@@ -20,7 +20,7 @@ from torch import nn
 
 from fedweave.errors import TaskError
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import apply_delta
+from fedweave.strategies.aggregate import apply_delta, with_selection
 from fedweave.strategies.base import Average
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import (
@@ -62,9 +62,10 @@ def keep_local(job: ClientJob, keys: Collection[str], result: TrainResult) -> Up
 
 
 def aggregate_shared(params: Params, updates: list[Update], average: Average) -> Params:
-    """``params`` plus the average delta of the keys the updates carry; other keys keep their values."""
+    """``params`` plus the average delta of the keys the updates carry; other keys keep their values.
+    Names the updates the rule kept, as :func:`~fedweave.strategies.aggregate.with_selection` does."""
     delta = average([u.tensors for u in updates], [u.num_examples for u in updates])
-    return {**params, **apply_delta({k: params[k] for k in delta}, delta)}
+    return with_selection(delta, {**params, **apply_delta({k: params[k] for k in delta}, delta)})
 
 
 def matching_keys(model: nn.Module, patterns: list[str]) -> list[str]:

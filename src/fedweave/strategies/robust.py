@@ -12,7 +12,10 @@ others resist a minority of Byzantine clients (arbitrary, possibly malicious upd
 
 Median and trimmed mean ignore the weights: a client's claimed example count would
 otherwise let it pull every coordinate. Multi-Krum averages the updates it selects by
-their weights, so with m = n (and f = 0) it is the weighted mean. Integer tensors are
+their weights, so with m = n (and f = 0) it is the weighted mean. (Multi-)Krum discards
+the other updates whole and returns a :class:`~fedweave.strategies.aggregate.Selected`
+naming the kept ones, so their clients' rounds count as applied and only theirs; the
+median and trimmed mean let every update move some coordinates, so all count. Integer tensors are
 counters and take the element-wise maximum, as in :func:`~fedweave.strategies.aggregate.weighted_average`.
 """
 
@@ -25,7 +28,7 @@ import torch
 
 from fedweave.config import AggregationConfig
 from fedweave.errors import RoundError
-from fedweave.strategies.aggregate import weighted_average
+from fedweave.strategies.aggregate import Selected, weighted_average
 from fedweave.strategies.base import Average
 from fedweave.types import Params
 
@@ -87,15 +90,16 @@ def krum_scores(tensors: Sequence[Params], byzantine: int) -> torch.Tensor:
 
 def multi_krum(
     tensors: Sequence[Params], weights: Sequence[float], *, byzantine: int, select: int | None
-) -> Params:
-    """The weighted mean of the ``select`` updates of lowest Krum score (None: n − f; 1: Krum)."""
+) -> Selected:
+    """The weighted mean of the ``select`` updates of lowest Krum score (None: n − f; 1: Krum),
+    naming them (summed in their input order; ties in score keep the earlier input)."""
     _check(tensors, weights)
     n = len(tensors)
     m = n - byzantine if select is None else select
     if not 1 <= m <= n:
         raise RoundError(f"Multi-Krum selects m={m} updates, but this round has {n}: set aggregation.multi_krum_m")
-    chosen = torch.sort(krum_scores(tensors, byzantine), stable=True).indices[:m].tolist()
-    return weighted_average([tensors[i] for i in chosen], [weights[i] for i in chosen])
+    chosen = sorted(torch.sort(krum_scores(tensors, byzantine), stable=True).indices[:m].tolist())
+    return Selected(weighted_average([tensors[i] for i in chosen], [weights[i] for i in chosen]), chosen)
 
 
 def _per_coordinate(

@@ -14,7 +14,13 @@ from torch import nn
 
 from fedweave.errors import ConfigError
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats, weighted_average
+from fedweave.strategies.aggregate import (
+    kept_indices,
+    plain_average_option,
+    step_floats,
+    weighted_average,
+    with_selection,
+)
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
@@ -110,7 +116,8 @@ class Scaffold(FedAvg):
         c ← c + (|S|/N) · mean(Δc_i)        (uniform, as the paper)
 
     With a robust aggregation rule, both means become one pass of the rule over the
-    clients' joined (Δy_i, Δc_i), so Krum keeps the same clients for both.
+    clients' joined (Δy_i, Δc_i), so Krum keeps the same clients for both; S is then the
+    clients it kept, the only ones whose new c_i the loop lets them commit.
 
     The x step weights clients by their examples like FedAvg, which is the paper's
     uniform mean when clients hold equal data; so the first round, with zero control
@@ -147,12 +154,13 @@ class Scaffold(FedAvg):
             control_delta = weighted_average([u.extras for u in updates], [1.0] * len(updates))
         else:
             delta, control_delta = self._robust_deltas(updates)
-        share = len(updates) / self.ctx.num_clients
+        share = len(kept_indices(delta, len(updates))) / self.ctx.num_clients
         self.control = {
             name: self.control.get(name, torch.zeros_like(d)) + share * d for name, d in control_delta.items()
         }
         lr = self.hp.global_lr
-        return step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
+        stepped = step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
+        return with_selection(delta, stepped)
 
     def _robust_deltas(self, updates: list[Update]) -> tuple[Params, Params]:
         """One pass of the robust rule over each client's (Δy_i, Δc_i) together.
@@ -161,11 +169,11 @@ class Scaffold(FedAvg):
         delta of the same clients, and scores them on both; a coordinate-wise rule
         (median, trimmed mean) is unchanged by the joining. The selected clients' control
         deltas are weighted by examples like their model deltas (the paper's uniform mean
-        where clients hold equal data).
+        where clients hold equal data). The model delta names the clients the rule kept.
         """
         joined = [{**u.tensors, **{JOINT + k: v for k, v in u.extras.items()}} for u in updates]
         both = self.ctx.average(joined, [u.num_examples for u in updates])
-        delta = {k: v for k, v in both.items() if not k.startswith(JOINT)}
+        delta = with_selection(both, {k: v for k, v in both.items() if not k.startswith(JOINT)})
         return delta, {k[len(JOINT):]: v for k, v in both.items() if k.startswith(JOINT)}
 
     def state_dict(self) -> dict[str, Any]:
