@@ -1,24 +1,29 @@
 """gRPC transfer throughput and memory against a raw loopback socket, measured in one run.
 
-For each model size, three transfers run between two fresh processes on 127.0.0.1:
+For each model size, these transfers run between two fresh processes on 127.0.0.1:
 
-- raw: a TCP socket; the sender ``sendall``s the tensor's memory, the receiver
-  ``recv_into``s a preallocated tensor (the fastest a Python process moves the bytes);
+- raw socket: the sender ``sendall``s the tensor's memory, the receiver ``recv_into``s
+  fresh memory, either a plain ``torch.empty`` tensor ("fresh tensor") or the huge-page
+  mapping fedweave's receiver uses ("huge pages"), the fastest a Python process takes in
+  a new model here;
+- bare gRPC: grpcio alone, the same 1 MiB messages client-streamed with no framing,
+  checksum or decoding and discarded on arrival: the ceiling of any Python gRPC
+  transport on this machine;
 - gRPC down: the server sends a model to a client (``GrpcServerTransport.exchange``
   -> the client's handler gets the decoded message);
 - gRPC up: a client returns a model to the server (the client's handler returns
   -> ``exchange`` returns the decoded update).
 
-Throughput is payload / wall time of the transfer; memory is each process's peak RSS
-(``ru_maxrss``) minus its peak just before the payload existed, over the payload size:
-1.0 means the payload itself and nothing else.
+Throughput is payload / wall time of the transfer, printed against each reference;
+memory is each process's peak RSS (``ru_maxrss``) minus its peak just before the
+payload existed, over the payload size: 1.0 means the payload itself and nothing else.
 
     python benchmarks/grpc_throughput.py [--sizes-mb 100,1000] [--checksum both|on|off] [--repeats 3]
 
 On a shared machine single runs swing widely; each transfer is repeated and its best
 throughput shown (memory: the worst ratio seen).
 
-Targets: gRPC >= 50 % of raw throughput; peak memory <= 2.5x the payload on each side.
+Targets: gRPC >= 50 % of raw socket throughput; peak memory <= 2.5x the payload on each side.
 """
 
 from __future__ import annotations
@@ -47,13 +52,16 @@ def report(**values: Any) -> None:
 # --------------------------------------------------------------------------- roles (subprocesses)
 
 
-def raw_receiver(port: int, size: int) -> None:
+def raw_receiver(port: int, size: int, memory: str) -> None:
     import torch
+
+    from fedweave.transports.serialization import receive_region
 
     listener = socket.create_server(("127.0.0.1", port))
     base = peak_bytes()
     conn, _ = listener.accept()
-    buf = torch.empty(size, dtype=torch.uint8)
+    region = receive_region(size) if memory == "huge" else None
+    buf = torch.empty(size, dtype=torch.uint8) if region is None else torch.frombuffer(region, dtype=torch.uint8)
     view = memoryview(buf.numpy())
     got = 0
     while got < size:
@@ -64,7 +72,7 @@ def raw_receiver(port: int, size: int) -> None:
     report(end=time.time(), base=base, peak=peak_bytes())
 
 
-def raw_sender(port: int, size: int) -> None:
+def raw_sender(port: int, size: int, memory: str) -> None:
     import torch
 
     base = peak_bytes()
@@ -81,6 +89,58 @@ def raw_sender(port: int, size: int) -> None:
     start = time.time()
     conn.sendall(memoryview(payload.numpy()))
     conn.close()
+    report(start=start, base=base, peak=peak_bytes())
+
+
+BARE = "/bench.Bare/Push"
+
+
+def bare_server(port: int, size: int) -> None:
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    chunk = 1 << 20
+    limits = [("grpc.max_send_message_length", chunk), ("grpc.max_receive_message_length", chunk)]
+    done, marks = threading.Event(), {}
+
+    def push(frames: Any, _context: Any) -> bytes:
+        got = sum(len(frame) for frame in frames)
+        marks["end"] = time.time()
+        done.set()
+        return str(got).encode()
+
+    handler = grpc.stream_unary_rpc_method_handler(push, lambda b: b, lambda b: b)
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=limits)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", {"Push": handler}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    base = peak_bytes()
+    if not done.wait(600):
+        raise SystemExit("no upload arrived")
+    report(end=marks["end"], base=base, peak=peak_bytes())
+    server.stop(1)
+
+
+def bare_client(port: int, size: int) -> None:
+    import grpc
+
+    chunk = 1 << 20
+    limits = [("grpc.max_send_message_length", chunk), ("grpc.max_receive_message_length", chunk)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=limits)
+    grpc.channel_ready_future(channel).result(timeout=60)
+    call = channel.stream_unary(BARE, lambda b: b, lambda b: b)
+    base = peak_bytes()
+    payload = os.urandom(chunk)
+
+    def frames() -> Any:
+        for start in range(0, size, chunk):
+            yield payload[: min(chunk, size - start)]
+
+    start = time.time()
+    got = int(call(frames(), timeout=600))
+    assert got == size, (got, size)
     report(start=start, base=base, peak=peak_bytes())
 
 
@@ -139,7 +199,14 @@ def grpc_client(port: int, size: int, direction: str, checksum: bool) -> None:
     )
 
 
-ROLES = {"raw-receiver": raw_receiver, "raw-sender": raw_sender, "grpc-server": grpc_server, "grpc-client": grpc_client}
+ROLES = {
+    "raw-receiver": raw_receiver,
+    "raw-sender": raw_sender,
+    "bare-server": bare_server,
+    "bare-client": bare_client,
+    "grpc-server": grpc_server,
+    "grpc-client": grpc_client,
+}
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -173,9 +240,16 @@ def ratio(report_: dict[str, Any], size: int) -> float:
 
 def measure(size: int, checksums: list[bool]) -> list[tuple[str, float, float, float]]:
     rows = []
+    for memory, tag in (("fresh", "fresh tensor"), ("huge", "huge pages")):
+        port = free_port()
+        args = [str(port), str(size), memory]
+        receiver, sender = pair(["raw-receiver", *args], ["raw-sender", *args])
+        seconds = receiver["end"] - sender["start"]
+        rows.append((f"raw socket, {tag}", size / seconds, ratio(sender, size), ratio(receiver, size)))
     port = free_port()
-    receiver, sender = pair(["raw-receiver", str(port), str(size)], ["raw-sender", str(port), str(size)])
-    rows.append(("raw socket", size / (receiver["end"] - sender["start"]), ratio(sender, size), ratio(receiver, size)))
+    server, client = pair(["bare-server", str(port), str(size)], ["bare-client", str(port), str(size)])
+    seconds = server["end"] - client["start"]
+    rows.append(("bare gRPC (grpcio alone)", size / seconds, ratio(client, size), ratio(server, size)))
     for checksum in checksums:
         tag = "crc on" if checksum else "crc off"
         for direction in ("down", "up"):
@@ -212,15 +286,18 @@ def main() -> None:
         ROLES[name](*(int(v) if v.isdigit() and i != 2 else v for i, v in enumerate(rest)))  # type: ignore[operator]
         return
     checksums = {"both": [True, False], "on": [True], "off": [False]}[args.checksum]
-    print(f"{'transfer':<30} {'size':>8} {'GB/s':>7} {'vs raw':>7} {'sender mem':>11} {'receiver mem':>13}")
+    print(
+        f"{'transfer':<30} {'size':>8} {'GB/s':>7} {'vs raw':>7} {'vs raw+huge':>12} {'vs bare gRPC':>13} "
+        f"{'sender mem':>11} {'receiver mem':>13}"
+    )
     for mb in (int(v) for v in args.sizes_mb.split(",")):
         size = mb * MB // 4 * 4
         rows = best([measure(size, checksums) for _ in range(args.repeats)])
-        raw = rows[0][1]
+        raw, raw_huge, bare = (row[1] for row in rows[:3])
         for name, rate, sent_mem, recv_mem in rows:
             print(
-                f"{name:<30} {mb:>6}MB {rate / 1e9:>7.3f} {rate / raw:>6.0%} "
-                f"{sent_mem:>10.2f}x {recv_mem:>12.2f}x"
+                f"{name:<30} {mb:>6}MB {rate / 1e9:>7.3f} {rate / raw:>6.0%} {rate / raw_huge:>11.0%} "
+                f"{rate / bare:>12.0%} {sent_mem:>10.2f}x {recv_mem:>12.2f}x"
             )
 
 

@@ -166,6 +166,32 @@ def test_stream_decoder_allocates_each_tensor_once() -> None:
     assert torch.equal(got, msg.body.tensors["w"])
 
 
+def test_a_large_streamed_message_lands_in_one_huge_page_region() -> None:
+    size = ser.HUGE_PAGE_BYTES // 4  # float32: exactly the threshold
+    params = {"a": torch.randn(size // 2), "empty": torch.ones(0), "b": torch.arange(size // 2, dtype=torch.float32)}
+    msg = instruction(params)
+    stream = ser.StreamDecoder()
+    for piece in ser.iter_chunks(msg, 1 << 20):
+        stream.feed(piece)
+    got = stream.finish().body.params
+    same(params, got)
+    region = ser.receive_region(1)  # below the threshold: plain tensors
+    assert region is None
+    a, b = got["a"], got["b"]
+    # one mapping holds the message's tensor data, each tensor at its wire offset
+    assert b.data_ptr() - a.data_ptr() == -(-a.numel() * 4 // ser.ALIGN) * ser.ALIGN
+    b += 1  # writable, and independent of the sender's tensors
+    assert torch.equal(b, params["b"] + 1)
+    assert stream._values == {}  # the decoder keeps nothing after finish
+
+
+def test_the_chunk_checksum_is_zlibs_crc32() -> None:
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    view = memoryview(data.numpy())
+    assert ser.chunk_crc32(view) == zlib.crc32(view)
+    assert ser.chunk_crc32(view[5:1001]) == zlib.crc32(bytes(view[5:1001]))
+
+
 # --------------------------------------------------------------------------- malformations
 
 
