@@ -17,8 +17,8 @@ Secure aggregation is also timed with 100 clients (SecAgg+, 14 neighbours) again
 plaintext FedAvg with 100 clients, and HE with 10 clients. The machine's load moves the
 timings; accuracies and bytes are exact for the seed. For the configurations in
 ``PAIRED`` a second measurement follows the table, steadier under load: the plugin's
-rounds and the dense rounds interleaved in one process, CPU seconds of each round, and
-the median of the per-round ratios (``--paired-rounds``, 0 to skip).
+rounds and the dense rounds interleaved in one process, CPU and wall seconds of each round,
+and the medians of the per-round ratios (``--paired-rounds``, 0 to skip).
 """
 
 from __future__ import annotations
@@ -89,20 +89,27 @@ CONFIGS: dict[str, tuple[list[str], list[str]]] = {
 PAIRED = ("secagg+100", "secagg+100-k6")
 
 
-def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Path) -> tuple[float, float, float]:
-    """Median CPU seconds per round of the dense run and of the plugin run, their rounds
-    interleaved so that the machine's load falls on both alike, and the median of the
-    per-round ratios. The first round (caches, lazy imports) is left out."""
+def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Path) -> dict[str, float]:
+    """Median CPU and wall seconds per round of the dense run and of the plugin run, their
+    rounds interleaved so that the machine's load falls on both alike, and the medians of
+    the per-round ratios. The first round (caches, lazy imports) is left out."""
     runs = [runner.prepare(config_mod.load(None, [*BASE, *federation, *extra]), out / f"paired{i}") for i, extra in enumerate(([], plugins))]
     params = [r.params for r in runs]
     cpu: list[list[float]] = [[], []]
+    wall: list[list[float]] = [[], []]
     for rnd in range(1, rounds + 2):
         for i, r in enumerate(runs):
-            started = time.process_time()
+            started, started_wall = time.process_time(), time.perf_counter()
             params[i], _ = loop.train_round(r.parts, rnd, params[i])
             cpu[i].append(time.process_time() - started)
-    dense, plugin = cpu[0][1:], cpu[1][1:]
-    return statistics.median(dense), statistics.median(plugin), statistics.median(p / d for d, p in zip(dense, plugin))
+            wall[i].append(time.perf_counter() - started_wall)
+    out_: dict[str, float] = {}
+    for what, seconds in (("cpu", cpu), ("wall", wall)):
+        dense, plugin = seconds[0][1:], seconds[1][1:]
+        out_[f"dense_{what}"] = statistics.median(dense)
+        out_[f"plugin_{what}"] = statistics.median(plugin)
+        out_[f"{what}_ratio"] = statistics.median(p / d for d, p in zip(dense, plugin))
+    return out_
 
 
 def run(overrides: list[str], out: Path) -> dict[str, Any]:
@@ -147,12 +154,19 @@ def main() -> None:
             print_row(*rows[-1])
         paired = [n for n in names if n in PAIRED] if args.paired_rounds > 0 else []
         if paired:
-            print(f"\n| paired rounds ({args.paired_rounds}) | dense CPU s / round | plugin CPU s / round | CPU × |")
-            print("| --- | ---: | ---: | ---: |")
+            print(
+                f"\n| paired rounds ({args.paired_rounds}) | dense CPU s / round | plugin CPU s / round | CPU × "
+                "| dense wall s / round | plugin wall s / round | wall × |"
+            )
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name in paired:
             federation, plugins = CONFIGS[name]
-            dense, plugin, ratio = paired_cost(federation, plugins, args.paired_rounds, Path(tmp) / name)
-            print(f"| {name} | {dense:.3f} | {plugin:.3f} | {ratio:.2f} |", flush=True)
+            c = paired_cost(federation, plugins, args.paired_rounds, Path(tmp) / name)
+            print(
+                f"| {name} | {c['dense_cpu']:.3f} | {c['plugin_cpu']:.3f} | {c['cpu_ratio']:.2f} "
+                f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} |",
+                flush=True,
+            )
 
 
 def print_row(name: str, r: dict[str, Any], base: dict[str, Any], header: bool = False) -> None:
