@@ -20,7 +20,7 @@ from fedweave import runner
 from fedweave.errors import RoundError, SerializationError
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.secure import shamir
-from fedweave.plugins.secure.secagg import MASKED, SEALED_SHARES, ClientRound, hkdf
+from fedweave.plugins.secure.secagg import MASKED, SEALED_SHARES, ClientRound, Quantizer, hkdf
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports import serialization as ser
 from fedweave.transports.base import Exchange
@@ -172,6 +172,30 @@ def test_stochastic_rounding_is_unbiased() -> None:
     # 20,000 Bernoulli(0.3) draws: the mean is within 4 standard errors of 0.3 of a step
     assert abs((result.double().mean().item() - value) / step) < 4 * math.sqrt(0.21 / 20000)
 
+
+
+@pytest.mark.parametrize(("levels", "width"), [(2**16 - 1, 32), (2**28 - 1, 32), (2**40 - 1, 64)])
+def test_quantization_skips_clipping_only_where_it_changes_nothing(levels: int, width: int) -> None:
+    """Within the margin :meth:`Quantizer.inside` allows, the quantized values are those of
+    the clipping pass, at both ends of the range and for every real type; outside, the
+    clipping pass keeps every value within [0, L]."""
+    quantize = Quantizer.of(1.0, levels, width)
+    fine = 2.0 / (levels * (1 << quantize.fraction_bits))
+    edge = np.array([-1 + 2.5 * fine, 1 - 2.5 * fine, 0.0, 0.5, -0.999, 0.999], dtype=quantize.real)  # half a fine step inside
+    x = np.concatenate([edge, np.random.default_rng(0).uniform(-1, 1, 994).astype(quantize.real)])
+    assert quantize.inside(float(x.min()), float(x.max()))
+    assert not quantize.inside(-1.0, 0.5) and not quantize.inside(-0.5, 1.0)
+    out_type = np.uint32 if width == 32 else np.uint64
+    noise = np.random.default_rng(1).integers(0, 256, x.size, dtype=np.uint8)
+    got = {}
+    for inside in (False, True):
+        out, spare = np.empty(x.size, out_type), np.empty(x.size, out_type)
+        quantize(x, noise, x.copy(), spare, out, inside)
+        got[inside] = out
+    assert np.array_equal(got[False], got[True])
+    out, spare = np.empty(3, out_type), np.empty(3, out_type)
+    quantize(np.array([-5.0, 1.0, 7.0], quantize.real), np.full(3, 255, np.uint8), np.empty(3, quantize.real), spare, out)
+    assert out.tolist() == [0, levels, levels]
 
 def test_ten_clients_threshold_six_three_drop_after_masking_the_survivors_sum_is_recovered() -> None:
     plugin, fed, plain, masked = masked_round(10, threshold=0.6)
