@@ -117,3 +117,36 @@ def test_running_statistics_take_the_plain_average() -> None:
     assert new["bn.running_var"].item() == pytest.approx(1 - (0.6 + 3 * 0.8) / 4)
     tau_eff = (2.0 + 3 * 6.0) / 4
     assert new["w"].item() == pytest.approx(1 + tau_eff * (0.5 / 2.0 + 3 * 0.5 / 6.0) / 4)
+
+
+def claimed(delta: float, a: float, n: int) -> Update:
+    return Update(
+        kind=UpdateKind.DELTA,
+        tensors={"w": torch.tensor([delta], dtype=torch.float64)},
+        num_examples=n,
+        extras={NORM: torch.tensor(a, dtype=torch.float64)},
+    )
+
+
+@pytest.mark.parametrize(
+    ("rule", "want"),
+    [
+        # the mean: every claim counts, the huge a_i = 1000 blows the step up
+        ("mean", 1.0 + (2 * 2 + 1 * 5 + 1 * 1000) / 4 * (2 * 0.4 / 2 + 1 * 1.0 / 5 + 1 * 50.0 / 1000) / 4),
+        # Multi-Krum keeps clients 0 and 1: τ_eff = (2·2 + 1·5) / 3 over them alone
+        ("multi_krum", 1.0 + (2 * 2 + 1 * 5) / 3 * (2 * 0.4 / 2 + 1 * 1.0 / 5) / 3),
+        # the median of the a_i (5) times the median of the normalised steps (0.2)
+        ("median", 1.0 + 5 * 0.2),
+    ],
+)
+def test_a_robust_rule_takes_the_effective_steps_from_the_updates_it_trusts(rule: str, want: float) -> None:
+    """Client 2 claims 1000 local steps and sends an outlying delta."""
+    from fedweave.config import AggregationConfig
+    from fedweave.strategies.robust import averager
+
+    options = {"multi_krum": {"byzantine": 0, "multi_krum_m": 2}}.get(rule, {})
+    average = averager(AggregationConfig(rule=rule, **options))
+    updates = [claimed(0.4, 2, 2), claimed(1.0, 5, 1), claimed(50.0, 1000, 1)]
+    x = {"w": torch.tensor([1.0], dtype=torch.float64)}
+    new = FedNova(FedNovaParams(), StrategyContext(num_clients=3, average=average)).aggregate(1, x, updates)
+    assert new["w"].item() == pytest.approx(want, rel=1e-12)

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from fedweave.errors import ConfigError
-from fedweave.strategies.aggregate import apply_delta, matches, plain_average_option, with_selection
+from fedweave.strategies.aggregate import (
+    Selected,
+    apply_delta,
+    matches,
+    plain_average_option,
+    weighted_average,
+    with_selection,
+)
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.types import Params, Update, UpdateKind
@@ -37,10 +44,14 @@ def normalizing_factor(steps: int, momentum: float) -> float:
     return (steps - rho * (1 - rho**steps) / (1 - rho)) / (1 - rho)
 
 
+def effective_steps(factors: Sequence[float], weights: Sequence[float]) -> float:
+    """τ_eff = Σ p_i a_i with p_i = w_i / Σ w."""
+    return sum(w * a for w, a in zip(weights, factors)) / sum(weights)
+
+
 def nova_scales(factors: list[float], weights: list[float]) -> list[float]:
-    """τ_eff / a_i for every client, with τ_eff = Σ p_i a_i and p_i = w_i / Σ w."""
-    total = sum(weights)
-    tau_eff = sum(w * a for w, a in zip(weights, factors)) / total
+    """τ_eff / a_i for every client."""
+    tau_eff = effective_steps(factors, weights)
     return [tau_eff / a for a in factors]
 
 
@@ -82,6 +93,11 @@ class FedNova(FedAvg):
     as in the official code, is part of the local gradient and leaves a_i unchanged.
     The local steps must be SGD (local Adam is refused). Running statistics
     (``plain_average``) take FedAvg's mean, unnormalised.
+
+    With a robust aggregation rule, a_i is a client's claim like its example count, so
+    τ_eff comes from the rule too: the clients Krum kept (Σ over them of p_i a_i,
+    renormalised), or the median / trimmed mean of the a_i for the coordinate rules. A
+    client claiming a huge a_i then cannot inflate everyone's step.
     """
 
     Params = FedNovaParams
@@ -99,7 +115,18 @@ class FedNova(FedAvg):
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         weights = [float(u.num_examples) for u in updates]
-        scales = nova_scales([float(u.extras[NORM]) for u in updates], weights)
-        scaled = [_scaled(u.tensors, s, self.hp.plain_average) for u, s in zip(updates, scales)]
+        factors = [float(u.extras[NORM]) for u in updates]
+        scaled = [_scaled(u.tensors, s, self.hp.plain_average) for u, s in zip(updates, nova_scales(factors, weights))]
         delta = self.ctx.average(scaled, weights)
+        if self.ctx.average is not weighted_average:  # the rule's τ_eff instead of every claim's
+            tau = self._rule_steps(delta, factors, weights)
+            delta = with_selection(delta, _scaled(delta, tau / effective_steps(factors, weights), self.hp.plain_average))
         return with_selection(delta, apply_delta(params, delta))
+
+    def _rule_steps(self, delta: Params, factors: list[float], weights: list[float]) -> float:
+        """τ_eff by the robust rule: over the updates it kept, or the rule applied to the a_i."""
+        if isinstance(delta, Selected):
+            kept = delta.kept
+            return effective_steps([factors[i] for i in kept], [weights[i] for i in kept])
+        claims = [{NORM: torch.tensor([a], dtype=torch.float64)} for a in factors]
+        return float(self.ctx.average(claims, weights)[NORM])
