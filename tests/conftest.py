@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +108,46 @@ def reference(config: config_mod.Config) -> tuple[dict[str, torch.Tensor], dict[
         opt.step()
         sampler.advance(total)
     return model.state_dict(), evaluate(model, ds.x_test, ds.y_test, loss_fn)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+SITE_MEMBER = textwrap.dedent(
+    """
+    import os
+    import sys
+    import torch
+    from fedweave import config
+    from fedweave.topologies.deploy import run_members
+    from fedweave.transports.torchdist import Rendezvous
+
+    torch.set_num_threads(1)
+    rank, size, port, *paths = sys.argv[1:]
+    run_members([config.load(p) for p in paths], Rendezvous("127.0.0.1", int(port), int(rank), int(size)))
+    os._exit(0)  # skip torch's slow interpreter teardown
+    """
+)
+
+
+@contextmanager
+def site_members(paths: Sequence[str | Path], size: int, port: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Ranks 1..size-1 of a torch.distributed world serving the runs of the config files
+    ``paths`` as site members (this process is rank 0). They must exit cleanly within 30 s
+    of the block's end; they are killed whatever happens."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SITE_MEMBER, str(rank), str(size), str(port), *map(str, paths)], env=env)
+        for rank in range(1, size)
+    ]
+    try:
+        yield procs
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            p.kill()

@@ -20,16 +20,11 @@ Each must equal the flat in-memory run (≤ 1e-5; the federated metrics ≤ 1e-6
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_params, run_to_end, small_config
+from conftest import assert_same_params, free_port, run_to_end, site_members, small_config
 
 from fedweave import config as config_mod
 from fedweave import runner
@@ -47,29 +42,6 @@ COMMON = [
 ]
 STRATEGIES = ["fedavg", "scaffold"]  # a weighted-sum strategy and a stateful one
 
-MEMBER = textwrap.dedent(
-    """
-    import os
-    import sys
-    import torch
-    from fedweave import config
-    from fedweave.topologies.deploy import run_members
-    from fedweave.transports.torchdist import Rendezvous
-
-    torch.set_num_threads(1)
-    rank, size, port, *paths = sys.argv[1:]
-    run_members([config.load(p) for p in paths], Rendezvous("127.0.0.1", int(port), int(rank), int(size)))
-    os._exit(0)  # skip torch's slow interpreter teardown
-    """
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
     """One world (as under torchrun): FedAvg pre-aggregated by a reduce in each site (the relay path
     is the gRPC test's)."""
@@ -84,15 +56,7 @@ def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
         path.write_text(config_mod.to_yaml(cfg))
         paths.append(str(path))
     size, port = world_size(configs[0]), free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", MEMBER, str(rank), str(size), str(port), *paths],
-            env=env,
-        )
-        for rank in range(1, size)
-    ]
-    try:
+    with site_members(paths, size, port):
         world = World(configs[0].torchdist, Rendezvous("127.0.0.1", port, 0, size))
         try:
             for i, cfg in enumerate(configs):
@@ -113,11 +77,6 @@ def test_gloo_sites_match_the_in_memory_run(tmp_path: Path) -> None:
                 )
         finally:
             world.close()
-        for p in procs:
-            assert p.wait(timeout=30) == 0
-    finally:
-        for p in procs:
-            p.kill()
     assert torch.get_num_threads() == 1
 
 

@@ -34,7 +34,7 @@ from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.transports.grpc.server import GrpcServerTransport
 from fedweave.transports.serialization import FRAME, SiteJob, SiteReply, encode_frames
-from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 FAST = [
     "transport=grpc",
@@ -573,6 +573,52 @@ def test_a_site_reply_may_not_stand_for_clients_outside_its_job_or_twice(caplog:
             result = topology.exchange(jobs([0, 1, 2, 3], PARAMS), timeout=20)
             assert set(result.failures) == {0, 1} and [r.client_id for r in result.replies] == [2, 3]
             assert f"stands for clients {members}" in result.failures[0]
+
+
+def control_echo(msg: Message) -> Message:
+    """A member answering a control step with its own tensor plus its id (else as :func:`echo`)."""
+    if not isinstance(msg.body, Control):
+        return echo(msg)
+    step = msg.body
+    return Message(msg.round, msg.client_id, Control(step.plugin, step.step, {"x": step.tensors["x"] + msg.client_id}))
+
+
+def control_site(wrong: bool = False) -> Handler:
+    """A site leader relaying its members' control steps; ``wrong``: it answers each instruction
+    with a control step and each control step with an update."""
+
+    def handle(msg: Message) -> Message:
+        job = msg.body
+        assert isinstance(job, SiteJob)
+        replies = [control_echo(m) for m in job.messages]
+        if wrong:
+            replies = [
+                echo(Message(m.round, m.client_id, jobs([m.client_id], PARAMS, m.round)[0].body))
+                if isinstance(m.body, Control)
+                else control_echo(Message(m.round, m.client_id, Control("secagg", "share", {"x": torch.zeros(2)})))
+                for m in job.messages
+            ]
+        return Message(msg.round, msg.client_id, SiteReply(replies, {}))
+
+    return handle
+
+
+def test_site_jobs_carry_control_steps_and_answers_only_in_kind(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    steps = [Message(1, c, Control("secagg", "share", {"x": torch.full((2,), 10.0 * c)})) for c in range(4)]
+    with sites(settings(), [control_site(), control_site()]) as (topology, c):
+        result = topology.exchange(steps, timeout=20)
+        assert not result.failures
+        assert [(r.client_id, r.body.step, r.body.tensors["x"].tolist()) for r in result.replies] == [
+            (cid, "share", [11.0 * cid] * 2) for cid in range(4)
+        ]
+    wrong = [(steps, "a Update, expected a Control"), (jobs([0, 1, 2, 3], PARAMS), "a Control, expected a Update")]
+    for sent, why in wrong:  # an update where a control step was due, a control step where an update was
+        with sites(settings(), [control_site(wrong=True), control_site()]) as (topology, c):
+            result = topology.exchange(sent, timeout=20)
+            assert set(result.failures) == {0, 1} and [r.client_id for r in result.replies] == [2, 3]
+            assert f"rejected: SerializationError: reply holds {why}" in result.failures[0]
+    assert "reply of site 0 refused" in caplog.text
 
 
 def test_a_site_server_refuses_clients_and_foreign_sites(

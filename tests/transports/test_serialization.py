@@ -12,7 +12,7 @@ import torch
 
 from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
 from fedweave.transports import serialization as ser
-from fedweave.types import ACCEPTED_ROUND, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 DTYPES = list(ser.DTYPES.values())
 
@@ -446,6 +446,42 @@ def test_site_batches_hold_only_their_kind_of_message() -> None:
         ser.encode(Message(3, 1, ser.SiteReply([Message(3, 2, site_job({}).body)])))  # type: ignore[arg-type]
 
 
+def control_job(ids: tuple[int, ...] = (4, 5, 7)) -> Message:
+    """A site's members' control steps: a key list all of them receive, and shares for each alone."""
+    keys = torch.arange(6, dtype=torch.int64).reshape(3, 2)
+    steps = [
+        Message(3, c, Control("secagg", "share", {"keys": keys, "shares": torch.full((2, 3), c, dtype=torch.uint8)}))
+        for c in ids
+    ]
+    return Message(3, 1, ser.SiteJob(steps, timeout=4.0))
+
+
+def control_reply() -> Message:
+    answers = [Message(3, c, Control("secagg", "share", {"ack": torch.tensor([c, 10 * c])})) for c in (4, 5)]
+    return Message(3, 1, ser.SiteReply(answers, {7: "missed the round deadline (3.6 s)"}))
+
+
+def test_site_batches_carry_each_members_control_steps_and_answers() -> None:
+    job = control_job()
+    one = ser.encoded_size(Message(3, 4, job.body.messages[0].body))
+    assert ser.encoded_size(job) < 3 * one  # the shared key list travels once, in the pool
+    for decoded in decoders(job, expected={"w": (2,)}):  # control steps are not checked against a model
+        body = decoded.body
+        assert isinstance(body, ser.SiteJob) and body.timeout == 4.0
+        assert [m.client_id for m in body.messages] == [4, 5, 7]
+        for m, sent in zip(body.messages, job.body.messages):
+            assert isinstance(m.body, Control) and (m.body.plugin, m.body.step) == ("secagg", "share")
+            same(m.body.tensors, sent.body.tensors)  # each member's own shares
+        assert body.messages[0].body.tensors["keys"] is body.messages[2].body.tensors["keys"]
+    for decoded in decoders(control_reply()):
+        body = decoded.body
+        assert isinstance(body, ser.SiteReply) and body.failures == {7: "missed the round deadline (3.6 s)"}
+        assert [(m.client_id, m.body.step, m.body.tensors["ack"].tolist()) for m in body.messages] == [
+            (4, "share", [4, 40]),
+            (5, "share", [5, 50]),
+        ]
+
+
 def batch_meta(msg: Message) -> tuple[dict[str, Any], bytes]:
     buf = ser.encode(msg)
     _, _, _, meta_len, _, _ = ser.HEADER.unpack_from(buf)
@@ -468,13 +504,21 @@ BATCH_MALFORMED = {
     "duplicate client": ("job", lambda m: m["fields"]["items"][1].update(client_id=4), "client_id 4"),
     "negative timeout": ("job", lambda m: m["fields"].update(timeout=-1), "timeout"),
     "items not a list": ("job", lambda m: m["fields"].update(items={}), "items is not a list"),
+    "evaluation in a job": ("control_job", lambda m: m["fields"]["items"][0].update(body="evaluation"), "a site_job cannot hold a message of kind 'evaluation'"),
+    "control step not a name": ("control_job", lambda m: m["fields"]["items"][1]["fields"].update(step="share; rm"), "control step 'share; rm' is not a name"),
+    "control plugin missing": ("control_job", lambda m: m["fields"]["items"][1]["fields"].pop("plugin"), r"item 1: control fields are not \['plugin', 'step'\]"),
+    "control with update fields": ("control_reply", lambda m: m["fields"]["items"][0]["fields"].update(clients=2), r"item 0: control fields are not"),
+    "control with params": ("control_job", lambda m: m["fields"]["items"][0]["tensors"].update(params=m["fields"]["items"][0]["tensors"].pop("tensors")), "item 0: tensor groups are not of"),
+    "control answer of an unknown kind": ("control_reply", lambda m: m["fields"]["items"][1].update(body="ack"), "cannot hold a message of kind 'ack'"),
+    "control answer of a failed client": ("control_reply", lambda m: m["fields"]["failures"].update({"5": "x"}), "failure '5'"),
 }
 
 
 @pytest.mark.parametrize("name", list(BATCH_MALFORMED))
 def test_malformed_site_batches_are_rejected(name: str) -> None:
     which, change, why = BATCH_MALFORMED[name]
-    meta, data = batch_meta(site_reply() if which == "reply" else site_job({"w": torch.ones(3)}))
+    batches = {"reply": site_reply, "job": lambda: site_job({"w": torch.ones(3)}), "control_job": control_job, "control_reply": control_reply}
+    meta, data = batch_meta(batches[which]())
     change(meta)
     with pytest.raises(SerializationError, match=f"malformed message metadata: .*{why}"):
         ser.decode(forge(meta, data))

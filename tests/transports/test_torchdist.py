@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,9 +15,11 @@ import time
 
 import pytest
 import torch
+from conftest import free_port
 
 from fedweave.config import TorchDistConfig
-from fedweave.errors import ConfigError
+from fedweave.errors import ConfigError, TransportError
+from fedweave.transports import serialization
 from fedweave.transports import torchdist
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.torchdist import (
@@ -29,7 +30,7 @@ from fedweave.transports.torchdist import (
     plan_buckets,
     rendezvous,
 )
-from fedweave.types import Instruction, Message, TaskKind, Update, UpdateKind, Work
+from fedweave.types import Control, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 TENSORS = 40
 
@@ -41,7 +42,7 @@ MEMBER = textwrap.dedent(
     import torch
     from fedweave.config import TorchDistConfig
     from fedweave.transports.torchdist import Rendezvous, TorchDistMember, World
-    from fedweave.types import Message, Update, UpdateKind
+    from fedweave.types import Control, Message, Update, UpdateKind
 
     rank, size, port, bucket = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     torch.set_num_threads(1)
@@ -51,6 +52,11 @@ MEMBER = textwrap.dedent(
     def handler(msg):
         ins = msg.body
         c = msg.client_id
+        if isinstance(ins, Control):  # answers its own tensor times ten plus its id, and the shared one
+            if ins.step == "fail" and c == 1:
+                raise ValueError("client 1 refuses the step")
+            answer = {"seen": ins.tensors["mine"] * 10 + c, "keys": ins.tensors["keys"]}
+            return Message(msg.round, c, Control(ins.plugin, ins.step, answer))
         time.sleep(ins.config.get("sleep", {}).get(str(c), 0))
         extras = {"c": torch.full((2,), float(c))} if ins.config.get("extras") else {}
         tensors = {k: v + c if v.is_floating_point() else v + c for k, v in ins.params.items()}
@@ -61,12 +67,6 @@ MEMBER = textwrap.dedent(
     os._exit(0)  # skip torch's slow interpreter teardown
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -199,6 +199,51 @@ def test_site_relays_and_pre_aggregates_with_one_collective_per_bucket() -> None
                     and site.leader.calls["gather"] > 6
                 )
                 assert close_to(ex.replies[2].body.tensors, expected(2, p).tensors, 0)
+    finally:
+        site.close()
+
+
+def controls(rnd: int, step: str = "share", ids: tuple[int, ...] = (0, 1, 2), size: int = 3) -> list[Message]:
+    """Each client's own control step (its tensor ``mine`` = its id) with a key list they all receive."""
+    keys = torch.arange(4, dtype=torch.int64)
+    return [
+        Message(rnd, c, Control("secagg", step, {"mine": torch.full((size,), float(c)), "keys": keys})) for c in ids
+    ]
+
+
+def test_site_relays_each_members_control_steps_and_never_reduces_the_answers() -> None:
+    site = Site(bucket_mb=25.0)
+    try:
+        site.leader.pre_aggregate = True  # control answers are relayed all the same
+        site.leader.calls.clear()
+        sent = controls(1)
+        ex = site.leader.exchange(sent, timeout=30)
+        assert not ex.failures and [r.client_id for r in ex.replies] == [0, 1, 2]
+        for r in ex.replies:
+            c = r.client_id
+            assert isinstance(r.body, Control) and (r.body.plugin, r.body.step) == ("secagg", "share")
+            assert torch.equal(r.body.tensors["seen"], torch.full((3,), 11.0 * c))  # its own step reached it
+            assert torch.equal(r.body.tensors["keys"], torch.arange(4))
+        # each step encoded on its own and scattered (one bucket): member rank 2 gets clients 1 and 2's only
+        assert ex.bytes_sent == sum(len(serialization.encode(m)) for m in sent)
+        assert site.leader.calls["scatter"] == 1 and site.leader.calls["reduce"] == 0
+        # small buckets: the scattered steps travel in several pieces
+        site.world.bucket_bytes = 1024
+        site.leader.calls.clear()
+        sent = controls(2, size=600)  # 2.4 kB each
+        ex = site.leader.exchange(sent, timeout=30)
+        rank_two = sum(len(serialization.encode(m)) for m in sent[1:])  # the longest share, padded for all
+        assert not ex.failures and site.leader.calls["scatter"] == -(-rank_two // 1024) > 1
+        assert [r.body.tensors["seen"][-1].item() for r in ex.replies] == [0.0, 11.0, 22.0]
+        # a client failing its step fails alone; instructions and control steps share an exchange
+        ex = site.leader.exchange(controls(3, "fail", ids=(1, 2)) + messages(3, params())[:1], timeout=30)
+        assert list(ex.failures) == [1] and ex.failures[1] == "ValueError: client 1 refuses the step"
+        assert [(r.client_id, type(r.body).__name__) for r in ex.replies] == [(2, "Control"), (0, "Update")]
+        # anything else is refused before the site's group is touched
+        with pytest.raises(TransportError, match="instructions and control steps, not Update"):
+            site.leader.exchange([Message(4, 0, expected(0, params()))], timeout=30)
+        assert site.leader.broken is None
+        assert not site.leader.exchange(controls(4), timeout=30).failures
     finally:
         site.close()
 

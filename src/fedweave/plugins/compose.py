@@ -13,12 +13,10 @@ Plugins declare, as class attributes, what the rules need:
   (a string, or a function of its params giving one or None): state that a deployment
   would exchange in messages of its own, which the plugin does not send (as control
   messages, see :mod:`fedweave.plugins.chain`) yet. Such a plugin is refused with a
-  transport other than ``inmemory``;
-- ``messages``: why the plugin exchanges control messages of its own with each client
-  (secure aggregation's key set-up and unmasking). The in-memory and gRPC transports
-  carry them, through a star or an in-memory hierarchy; torch.distributed site links
-  (``topology.inner: torchdist``) carry only instructions and updates, so such a plugin
-  is refused there.
+  transport other than ``inmemory``.
+
+Control messages of a plugin's own protocol (secure aggregation's key set-up and
+unmasking) need no rule: every topology and transport carries them.
 
 Plugins without these attributes (user plugins) are free, except that nothing may
 follow a ``secure`` plugin and only summable plugins may precede a combining one.
@@ -72,13 +70,6 @@ def check_chains(config: Any, registry: Any) -> None:
                 raise ConfigError(
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
                     f"one process ({reason}); transport {config.transport.kind!r} runs them apart"
-                )
-            messages = getattr(cls, "messages", None)
-            if messages and config.topology.kind == "hierarchical" and config.topology.inner == "torchdist":
-                raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} exchanges messages of its own with "
-                    f"each client ({messages}), which torch.distributed site links (topology.inner: torchdist) "
-                    "do not carry; use a star topology (or inmemory links in simulation)"
                 )
     _check_client_send(plugins.client_send, registry)
 

@@ -10,8 +10,10 @@ Across institutions (``transport: grpc``), each top-level site is its own torch.
 world led by a site leader (:func:`run_site_leader`) that is ONE gRPC node of the server:
 the server's :class:`SiteBatches` sends it one job per round (the global model once, each
 member's instruction) and gets one answer back (the members' pre-aggregated update where
-that is exact, else their updates relayed). Every node derives the site tree from the same
-config.
+that is exact, else their updates relayed). A step of a plugin's own protocol (secure
+aggregation's key set-up and unmasking) is one job too: each member's control message,
+scattered to that member alone, and their control answers relayed (never combined).
+Every node derives the site tree from the same config.
 """
 
 from __future__ import annotations
@@ -171,9 +173,10 @@ class SiteBatches:
     (addressed by site index; over gRPC, a site leader).
 
     Per exchange each site gets one :class:`~fedweave.transports.serialization.SiteJob`
-    holding its members' messages (a tensor they share, the global model, travels once)
-    and answers one :class:`~fedweave.transports.serialization.SiteReply`: its members'
-    replies, or one pre-aggregated update standing for the members that answered, and
+    holding its members' messages (instructions, or control steps of a plugin's protocol;
+    a tensor they share, the global model, travels once) and answers one
+    :class:`~fedweave.transports.serialization.SiteReply`: its members' replies (updates,
+    evaluations, control answers), or one pre-aggregated update standing for the members that answered, and
     each failed member's reason. A site that fails as a whole (lost, late, refused)
     fails each of its clients. Replies come back in the order of the messages.
     """

@@ -33,9 +33,10 @@ A :class:`~fedweave.types.Control` body (a step of a plugin's own protocol, such
 secure aggregation's key set-up) carries its plugin and step names, checked to be short
 identifiers, and one group of tensors, which its plugin checks.
 
-Site batches: a :class:`SiteJob` (a gRPC site leader's round: every member's instruction)
-and a :class:`SiteReply` (the members' updates or evaluations, or one pre-aggregated
-update, and each failed member's reason) are one message each. Their metadata lists the
+Site batches: a :class:`SiteJob` (a gRPC site leader's round: every member's instruction,
+or every member's control step) and a :class:`SiteReply` (the members' updates,
+evaluations or control answers, or one pre-aggregated update, and each failed member's
+reason) are one message each. Their metadata lists the
 inner messages (``items``: client id, body kind, fields, and per tensor group a name ->
 pool index map); their tensors are a ``pool`` in which a tensor shared by several inner
 messages (the global model every member receives) travels once. Decoding checks every
@@ -91,7 +92,7 @@ _GROUPS = {
     "evaluation": (),
     "control": ("tensors",),
 }
-_BATCHES = {"site_job": ("instruction",), "site_reply": ("update", "evaluation")}
+_BATCHES = {"site_job": ("instruction", "control"), "site_reply": ("update", "evaluation", "control")}
 """Site batch bodies and the inner bodies each may hold; their tensors are one ``pool`` group."""
 _GROUPS.update(dict.fromkeys(_BATCHES, ("pool",)))
 
@@ -115,8 +116,9 @@ def _align(n: int) -> int:
 
 @dataclass
 class SiteJob:
-    """Server to a site leader: one round's instructions for the site's members (client ids),
-    and the seconds the server waits for the answer (None: no deadline)."""
+    """Server to a site leader: one round's instructions (or control steps of a plugin's own
+    protocol) for the site's members (client ids), and the seconds the server waits for the
+    answer (None: no deadline)."""
 
     messages: list[Message]
     timeout: float | None = None
@@ -124,8 +126,9 @@ class SiteJob:
 
 @dataclass
 class SiteReply:
-    """A site leader to the server: its members' replies (or one pre-aggregated update standing
-    for ``clients`` of them, named in its ``members``) and each failed member's reason."""
+    """A site leader to the server: its members' replies (updates, evaluations, control answers;
+    or one pre-aggregated update standing for ``clients`` of them, named in its ``members``) and
+    each failed member's reason."""
 
     messages: list[Message]
     failures: dict[int, str] = field(default_factory=dict)

@@ -8,7 +8,10 @@ never one tensor at a time:
 1. **broadcast** of the round's instructions: each distinct instruction body (in FedAvg,
    the one global model all members receive) is encoded once (:mod:`fedweave.transports.serialization`)
    and the bytes are broadcast in buckets; a small JSON header says which member serves
-   which client with which work.
+   which client with which work. A :class:`~fedweave.types.Control` (a step of a plugin's
+   own protocol, such as secure aggregation's key set-up) is meant for one client alone:
+   the round's controls are encoded each on its own and **scattered**, every member
+   receiving only those of the clients it serves.
 2. **gather** of the reply headers (client, size, kind, examples, metrics).
 3. Then either **gather** of the encoded replies in buckets (*relay*: every update reaches
    the leader whole — SCAFFOLD's control variates, FedDyn, robust rules, encoded updates,
@@ -16,6 +19,7 @@ never one tensor at a time:
    update without extras, a **reduce** (SUM) of ``n_k · x_k`` per floating dtype bucket
    and a reduce (MAX) of integer counters: the leader receives Σ n_k x_k and Σ n_k, the
    exact weighted mean, at the cost of one model per link instead of one per member.
+   Control answers, like anything but a plain update, are always gathered, never reduced.
 
 Rendezvous comes from config (``torchdist.address`` / ``port``) or from the environment
 torchrun and Slurm set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
@@ -55,7 +59,7 @@ import torch.distributed as dist
 from fedweave.errors import ConfigError, TransportError
 from fedweave.transports import serialization
 from fedweave.transports.base import Exchange
-from fedweave.types import Instruction, Message, Update, UpdateKind, Work
+from fedweave.types import Control, Instruction, Message, Update, UpdateKind, Work
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +281,33 @@ class _Site:
             out[lo:hi] = piece.cpu().numpy().tobytes()
         return out
 
+    def scatter_bytes(self, data: Sequence[bytes] | None) -> bytearray:
+        """The leader's ``data[i]`` on the site's i-th rank (``data`` is given on the leader only):
+        every rank's length and the leader's bucket size, then padded buckets."""
+        n = len(self.ranks)
+        head = self._dev(
+            torch.tensor(
+                [*(len(d) for d in data), self.world.bucket_bytes] if data is not None else [0] * (n + 1),
+                dtype=torch.int64,
+            )
+        )
+        self._collective("broadcast", dist.broadcast, head, src=self.leader, group=self.group)
+        lengths, bucket = [int(x) for x in head[:n]], int(head[n])
+        total = max(lengths)
+        padded = None
+        if data is not None:
+            padded = [torch.zeros(total, dtype=torch.uint8) for _ in range(n)]
+            for buf, d in zip(padded, data):
+                if d:
+                    buf[: len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
+        out = bytearray(total)
+        for lo, hi in _chunks(total, bucket):
+            piece = self._dev(torch.empty(hi - lo, dtype=torch.uint8))
+            parts = [self._dev(buf[lo:hi].clone()) for buf in padded] if padded is not None else None
+            self._collective("scatter", dist.scatter, piece, parts, src=self.leader, group=self.group)
+            out[lo:hi] = piece.cpu().numpy().tobytes()
+        return out[: lengths[self.ranks.index(self.world.rdv.rank)]]
+
     def gather_bytes(self, data: bytes | bytearray) -> list[bytearray] | None:
         """Every rank's bytes on the leader (None elsewhere): lengths, then padded buckets."""
         n = len(self.ranks)
@@ -409,6 +440,9 @@ class TorchDistLeader(_Site):
         unknown = [m.client_id for m in messages if m.client_id not in self.members]
         if unknown:
             raise TransportError(f"clients {unknown} are not members of this site")
+        other = sorted({type(m.body).__name__ for m in messages if not isinstance(m.body, (Instruction, Control))})
+        if other:
+            raise TransportError(f"a site leader sends its members instructions and control steps, not {', '.join(other)}")
         if self.broken:
             result.failures = {
                 m.client_id: f"site group broken: {self.broken}" for m in messages
@@ -433,9 +467,17 @@ class TorchDistLeader(_Site):
         templates: list[bytes] = []
         keys: dict[tuple[Any, ...], int] = {}
         jobs = []
+        own: list[list[bytes]] = [[] for _ in self.ranks]  # per rank: its clients' control steps
+        controls = []
         for m in messages:
             body = m.body
-            assert isinstance(body, Instruction)
+            if isinstance(body, Control):
+                rank = self.members[m.client_id]
+                data = bytes(serialization.encode(m))
+                own[self.ranks.index(rank)].append(data)
+                controls.append([rank, m.client_id, len(data)])
+                continue
+            assert isinstance(body, Instruction)  # exchange() refused any other body
             key = (
                 m.round,
                 body.task,
@@ -456,12 +498,16 @@ class TorchDistLeader(_Site):
                 ]
             )
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        header = {"op": "round", "sizes": [len(t) for t in templates], "jobs": jobs, "timeout": remaining}
+        header = {
+            "op": "round", "sizes": [len(t) for t in templates], "jobs": jobs, "controls": controls, "timeout": remaining
+        }
         # until the members have answered, every collective ends by the deadline + grace
         self.until = None if deadline is None else deadline + ANSWER_GRACE
         try:
             self.broadcast_bytes(json.dumps(header).encode(), idle=True)
             self.broadcast_bytes(b"".join(templates))
+            if controls:
+                self.scatter_bytes([b"".join(mine) for mine in own])
             gathered = self.gather_bytes(b"")
         finally:
             self.until = None
@@ -469,7 +515,7 @@ class TorchDistLeader(_Site):
         heads = [
             json.loads(g) if g else {"replies": [], "failures": {}} for g in gathered
         ]
-        result = Exchange(bytes_sent=sum(len(t) for t in templates))
+        result = Exchange(bytes_sent=sum(len(t) for t in templates) + sum(len(b) for mine in own for b in mine))
         for h in heads:
             result.failures.update({int(c): why for c, why in h["failures"].items()})
         replies = [r for h in heads for r in h["replies"]]
@@ -573,6 +619,7 @@ class TorchDistMember(_Site):
             timeout = header.get("timeout")
             deadline = None if timeout is None else time.monotonic() + timeout
             blob = self.broadcast_bytes(None)
+            own = self.scatter_bytes(None) if header["controls"] else bytearray()
             offsets = [0]
             for size in header["sizes"]:
                 offsets.append(offsets[-1] + size)
@@ -585,10 +632,29 @@ class TorchDistMember(_Site):
                     template = serialization.decode(
                         blob[offsets[index] : offsets[index + 1]], copy=True
                     )
-                    body = dataclasses.replace(template.body, work=Work(**work))  # type: ignore[arg-type]
+                    if not isinstance(template.body, Instruction):
+                        raise serialization.SerializationError(
+                            f"a shared template holds a {type(template.body).__name__}, not an instruction"
+                        )
+                    body = dataclasses.replace(template.body, work=Work(**work))
                     mine.append((cid, Message(template.round, cid, body)))
                 except Exception as exc:  # one client's failure must not stop the site
                     log.warning("client %d: instruction refused: %s", cid, exc)
+                    failures[cid] = f"{type(exc).__name__}: {exc}"
+            offset = 0
+            for rank, cid, size in header["controls"]:
+                if rank != self.world.rdv.rank:
+                    continue
+                data, offset = own[offset : offset + size], offset + size
+                try:
+                    msg = serialization.decode(data)
+                    if not isinstance(msg.body, Control) or msg.client_id != cid:
+                        raise serialization.SerializationError(
+                            f"a control step for client {cid} holds a {type(msg.body).__name__} for client {msg.client_id}"
+                        )
+                    mine.append((cid, msg))
+                except Exception as exc:  # one client's failure must not stop the site
+                    log.warning("client %d: control step refused: %s", cid, exc)
                     failures[cid] = f"{type(exc).__name__}: {exc}"
             answers = self._run(mine, deadline, timeout)
             replies: list[tuple[dict[str, Any], bytes, Message]] = []

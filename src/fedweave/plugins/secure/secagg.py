@@ -384,7 +384,6 @@ class SecAgg:
     combines_encoded = True
     stage = "secure"
     points = ("client_send",)
-    messages = "its key set-up and unmasking are steps of their own between the server and each client"
 
     def __init__(self, hp: SecAggParams):
         self.hp = hp
