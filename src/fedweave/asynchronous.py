@@ -62,7 +62,7 @@ from fedweave.loop import (
     weighted_metric,
 )
 from fedweave.seeding import numpy_rng
-from fedweave.strategies.aggregate import kept_indices, with_selection
+from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
 from fedweave.strategies.base import Strategy
 from fedweave.types import Params, Update
 
@@ -233,9 +233,8 @@ class BufferedServer:
             record["skipped"] = True
         else:
             kept = kept_indices(params, len(updates))
-            if len(kept) < len(updates):
-                log.info("server step %d: the aggregation rule discarded the updates of clients %s", rnd,
-                         [c for i, u in enumerate(updates) if i not in kept for c in u.members or [u.client_id]])
+            if discarded := discarded_clients(updates, kept):
+                log.info("server step %d: the aggregation rule discarded the updates of clients %s", rnd, discarded)
             for i in kept:  # applied in the round of the instruction it trained on
                 parts.accepted.applied(flights[i].version + 1, [updates[i]])
             params = dict(params)

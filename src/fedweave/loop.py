@@ -32,7 +32,7 @@ from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
-from fedweave.strategies.aggregate import all_finite, kept_indices
+from fedweave.strategies.aggregate import all_finite, discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Topology
 from fedweave.transports.base import Exchange
@@ -89,7 +89,7 @@ class AcceptedRounds:
     def applied(self, rnd: int, updates: Iterable[Update]) -> None:
         """The server folded ``updates``, trained in round ``rnd``, into the model."""
         for update in updates:
-            for cid in update.members or [update.client_id]:
+            for cid in update.senders:
                 self.rounds[cid] = rnd
 
     def stamp(self, instruction: Instruction) -> Instruction:
@@ -170,9 +170,8 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         result = parts.strategy.aggregate(rnd, params, aggregated)
         params = dict(result)  # plain Params, whether or not the step names the updates it kept
         kept = kept_indices(result, len(aggregated))
-        if len(kept) < len(aggregated):
-            log.info("round %d: the aggregation rule discarded the updates of clients %s", rnd,
-                     [c for i, u in enumerate(aggregated) if i not in kept for c in u.members or [u.client_id]])
+        if discarded := discarded_clients(aggregated, kept):
+            log.info("round %d: the aggregation rule discarded the updates of clients %s", rnd, discarded)
         applied = [aggregated[i] for i in kept]
         if aggregated is not updates:  # the combined update stands for all of them
             applied = updates if applied else []

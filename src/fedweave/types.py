@@ -75,6 +75,11 @@ class Update:
     clients: int = 1  # client updates this one stands for (more when a site leader pre-aggregated)
     members: list[int] = field(default_factory=list)  # their client ids when pre-aggregated; empty: client_id
 
+    @property
+    def senders(self) -> list[int]:
+        """The clients this update stands for: its ``members``, else its ``client_id``."""
+        return self.members or [self.client_id]
+
 
 @dataclass
 class Evaluation:

@@ -32,11 +32,12 @@ def plot_workers(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     from matplotlib import pyplot as plt
 
     path = Path(path)
-    panels = PANELS + tuple(panel for panel in ASYNC_PANELS if worker_series(records, panel[0]))
+    series = {key: worker_series(records, key) for key, _ in PANELS + ASYNC_PANELS}
+    panels = PANELS + tuple(panel for panel in ASYNC_PANELS if series[panel[0]])
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7 * len(panels) / len(PANELS)), sharex=True)
     try:
         for ax, (key, label) in zip(axes, panels):
-            for worker, (steps, values) in sorted(worker_series(records, key).items()):
+            for worker, (steps, values) in sorted(series[key].items()):
                 ax.plot(steps, values, marker=".", label=f"worker {worker}")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

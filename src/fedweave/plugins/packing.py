@@ -16,6 +16,7 @@ floating tensors into one vector with :func:`flatten` (their layouts become
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -97,18 +98,26 @@ def decode_each(
     return out
 
 
-def flatten(tensors: Params) -> tuple[torch.Tensor, Params]:
+def flatten(tensors: Params, out: Any = None) -> tuple[torch.Tensor, Params]:
     """All floating tensors as one float64 vector, and the rest: each floating tensor's
-    layout (``name.__flat``) and the non-floating tensors, in their order."""
+    layout (``name.__flat``) and the non-floating tensors, in their order. With ``out`` (a
+    numpy or torch vector of any real dtype and the right size), the floating tensors are
+    written into it instead, and the vector returned shares its memory."""
     parts = []
     rest: Params = {}
     for name, tensor in tensors.items():
         if tensor.is_floating_point():
-            parts.append(tensor.detach().reshape(-1).to(torch.float64))
+            parts.append(tensor.detach().reshape(-1))
             rest[field(name, FLAT)] = layout(tensor)
         else:
             rest[name] = tensor
-    vector = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    if out is None:
+        vector = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        return vector, rest
+    vector, offset = torch.as_tensor(out), 0
+    for part in parts:
+        vector[offset : offset + part.numel()].copy_(part)
+        offset += part.numel()
     return vector, rest
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fedweave.schema import opt
-from fedweave.types import Params
+from fedweave.types import Params, Update
 
 RUNNING_STATISTICS = ("*running_mean", "*running_var")
 
@@ -56,6 +56,12 @@ class Selected(dict[str, torch.Tensor]):
 def kept_indices(combined: Params, count: int) -> list[int]:
     """The indices of the ``count`` inputs ``combined`` was made of: those a :class:`Selected` names, else all."""
     return list(combined.kept) if isinstance(combined, Selected) else list(range(count))
+
+
+def discarded_clients(updates: Sequence[Update], kept: Sequence[int]) -> list[int]:
+    """The clients behind the ``updates`` whose indices are not in ``kept``."""
+    keep = set(kept)
+    return [cid for i, u in enumerate(updates) if i not in keep for cid in u.senders]
 
 
 def with_selection(source: Params, result: Params) -> Params:

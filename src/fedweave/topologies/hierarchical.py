@@ -76,7 +76,7 @@ def combine(updates: Sequence[Update], client_id: int) -> Update:
         local_steps=max(u.local_steps for u in updates),
         compute_time=max(u.compute_time for u in updates),
         clients=sum(u.clients for u in updates),
-        members=[cid for u in updates for cid in (u.members or [u.client_id])],  # whose update the server applies
+        members=[cid for u in updates for cid in u.senders],  # whose update the server applies
     )
 
 

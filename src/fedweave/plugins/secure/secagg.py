@@ -76,11 +76,11 @@ import torch
 
 from fedweave.errors import ConfigError, RoundError
 from fedweave.plugins.chain import ControlExchange, PluginContext
-from fedweave.plugins.packing import FLAT, combine_plain, field, layout, unflatten
+from fedweave.plugins.packing import combine_plain, flatten, unflatten
 from fedweave.plugins.secure import shamir
 from fedweave.schema import opt
 from fedweave.seeding import numpy_rng
-from fedweave.types import Control, Params, Update, UpdateKind
+from fedweave.types import Control, Update, UpdateKind
 
 log = logging.getLogger(__name__)
 
@@ -183,18 +183,20 @@ class Field:
         self._work = np.empty(0, dtype=np.float64)
 
     @contextlib.contextmanager
-    def workspace(self, size: int, real: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The PRG buffer (``size`` entries and one AES block more) and a work vector of ``real``."""
+    def workspace(self, size: int, real: Any = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The PRG buffer (``size`` entries and one AES block more) and a work vector of
+        ``real`` (none, an empty one, when ``real`` is None: the server unmasks without)."""
         nbytes = size * (self.width // 8) + 15
         if self._stream.size != nbytes:
             self._stream = np.empty(nbytes, dtype=np.uint8)
-        if self._work.size != size or self._work.dtype != real:
+        if real is not None and (self._work.size != size or self._work.dtype != real):
             self._work = np.empty(size, dtype=real)
+        work = self._work if real is not None else self._work[:0]
         try:
-            yield self._stream, self._work
+            yield self._stream, work
         finally:
             self._stream.fill(0)
-            self._work.fill(0)
+            work.fill(0)
 
     def prg(self, seed: bytes, stream: np.ndarray, nbytes: int | None = None) -> np.ndarray:
         """PRG(seed): AES-128-CTR keyed by ``seed``'s first 16 bytes, one call, written into
@@ -301,21 +303,6 @@ class Quantizer:
         np.right_shift(out, out.dtype.type(f), out=out)
 
 
-def flatten_into(tensors: Params, out: np.ndarray) -> Params:
-    """Copy the floating tensors into the vector ``out``; return the rest, laid out as
-    :func:`~fedweave.plugins.packing.flatten` does, so :func:`~fedweave.plugins.packing.unflatten` undoes it."""
-    rest: Params = {}
-    target, offset = torch.from_numpy(out), 0
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point():
-            target[offset : offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
-            offset += tensor.numel()
-            rest[field(name, FLAT)] = layout(tensor)
-        else:
-            rest[name] = tensor
-    return rest
-
-
 def _u8(rows: list[bytes], width: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(len(rows), width)
 
@@ -370,8 +357,8 @@ class ServerRound:
     round: int
     neighbours: dict[int, tuple[int, ...]]
     threshold: dict[int, int]
-    records: dict[int, bytes]  # client -> its mask seeds sealed under r_u (opened only if it drops)
-    shared: list[int]  # completed step 1: its shares exist, its neighbours mask with it
+    records: dict[int, bytes]  # who completed step 1 (its neighbours mask with it), in id order ->
+    # its mask seeds sealed under r_u (opened only if it drops)
     ready: list[int]  # received its neighbours' shares: may send a masked update
 
 
@@ -424,8 +411,8 @@ class SecAgg:
         }
 
         def read_shares(u: int, a: Control) -> tuple[bytes, torch.Tensor]:
-            _tensor(a, "shares", torch.uint8, (len(graph[u]), SEALED_SHARES))
-            return bytes(_tensor(a, "record", torch.uint8, (1, len(graph[u]) * KEY_BYTES + 16))), a.tensors["shares"]
+            shares = _tensor(a, "shares", torch.uint8, (len(graph[u]), SEALED_SHARES))
+            return bytes(_tensor(a, "record", torch.uint8, (1, len(graph[u]) * KEY_BYTES + 16))), torch.from_numpy(shares)
 
         replies = self._answers(rnd, exchange(asks), read_shares)
         threshold = {u: threshold_of(self.hp.threshold, len(graph[u])) for u in members}
@@ -442,8 +429,8 @@ class SecAgg:
                 "senders": _ids([u for u, _ in senders]), "shares": torch.stack([row for _, row in senders])
             })
         ready = sorted(self._answers(rnd, exchange(forward), lambda u, a: None))
-        records = {u: replies[u][0] for u in shared}
-        self.round = ServerRound(rnd, graph, threshold, records, sorted(shared), ready)
+        records = {u: replies[u][0] for u in sorted(shared)}
+        self.round = ServerRound(rnd, graph, threshold, records, ready)
         if len(ready) < 2:
             raise RoundError(f"secagg: {len(ready)} client(s) completed the key set-up; secure aggregation needs 2")
         return ready
@@ -471,17 +458,18 @@ class SecAgg:
                 f"{self.hp.max_examples}, so their field sum may have wrapped"
             )
         alive = set(survivors)
-        dropped = [d for d in setup.shared if d not in alive]
+        dropped = [d for d in setup.records if d not in alive]
         for owner in [*survivors, *dropped]:
             holders = [h for h in (owner, *setup.neighbours[owner]) if h in alive]
             _enough(owner, len(holders), setup.threshold[owner], owner not in alive, "survived")
         asked = {v: [w for w in setup.neighbours[v] if w in alive] for v in survivors}
+        gone = {v: [w for w in setup.neighbours[v] if w in setup.records and w not in alive] for v in survivors}
         answers = exchange({v: Control(self.name, UNMASK, {"survivors": _ids(asked[v])}) for v in survivors})
-        seeds, keys = self._collect(ctx.round, setup, answers, asked, alive)
+        seeds, keys = self._collect(ctx.round, answers, asked, gone)
         total = self.field.from_wire(updates[0].tensors[MASKED]).copy()
         for u in updates[1:]:
             np.add(total, self.field.from_wire(u.tensors[MASKED]), out=total)
-        with self.field.workspace(total.size, self.quantize.real) as (stream, _):
+        with self.field.workspace(total.size) as (stream, _):
             for owner in survivors:
                 self_seed = _recover(owner, seeds.get(owner), setup.threshold[owner], False)
                 self.field.add_mask(total, self_seed, stream, subtract=True)
@@ -503,23 +491,23 @@ class SecAgg:
         )
 
     def _collect(
-        self, rnd: int, setup: ServerRound, answers: dict[int, Control], asked: dict[int, list[int]], alive: set[int]
+        self, rnd: int, answers: dict[int, Control], asked: dict[int, list[int]], gone: dict[int, list[int]]
     ) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, list[tuple[int, np.ndarray]]]]:
-        """The shares each survivor answered, by owner: of b_w (survivors) and of r_w (drop-outs)."""
+        """The shares each survivor answered, by owner: of b_w for itself and the survivors it
+        was ``asked`` about, of r_w for its neighbours ``gone`` after step 1."""
         seeds: dict[int, list[tuple[int, np.ndarray]]] = {}
         keys: dict[int, list[tuple[int, np.ndarray]]] = {}
         for v, reply in sorted(answers.items()):
             owners = sorted([v, *asked[v]])
-            gone = [w for w in setup.neighbours[v] if w in setup.shared and w not in alive]
             try:
                 seed_rows = _tensor(reply, "seed", torch.int32, (len(owners), SECRET_LIMBS))
-                key_rows = _tensor(reply, "key", torch.int32, (len(gone), SECRET_LIMBS))
+                key_rows = _tensor(reply, "key", torch.int32, (len(gone[v]), SECRET_LIMBS))
             except ValueError as exc:
                 log.warning("round %d: client %d's unmasking answer refused: %s", rnd, v, exc)
                 continue
             for w, row in zip(owners, seed_rows):
                 seeds.setdefault(w, []).append((v + 1, row))
-            for w, row in zip(gone, key_rows):
+            for w, row in zip(gone[v], key_rows):
                 keys.setdefault(w, []).append((v + 1, row))
         return seeds, keys
 
@@ -635,7 +623,7 @@ class SecAgg:
         masked = np.empty(size, dtype=self.field.dtype)
         rounding = hashlib.sha256(f"fedweave {self.name} rounding|seed {self.seed}|round {ctx.round}|{u}".encode())
         with self.field.workspace(size, self.quantize.real) as (stream, work):
-            rest = flatten_into(payload.tensors, work)
+            _, rest = flatten(payload.tensors, out=work)
             r = self.hp.clip_range
             low, high = (work.min(), work.max()) if size else (0.0, 0.0)
             if not (np.isfinite(low) and np.isfinite(high)):  # the server cannot see it once masked

@@ -15,6 +15,7 @@ in GF(p) by rejection.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -59,7 +60,10 @@ def split(limbs: np.ndarray, threshold: int, xs: list[int]) -> np.ndarray:
         raise ValueError("share points must be distinct and in [1, p), the threshold at most 2^15")
     secret = np.asarray(limbs, dtype=np.int64).reshape(1, -1)
     coefficients = np.concatenate([secret, _uniform((threshold - 1) * secret.size).reshape(threshold - 1, -1)])
-    vandermonde = np.asarray([[pow(x, j, PRIME) for j in range(threshold)] for x in xs], dtype=np.int64)
+    vandermonde = np.ones((len(xs), threshold), dtype=np.int64)
+    points = np.asarray(xs, dtype=np.int64)
+    for j in range(1, threshold):  # x^j mod p column by column: products of two values < 2^31
+        vandermonde[:, j] = vandermonde[:, j - 1] * points % PRIME
     high = vandermonde @ (coefficients >> 16) % PRIME  # sums of < 2^15 terms below 2^31 · 2^16: in int64
     shares = ((high << 16) + vandermonde @ (coefficients & 0xFFFF)) % PRIME
     return shares.reshape(len(xs), *np.shape(limbs))
@@ -67,6 +71,12 @@ def split(limbs: np.ndarray, threshold: int, xs: list[int]) -> np.ndarray:
 
 def lagrange_at_zero(xs: list[int]) -> np.ndarray:
     """The weights λ_i with f(0) = Σ λ_i f(x_i) for a polynomial of degree < len(xs)."""
+    return _lagrange(tuple(xs)).copy()
+
+
+@functools.lru_cache(maxsize=256)
+def _lagrange(xs: tuple[int, ...]) -> np.ndarray:
+    """:func:`lagrange_at_zero`, once per point set (a server recovers many secrets from the same holders)."""
     out = []
     for i, xi in enumerate(xs):
         num, den = 1, 1
