@@ -39,6 +39,8 @@ import time
 from typing import Any
 
 MB = 1_000_000
+CHUNK = 1 << 20  # bare gRPC: bytes per message, and its message size limit
+LIMITS = [("grpc.max_send_message_length", CHUNK), ("grpc.max_receive_message_length", CHUNK)]
 
 
 def peak_bytes() -> int:
@@ -72,7 +74,7 @@ def raw_receiver(port: int, size: int, memory: str) -> None:
     report(end=time.time(), base=base, peak=peak_bytes())
 
 
-def raw_sender(port: int, size: int, memory: str) -> None:
+def raw_sender(port: int, size: int) -> None:
     import torch
 
     base = peak_bytes()
@@ -95,14 +97,12 @@ def raw_sender(port: int, size: int, memory: str) -> None:
 BARE = "/bench.Bare/Push"
 
 
-def bare_server(port: int, size: int) -> None:
+def bare_server(port: int) -> None:
     import threading
     from concurrent import futures
 
     import grpc
 
-    chunk = 1 << 20
-    limits = [("grpc.max_send_message_length", chunk), ("grpc.max_receive_message_length", chunk)]
     done, marks = threading.Event(), {}
 
     def push(frames: Any, _context: Any) -> bytes:
@@ -112,7 +112,7 @@ def bare_server(port: int, size: int) -> None:
         return str(got).encode()
 
     handler = grpc.stream_unary_rpc_method_handler(push, lambda b: b, lambda b: b)
-    server = grpc.server(futures.ThreadPoolExecutor(2), options=limits)
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=LIMITS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", {"Push": handler}),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -126,17 +126,15 @@ def bare_server(port: int, size: int) -> None:
 def bare_client(port: int, size: int) -> None:
     import grpc
 
-    chunk = 1 << 20
-    limits = [("grpc.max_send_message_length", chunk), ("grpc.max_receive_message_length", chunk)]
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=limits)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=LIMITS)
     grpc.channel_ready_future(channel).result(timeout=60)
     call = channel.stream_unary(BARE, lambda b: b, lambda b: b)
     base = peak_bytes()
-    payload = os.urandom(chunk)
+    payload = os.urandom(CHUNK)
 
     def frames() -> Any:
-        for start in range(0, size, chunk):
-            yield payload[: min(chunk, size - start)]
+        for start in range(0, size, CHUNK):
+            yield payload[: min(CHUNK, size - start)]
 
     start = time.time()
     got = int(call(frames(), timeout=600))
@@ -242,12 +240,12 @@ def measure(size: int, checksums: list[bool]) -> list[tuple[str, float, float, f
     rows = []
     for memory, tag in (("fresh", "fresh tensor"), ("huge", "huge pages")):
         port = free_port()
-        args = [str(port), str(size), memory]
-        receiver, sender = pair(["raw-receiver", *args], ["raw-sender", *args])
+        args = [str(port), str(size)]
+        receiver, sender = pair(["raw-receiver", *args, memory], ["raw-sender", *args])
         seconds = receiver["end"] - sender["start"]
         rows.append((f"raw socket, {tag}", size / seconds, ratio(sender, size), ratio(receiver, size)))
     port = free_port()
-    server, client = pair(["bare-server", str(port), str(size)], ["bare-client", str(port), str(size)])
+    server, client = pair(["bare-server", str(port)], ["bare-client", str(port), str(size)])
     seconds = server["end"] - client["start"]
     rows.append(("bare gRPC (grpcio alone)", size / seconds, ratio(client, size), ratio(server, size)))
     for checksum in checksums:

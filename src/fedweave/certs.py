@@ -70,14 +70,6 @@ def token_entry(name: str) -> str:
     return name.removeprefix("client-") if name.startswith("client-") else name
 
 
-def client_cert(client_id: int) -> str:
-    return cert_file(client_name(client_id))
-
-
-def client_key(client_id: int) -> str:
-    return key_file(client_name(client_id))
-
-
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 

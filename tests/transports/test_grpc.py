@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fedweave import config as config_mod
-from fedweave.certs import cert_file, client_cert, client_key, key_file, make_credentials, token_file
+from fedweave.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import TransportError
 from fedweave.topologies.deploy import SiteBatches
@@ -253,8 +253,8 @@ def test_mtls_refuses_foreign_and_stolen_certificates(
     foreign = make_credentials(tmp_path / "foreign", 2)  # the same names, signed by another CA
     stolen = tmp_path / "stolen"  # client 0's valid certificate, presented as client 1
     shutil.copytree(credentials, stolen)
-    for name in (client_cert, client_key):
-        shutil.copy(credentials / name(0), stolen / name(1))
+    for name in (cert_file, key_file):
+        shutil.copy(credentials / name(client_name(0)), stolen / name(client_name(1)))
     with cluster(s, clients=2, start=1) as c:
         started = time.monotonic()
         error = _run_client(settings(*base, f"grpc.credentials={foreign}", clients=2), 1, c.server.address)

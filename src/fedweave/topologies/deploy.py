@@ -183,8 +183,7 @@ class SiteBatches:
 
     def __init__(self, tree: list[Any], link: Transport):
         self.transport = link
-        self.sites = [leaves(site) for site in tree]
-        self.site_of = {cid: s for s, ids in enumerate(self.sites) for cid in ids}
+        self.site_of = {cid: s for s, site in enumerate(tree) for cid in leaves(site)}
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         result = Exchange()

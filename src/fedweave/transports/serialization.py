@@ -202,7 +202,7 @@ def _body_fields(body: Any) -> tuple[str, dict[str, Any], dict[str, Mapping[str,
 def _batch_fields(body: SiteJob | SiteReply) -> tuple[str, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:
     """A site batch: its messages as items whose tensors index a pool (each shared tensor once)."""
     kind = "site_job" if isinstance(body, SiteJob) else "site_reply"
-    pool: dict[int, tuple[str, torch.Tensor]] = {}
+    pool: dict[int, tuple[int, torch.Tensor]] = {}
     items = []
     for m in body.messages:
         inner, fields, groups = _body_fields(m.body)
@@ -212,15 +212,14 @@ def _batch_fields(body: SiteJob | SiteReply) -> tuple[str, dict[str, Any], dict[
         for group, named in groups.items():
             refs[group] = {}
             for name, t in named.items():
-                entry = pool.setdefault(id(t), (str(len(pool)), t))
-                refs[group][name] = int(entry[0])
+                refs[group][name] = pool.setdefault(id(t), (len(pool), t))[0]
         items.append({"round": m.round, "client_id": m.client_id, "body": inner, "fields": fields, "tensors": refs})
     extra: dict[str, Any] = (
         {"timeout": body.timeout}
         if isinstance(body, SiteJob)
         else {"failures": {str(c): str(why) for c, why in body.failures.items()}}
     )
-    return kind, {"items": items, **extra}, {"pool": dict(pool.values())}
+    return kind, {"items": items, **extra}, {"pool": {str(i): t for i, t in pool.values()}}
 
 
 def _plan(message: Message) -> _Plan:
@@ -332,6 +331,8 @@ class _Layout:
     tensors: list[_Tensor]
     data_start: int
     data_len: int
+    # a site batch's items once checked (see _items): each item's own layout and pool index map
+    items: list[tuple[_Layout, dict[str, dict[str, int]]]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -514,7 +515,8 @@ def _check_batch(layout: _Layout) -> None:
                 _check(_is_int(i, 0) and i < len(pool), f"item {n}: {group} {name!r} names no pool tensor ({i!r})")
                 used.add(i)
     _check(used == set(range(len(pool))), "a pool tensor is used by no item")
-    for inner, _ in _items(layout):
+    layout.items = _items(layout)
+    for inner, _ in layout.items:
         _check_fields(inner)
     if layout.body == "site_job":
         t = f["timeout"]
@@ -533,7 +535,7 @@ def _check_expected(layout: _Layout, expected: Expected) -> None:
     legitimately carries other names and shapes, which its plugin's decode checks.
     """
     if layout.body in _BATCHES:
-        for inner, _ in _items(layout):
+        for inner, _ in layout.items:
             _check_expected(inner, expected)
         return
     groups = _GROUPS[layout.body]
@@ -559,7 +561,7 @@ def _build(layout: _Layout, values: dict[tuple[str, str], torch.Tensor]) -> Mess
     if layout.body in _BATCHES:
         messages = [
             _build(inner, {(g, name): values[("pool", str(i))] for g, named in refs.items() for name, i in named.items()})
-            for inner, refs in _items(layout)
+            for inner, refs in layout.items
         ]
         if layout.body == "site_job":
             return Message(layout.round, layout.client_id, SiteJob(messages, f["timeout"]))

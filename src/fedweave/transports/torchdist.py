@@ -281,29 +281,29 @@ class _Site:
             out[lo:hi] = piece.cpu().numpy().tobytes()
         return out
 
-    def scatter_bytes(self, data: Sequence[bytes] | None) -> bytearray:
-        """The leader's ``data[i]`` on the site's i-th rank (``data`` is given on the leader only):
-        every rank's length and the leader's bucket size, then padded buckets."""
+    def scatter_bytes(self, data: Sequence[Sequence[bytearray]] | None) -> bytearray:
+        """The leader's ``data[i]`` (a list of buffers, concatenated) on the site's i-th rank
+        (``data`` is given on the leader only): every rank's length and the leader's bucket
+        size, then padded buckets."""
         n = len(self.ranks)
-        head = self._dev(
-            torch.tensor(
-                [*(len(d) for d in data), self.world.bucket_bytes] if data is not None else [0] * (n + 1),
-                dtype=torch.int64,
-            )
-        )
+        lengths = [sum(len(d) for d in mine) for mine in data] if data is not None else [0] * n
+        head = self._dev(torch.tensor([*lengths, self.world.bucket_bytes], dtype=torch.int64))
         self._collective("broadcast", dist.broadcast, head, src=self.leader, group=self.group)
         lengths, bucket = [int(x) for x in head[:n]], int(head[n])
         total = max(lengths)
         padded = None
         if data is not None:
             padded = [torch.zeros(total, dtype=torch.uint8) for _ in range(n)]
-            for buf, d in zip(padded, data):
-                if d:
-                    buf[: len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
+            for buf, mine in zip(padded, data):
+                at = 0
+                for d in mine:
+                    if d:
+                        buf[at : at + len(d)] = torch.frombuffer(d, dtype=torch.uint8)
+                    at += len(d)
         out = bytearray(total)
         for lo, hi in _chunks(total, bucket):
             piece = self._dev(torch.empty(hi - lo, dtype=torch.uint8))
-            parts = [self._dev(buf[lo:hi].clone()) for buf in padded] if padded is not None else None
+            parts = [self._dev(buf[lo:hi]) for buf in padded] if padded is not None else None
             self._collective("scatter", dist.scatter, piece, parts, src=self.leader, group=self.group)
             out[lo:hi] = piece.cpu().numpy().tobytes()
         return out[: lengths[self.ranks.index(self.world.rdv.rank)]]
@@ -467,13 +467,13 @@ class TorchDistLeader(_Site):
         templates: list[bytes] = []
         keys: dict[tuple[Any, ...], int] = {}
         jobs = []
-        own: list[list[bytes]] = [[] for _ in self.ranks]  # per rank: its clients' control steps
+        own: list[list[bytearray]] = [[] for _ in self.ranks]  # per rank: its clients' control steps
         controls = []
         for m in messages:
             body = m.body
             if isinstance(body, Control):
                 rank = self.members[m.client_id]
-                data = bytes(serialization.encode(m))
+                data = serialization.encode(m)
                 own[self.ranks.index(rank)].append(data)
                 controls.append([rank, m.client_id, len(data)])
                 continue
@@ -507,7 +507,7 @@ class TorchDistLeader(_Site):
             self.broadcast_bytes(json.dumps(header).encode(), idle=True)
             self.broadcast_bytes(b"".join(templates))
             if controls:
-                self.scatter_bytes([b"".join(mine) for mine in own])
+                self.scatter_bytes(own)
             gathered = self.gather_bytes(b"")
         finally:
             self.until = None
@@ -515,7 +515,7 @@ class TorchDistLeader(_Site):
         heads = [
             json.loads(g) if g else {"replies": [], "failures": {}} for g in gathered
         ]
-        result = Exchange(bytes_sent=sum(len(t) for t in templates) + sum(len(b) for mine in own for b in mine))
+        result = Exchange(bytes_sent=sum(len(t) for t in templates) + sum(size for _, _, size in controls))
         for h in heads:
             result.failures.update({int(c): why for c, why in h["failures"].items()})
         replies = [r for h in heads for r in h["replies"]]

@@ -48,6 +48,7 @@ SITE_KEY = "fedweave-site"
 TOKEN_KEY = "fedweave-token"
 SESSION_KEY = "fedweave-session"
 JOB_KEY = "fedweave-job"
+ROLE_KEYS = {"client": CLIENT_KEY, "site": SITE_KEY}  # a node's role -> the call metadata that carries its id
 TOKEN_ENV = "FEDWEAVE_TOKEN"
 
 CONTROL = 2
@@ -70,7 +71,7 @@ class Node:
     @property
     def key(self) -> str:
         """The call metadata that carries its id."""
-        return CLIENT_KEY if self.role == "client" else SITE_KEY
+        return ROLE_KEYS[self.role]
 
     def __str__(self) -> str:
         return f"{self.role} {self.id}"

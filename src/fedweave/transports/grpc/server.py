@@ -223,8 +223,8 @@ class GrpcServerTransport:
     def _authenticate(self, context: Any, registering: bool = False) -> int:
         codes = self._grpc.StatusCode
         metadata = dict(context.invocation_metadata())
-        key = p.CLIENT_KEY if self.role == "client" else p.SITE_KEY
-        other = p.SITE_KEY if self.role == "client" else p.CLIENT_KEY
+        key = p.ROLE_KEYS[self.role]
+        (other,) = set(p.ROLE_KEYS.values()) - {key}
         if key not in metadata and other in metadata:
             kind = "site leaders" if self.role == "site" else "clients"
             why = f"{other} {metadata[other]!r}: this server serves {kind} (topology.kind differs from the server's?)"
@@ -389,7 +389,7 @@ class GrpcServerTransport:
                 raise SerializationError(f"the site answers for client {item.client_id}, which is not in its job")
             _check_answer(members[item.client_id], item.body)
             counted += item.body.clients if isinstance(item.body, Update) else 1
-            named = (item.body.members or [item.client_id]) if isinstance(item.body, Update) else [item.client_id]
+            named = item.body.senders if isinstance(item.body, Update) else [item.client_id]
             ids = set(named)
             if item.client_id not in ids or len(ids) < len(named) or not ids <= set(members) or ids & covered:
                 raise SerializationError(
