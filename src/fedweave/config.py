@@ -428,6 +428,12 @@ class Config:
         """Clients sampled each round: the fraction rounded half up, at least min_clients."""
         return max(self.min_clients, int(self.sample_fraction * self.clients + 0.5))
 
+    @property
+    def data_parallel_workers(self) -> int:
+        """Workers of a data-parallel run: ``data_parallel.workers``, then the joining ones
+        (``heterogeneity.joins``), which take the indices after them."""
+        return self.data_parallel.workers + len(self.heterogeneity.joins)
+
     def validate(self, prefix: str) -> None:
         if self.min_clients > self.clients:
             raise ConfigError(
@@ -579,7 +585,7 @@ def _check_data_parallel(config: Config) -> None:
     """Cross-key checks of ``mode: data_parallel``: worker indices, counts, batch bounds."""
     dp, het = config.data_parallel, config.heterogeneity
     n = dp.workers
-    total = n + len(het.joins)  # joining workers take the indices n, n + 1, ...
+    total = config.data_parallel_workers  # joining workers take the indices n, n + 1, ...
     joined = f" and {len(het.joins)} join{'s' if len(het.joins) > 1 else ''}" if het.joins else ""
     for i, join in enumerate(het.joins):
         if join.worker != n + i:

@@ -55,7 +55,7 @@ import logging
 import multiprocessing
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,13 +131,28 @@ def local_contribution(
     return flat, float(loss.detach())
 
 
+def _pieces(tensors: Iterable[torch.Tensor], flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor with its consecutive slice of ``flat``, shaped like it (a view)."""
+    offset = 0
+    for t in tensors:
+        yield t, flat[offset : offset + t.numel()].view_as(t)
+        offset += t.numel()
+
+
 def assign_gradient(model: nn.Module, flat: torch.Tensor) -> None:
     """Set each parameter's ``grad`` from one flat vector (the summed contributions)."""
-    offset = 0
-    for p in trainable(model):
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+    for p, piece in _pieces(trainable(model), flat):
+        p.grad = piece.clone()
+
+
+def copy_flat(tensors: Iterable[torch.Tensor], flat: torch.Tensor, add: bool = False) -> None:
+    """Copy (``add``: add) consecutive slices of one flat vector into ``tensors``, in place."""
+    with torch.no_grad():
+        for t, piece in _pieces(tensors, flat):
+            if add:
+                t.add_(piece.to(t.dtype))
+            else:
+                t.copy_(piece)
 
 
 def summed_gradient(
@@ -149,6 +164,11 @@ def summed_gradient(
 
 
 # --------------------------------------------------------------------------- process group
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when the message is empty)."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 class PeerFailure(Exception):
@@ -187,14 +207,14 @@ class _Group:
         try:
             dist.all_reduce(tensor)
         except Exception as exc:
-            raise PeerFailure(str(exc).splitlines()[0]) from exc
+            raise PeerFailure(_first_line(exc)) from exc
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         box = [obj]
         try:
             dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
         except Exception as exc:
-            raise PeerFailure(str(exc).splitlines()[0]) from exc
+            raise PeerFailure(_first_line(exc)) from exc
         return box[0]
 
     def close(self) -> None:
@@ -248,7 +268,6 @@ class _Shared:
     run_dir: Path
     members: list[int]
     backend: str
-    start_method: str
     resume: dict[str, Any] | None = None
     dataset: Dataset | None = None  # preloaded by the launcher when the workers are forked
 
@@ -264,7 +283,7 @@ def resolve_backend(config: Config) -> tuple[str, str]:
     backend = config.data_parallel.backend
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    workers = config.data_parallel.workers + len(config.heterogeneity.joins)
+    workers = config.data_parallel_workers
     if backend == "nccl" and gpus < workers:
         raise ConfigError(
             f"config key 'data_parallel.backend': nccl needs a GPU per worker; {workers} workers, {gpus} GPUs"
@@ -280,6 +299,17 @@ def make_optimizer(model: nn.Module, dp: config_mod.DataParallelConfig) -> Local
         model.parameters(),
         LocalSettings(optimizer=dp.optimizer, lr=dp.lr, momentum=dp.momentum, weight_decay=dp.weight_decay),
     )
+
+
+def optimizer_state(optimizer: LocalOptimizer) -> dict[str, Any]:
+    """The optimiser's state for a checkpoint (its tensors copied to the CPU)."""
+    return {"steps": optimizer.steps, "state": _to(optimizer.state, torch.device("cpu"))}
+
+
+def load_optimizer_state(optimizer: LocalOptimizer, saved: Mapping[str, Any], device: torch.device) -> None:
+    """Restore what :func:`optimizer_state` saved, its tensors on ``device``."""
+    optimizer.steps = int(saved["steps"])
+    optimizer.state = _to(saved["state"], device)
 
 
 def worker_setup(worker: int, shared: _Shared) -> tuple[Emulator, torch.device, Dataset]:
@@ -332,7 +362,7 @@ class _Worker:
         return {
             "step": self.step,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": {"steps": self.optimizer.steps, "state": _to(self.optimizer.state, torch.device("cpu"))},
+            "optimizer": optimizer_state(self.optimizer),
             "sampler": self.sampler.state_dict(),
             "controller": self.controller.state_dict(),
             "window": self.window,
@@ -342,8 +372,7 @@ class _Worker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.model.load_state_dict(state["model"])
-        self.optimizer.steps = int(state["optimizer"]["steps"])
-        self.optimizer.state = _to(state["optimizer"]["state"], self.device)
+        load_optimizer_state(self.optimizer, state["optimizer"], self.device)
         self.sampler.load_state_dict(state["sampler"])
         self.controller.load_state_dict(state["controller"])
         self.window = state["window"]
@@ -355,7 +384,7 @@ class _Worker:
         """Train until the run is done; with ``join_step``, first join the running job
         (taking part from that step at the earliest)."""
         dp = self.config.data_parallel
-        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=dp.timeout))
+        store = worker_store(address, dp.timeout)
         self.store = store
         gen = 0 if join_step is None else self._admission(store, join_step)
         while True:
@@ -513,11 +542,7 @@ class _Worker:
                 continue  # the step is taken again with the lowered batches
             assign_gradient(self.model, buffer[:n_params])
             self.optimizer.step()
-            offset = n_params
-            with torch.no_grad():
-                for b in buffers:
-                    b.copy_(buffer[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+            copy_flat(buffers, buffer[n_params : n_params + n_buf])
             times = {members[j]: tail[1 + j] for j in range(n)}
             waits = [tail[1 + n + j] for j in range(n)]
             control_start = time.perf_counter()
@@ -555,14 +580,9 @@ class _Worker:
         if (epoch_end and cfg.checkpoint.every and self.sampler.epoch % cfg.checkpoint.every == 0) or (
             done and cfg.checkpoint.every
         ):
-            atomic_save(
-                {"mode": "data_parallel", "round": self.step, "state": self.state_dict()},
-                self.shared.run_dir / CHECKPOINT,
-            )
+            save_checkpoint(self.shared.run_dir, self.step, self.state_dict())
         if done:
-            atomic_save(
-                {k: v.detach().cpu() for k, v in self.model.state_dict().items()}, self.shared.run_dir / MODEL_FILE
-            )
+            save_model(self.model, self.shared.run_dir)
 
     def _write_record(self, w: _Window, gen: int, epoch_end: bool, done: bool) -> None:
         """Append the metrics line of window ``w`` (evaluated on the test set when due)."""
@@ -587,13 +607,26 @@ class _Worker:
         }
         evaluate_now = done or (epoch_end and cfg.eval.every and self.sampler.epoch % cfg.eval.every == 0)
         if evaluate_now:
-            metrics = evaluate(
-                self.model, self.dataset.x_test, self.dataset.y_test, self.loss_fn, batch_size=cfg.eval.batch_size
-            )
-            record.update({f"test_{name}": value for name, value in metrics.items()})
+            record.update(evaluation(cfg, self.model, self.dataset, self.loss_fn))
         record["wall_time"] = time.perf_counter() - self.started
         self.metrics.append(record)
         self.logged_step = self.step
+
+
+def evaluation(config: Config, model: nn.Module, dataset: Dataset, loss_fn: LossFn) -> Record:
+    """``model``'s metrics on the test set, each named ``test_<metric>`` as in a metrics line."""
+    metrics = evaluate(model, dataset.x_test, dataset.y_test, loss_fn, batch_size=config.eval.batch_size)
+    return {f"test_{name}": value for name, value in metrics.items()}
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> None:
+    """The run's checkpoint after ``step``: ``state`` is what the run resumes from."""
+    atomic_save({"mode": "data_parallel", "round": step, "state": state}, run_dir / CHECKPOINT)
+
+
+def save_model(model: nn.Module, run_dir: Path) -> None:
+    """The trained model's state (on the CPU) in ``run_dir``."""
+    atomic_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / MODEL_FILE)
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -668,20 +701,27 @@ def _make_model(config: Config, dataset: Dataset) -> nn.Module:
     )
 
 
-def _worker_main(worker: int, shared: _Shared, port_conn: Any, join_step: int | None = None) -> None:
-    """Entry point of a worker process (of a joining one with ``join_step``)."""
+def worker_process(
+    worker: int, shared: _Shared, port_conn: Any, run: Callable[[tuple[str, int]], None], logger: logging.Logger
+) -> None:
+    """The body of a worker process: wait (bounded) for the store's address on ``port_conn``,
+    then ``run(address)``. Exits with 4 when no address comes, 3 when the run stopped it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the workers
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    timeout = shared.config.data_parallel.timeout
-    if not port_conn.poll(timeout):
+    if not port_conn.poll(shared.config.data_parallel.timeout):
         raise SystemExit(4)
     address = port_conn.recv()
     try:
-        _Worker(worker, shared).run(address, join_step)
+        run(address)
     except _Stopped as exc:
-        log.error("worker %d: %s", worker, exc)
+        logger.error("worker %d: %s", worker, exc)
         raise SystemExit(3) from None
+
+
+def _worker_main(worker: int, shared: _Shared, port_conn: Any, join_step: int | None = None) -> None:
+    """Entry point of a worker process (of a joining one with ``join_step``)."""
+    worker_process(worker, shared, port_conn, lambda address: _Worker(worker, shared).run(address, join_step), log)
 
 
 def join(run_dir: str | Path, wait: float = 0.0) -> int:
@@ -713,7 +753,7 @@ def join(run_dir: str | Path, wait: float = 0.0) -> int:
     dp = config.data_parallel
     address = (rendezvous["host"], int(rendezvous["port"]))
     try:
-        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=dp.timeout))
+        store = worker_store(address, dp.timeout)
         worker = int(store.add(WORKER_IDS_KEY, 1)) - 1
     except Exception as exc:  # a stale rendezvous file: the launcher is gone
         raise DataParallelError(f"the run in {str(run_dir)!r} does not answer at {address}: {exc}") from exc
@@ -721,14 +761,12 @@ def join(run_dir: str | Path, wait: float = 0.0) -> int:
     gpus = torch.cuda.device_count()
     if backend == "nccl" and worker >= gpus:
         raise DataParallelError(f"worker {worker} needs GPU {worker} for nccl; this host has {gpus}")
-    shared = _Shared(
-        config=config, run_dir=run_dir, members=list(range(dp.workers)), backend=backend, start_method="spawn"
-    )
+    shared = _Shared(config=config, run_dir=run_dir, members=list(range(dp.workers)), backend=backend)
     log.info("joining the run in %s as worker %d", run_dir, worker)
     try:
         _Worker(worker, shared).run(address, join_step=0)
     except (_Stopped, dist.DistError) as exc:
-        raise DataParallelError(f"worker {worker}: {str(exc).splitlines()[0]}") from None
+        raise DataParallelError(f"worker {worker}: {_first_line(exc)}") from None
     return worker
 
 
@@ -815,18 +853,18 @@ def execute(
     backend, method = resolve_backend(cfg)
     # emulated joiners whose step a resumed run has passed start with the others
     joins = {j.worker: j.step for j in cfg.heterogeneity.joins if j.step > r.start_step}
-    members = [w for w in range(dp.workers + len(cfg.heterogeneity.joins)) if w not in joins]
+    members = [w for w in range(cfg.data_parallel_workers) if w not in joins]
     ctx = multiprocessing.get_context(method)
     shared = _Shared(
-        config=cfg, run_dir=r.run_dir, members=members, backend=backend, start_method=method,
-        resume=r.resume_state, dataset=_load(cfg) if method == "fork" else None,
+        config=cfg, run_dir=r.run_dir, members=members, backend=backend, resume=r.resume_state,
+        dataset=_load(cfg) if method == "fork" else None,
     )
     procs, conns = spawn_workers(
         ctx, [*members, *joins], _worker_main, lambda w, pipe: (w, shared, pipe, joins.get(w)), "fedweave-worker"
     )
     store = launcher_store(dp.timeout)
     store.set("members/0", ",".join(map(str, members)))
-    store.add(WORKER_IDS_KEY, dp.workers + len(cfg.heterogeneity.joins))  # the next id joins by hand get
+    store.add(WORKER_IDS_KEY, cfg.data_parallel_workers)  # the next id joins by hand get
     release_workers(conns, joins, store.port)  # joiners announce themselves first: each is admitted at its step
     _await_announcements(store, len(joins), procs, dp.timeout)
     release_workers(conns, members, store.port)
@@ -891,6 +929,11 @@ def launcher_store(timeout: float) -> dist.TCPStore:
     return dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
     )
+
+
+def worker_store(address: tuple[str, int], timeout: float) -> dist.TCPStore:
+    """A worker's client of the run's TCP store at ``address``."""
+    return dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=timeout))
 
 
 def release_workers(conns: Mapping[int, Any], ids: Sequence[int], port: int) -> None:

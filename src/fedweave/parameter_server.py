@@ -78,7 +78,6 @@ import datetime
 import logging
 import math
 import multiprocessing
-import signal
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -93,33 +92,41 @@ from torch import nn
 from fedweave.asynchronous import staleness_weight
 from fedweave.batching.dynamic import BatchController
 from fedweave.batching.sampler import GlobalSampler
-from fedweave.checkpoint import CHECKPOINT, atomic_save
 from fedweave.config import StalenessOptions
 from fedweave.data_parallel import (
     METRICS_FILE,
-    MODEL_FILE,
     PLOT_FILE,
     DataParallelError,
     DataParallelRun,
     Record,
+    _first_line,
     _load,
     _make_model,
     _Shared,
+    _Stopped,
     assign_gradient,
+    copy_flat,
+    evaluation,
     float_buffers,
     launcher_store,
+    load_optimizer_state,
     local_contribution,
     make_optimizer,
+    optimizer_state,
     release_workers,
     resolve_backend,
+    save_checkpoint,
+    save_model,
     spawn_workers,
     trainable,
+    worker_process,
     worker_setup,
+    worker_store,
 )
 from fedweave.observe.metrics import MetricsWriter
 from fedweave.seeding import derive_seed
 from fedweave.strategies.training import LocalOptimizer
-from fedweave.task import evaluate, make_loss
+from fedweave.task import make_loss
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +181,6 @@ class ParameterServer:
         self.global_batch = global_batch
         self.staleness = staleness or StalenessOptions()
         self.buffer = buffer
-        self.max_staleness = self.staleness.max_staleness
         self.dtype = self.params[0].dtype
         self.num_params = sum(p.numel() for p in self.params)
         self.num_buffers = sum(b.numel() for b in self.buffers)
@@ -189,7 +195,8 @@ class ParameterServer:
         tau = self.version - pulled
         if tau < 0:
             raise ValueError(f"a push computed on version {pulled}, ahead of the server's {self.version}")
-        if self.max_staleness is not None and tau > self.max_staleness:
+        limit = self.staleness.max_staleness
+        if limit is not None and tau > limit:
             return Arrival(tau, None, False)
         weight = update_weight(batch, self.global_batch, tau, self.staleness)
         self._grad.add_(gradient.to(self.dtype), alpha=weight)
@@ -207,11 +214,7 @@ class ParameterServer:
             return False
         assign_gradient(self.model, self._grad)
         self.optimizer.step()
-        with torch.no_grad():
-            offset = 0
-            for b in self.buffers:
-                b.add_(self._delta[offset : offset + b.numel()].view_as(b).to(b.dtype))
-                offset += b.numel()
+        copy_flat(self.buffers, self._delta, add=True)
         self._grad.zero_()
         self._delta.zero_()
         self.pending = 0
@@ -229,7 +232,7 @@ class ParameterServer:
             "grad": self._grad.clone(),
             "delta": self._delta.clone(),
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": {"steps": self.optimizer.steps, "state": self.optimizer.state},
+            "optimizer": optimizer_state(self.optimizer),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -238,8 +241,7 @@ class ParameterServer:
         self._grad.copy_(state["grad"])
         self._delta.copy_(state["delta"])
         self.model.load_state_dict(state["model"])
-        self.optimizer.steps = int(state["optimizer"]["steps"])
-        self.optimizer.state = state["optimizer"]["state"]
+        load_optimizer_state(self.optimizer, state["optimizer"], self.params[0].device)
 
 
 # --------------------------------------------------------------------------- messages
@@ -268,14 +270,10 @@ def _group(store: dist.Store, rank: int, size: int, timeout: float) -> dist.Proc
     return dist.ProcessGroupGloo(dist.PrefixStore("asp/", store), rank, size, options)
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
-
-
 # --------------------------------------------------------------------------- the worker
 
 
-class _ServerGone(Exception):
+class _ServerGone(_Stopped):
     """The server stopped answering (it finished and left, failed, or hung)."""
 
 
@@ -298,7 +296,7 @@ class _AspWorker:
 
     def run(self, address: tuple[str, int]) -> None:
         dp = self.config.data_parallel
-        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=dp.timeout))
+        store = worker_store(address, dp.timeout)
         try:
             group = _group(store, self.id + 1, dp.workers + 1, dp.timeout)
         except Exception as exc:
@@ -321,11 +319,7 @@ class _AspWorker:
         self, task: torch.Tensor, version: int, epoch: int, start: int, count: int, waited: float
     ) -> torch.Tensor:
         """Load the task's params, compute the mean gradient over its range; the push message."""
-        offset = header_slots(TASK_HEADER, self.dtype)
-        with torch.no_grad():
-            for t in (*self.params, *self.buffers):
-                t.copy_(task[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        copy_flat((*self.params, *self.buffers), task[header_slots(TASK_HEADER, self.dtype) :])
         pulled = [b.detach().clone() for b in self.buffers]
         if self.sampler.epoch != epoch:
             self.sampler = GlobalSampler(self.sampler.num_samples, self.config.seed, epoch=epoch)
@@ -360,17 +354,7 @@ def _complete(work: Any, what: str) -> None:
 
 def _worker_main(worker: int, shared: _Shared, port_conn: Any) -> None:
     """Entry point of a worker process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the workers
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not port_conn.poll(shared.config.data_parallel.timeout):
-        raise SystemExit(4)
-    address = port_conn.recv()
-    try:
-        _AspWorker(worker, shared).run(address)
-    except _ServerGone as exc:
-        log.error("worker %d: %s", worker, exc)
-        raise SystemExit(3) from None
+    worker_process(worker, shared, port_conn, lambda address: _AspWorker(worker, shared).run(address), log)
 
 
 # --------------------------------------------------------------------------- the server
@@ -722,10 +706,7 @@ class _Server:
         record["lost"] = sorted(self.lost)
         completed = self.ranges.completed
         if done or (epoch_end and cfg.eval.every and completed % cfg.eval.every == 0):
-            metrics = evaluate(
-                self.ps.model, self.dataset.x_test, self.dataset.y_test, self.loss_fn, batch_size=cfg.eval.batch_size
-            )
-            record.update({f"test_{name}": value for name, value in metrics.items()})
+            record.update(evaluation(cfg, self.ps.model, self.dataset, self.loss_fn))
         record["wall_time"] = time.perf_counter() - self.started
         self.metrics.append(record)
         self.run_state.records.append(record)
@@ -734,10 +715,9 @@ class _Server:
         run_dir = self.run_state.run_dir
         every = cfg.checkpoint.every
         if every and ((epoch_end and completed % every == 0) or done):
-            atomic_save({"mode": "data_parallel", "round": self.ps.version, "state": self.state_dict()},
-                        run_dir / CHECKPOINT)
+            save_checkpoint(run_dir, self.ps.version, self.state_dict())
         if done:
-            atomic_save({k: v.detach().cpu() for k, v in self.ps.model.state_dict().items()}, run_dir / MODEL_FILE)
+            save_model(self.ps.model, run_dir)
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -762,8 +742,7 @@ def execute(
     dataset = _load(cfg)
     workers = list(range(dp.workers))
     shared = _Shared(
-        config=cfg, run_dir=r.run_dir, members=workers, backend=backend, start_method=method,
-        dataset=dataset if method == "fork" else None,
+        config=cfg, run_dir=r.run_dir, members=workers, backend=backend, dataset=dataset if method == "fork" else None,
     )
     procs, conns = spawn_workers(ctx, workers, _worker_main, lambda w, pipe: (w, shared, pipe), "fedweave-asp-worker")
     store = launcher_store(dp.timeout)
