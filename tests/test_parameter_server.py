@@ -177,6 +177,27 @@ def test_ranges_cover_each_sample_once_and_hand_a_lost_range_out_again() -> None
     assert [endless.next(6) for _ in range(3)] == [Assignment(0, 0, 6), Assignment(0, 6, 4), Assignment(1, 0, 6)]
 
 
+
+
+def test_an_asp_checkpoint_with_ranges_still_out_is_not_finished(tmp_path: Path) -> None:
+    """2 epochs of 10 samples: a slow worker holds epoch 0's last range while a fast one takes
+    all of epoch 1, so the sampler is past the last epoch with one epoch complete. The
+    checkpoint written when epoch 0 completes must resume, not count as finished."""
+    ranges = Ranges(GlobalSampler(10, seed=0), epochs=2)
+    slow, fast_last = ranges.next(4), None
+    while (a := ranges.next(4)) is not None:
+        if ranges.sampler.epoch >= 2:
+            fast_last = a  # still with the fast worker
+        else:
+            ranges.resolve(a)
+    assert ranges.resolve(slow) and ranges.completed == 1 and ranges.sampler.epoch == 2
+    state = {"sync": "asp", "step": 5, **ranges.state_dict([fast_last])}
+    config = config_mod.load("examples/data-parallel-asp.yaml", ["data_parallel.epochs=2"])
+    assert not data_parallel.DataParallelRun(config, tmp_path, resume_state=state).finished
+    ranges.resolve(fast_last)
+    done = {"sync": "asp", "step": 6, **ranges.state_dict([])}
+    assert ranges.completed == 2
+    assert data_parallel.DataParallelRun(config, tmp_path, resume_state=done).finished
 # --------------------------------------------------------------------------- real runs
 
 

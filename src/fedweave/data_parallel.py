@@ -788,12 +788,16 @@ class DataParallelRun:
 
     @property
     def finished(self) -> bool:
-        """Whether the saved state already completed the configured steps or epochs."""
+        """Whether the saved state already completed the configured steps or epochs. An asp
+        state counts the epochs whose every sample was resolved: its sampler may be past
+        the last epoch while ranges handed out earlier are still to be trained."""
         if self.resume_state is None:
             return False
         dp = self.config.data_parallel
         if dp.steps is not None:
             return self.start_step >= dp.steps
+        if self.resume_state.get("sync") == "asp":
+            return int(self.resume_state["completed"]) >= dp.epochs
         return int(self.resume_state["sampler"]["epoch"]) >= dp.epochs
 
 
