@@ -253,7 +253,7 @@ def test_a_client_reveals_one_secret_per_owner_and_only_once() -> None:
     plugin, fed, _, masked = masked_round(6, threshold=0.6)
     request = Control("secagg", "unmask", {"survivors": torch.tensor([1, 2, 3, 4], dtype=torch.int32)})
     answer = plugin.answer(request, fed.ctx(0))  # client 5 dropped: a share of its record key
-    assert answer.tensors["seed"].shape == (5, 16) and answer.tensors["key"].shape == (1, 16)
+    assert answer.tensors["seed"].shape == (5, 8) and answer.tensors["key"].shape == (1, 8)
     with pytest.raises(ValueError, match="client 0 has no secure-aggregation set-up for round 1"):
         plugin.answer(request, fed.ctx(0))  # a second request could ask for the other secret
     too_few = Control("secagg", "unmask", {"survivors": torch.tensor([0], dtype=torch.int32)})
@@ -483,8 +483,8 @@ def control_bytes(n: int, k: int, model_entries: int) -> tuple[int, int]:
     sent += n * (4 * k + SEALED_SHARES * k)  # forward: k senders (int32) and k sealed shares
     sent += n * 4 * k  # unmask: the k survivors
     received = n * 32  # advertise: a public key
-    received += n * (32 * k + 16 + SEALED_SHARES * k)  # share: the seed record and k sealed shares
-    received += n * 64 * (k + 1)  # unmask: k + 1 shares of self-mask seeds, 16 int32 limbs each
+    received += n * (16 * k + 16 + SEALED_SHARES * k)  # share: the seed record (16-byte seeds, GCM tag) and k sealed shares
+    received += n * 32 * (k + 1)  # unmask: k + 1 shares of 16-byte self-mask seeds, 8 int32 limbs each
     return sent, received
 
 

@@ -16,9 +16,10 @@ wraps. Then, in the field of integers mod 2^bits,
 where b_u is a fresh random self-mask seed, N(u) the client's neighbours that completed
 the key set-up (every other client for SecAgg; ``neighbours`` of them on a ring over a
 seeded permutation of the round's cohort for SecAgg+), and s_uv the pair's mask seed.
-PRG is AES-128-CTR keyed by the seed's first 16 bytes, one call over the whole vector
-(X25519 gives 128-bit security, so a wider PRG key would add nothing but ~25 % of the
-masking time). y_u is uniform in the field whatever the update: the server learns
+PRG is AES-128-CTR keyed by the seed, one call over the whole vector. Every secret of
+the protocol (b_u, the record key r_u, c_uv, s_uv) is 16 bytes: X25519 gives 128-bit
+security, so wider keys would add work (a quarter more masking time for AES-256, twice
+the Shamir shares) and nothing else. y_u is uniform in the field whatever the update: the server learns
 nothing from it.
 
 **Messages** (:class:`~fedweave.types.Control` bodies through the round's topology; the
@@ -29,12 +30,12 @@ private state, ``ctx.state``, and never leave its process):
 0. ``advertise``: each client makes a fresh X25519 key pair (k_u, K_u), a self-mask seed
    b_u and a record key r_u; it answers its public key K_u.
 1. ``share``: the server sends each client the cohort and its neighbours' public keys.
-   The client derives, once per pair, X25519(k_u, K_v) and from it with HKDF-SHA256 two
-   independent keys: the channel key c_uv and the mask seed s_uv. It answers (a) its
-   mask seeds, sealed with AES-256-GCM under r_u (the *seed record*, which the server
-   keeps and cannot open), and (b) for each neighbour, its Shamir shares of r_u and b_u
-   (threshold t of its neighbourhood, itself included), sealed with AES-256-GCM under
-   c_uv (round, sender and receiver bound to each). One agreement per pair serves the
+   The client derives, once per pair, X25519(k_u, K_v) and from it one HKDF-SHA256 output
+   whose halves are two independent keys: the channel key c_uv and the mask seed s_uv.
+   It answers (a) its mask seeds, sealed with AES-128-GCM under r_u (the *seed record*,
+   which the server keeps and cannot open), and (b) for each neighbour, its Shamir
+   shares of r_u and b_u (threshold t of its neighbourhood, itself included), sealed with
+   AES-128-GCM under c_uv (round, sender and receiver bound to each). One agreement per pair serves the
    channel and the mask; what a drop-out's shares reveal, r_d, opens its mask seeds and
    never its channel keys, so the shares of b_d it sent stay sealed (as the second key
    pair of the paper ensures there).
@@ -90,9 +91,9 @@ SUM = "__secagg_sum"
 ADVERTISE, SHARE, FORWARD, UNMASK = "advertise", "share", "forward", "unmask"
 MASKED_STEP = "masked"  # a client's state once it sent y_u (not a message)
 
-KEY_BYTES = 32
-PRG_KEY_BYTES = 16  # AES-128: the 128-bit security of X25519
-SECRET_LIMBS = KEY_BYTES * 8 // shamir.LIMB_BITS
+KEY_BYTES = 32  # an X25519 public key
+SECRET_BYTES = 16  # b_u, r_u, c_uv, s_uv: AES-128 keys, the 128-bit security of X25519
+SECRET_LIMBS = SECRET_BYTES * 8 // shamir.LIMB_BITS
 SEALED_SHARES = 2 * SECRET_LIMBS * 4 + 16  # shares of r_u and b_u as uint32 limbs, and the GCM tag
 
 
@@ -130,21 +131,21 @@ def _crypto() -> Any:
         PrivateKey=X25519PrivateKey,
         PublicKey=X25519PublicKey,
         Cipher=Cipher,
-        AES=algorithms.AES,
+        AES128=algorithms.AES128,
         CTR=modes.CTR(bytes(16)),
         AESGCM=AESGCM,
     )
 
 
 def hkdf(secret: bytes, *infos: bytes) -> list[bytes]:
-    """HKDF-SHA256 (RFC 5869) without salt: one 32-byte key per ``info``, from one extraction."""
+    """HKDF-SHA256 (RFC 5869) without salt: one 32-byte output per ``info``, from one extraction."""
     prk = hmac.digest(bytes(32), secret, "sha256")
     return [hmac.digest(prk, info + b"\x01", "sha256") for info in infos]
 
 
-def pair_info(purpose: str, rnd: int, u: int, v: int) -> bytes:
-    """HKDF's context for a pair's key: what it is for, the round, the pair (in either order)."""
-    return f"fedweave secagg {purpose}|round {rnd}|{min(u, v)}|{max(u, v)}".encode()
+def pair_info(rnd: int, u: int, v: int) -> bytes:
+    """HKDF's context for a pair's keys: the round, the pair (in either order)."""
+    return f"fedweave secagg pair|round {rnd}|{min(u, v)}|{max(u, v)}".encode()
 
 
 def _aad(what: str, rnd: int, sender: int, receiver: int) -> bytes:
@@ -199,12 +200,12 @@ class Field:
             work.fill(0)
 
     def prg(self, seed: bytes, stream: np.ndarray, nbytes: int | None = None) -> np.ndarray:
-        """PRG(seed): AES-128-CTR keyed by ``seed``'s first 16 bytes, one call, written into
+        """PRG(seed): AES-128-CTR keyed by the 16-byte ``seed``, one call, written into
         ``stream``: a field entry for each entry of the workspace, or ``nbytes`` uniform bytes."""
         c = _crypto()
         whole = nbytes is None
         nbytes = stream.size - 15 if nbytes is None else nbytes
-        c.Cipher(c.AES(seed[:PRG_KEY_BYTES]), c.CTR).encryptor().update_into(_zeros(nbytes), stream[: nbytes + 15])
+        c.Cipher(c.AES128(seed), c.CTR).encryptor().update_into(_zeros(nbytes), stream[: nbytes + 15])
         return stream[:nbytes].view(self.dtype) if whole else stream[:nbytes]
 
     def add_mask(self, acc: np.ndarray, seed: bytes, stream: np.ndarray, subtract: bool = False) -> None:
@@ -340,8 +341,8 @@ class ClientRound:
         self.step = ADVERTISE
         self.key: Any = _crypto().PrivateKey.generate()  # k_u
         self.public = self.key.public_key().public_bytes_raw()  # K_u
-        self.self_seed: bytes | None = os.urandom(KEY_BYTES)  # b_u
-        self.record_key: bytes | None = os.urandom(KEY_BYTES)  # r_u: opens the seed record; rebuilt if it drops
+        self.self_seed: bytes | None = os.urandom(SECRET_BYTES)  # b_u
+        self.record_key: bytes | None = os.urandom(SECRET_BYTES)  # r_u: opens the seed record; rebuilt if it drops
         self.neighbours: tuple[int, ...] = ()
         self.threshold = 0
         self.channels: dict[int, bytes] = {}  # neighbour -> c_uv
@@ -412,7 +413,7 @@ class SecAgg:
 
         def read_shares(u: int, a: Control) -> tuple[bytes, torch.Tensor]:
             shares = _tensor(a, "shares", torch.uint8, (len(graph[u]), SEALED_SHARES))
-            return bytes(_tensor(a, "record", torch.uint8, (1, len(graph[u]) * KEY_BYTES + 16))), torch.from_numpy(shares)
+            return bytes(_tensor(a, "record", torch.uint8, (1, len(graph[u]) * SECRET_BYTES + 16))), torch.from_numpy(shares)
 
         replies = self._answers(rnd, exchange(asks), read_shares)
         threshold = {u: threshold_of(self.hp.threshold, len(graph[u])) for u in members}
@@ -556,10 +557,8 @@ class SecAgg:
         if len({*rows, mine.public}) != len(rows) + 1:
             raise ValueError("secagg share: the neighbours' public keys are not distinct")
         for v, row in zip(neighbours, rows):
-            agreed = mine.key.exchange(_public_key(row))
-            mine.channels[v], mine.seeds[v] = hkdf(
-                agreed, pair_info("share key", mine.round, u, v), pair_info("mask", mine.round, u, v)
-            )
+            (pair,) = hkdf(mine.key.exchange(_public_key(row)), pair_info(mine.round, u, v))
+            mine.channels[v], mine.seeds[v] = pair[:SECRET_BYTES], pair[SECRET_BYTES:]
         mine.key = None  # the channel keys and seeds are all this client needs of it
         mine.neighbours = neighbours
         mine.threshold = threshold_of(self.hp.threshold, len(neighbours))
@@ -632,7 +631,7 @@ class SecAgg:
                 clipped = int(np.count_nonzero((work > r) | (work < -r)))
                 if clipped > size // 100:
                     log.warning("secagg: client %d clipped %d of %d entries to ±%g (raise clip_range)", u, clipped, size, r)
-            noise = self.field.prg(rounding.digest(), stream, size)
+            noise = self.field.prg(rounding.digest()[:SECRET_BYTES], stream, size)
             inside = self.quantize.inside(low, high)
             self.quantize(work, noise, work, stream[: masked.nbytes].view(masked.dtype), masked, inside)
             masked *= self.field.dtype(payload.num_examples)
@@ -654,7 +653,7 @@ class SecAgg:
 
 
 def _chunks(record: bytes) -> list[bytes]:
-    return [record[i : i + KEY_BYTES] for i in range(0, len(record), KEY_BYTES)]
+    return [record[i : i + SECRET_BYTES] for i in range(0, len(record), SECRET_BYTES)]
 
 
 def _enough(owner: int, count: int, need: int, dropped: bool, verb: str) -> None:

@@ -5,7 +5,7 @@ random polynomial f of degree t − 1 over GF(p); share i is f(x_i) at a non-zer
 x_i. Any t shares give s back by Lagrange interpolation at 0; fewer reveal nothing
 about it (every value of s is equally likely given t − 1 shares).
 
-Byte strings (32-byte keys and seeds) are cut into 16-bit limbs and every limb is shared
+Byte strings (16-byte keys and seeds) are cut into 16-bit limbs and every limb is shared
 with a polynomial of its own: sharing each coordinate of a vector independently keeps
 the guarantee coordinate by coordinate, and so for the whole string. All the limbs of
 all the secrets of one dealer are shared at once, as one matrix product in int64 (p <
