@@ -114,10 +114,9 @@ def flatten(tensors: Params, out: Any = None) -> tuple[torch.Tensor, Params]:
     if out is None:
         vector = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
         return vector, rest
-    vector, offset = torch.as_tensor(out), 0
-    for part in parts:
-        vector[offset : offset + part.numel()].copy_(part)
-        offset += part.numel()
+    vector = torch.as_tensor(out)
+    if parts:
+        torch.cat(parts, out=vector)  # one pass, converting to out's dtype
     return vector, rest
 
 
