@@ -89,7 +89,12 @@ class GrpcServerTransport:
         self.num_nodes = num_nodes
         self.role = role
         self._grpc = grpc
-        self._cond = threading.Condition()
+        # One lock; the server's condition wakes whoever waits for nodes (an exchange, a new
+        # registration, the close), and each node's own condition wakes only that node's pull,
+        # so posting or finishing one job wakes one thread, not every waiting pull.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._wake: dict[int, threading.Condition] = {}
         self._clients: dict[int, _Client] = {}
         self._jobs: dict[int, _Job] = {}
         self._tokens = p.token_hashes(settings)
@@ -146,7 +151,7 @@ class GrpcServerTransport:
                 job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, start, _expected(msg))
                 self._jobs[msg.client_id] = job
                 jobs.append(job)
-            self._cond.notify_all()
+                self._wake_of(msg.client_id).notify_all()
             try:
                 while True:
                     now = time.monotonic()
@@ -197,7 +202,8 @@ class GrpcServerTransport:
             if self._closed:
                 return
             self._closing = True
-            self._cond.notify_all()
+            for wake in self._wake.values():
+                wake.notify_all()
             s = self.settings
             deadline = time.monotonic() + s.poll_timeout + s.heartbeat_interval + 1.0
             while time.monotonic() < deadline:
@@ -252,6 +258,13 @@ class GrpcServerTransport:
                 client.last_seen = time.monotonic()
         return cid
 
+    def _wake_of(self, cid: int) -> threading.Condition:
+        """Node ``cid``'s condition (on the server's lock, which the caller holds)."""
+        wake = self._wake.get(cid)
+        if wake is None:
+            wake = self._wake[cid] = threading.Condition(self._lock)
+        return wake
+
     def _alive(self, cid: int) -> None:
         client = self._clients.get(cid)
         if client is not None:
@@ -298,7 +311,7 @@ class GrpcServerTransport:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not context.is_active():
                     break
-                self._cond.wait(min(remaining, 1.0))
+                self._wake_of(cid).wait(min(remaining, 1.0))
         if stop:
             yield p.control_frame({"type": "shutdown"})
             return
@@ -321,6 +334,8 @@ class GrpcServerTransport:
                     job.state = "sent" if delivered else "pending"
                 job.bytes_sent += sent if delivered else 0
                 self._cond.notify_all()
+                if job.state == "pending":  # the node may pull it again
+                    self._wake_of(cid).notify_all()
             if not delivered and job.open:
                 log.info("round %d: sending to %s %d broke off; it may pull again", job.message.round, self.role, cid)
         if not delivered:
