@@ -158,6 +158,28 @@ def test_a_long_local_training_is_not_a_dead_client() -> None:
         assert result.failures == {} and len(result.replies) == 1
 
 
+def test_heartbeats_flow_only_while_a_client_works() -> None:
+    """A client waiting for work sends no heartbeats, and its waiting pull keeps it alive past
+    heartbeat_timeout; while it trains it sends one every heartbeat_interval."""
+    beats: list[float] = []
+
+    def slow(msg: Message) -> Message:
+        time.sleep(0.6)
+        return echo(msg)
+
+    with cluster(settings(), clients=1, start=0) as c:
+        client = c.start(0, slow)
+        rpc = client._heartbeat_rpc
+        client._heartbeat_rpc = lambda *a, **kw: (beats.append(time.monotonic()), rpc(*a, **kw))[1]
+        assert c.server.exchange(jobs([0], PARAMS, 1), timeout=20).failures == {}
+        time.sleep(0.3)  # the reply delivered, the client is back in a pull
+        while_working = len(beats)
+        time.sleep(1.5)  # idle for 1.5 x heartbeat_timeout
+        assert len(beats) == while_working, "an idle client sent heartbeats"
+        assert c.server.exchange(jobs([0], PARAMS, 2), timeout=20).failures == {}  # not lost meanwhile
+    assert while_working >= 2  # 0.6 s of training at 0.1 s intervals
+
+
 def test_a_dead_client_fails_its_round_within_the_heartbeat_timeout() -> None:
     release = threading.Event()
 

@@ -85,6 +85,7 @@ class GrpcClient:
         self._push_rpc = self._channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
         self._session: str | None = None
         self._stop = threading.Event()
+        self._working = threading.Event()  # between taking a job and delivering its reply: heartbeats on
         self._backoff = p.Backoff(settings.backoff_initial, settings.backoff_max, seed, role, node_id)
         self.jobs_done = 0
 
@@ -106,16 +107,11 @@ class GrpcClient:
                 if job is None:
                     continue
                 assert isinstance(job, _Job)
-                reply, error = None, job.error
-                if error is None and job.message is not None:
-                    try:
-                        reply = self.handler(job.message)
-                    except Exception as exc:  # report it, so the server need not wait for a deadline
-                        rnd = job.message.round
-                        log.warning("%s: job of round %d failed: %s", self.node, rnd, exc, exc_info=True)
-                        error = f"{type(exc).__name__}: {exc}"
-                job.message = None  # the instruction's tensors are not needed past training
-                self._retrying("push", lambda: self._push(job.id, reply, error))
+                self._working.set()
+                try:
+                    self._serve(job)
+                finally:
+                    self._working.clear()
                 self.jobs_done += 1
         except _Stopped:
             log.info("%s stopped while retrying a call", self.node)
@@ -125,6 +121,19 @@ class GrpcClient:
                 beats.join(timeout=self.settings.rpc_timeout + 1.0)
             self._channel.close()
         return self.jobs_done
+
+    def _serve(self, job: _Job) -> None:
+        """Run ``job`` through the handler and push its reply (or the error it raised)."""
+        reply, error = None, job.error
+        if error is None and job.message is not None:
+            try:
+                reply = self.handler(job.message)
+            except Exception as exc:  # report it, so the server need not wait for a deadline
+                rnd = job.message.round
+                log.warning("%s: job of round %d failed: %s", self.node, rnd, exc, exc_info=True)
+                error = f"{type(exc).__name__}: {exc}"
+        job.message = None  # the instruction's tensors are not needed past training
+        self._retrying("push", lambda: self._push(job.id, reply, error))
 
     # ------------------------------------------------------------------ calls
 
@@ -155,8 +164,10 @@ class GrpcClient:
         log.info("%s registered with %s", self.node, self.address)
 
     def _heartbeats(self) -> None:
+        """While the node works on a job, a heartbeat every interval (a waiting pull and each
+        chunk of a transfer are signs of life of their own, so an idle node sends none)."""
         while not self._stop.wait(self.settings.heartbeat_interval):
-            if self._session is None:
+            if self._session is None or not self._working.is_set():
                 continue
             try:
                 self._heartbeat_rpc(b"{}", metadata=self._metadata(), timeout=self.settings.rpc_timeout)

@@ -311,6 +311,7 @@ class GrpcServerTransport:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not context.is_active():
                     break
+                self._alive(cid)  # a node waiting for work is alive: it needs no heartbeats meanwhile
                 self._wake_of(cid).wait(min(remaining, 1.0))
         if stop:
             yield p.control_frame({"type": "shutdown"})
@@ -324,6 +325,7 @@ class GrpcServerTransport:
             for frame in encode_frames(job.message, self.settings.chunk_bytes, self.settings.checksum):
                 if not job.open:  # its round is over (deadline, lost): the link has better uses
                     break
+                self._alive(cid)  # a long download on a slow link is a sign of life too
                 yield frame
                 sent += len(frame) - FRAME.size
             else:
