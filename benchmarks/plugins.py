@@ -19,18 +19,31 @@ against plaintext FedAvg with the same 100 clients and local work, and HE with 1
 timings; accuracies and bytes are exact for the seed. For the configurations in
 ``PAIRED`` a second measurement follows the table, steadier under load: the plugin's
 rounds and the dense rounds interleaved in one process, CPU and wall seconds of each round,
-and the medians of the per-round ratios (``--paired-rounds``, 0 to skip).
+and the medians of the per-round ratios (``--paired-rounds``, 0 to skip). Its last column
+is the floor no SecAgg+ implementation goes under on this machine: the dense round plus
+the cryptography alone (per client a key pair, k X25519 agreements and k + 1 AES-CTR
+masks of the model added in place), as a factor of the dense round.
+
+``--deployment R`` adds the cost as a deployment sees it: the server and each of the
+100 clients as its own process over gRPC on this machine (``launcher: process``), so
+clients work in parallel as far as the cores allow and every message is serialized and
+sent. It runs the dense federation, each configuration of ``DEPLOYED``, then the dense
+one again, ``R`` rounds each, and prints the median wall seconds per round (the first
+round, with its connections and imports, left out) against the dense median of both
+dense runs. About 300 MB of memory per process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedweave import config as config_mod
@@ -94,29 +107,62 @@ CONFIGS: dict[str, tuple[list[str], list[str]]] = {
 
 
 PAIRED = ("secagg+100", "secagg+100-k6", "secagg+100-k8", "secagg+100-E5B10", "secagg+100-k8-E5B10")
+DEPLOYED = ("secagg+100", "secagg+100-k8")
+GRPC = ["transport=grpc", "launcher=process", "round_timeout=600"]
 
 
 def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Path) -> dict[str, float]:
     """Median CPU and wall seconds per round of the dense run and of the plugin run, their
     rounds interleaved so that the machine's load falls on both alike, and the medians of
-    the per-round ratios. The first round (caches, lazy imports) is left out."""
+    the per-round ratios. The first round (caches, lazy imports) is left out. After each
+    pair of rounds, the cryptography alone of a SecAgg+ round (:func:`crypto_floor`), as
+    ``floor_ratio``: 1 + its CPU seconds over the dense round's."""
     runs = [runner.prepare(config_mod.load(None, [*BASE, *federation, *extra]), out / f"paired{i}") for i, extra in enumerate(([], plugins))]
     params = [r.params for r in runs]
     cpu: list[list[float]] = [[], []]
     wall: list[list[float]] = [[], []]
+    floor: list[float] = []
     for rnd in range(1, rounds + 2):
         for i, r in enumerate(runs):
             started, started_wall = time.process_time(), time.perf_counter()
             params[i], _ = loop.train_round(r.parts, rnd, params[i])
             cpu[i].append(time.process_time() - started)
             wall[i].append(time.perf_counter() - started_wall)
+        floor.append(crypto_floor(runs[1]))
     out_: dict[str, float] = {}
     for what, seconds in (("cpu", cpu), ("wall", wall)):
         dense, plugin = seconds[0][1:], seconds[1][1:]
         out_[f"dense_{what}"] = statistics.median(dense)
         out_[f"plugin_{what}"] = statistics.median(plugin)
         out_[f"{what}_ratio"] = statistics.median(p / d for d, p in zip(dense, plugin))
+    out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor[1:]))
     return out_
+
+
+def crypto_floor(r: runner.Run) -> float:
+    """CPU seconds of the cryptography one SecAgg+ round cannot do without: for each client a
+    key pair, k X25519 agreements and k + 1 AES-CTR masks of the model added in place (the
+    pairwise ones and the self mask), with the plugin's own PRG. No message, no Shamir, no
+    quantization, no server."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    plugin = r.parts.chains.client_send.combiner
+    n = r.config.clients
+    k = min(plugin.hp.neighbours or n - 1, n - 1)
+    size = sum(t.numel() for t in r.params.values() if t.is_floating_point())
+    acc = np.zeros(size, dtype=plugin.field.dtype)
+    peers = [X25519PrivateKey.generate().public_key() for _ in range(k)]
+    seeds = [os.urandom(16) for _ in range(k + 1)]
+    started = time.process_time()
+    with plugin.field.workspace(size) as (stream, _):
+        for _ in range(n):
+            key = X25519PrivateKey.generate()
+            key.public_key().public_bytes_raw()
+            for peer in peers:
+                key.exchange(peer)
+            for seed in seeds:
+                plugin.field.add_mask(acc, seed, stream)
+    return time.process_time() - started
 
 
 def run(overrides: list[str], out: Path) -> dict[str, Any]:
@@ -141,6 +187,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="run these configurations only")
     parser.add_argument("--paired-rounds", type=int, default=10, help="paired rounds per PAIRED configuration")
+    parser.add_argument("--deployment", type=int, default=0, metavar="R", help="rounds of the gRPC deployment runs (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = args.only or list(CONFIGS)
@@ -163,17 +210,38 @@ def main() -> None:
         if paired:
             print(
                 f"\n| paired rounds ({args.paired_rounds}) | dense CPU s / round | plugin CPU s / round | CPU × "
-                "| dense wall s / round | plugin wall s / round | wall × |"
+                "| dense wall s / round | plugin wall s / round | wall × | crypto floor × |"
             )
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name in paired:
             federation, plugins = CONFIGS[name]
             c = paired_cost(federation, plugins, args.paired_rounds, Path(tmp) / name)
             print(
                 f"| {name} | {c['dense_cpu']:.3f} | {c['plugin_cpu']:.3f} | {c['cpu_ratio']:.2f} "
-                f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} |",
+                f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} | {c['floor_ratio']:.2f} |",
                 flush=True,
             )
+        if args.deployment > 0:
+            deployment(args.deployment, [n for n in names if n in DEPLOYED], Path(tmp))
+
+
+def deployment(rounds: int, names: list[str], out: Path) -> None:
+    """Median wall seconds per round over gRPC with every node a process (first round left
+    out), each configuration against the dense runs before and after it."""
+    def seconds(overrides: list[str], where: str) -> list[float]:
+        config = config_mod.load(None, [*BASE, f"rounds={rounds}", *GRPC, *overrides])
+        return [x["wall_time"] for x in runner.execute(runner.prepare(config, out / where))][1:]
+
+    federation = CONFIGS[names[0]][0] if names else []
+    dense = seconds(federation, "deployed-dense0")
+    plugin = {name: seconds([*CONFIGS[name][0], *CONFIGS[name][1]], f"deployed-{name}") for name in names}
+    dense += seconds(federation, "deployed-dense1")
+    base = statistics.median(dense)
+    print(f"\n| gRPC, every node a process ({rounds} rounds) | s / round | × dense |")
+    print("| --- | ---: | ---: |")
+    print(f"| dense {' '.join(federation)} (runs before and after) | {base:.3f} | 1.00 |")
+    for name, values in plugin.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {statistics.median(values) / base:.2f} |", flush=True)
 
 
 def print_row(name: str, r: dict[str, Any], base: dict[str, Any], header: bool = False) -> None:
