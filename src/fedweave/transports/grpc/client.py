@@ -85,7 +85,7 @@ class GrpcClient:
         self._push_rpc = self._channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
         self._session: str | None = None
         self._stop = threading.Event()
-        self._working = threading.Event()  # between taking a job and delivering its reply: heartbeats on
+        self._working = threading.Event()  # from a job's first frame to its reply delivered: heartbeats on
         self._backoff = p.Backoff(settings.backoff_initial, settings.backoff_max, seed, role, node_id)
         self.jobs_done = 0
 
@@ -100,19 +100,18 @@ class GrpcClient:
             self._retrying("register", self._register)
             beats.start()
             while not self._stop.is_set():
-                job = self._retrying("pull", self._pull)
-                if job is SHUTDOWN:
-                    log.info("%s: the server ended the run", self.node)
-                    break
-                if job is None:
-                    continue
-                assert isinstance(job, _Job)
-                self._working.set()
                 try:
+                    job = self._retrying("pull", self._pull)
+                    if job is SHUTDOWN:
+                        log.info("%s: the server ended the run", self.node)
+                        break
+                    if job is None:
+                        continue
+                    assert isinstance(job, _Job)
                     self._serve(job)
+                    self.jobs_done += 1
                 finally:
                     self._working.clear()
-                self.jobs_done += 1
         except _Stopped:
             log.info("%s stopped while retrying a call", self.node)
         finally:
@@ -164,8 +163,9 @@ class GrpcClient:
         log.info("%s registered with %s", self.node, self.address)
 
     def _heartbeats(self) -> None:
-        """While the node works on a job, a heartbeat every interval (a waiting pull and each
-        chunk of a transfer are signs of life of their own, so an idle node sends none)."""
+        """While the node works on a job (from its first frame to its reply delivered), a
+        heartbeat every interval; a pull waiting for work is a sign of life of its own (the
+        server counts it), so an idle node sends none."""
         while not self._stop.wait(self.settings.heartbeat_interval):
             if self._session is None or not self._working.is_set():
                 continue
@@ -185,6 +185,7 @@ class GrpcClient:
             return SHUTDOWN
         if control["type"] != "job" or not isinstance(control.get("job"), str):
             raise SerializationError(f"unexpected control frame {control!r}")
+        self._working.set()  # a long download on a slow link is work too
         decoder = FrameDecoder(
             max_chunk_bytes=s.chunk_bytes, max_bytes=p.max_message_bytes(s), require_checksum=s.checksum
         )
