@@ -27,7 +27,7 @@ import torch
 from fedweave import config as config_mod
 from fedweave.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
-from fedweave.errors import TransportError
+from fedweave.errors import SerializationError, TransportError
 from fedweave.topologies.deploy import SiteBatches
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
@@ -300,17 +300,24 @@ class RawClient:
         call = self.channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
         session = p.decode_json(call(b"{}", metadata=self.metadata, timeout=5, wait_for_ready=True))["session"]
         self.metadata.append((p.SESSION_KEY, session))
+        self.responses = 0  # gRPC messages of the last pull
 
     def pull(self) -> tuple[str, Message]:
         from fedweave.transports.serialization import FrameDecoder
 
         call = self.channel.unary_stream(p.method(p.PULL), p.identity, p.identity)
         frames = iter(call(b"", metadata=self.metadata, timeout=10))
-        control = p.parse_control(next(frames))
+        first = next(frames)
+        control = p.parse_control(first)
         assert control is not None and control["type"] == "job"
         decoder = FrameDecoder()
+        inline = p.inline_frame(first)  # the job's first DATA frame rides in its control frame
+        assert inline is not None
+        decoder.feed(inline)
+        self.responses = 1
         for frame in frames:
             decoder.feed(frame)
+            self.responses += 1
         return control["job"], decoder.finish()
 
     def push(self, job: str, frames: list[bytes]) -> grpc.RpcError | None:
@@ -329,6 +336,49 @@ def _tamper(frames: list[bytes], how: str) -> list[bytes]:
     else:  # a chunk over the limit (still under gRPC's own message limit)
         out[1] = out[1] + bytes(40_000)
     return [bytes(f) for f in out]
+
+
+def test_a_control_frame_carries_a_data_frame_after_its_json() -> None:
+    data = next(encode_frames(jobs([0], PARAMS)[0]))
+    frame = p.control_frame({"type": "job", "job": "j"}, data)
+    assert p.parse_control(frame) == {"type": "job", "job": "j"}
+    inline = p.inline_frame(frame)
+    assert inline is not None and bytes(inline) == data
+    assert p.inline_frame(p.control_frame({"type": "idle"})) is None
+    broken = bytearray(frame)
+    broken[4:8] = len(frame).to_bytes(4, "little")  # seq: the JSON's length, now past the frame's end
+    with pytest.raises(SerializationError, match="runs past the frame"):
+        p.parse_control(bytes(broken))
+
+
+def test_a_small_job_and_its_reply_each_travel_as_one_grpc_message() -> None:
+    """A job of one chunk rides in its control frame (one Pull response) and its reply goes
+    in one unary PushOne call; a job of several chunks streams both ways."""
+    calls = {"one": 0, "stream": 0}
+    s = settings("grpc.chunk_bytes=16384", "grpc.join_timeout=0", clients=2)
+    with cluster(s, clients=2, start=1) as c:
+        client = c.clients[0]
+        for name, attr in (("one", "_push_one_rpc"), ("stream", "_push_rpc")):
+            rpc = getattr(client, attr)
+            counted = lambda *a, _rpc=rpc, _name=name, **kw: (calls.__setitem__(_name, calls[_name] + 1), _rpc(*a, **kw))[1]  # noqa: E731
+            setattr(client, attr, counted)
+        raw: dict[str, Any] = {}
+
+        def pull_raw() -> None:
+            r = RawClient(c.server.address, 1)
+            job, msg = r.pull()
+            raw["responses"], raw["error"] = r.responses, r.push(job, list(encode_frames(echo(msg), s.chunk_bytes)))
+
+        thread = threading.Thread(target=pull_raw, daemon=True)
+        thread.start()
+        small = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
+        thread.join(10)
+        assert small.failures == {} and raw == {"responses": 1, "error": None}
+        assert calls == {"one": 1, "stream": 0}
+        big = {"w": torch.randn(20_000)}  # 80 kB: several 16 kB chunks
+        result = c.server.exchange(jobs([0], big, 2), timeout=20)
+        assert result.failures == {} and calls == {"one": 1, "stream": 1}
+        assert torch.equal(result.replies[0].body.tensors["w"], big["w"])
 
 
 @pytest.mark.parametrize(

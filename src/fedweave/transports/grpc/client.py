@@ -11,6 +11,7 @@ the server says so (graceful shutdown) or when :meth:`GrpcClient.stop` is called
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -83,6 +84,7 @@ class GrpcClient:
         self._heartbeat_rpc = self._channel.unary_unary(p.method(p.HEARTBEAT), p.identity, p.identity)
         self._pull_rpc = self._channel.unary_stream(p.method(p.PULL), p.identity, p.identity)
         self._push_rpc = self._channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
+        self._push_one_rpc = self._channel.unary_unary(p.method(p.PUSH_ONE), p.identity, p.identity)
         self._session: str | None = None
         self._stop = threading.Event()
         self._working = threading.Event()  # from a job's first frame to its reply delivered: heartbeats on
@@ -190,6 +192,9 @@ class GrpcClient:
             max_chunk_bytes=s.chunk_bytes, max_bytes=p.max_message_bytes(s), require_checksum=s.checksum
         )
         try:
+            first_data = p.inline_frame(first)
+            if first_data is not None:
+                decoder.feed(first_data)
             for frame in frames:
                 decoder.feed(frame)
             message = decoder.finish()
@@ -205,14 +210,17 @@ class GrpcClient:
     def _push(self, job: str, reply: Message | None, error: str | None) -> None:
         s = self.settings
 
-        def frames() -> Iterator[bytes]:
-            if reply is None:
-                yield p.control_frame({"type": "error", "reason": error or "no reply"})
-                return
-            yield from encode_frames(reply, s.chunk_bytes, s.checksum)
-
+        if reply is None:
+            frames: Iterator[bytes] = iter([p.control_frame({"type": "error", "reason": error or "no reply"})])
+        else:
+            frames = encode_frames(reply, s.chunk_bytes, s.checksum)
+        first, second = next(frames), next(frames, None)
+        metadata = self._metadata(job)
         try:
-            self._push_rpc(frames(), metadata=self._metadata(job), timeout=s.stream_timeout)
+            if second is None:  # one frame: one unary call
+                self._push_one_rpc(first, metadata=metadata, timeout=s.stream_timeout)
+            else:
+                self._push_rpc(itertools.chain((first, second), frames), metadata=metadata, timeout=s.stream_timeout)
         except self._grpc.RpcError as exc:
             if exc.code() == self._grpc.StatusCode.FAILED_PRECONDITION and "is closed" in (exc.details() or ""):
                 log.info("%s: reply to job %s dropped: %s", self.node, job, exc.details())

@@ -110,6 +110,7 @@ class GrpcServerTransport:
                 p.HEARTBEAT: grpc.unary_unary_rpc_method_handler(self._heartbeat, p.identity, p.identity),
                 p.PULL: grpc.unary_stream_rpc_method_handler(self._pull, p.identity, p.identity),
                 p.PUSH: grpc.stream_unary_rpc_method_handler(self._push, p.identity, p.identity),
+                p.PUSH_ONE: grpc.unary_unary_rpc_method_handler(self._push_one, p.identity, p.identity),
             },
         )
         # Each client holds at most one pull and one push; heartbeats and registrations are short.
@@ -321,8 +322,11 @@ class GrpcServerTransport:
             return
         delivered, sent = False, 0
         try:
-            yield p.control_frame({"type": "job", "job": job.id, "round": job.message.round})
-            for frame in encode_frames(job.message, self.settings.chunk_bytes, self.settings.checksum):
+            frames = encode_frames(job.message, self.settings.chunk_bytes, self.settings.checksum)
+            first = next(frames, None)  # travels in the job's control frame
+            yield p.control_frame({"type": "job", "job": job.id, "round": job.message.round}, first)
+            sent += 0 if first is None else len(first) - FRAME.size
+            for frame in frames:
                 if not job.open:  # its round is over (deadline, lost): the link has better uses
                     break
                 self._alive(cid)  # a long download on a slow link is a sign of life too
@@ -343,6 +347,10 @@ class GrpcServerTransport:
         if not delivered:
             log.info("round %d: stopped sending job %s to %s %d: %s", job.message.round, job.id, self.role, cid, job.reason)
             context.abort(self._grpc.StatusCode.ABORTED, f"job {job.id} is closed (its round is over): {job.reason}")
+
+    def _push_one(self, request: bytes, context: Any) -> bytes:
+        """A reply of one frame, in one unary call (:meth:`_push` without the stream's cost)."""
+        return self._push(iter((request,)), context)
 
     def _push(self, request_iterator: Iterator[bytes], context: Any) -> bytes:
         codes = self._grpc.StatusCode
