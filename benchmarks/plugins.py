@@ -189,6 +189,8 @@ def main() -> None:
     parser.add_argument("--paired-rounds", type=int, default=10, help="paired rounds per PAIRED configuration")
     parser.add_argument("--deployment", type=int, default=0, metavar="R", help="rounds of the gRPC deployment runs (0: none)")
     args = parser.parse_args()
+    if args.deployment == 1 or args.deployment < 0:
+        parser.error("--deployment needs at least 2 rounds (the first is left out), or 0")
     torch.set_num_threads(1)
     names = args.only or list(CONFIGS)
     baselines: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -221,8 +223,9 @@ def main() -> None:
                 f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} | {c['floor_ratio']:.2f} |",
                 flush=True,
             )
-        if args.deployment > 0:
-            deployment(args.deployment, [n for n in names if n in DEPLOYED], Path(tmp))
+        deployed = [n for n in names if n in DEPLOYED]
+        if args.deployment > 0 and deployed:
+            deployment(args.deployment, deployed, Path(tmp))
 
 
 def deployment(rounds: int, names: list[str], out: Path) -> None:

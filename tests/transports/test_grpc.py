@@ -298,9 +298,11 @@ class RawClient:
         self.cid = cid
         self.metadata = [(p.CLIENT_KEY, str(cid))]
         call = self.channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
-        session = p.decode_json(call(b"{}", metadata=self.metadata, timeout=5, wait_for_ready=True))["session"]
+        hello = p.encode_json({"version": p.VERSION})
+        session = p.decode_json(call(hello, metadata=self.metadata, timeout=5, wait_for_ready=True))["session"]
         self.metadata.append((p.SESSION_KEY, session))
         self.responses = 0  # gRPC messages of the last pull
+        self.inline = False  # whether its first DATA frame came inline
 
     def pull(self) -> tuple[str, Message]:
         from fedweave.transports.serialization import FrameDecoder
@@ -311,9 +313,10 @@ class RawClient:
         control = p.parse_control(first)
         assert control is not None and control["type"] == "job"
         decoder = FrameDecoder()
-        inline = p.inline_frame(first)  # the job's first DATA frame rides in its control frame
-        assert inline is not None
-        decoder.feed(inline)
+        inline = p.inline_frame(first)  # a small job's first DATA frame rides in its control frame
+        if inline is not None:
+            decoder.feed(inline)
+        self.inline = inline is not None
         self.responses = 1
         for frame in frames:
             decoder.feed(frame)
@@ -363,22 +366,80 @@ def test_a_small_job_and_its_reply_each_travel_as_one_grpc_message() -> None:
             counted = lambda *a, _rpc=rpc, _name=name, **kw: (calls.__setitem__(_name, calls[_name] + 1), _rpc(*a, **kw))[1]  # noqa: E731
             setattr(client, attr, counted)
         raw: dict[str, Any] = {}
+        small_done = threading.Event()
 
         def pull_raw() -> None:
             r = RawClient(c.server.address, 1)
             job, msg = r.pull()
             raw["responses"], raw["error"] = r.responses, r.push(job, list(encode_frames(echo(msg), s.chunk_bytes)))
+            small_done.set()
+            job, msg = r.pull()  # 80 kB in 16 kB chunks: its first frame inline, four more
+            raw["big"] = (r.responses, r.inline, r.push(job, list(encode_frames(echo(msg), s.chunk_bytes))))
 
         thread = threading.Thread(target=pull_raw, daemon=True)
         thread.start()
         small = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
-        thread.join(10)
-        assert small.failures == {} and raw == {"responses": 1, "error": None}
+        assert small_done.wait(10)
+        assert small.failures == {} and raw["responses"] == 1 and raw["error"] is None
         assert calls == {"one": 1, "stream": 0}
         big = {"w": torch.randn(20_000)}  # 80 kB: several 16 kB chunks
-        result = c.server.exchange(jobs([0], big, 2), timeout=20)
-        assert result.failures == {} and calls == {"one": 1, "stream": 1}
+        result = c.server.exchange(jobs([0, 1], big, 2), timeout=20)
+        thread.join(10)
+        assert result.failures == {} and calls == {"one": 1, "stream": 1} and raw["big"] == (5, True, None)
         assert torch.equal(result.replies[0].body.tensors["w"], big["w"])
+
+
+def test_a_first_frame_over_the_inline_limit_follows_the_control_frame() -> None:
+    """Until a job's first frame has arrived its client sends no heartbeats, so a large one
+    travels on its own (its arrival then counts as a sign of life, and so does each next one)."""
+    s = settings("grpc.join_timeout=0", clients=1)
+    with cluster(s, clients=1, start=0) as c:
+        got: dict[str, Any] = {}
+
+        def pull_raw() -> None:
+            r = RawClient(c.server.address, 0)
+            job, msg = r.pull()
+            got["pull"] = (r.responses, r.inline, r.push(job, list(encode_frames(echo(msg), s.chunk_bytes))))
+
+        thread = threading.Thread(target=pull_raw, daemon=True)
+        thread.start()
+        big = {"w": torch.randn(100_000)}  # 400 kB: one chunk, over 64 KiB
+        result = c.server.exchange(jobs([0], big), timeout=20)
+        thread.join(10)
+        assert result.failures == {} and got["pull"] == (2, False, None)
+        assert torch.equal(result.replies[0].body.tensors["w"], big["w"] + 0)
+
+
+def test_a_client_of_another_protocol_version_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    with cluster(settings(clients=1), clients=1, start=0) as c:
+        channel = grpc.insecure_channel(c.server.address)
+        call = channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        with pytest.raises(grpc.RpcError) as raised:
+            call(p.encode_json({"version": 1}), metadata=[(p.CLIENT_KEY, "0")], timeout=5, wait_for_ready=True)
+        channel.close()
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and p.refused(raised.value.code())
+    assert "client 0 speaks protocol version 1, this server 2" in raised.value.details()
+    assert "speaks protocol version 1" in caplog.text
+
+
+def test_a_reply_may_not_carry_data_inside_a_control_frame() -> None:
+    s = settings("grpc.join_timeout=0", clients=1)
+    with cluster(s, clients=1, start=0) as c:
+        got: dict[str, Any] = {}
+
+        def pull_raw() -> None:
+            r = RawClient(c.server.address, 0)
+            job, msg = r.pull()
+            data = next(encode_frames(echo(msg)))
+            got["error"] = r.push(job, [p.control_frame({"type": "error", "reason": "x"}, data)])
+
+        thread = threading.Thread(target=pull_raw, daemon=True)
+        thread.start()
+        result = c.server.exchange(jobs([0], PARAMS), timeout=20)
+        thread.join(10)
+        assert got["error"].code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert result.failures[0] == "rejected: SerializationError: a control frame with data inline in a reply"
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,9 @@ def flatten(tensors: Params, out: Any = None) -> tuple[torch.Tensor, Params]:
         vector = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
         return vector, rest
     vector = torch.as_tensor(out)
+    size = sum(p.numel() for p in parts)
+    if vector.dim() != 1 or vector.numel() != size:
+        raise ValueError(f"flatten: out has shape {tuple(vector.shape)}, the floating tensors hold {size} values")
     if parts:
         torch.cat(parts, out=vector)  # one pass, converting to out's dtype
     return vector, rest

@@ -18,7 +18,7 @@ the key set-up (every other client for SecAgg; ``neighbours`` of them on a ring 
 seeded permutation of the round's cohort for SecAgg+), and s_uv the pair's mask seed.
 PRG is AES-128-CTR keyed by the seed, one call over the whole vector. Every secret of
 the protocol (b_u, the record key r_u, c_uv, s_uv) is 16 bytes: X25519 gives 128-bit
-security, so wider keys would add work (a quarter more masking time for AES-256, twice
+security, so wider keys would add work (10–25 % more masking time for AES-256, twice
 the Shamir shares) and nothing else. y_u is uniform in the field whatever the update: the server learns
 nothing from it.
 

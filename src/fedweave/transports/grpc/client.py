@@ -152,7 +152,7 @@ class GrpcClient:
         self._session = None
         reply = p.decode_json(
             self._register_rpc(
-                p.encode_json({"version": 1}),
+                p.encode_json({"version": p.VERSION}),
                 metadata=self._metadata(),
                 timeout=self.settings.rpc_timeout,
                 wait_for_ready=True,

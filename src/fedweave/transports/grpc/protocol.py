@@ -15,9 +15,15 @@ Push          client-streaming  the reply as DATA frames, or one CONTROL ``error
 PushOne       unary             the same, when it is one frame
 ============  ================  ======================================================
 
-A message of up to one chunk (a control step, or a model under ``chunk_bytes``) thus
-travels as one gRPC message each way: every extra message of a streaming call costs
-about 0.4 ms of Python gRPC here, as much as a small message's whole encoding.
+A job whose first frame is at most ``MAX_INLINE_BYTES`` (every control step) and a reply
+of one chunk (a model under ``chunk_bytes``) thus each travel as one gRPC message: every
+extra message of a streaming call costs about 0.4 ms of Python gRPC here, as much as a
+small message's whole encoding. A larger first frame goes on its own, after the CONTROL
+frame: until a job's first frame has arrived its node sends no heartbeats, so that frame
+must cross a slow link well within ``heartbeat_timeout``.
+
+Register sends ``{"version": VERSION}``; a server refuses any other version (this layout
+came with version 2).
 
 Every call carries the caller's identity, ``fedweave-client`` (a client id) or, for the
 site leader of a hierarchical deployment, ``fedweave-site`` (a top-level site index), and,
@@ -59,8 +65,10 @@ JOB_KEY = "fedweave-job"
 ROLE_KEYS = {"client": CLIENT_KEY, "site": SITE_KEY}  # a node's role -> the call metadata that carries its id
 TOKEN_ENV = "FEDWEAVE_TOKEN"
 
+VERSION = 2
 CONTROL = 2
 INLINE = 1  # flag: a DATA frame follows the CONTROL frame's JSON, whose length is in seq
+MAX_INLINE_BYTES = 64 << 10  # the largest first frame a job carries inline
 MAX_CONTROL_BYTES = 64 << 10
 FRAME_SLACK = 64 << 10  # gRPC message limit = chunk size + this
 
@@ -122,7 +130,7 @@ def _control_end(frame: bytes) -> int:
 
 def inline_frame(frame: bytes) -> memoryview | None:
     """The DATA frame a CONTROL frame carries after its JSON (a job's first), or None."""
-    if not frame[1] & INLINE:
+    if len(frame) < FRAME.size or frame[0] != CONTROL or not frame[1] & INLINE:
         return None
     return memoryview(frame)[_control_end(frame) :]
 

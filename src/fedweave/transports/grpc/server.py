@@ -2,7 +2,8 @@
 
 ``exchange`` posts one job per message and waits until each client has answered,
 failed, gone silent or missed the round's deadline. Clients pull their job
-(server-streaming, ~1 MiB frames) and push their reply (client-streaming); a client
+(server-streaming, ~1 MiB frames) and push their reply (client-streaming, or one unary
+call when it is one frame); a client
 counts as lost when nothing (heartbeat, pull, push) has come from it for
 ``grpc.heartbeat_timeout`` seconds, so a long local training is never mistaken for a
 dead client and a dead client never holds a round until its deadline. Jobs and
@@ -17,6 +18,7 @@ a :class:`~fedweave.transports.serialization.SiteJob` and its reply must be a
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import secrets
 import threading
@@ -273,6 +275,16 @@ class GrpcServerTransport:
 
     def _register(self, request: bytes, context: Any) -> bytes:
         cid = self._authenticate(context, registering=True)
+        try:
+            version = p.decode_json(request).get("version")
+        except SerializationError as exc:
+            version = f"unreadable ({exc})"
+        if version != p.VERSION:
+            why = (
+                f"{self.role} {cid} speaks protocol version {version}, this server {p.VERSION}: "
+                "run one fedweave version on every node"
+            )
+            self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, why)
         session = secrets.token_hex(8)
         with self._cond:
             again = cid in self._clients
@@ -323,7 +335,9 @@ class GrpcServerTransport:
         delivered, sent = False, 0
         try:
             frames = encode_frames(job.message, self.settings.chunk_bytes, self.settings.checksum)
-            first = next(frames, None)  # travels in the job's control frame
+            first = next(frames, None)
+            if first is not None and len(first) > p.MAX_INLINE_BYTES:  # on its own, after the control frame
+                frames, first = itertools.chain((first,), frames), None
             yield p.control_frame({"type": "job", "job": job.id, "round": job.message.round}, first)
             sent += 0 if first is None else len(first) - FRAME.size
             for frame in frames:
@@ -339,7 +353,6 @@ class GrpcServerTransport:
                 if job.state == "sending":
                     job.state = "sent" if delivered else "pending"
                 job.bytes_sent += sent if delivered else 0
-                self._cond.notify_all()
                 if job.state == "pending":  # the node may pull it again
                     self._wake_of(cid).notify_all()
             if not delivered and job.open:
@@ -375,6 +388,8 @@ class GrpcServerTransport:
                 if control is None:
                     decoder.feed(frame)
                     continue
+                if p.inline_frame(frame) is not None:
+                    raise SerializationError("a control frame with data inline in a reply")
                 if control["type"] != "error":
                     raise SerializationError(f"unexpected control frame {control['type']!r} in a reply")
                 reason = str(control.get("reason", ""))[:500]

@@ -1,0 +1,41 @@
+"""packing.flatten / unflatten: the whole-update vector of secure aggregation and HE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedweave.plugins.packing import flatten, unflatten
+
+
+def payload() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "steps": torch.tensor(7),  # not floating: travels as it is
+        "h": torch.tensor([0.5, -1.5], dtype=torch.float16),
+        "b": torch.tensor([2.25], dtype=torch.float64),
+    }
+
+
+def test_flatten_concatenates_the_floating_tensors_in_order_and_unflatten_restores_them() -> None:
+    vector, rest = flatten(payload())
+    assert vector.dtype == torch.float64 and vector.tolist() == [0, 1, 2, 3, 4, 5, 0.5, -1.5, 2.25]
+    assert rest["steps"].item() == 7
+    back = unflatten(vector, rest)
+    for name, tensor in payload().items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)
+
+
+def test_flatten_writes_into_an_out_vector_of_any_real_dtype() -> None:
+    out = np.full(9, np.nan, dtype=np.float32)
+    vector, rest = flatten(payload(), out=out)
+    assert out.tolist() == [0, 1, 2, 3, 4, 5, 0.5, -1.5, 2.25]
+    assert vector.data_ptr() == torch.from_numpy(out).data_ptr()  # shares out's memory
+    assert torch.equal(unflatten(vector, rest)["w"], payload()["w"])
+
+
+@pytest.mark.parametrize("size", [8, 10])
+def test_an_out_vector_of_the_wrong_size_is_refused(size: int) -> None:
+    with pytest.raises(ValueError, match=rf"out has shape \({size},\), the floating tensors hold 9 values"):
+        flatten(payload(), out=np.zeros(size, dtype=np.float32))
