@@ -389,9 +389,9 @@ def test_a_small_job_and_its_reply_each_travel_as_one_grpc_message() -> None:
         assert torch.equal(result.replies[0].body.tensors["w"], big["w"])
 
 
-def test_a_first_frame_over_the_inline_limit_follows_the_control_frame() -> None:
-    """Until a job's first frame has arrived its client sends no heartbeats, so a large one
-    travels on its own (its arrival then counts as a sign of life, and so does each next one)."""
+def raw_round(params: dict[str, torch.Tensor], reply: Callable[[Message], list[bytes]]) -> tuple[RawClient, Any, Any]:
+    """One exchange with one hand-written client 0 that answers its job with ``reply(job)``:
+    (that client after the round, the exchange's result, its push's gRPC error or None)."""
     s = settings("grpc.join_timeout=0", clients=1)
     with cluster(s, clients=1, start=0) as c:
         got: dict[str, Any] = {}
@@ -399,15 +399,22 @@ def test_a_first_frame_over_the_inline_limit_follows_the_control_frame() -> None
         def pull_raw() -> None:
             r = RawClient(c.server.address, 0)
             job, msg = r.pull()
-            got["pull"] = (r.responses, r.inline, r.push(job, list(encode_frames(echo(msg), s.chunk_bytes))))
+            got["client"], got["error"] = r, r.push(job, reply(msg))
 
         thread = threading.Thread(target=pull_raw, daemon=True)
         thread.start()
-        big = {"w": torch.randn(100_000)}  # 400 kB: one chunk, over 64 KiB
-        result = c.server.exchange(jobs([0], big), timeout=20)
+        result = c.server.exchange(jobs([0], params), timeout=20)
         thread.join(10)
-        assert result.failures == {} and got["pull"] == (2, False, None)
-        assert torch.equal(result.replies[0].body.tensors["w"], big["w"] + 0)
+    return got["client"], result, got["error"]
+
+
+def test_a_first_frame_over_the_inline_limit_follows_the_control_frame() -> None:
+    """Until a job's first frame has arrived its client sends no heartbeats, so a large one
+    travels on its own (its arrival then counts as a sign of life, and so does each next one)."""
+    big = {"w": torch.randn(100_000)}  # 400 kB: one chunk, over 64 KiB
+    raw, result, error = raw_round(big, lambda msg: list(encode_frames(echo(msg))))
+    assert result.failures == {} and error is None and (raw.responses, raw.inline) == (2, False)
+    assert torch.equal(result.replies[0].body.tensors["w"], big["w"])
 
 
 def test_a_client_of_another_protocol_version_is_refused(caplog: pytest.LogCaptureFixture) -> None:
@@ -424,22 +431,12 @@ def test_a_client_of_another_protocol_version_is_refused(caplog: pytest.LogCaptu
 
 
 def test_a_reply_may_not_carry_data_inside_a_control_frame() -> None:
-    s = settings("grpc.join_timeout=0", clients=1)
-    with cluster(s, clients=1, start=0) as c:
-        got: dict[str, Any] = {}
+    def inline_error(msg: Message) -> list[bytes]:
+        return [p.control_frame({"type": "error", "reason": "x"}, next(encode_frames(echo(msg))))]
 
-        def pull_raw() -> None:
-            r = RawClient(c.server.address, 0)
-            job, msg = r.pull()
-            data = next(encode_frames(echo(msg)))
-            got["error"] = r.push(job, [p.control_frame({"type": "error", "reason": "x"}, data)])
-
-        thread = threading.Thread(target=pull_raw, daemon=True)
-        thread.start()
-        result = c.server.exchange(jobs([0], PARAMS), timeout=20)
-        thread.join(10)
-        assert got["error"].code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert result.failures[0] == "rejected: SerializationError: a control frame with data inline in a reply"
+    _, result, error = raw_round(PARAMS, inline_error)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert result.failures[0] == "rejected: SerializationError: a control frame with data inline in a reply"
 
 
 @pytest.mark.parametrize(
