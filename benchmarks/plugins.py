@@ -128,14 +128,15 @@ def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Pat
             params[i], _ = loop.train_round(r.parts, rnd, params[i])
             cpu[i].append(time.process_time() - started)
             wall[i].append(time.perf_counter() - started_wall)
-        floor.append(crypto_floor(runs[1]))
+        if rnd > 1:
+            floor.append(crypto_floor(runs[1]))
     out_: dict[str, float] = {}
     for what, seconds in (("cpu", cpu), ("wall", wall)):
         dense, plugin = seconds[0][1:], seconds[1][1:]
         out_[f"dense_{what}"] = statistics.median(dense)
         out_[f"plugin_{what}"] = statistics.median(plugin)
         out_[f"{what}_ratio"] = statistics.median(p / d for d, p in zip(dense, plugin))
-    out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor[1:]))
+    out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor))
     return out_
 
 
@@ -148,7 +149,7 @@ def crypto_floor(r: runner.Run) -> float:
 
     plugin = r.parts.chains.client_send.combiner
     n = r.config.clients
-    k = min(plugin.hp.neighbours or n - 1, n - 1)
+    k = len(plugin.graph(1, list(range(n)))[0])  # the ring's degree, as the plugin builds it
     size = sum(t.numel() for t in r.params.values() if t.is_floating_point())
     acc = np.zeros(size, dtype=plugin.field.dtype)
     peers = [X25519PrivateKey.generate().public_key() for _ in range(k)]
@@ -235,7 +236,7 @@ def deployment(rounds: int, names: list[str], out: Path) -> None:
         config = config_mod.load(None, [*BASE, f"rounds={rounds}", *GRPC, *overrides])
         return [x["wall_time"] for x in runner.execute(runner.prepare(config, out / where))][1:]
 
-    federation = CONFIGS[names[0]][0] if names else []
+    federation = CONFIGS[names[0]][0]
     dense = seconds(federation, "deployed-dense0")
     plugin = {name: seconds([*CONFIGS[name][0], *CONFIGS[name][1]], f"deployed-{name}") for name in names}
     dense += seconds(federation, "deployed-dense1")

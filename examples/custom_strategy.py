@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats, with_selection
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.task import evaluate
@@ -88,9 +88,9 @@ class DecayedFedAvg:
         delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
         lr = self.server_lr(rnd)
         # step_floats applies the step to floating tensors, the mean to plain_average ones,
-        # and the clients' value to integer counters; with_selection passes on which updates
-        # a rule such as Krum kept, so only their clients count as applied.
-        return with_selection(delta, step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d))
+        # and the clients' value to integer counters; it passes on which updates a rule such
+        # as Krum kept, so only their clients count as applied.
+        return step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -33,7 +33,7 @@ def test_example_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         if config.data_parallel.sync == "asp":  # an asp window lists the workers that pushed in it
             assert records[-1]["lost"] == [] and 0 < len(records[-1]["workers"]) <= config.data_parallel.workers
         else:
-            assert len(records[-1]["workers"]) == config.data_parallel.workers + len(joins)
+            assert len(records[-1]["workers"]) == config.data_parallel_workers
         assert (tmp_path / "run" / "model.pt").is_file()
         return
     config = config_mod.load(path, SHORTEN)

@@ -177,8 +177,6 @@ def test_ranges_cover_each_sample_once_and_hand_a_lost_range_out_again() -> None
     assert [endless.next(6) for _ in range(3)] == [Assignment(0, 0, 6), Assignment(0, 6, 4), Assignment(1, 0, 6)]
 
 
-
-
 def test_an_asp_checkpoint_with_ranges_still_out_is_not_finished(tmp_path: Path) -> None:
     """2 epochs of 10 samples: a slow worker holds epoch 0's last range while a fast one takes
     all of epoch 1, so the sampler is past the last epoch with one epoch complete. The
@@ -198,6 +196,8 @@ def test_an_asp_checkpoint_with_ranges_still_out_is_not_finished(tmp_path: Path)
     done = {"sync": "asp", "step": 6, **ranges.state_dict([])}
     assert ranges.completed == 2
     assert data_parallel.DataParallelRun(config, tmp_path, resume_state=done).finished
+
+
 # --------------------------------------------------------------------------- real runs
 
 

@@ -173,7 +173,6 @@ def test_stochastic_rounding_is_unbiased() -> None:
     assert abs((result.double().mean().item() - value) / step) < 4 * math.sqrt(0.21 / 20000)
 
 
-
 @pytest.mark.parametrize(("levels", "width"), [(2**16 - 1, 32), (2**28 - 1, 32), (2**40 - 1, 64)])
 def test_quantization_skips_clipping_only_where_it_changes_nothing(levels: int, width: int) -> None:
     """Within the margin :meth:`Quantizer.inside` allows, the quantized values are those of
@@ -196,6 +195,7 @@ def test_quantization_skips_clipping_only_where_it_changes_nothing(levels: int, 
     out, spare = np.empty(3, out_type), np.empty(3, out_type)
     quantize(np.array([-5.0, 1.0, 7.0], quantize.real), np.full(3, 255, np.uint8), np.empty(3, quantize.real), spare, out)
     assert out.tolist() == [0, levels, levels]
+
 
 def test_ten_clients_threshold_six_three_drop_after_masking_the_survivors_sum_is_recovered() -> None:
     plugin, fed, plain, masked = masked_round(10, threshold=0.6)

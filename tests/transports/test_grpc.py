@@ -158,19 +158,29 @@ def test_a_long_local_training_is_not_a_dead_client() -> None:
         assert result.failures == {} and len(result.replies) == 1
 
 
+def spy(client: GrpcClient, rpc: str) -> list[float]:
+    """Wrap the client's call ``rpc`` (e.g. ``_heartbeat_rpc``); the list gets the time of each call."""
+    calls: list[float] = []
+    call = getattr(client, rpc)
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return call(*args, **kwargs)
+
+    setattr(client, rpc, spied)
+    return calls
+
+
 def test_heartbeats_flow_only_while_a_client_works() -> None:
     """A client waiting for work sends no heartbeats, and its waiting pull keeps it alive past
     heartbeat_timeout; while it trains it sends one every heartbeat_interval."""
-    beats: list[float] = []
 
     def slow(msg: Message) -> Message:
         time.sleep(0.6)
         return echo(msg)
 
     with cluster(settings(), clients=1, start=0) as c:
-        client = c.start(0, slow)
-        rpc = client._heartbeat_rpc
-        client._heartbeat_rpc = lambda *a, **kw: (beats.append(time.monotonic()), rpc(*a, **kw))[1]
+        beats = spy(c.start(0, slow), "_heartbeat_rpc")
         assert c.server.exchange(jobs([0], PARAMS, 1), timeout=20).failures == {}
         time.sleep(0.3)  # the reply delivered, the client is back in a pull
         while_working = len(beats)
@@ -357,14 +367,10 @@ def test_a_control_frame_carries_a_data_frame_after_its_json() -> None:
 def test_a_small_job_and_its_reply_each_travel_as_one_grpc_message() -> None:
     """A job of one chunk rides in its control frame (one Pull response) and its reply goes
     in one unary PushOne call; a job of several chunks streams both ways."""
-    calls = {"one": 0, "stream": 0}
     s = settings("grpc.chunk_bytes=16384", "grpc.join_timeout=0", clients=2)
     with cluster(s, clients=2, start=1) as c:
-        client = c.clients[0]
-        for name, attr in (("one", "_push_one_rpc"), ("stream", "_push_rpc")):
-            rpc = getattr(client, attr)
-            counted = lambda *a, _rpc=rpc, _name=name, **kw: (calls.__setitem__(_name, calls[_name] + 1), _rpc(*a, **kw))[1]  # noqa: E731
-            setattr(client, attr, counted)
+        one, stream = spy(c.clients[0], "_push_one_rpc"), spy(c.clients[0], "_push_rpc")
+        calls = lambda: {"one": len(one), "stream": len(stream)}  # noqa: E731
         raw: dict[str, Any] = {}
         small_done = threading.Event()
 
@@ -381,11 +387,11 @@ def test_a_small_job_and_its_reply_each_travel_as_one_grpc_message() -> None:
         small = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
         assert small_done.wait(10)
         assert small.failures == {} and raw["responses"] == 1 and raw["error"] is None
-        assert calls == {"one": 1, "stream": 0}
+        assert calls() == {"one": 1, "stream": 0}
         big = {"w": torch.randn(20_000)}  # 80 kB: several 16 kB chunks
         result = c.server.exchange(jobs([0, 1], big, 2), timeout=20)
         thread.join(10)
-        assert result.failures == {} and calls == {"one": 1, "stream": 1} and raw["big"] == (5, True, None)
+        assert result.failures == {} and calls() == {"one": 1, "stream": 1} and raw["big"] == (5, True, None)
         assert torch.equal(result.replies[0].body.tensors["w"], big["w"])
 
 

@@ -111,11 +111,8 @@ def flatten(tensors: Params, out: Any = None) -> tuple[torch.Tensor, Params]:
             rest[field(name, FLAT)] = layout(tensor)
         else:
             rest[name] = tensor
-    if out is None:
-        vector = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
-        return vector, rest
-    vector = torch.as_tensor(out)
     size = sum(p.numel() for p in parts)
+    vector = torch.empty(size, dtype=torch.float64) if out is None else torch.as_tensor(out)
     if vector.dim() != 1 or vector.numel() != size:
         raise ValueError(f"flatten: out has shape {tuple(vector.shape)}, the floating tensors hold {size} values")
     if parts:

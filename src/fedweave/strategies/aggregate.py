@@ -4,7 +4,8 @@ Floating-point tensors are averaged; integer tensors (``num_batches_tracked`` an
 like) are counters, never summed or averaged: they take the element-wise maximum.
 
 A rule that discards whole inputs (Krum) says which it kept with :class:`Selected`, and a
-server step built on it passes that on (:func:`with_selection`), so the loop counts only
+server step built on it passes that on (:func:`apply_delta` and :func:`step_floats` do;
+other steps call :func:`with_selection`), so the loop counts only
 the kept updates as applied (:class:`fedweave.loop.AcceptedRounds`).
 """
 
@@ -94,12 +95,13 @@ def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Par
 
 
 def apply_delta(params: Params, delta: Params, scale: float = 1.0) -> Params:
-    """``params + scale · delta``; integer tensors of ``delta`` are values and replace them."""
+    """``params + scale · delta``; integer tensors of ``delta`` are values and replace them.
+    Names the inputs ``delta`` kept (:func:`with_selection`)."""
     out: Params = {}
     for name, p in params.items():
         d = delta[name]
         out[name] = p + scale * d if p.is_floating_point() else d.clone()
-    return out
+    return with_selection(delta, out)
 
 
 def all_finite(params: Params) -> bool:
@@ -115,7 +117,8 @@ def step_floats(
 ) -> Params:
     """New parameters from the mean client ``delta``: ``step(name, p, d)`` for each
     floating tensor, ``p + d`` for those matching ``plain_average``, and the value in
-    ``delta`` for integer tensors (counters are never stepped)."""
+    ``delta`` for integer tensors (counters are never stepped). Names the inputs ``delta``
+    kept (:func:`with_selection`)."""
     out: Params = {}
     for name, p in params.items():
         d = delta[name]
@@ -125,4 +128,4 @@ def step_floats(
             out[name] = p + d
         else:
             out[name] = step(name, p, d)
-    return out
+    return with_selection(delta, out)

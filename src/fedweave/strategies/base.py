@@ -4,7 +4,8 @@ The server half turns the controller's plan into instructions (:meth:`Strategy.c
 and folds the clients' updates into new global parameters (:meth:`Strategy.aggregate`).
 When its averaging rule discarded whole updates (Krum), ``aggregate`` returns the new
 parameters as a :class:`~fedweave.strategies.aggregate.Selected` naming the updates it
-kept (:func:`~fedweave.strategies.aggregate.with_selection` passes on the rule's), and
+kept (``apply_delta`` and ``step_floats`` pass on the rule's, as
+:func:`~fedweave.strategies.aggregate.with_selection` does for other steps), and
 only those count as applied; plain ``Params`` mean it applied them all.
 Its state (server optimiser moments, control variates, ...) is saved in checkpoints
 through ``state_dict`` / ``load_state_dict``.

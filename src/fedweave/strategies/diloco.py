@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats, with_selection
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import (
@@ -132,7 +132,7 @@ class DiLoCo(FedAvg):
         stepped = step_floats(
             params, delta, hp.plain_average, lambda name, p, d: p - hp.outer_lr * self._direction(name, -d)
         )
-        return with_selection(delta, stepped)
+        return stepped
 
     def _direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         m = self.hp.outer_momentum

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedweave.strategies.aggregate import apply_delta, with_selection
+from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.task.models import evaluate
@@ -69,7 +69,7 @@ class FedAvg:
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         delta = self.ctx.average([u.tensors for u in updates], [u.num_examples for u in updates])
-        return with_selection(delta, apply_delta(params, delta))
+        return apply_delta(params, delta)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats, with_selection
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.types import Params, Update
@@ -71,7 +71,7 @@ class FedAvgM(FedAvg):
         params, self.velocity = momentum_step(
             params, delta, self.velocity, self.hp.server_lr, self.hp.momentum, self.hp.plain_average
         )
-        return with_selection(delta, params)
+        return params
 
     def state_dict(self) -> dict[str, Any]:
         return {"velocity": self.velocity}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import kept_indices, plain_average_option, step_floats, with_selection
+from fedweave.strategies.aggregate import kept_indices, plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
@@ -109,7 +109,7 @@ class FedDyn(FedAvg):
         delta = self.ctx.average([u.tensors for u in updates], [1.0] * len(updates))
         share = len(kept_indices(delta, len(updates))) / self.ctx.num_clients
         params, self.h = server_step(params, delta, self.h, self.hp.alpha, share, self.hp.plain_average)
-        return with_selection(delta, params)
+        return params
 
     def state_dict(self) -> dict[str, Any]:
         return {"h": self.h}

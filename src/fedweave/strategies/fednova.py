@@ -121,7 +121,7 @@ class FedNova(FedAvg):
         if self.ctx.average is not weighted_average:  # the rule's τ_eff instead of every claim's
             tau = self._rule_steps(delta, factors, weights)
             delta = with_selection(delta, _scaled(delta, tau / effective_steps(factors, weights), self.hp.plain_average))
-        return with_selection(delta, apply_delta(params, delta))
+        return apply_delta(params, delta)
 
     def _rule_steps(self, delta: Params, factors: list[float], weights: list[float]) -> float:
         """τ_eff by the robust rule: over the updates it kept, or the rule applied to the a_i."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fedweave.schema import opt
-from fedweave.strategies.aggregate import plain_average_option, step_floats, with_selection
+from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.types import Params, Update
@@ -121,7 +121,7 @@ class _FedOpt(FedAvg):
             tau=self.hp.tau,
             plain_average=self.hp.plain_average,
         )
-        return with_selection(delta, params)
+        return params
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         """The new second moment from the old one and Δ²: each optimiser's own rule."""

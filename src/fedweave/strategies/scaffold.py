@@ -160,7 +160,7 @@ class Scaffold(FedAvg):
         }
         lr = self.hp.global_lr
         stepped = step_floats(params, delta, self.hp.plain_average, lambda name, p, d: p + lr * d)
-        return with_selection(delta, stepped)
+        return stepped
 
     def _robust_deltas(self, updates: list[Update]) -> tuple[Params, Params]:
         """One pass of the robust rule over each client's (Δy_i, Δc_i) together.

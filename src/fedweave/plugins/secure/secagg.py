@@ -464,7 +464,8 @@ class SecAgg:
             holders = [h for h in (owner, *setup.neighbours[owner]) if h in alive]
             _enough(owner, len(holders), setup.threshold[owner], owner not in alive, "survived")
         asked = {v: [w for w in setup.neighbours[v] if w in alive] for v in survivors}
-        gone = {v: [w for w in setup.neighbours[v] if w in setup.records and w not in alive] for v in survivors}
+        lost = set(dropped)
+        gone = {v: [w for w in setup.neighbours[v] if w in lost] for v in survivors}
         answers = exchange({v: Control(self.name, UNMASK, {"survivors": _ids(asked[v])}) for v in survivors})
         seeds, keys = self._collect(ctx.round, answers, asked, gone)
         total = self.field.from_wire(updates[0].tensors[MASKED]).copy()
