@@ -275,7 +275,9 @@ def test_a_crashed_worker_does_not_hang_the_run_and_its_samples_go_to_another(tm
     started = time.perf_counter()
     records = run(config, tmp_path / "run")
     assert time.perf_counter() - started < 60  # bounded: no hang, even on a loaded machine
-    assert records[-1]["lost"] == [1] and records[-1]["workers"] == [0, 2] and records[-1]["epoch"] == 2.0
+    assert records[-1]["lost"] == [1] and records[-1]["epoch"] == 2.0
+    # a record lists the workers that pushed in its window: in the last, survivors only (one or both)
+    assert records[-1]["workers"] and set(records[-1]["workers"]) <= {0, 2}
     assert sum(rec["samples"] for rec in records) == 2 * DIGITS  # its range was handed out again
     assert records[-1]["test_accuracy"] > 0.5
 
