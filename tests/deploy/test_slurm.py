@@ -1,6 +1,6 @@
 """deploy/slurm's sbatch scripts, submitted with sbatch to a one-machine Slurm cluster.
 
-The federated job runs examples/digits-grpc.yaml as a gRPC server task and three client
+The federated job runs examples/digits-grpc.yaml as a gRPC server task and two client
 tasks with mutual TLS and tokens; its model and metrics equal the in-memory run of the same
 config and seed as tests/test_deploy_equivalence.py asks of the process launcher (params
 ≤ 1e-5, metrics ≤ 1e-6). The data-parallel job starts one torchrun agent on the node, which
@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import assert_same_params, reference
+from conftest import assert_same_params, free_port, reference
 from fedweave import config as config_mod
 from fedweave import runner
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FEDERATED = ROOT / "deploy" / "slurm" / "federated.sbatch"
 DATA_PARALLEL = ROOT / "deploy" / "slurm" / "data-parallel.sbatch"
 EXAMPLE = ROOT / "examples" / "digits-grpc.yaml"
-SMALL = ["rounds=2", "eval.federated_every=0", "task.model_options={hidden: [16]}"]
+SMALL = ["clients=2", "rounds=2", "eval.federated_every=0", "task.model_options={hidden: [16]}"]
 JOB_TIMEOUT = 120.0
 JOB_ENV = {"OMP_NUM_THREADS": "1"}
 DP = {
@@ -54,7 +54,8 @@ def run_job(cluster: SlurmCluster, script: Path, tmp_path: Path, args: list[str]
     """Submit ``script`` from ``tmp_path``, wait for it, fail with its output unless it completed; its output."""
     out = tmp_path / "job.out"
     job = cluster.submit(
-        script, *args, options=(f"--chdir={tmp_path}", f"--output={out}", "--time=5", *options), env={**JOB_ENV, **env}
+        script, *args, options=(f"--chdir={tmp_path}", f"--output={out}", "--time=5", *options),
+        env={**JOB_ENV, "FEDWEAVE_PORT": str(free_port()), **env},
     )
     fields = cluster.wait(job, JOB_TIMEOUT)
     output = out.read_text(errors="replace") if out.exists() else "(no output)"
@@ -68,12 +69,12 @@ def test_the_federated_script_runs_a_grpc_deployment_equal_to_the_local_run(
 ) -> None:
     run_dir = tmp_path / "run"
     env = {"FEDWEAVE": f"{sys.executable} -m fedweave", "FEDWEAVE_RUN_DIR": str(run_dir)}
-    output = run_job(slurm_cluster, FEDERATED, tmp_path, [str(EXAMPLE), *SMALL], ["--ntasks=4"], env)
+    output = run_job(slurm_cluster, FEDERATED, tmp_path, [str(EXAMPLE), *SMALL], ["--ntasks=3"], env)
     assert "server on localhost:" in output
 
     deployed = records(run_dir)
     assert [r["round"] for r in deployed] == [1, 2]
-    assert all(r["clients_completed"] == 3 for r in deployed)
+    assert all(r["clients_completed"] == 2 for r in deployed)
     grpc = yaml.safe_load((run_dir / "config.yaml").read_text())["grpc"]
     assert (grpc["tls"], grpc["tokens"]) == ("mtls", True)
     assert (run_dir / "credentials" / "server.pem").is_file()
