@@ -23,6 +23,7 @@ from conftest import assert_same_params, free_port, reference
 from fedweave import config as config_mod
 from fedweave import runner
 
+from . import slurm_cluster as cluster_mod
 from .slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401 - the fixture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +102,14 @@ def test_the_federated_script_refuses_a_task_count_that_is_not_clients_plus_one(
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0")
     assert "the config has 2 clients: submit with --ntasks=3, not 4" in out.read_text()
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_cluster_is_skipped_with_one_line_only_without_root_or_the_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 1000)
+    assert cluster_mod.missing() == "needs root to start munged, slurmctld and slurmd"
+    monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster_mod.shutil, "which", lambda name: None if name in ("slurmd", "munged") else f"/usr/bin/{name}")
+    assert cluster_mod.missing() == "needs Debian's slurm-wlm and munge packages (missing munged, slurmd)"
 
 
 def torchrun_entry() -> bool:
