@@ -333,8 +333,6 @@ def _first_paragraph(doc: str | None) -> str:
 
 def _node(args: argparse.Namespace) -> int:
     """``fedweave server`` / ``client`` / ``certs``."""
-    from fedweave import node
-
     if args.command == "certs":
         from fedweave.certs import DEFAULT_HOSTS, make_credentials
 
@@ -342,6 +340,8 @@ def _node(args: argparse.Namespace) -> int:
         sites = f" and {args.sites} site leaders" if args.sites else ""
         print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
         return 0
+    from fedweave import node
+
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if not os.environ.get(node.PARENT_ENV):
         return _serve_node(args)
