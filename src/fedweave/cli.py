@@ -44,11 +44,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", metavar="DIR", help="write the run here instead of <output_dir>/<name>-<time>")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, partition or summary")
     run.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
+    run.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end (fedweave report)")
 
     schema = sub.add_parser("schema", help="list every config key with its type, default and meaning")
     schema.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. local")
 
     sub.add_parser("list", help="list built-in strategies, plugins, datasets, models and partitions")
+
+    report = sub.add_parser(
+        "report",
+        help="write an HTML report of a run, or a comparison of several (figures, summary, config)",
+        description="One self-contained HTML file (figures inlined, opens from disk) and a PNG per figure "
+        "beside it. Works on a run still going on or interrupted.",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: a comparison)")
+    report.add_argument("--out", metavar="FILE.html", help="default RUN_DIR/report.html, or ./report.html for several")
+    report.add_argument("--target", type=float, metavar="ACC", help="accuracy for 'time to target' (default: "
+                        "the best accuracy the weakest run reached)")
 
     keys = sub.add_parser(
         "keys",
@@ -156,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "schema":
             return _schema(args.prefix)
+        if args.command == "report":
+            return _report(args.run_dirs, args.out, args.target)
         if args.command == "keys":
             return _keys(args)
         if args.command == "join":
@@ -217,6 +231,8 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if not quiet:
         print(summary_table(run_summary(records, str(r.run_dir), time.perf_counter() - started)))
+    if args.report:
+        _report([r.run_dir], None, None)
     return 0
 
 
@@ -270,6 +286,18 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
             ("run directory", str(r.run_dir)),
         ]
         print(summary_table(rows))
+    if args.report:
+        _report([r.run_dir], None, None)
+    return 0
+
+
+def _report(run_dirs: list[str] | list[Path], out: str | None, target: float | None) -> int:
+    from fedweave.observe.report import write_report
+
+    for run_dir in run_dirs:
+        if not (Path(run_dir) / "config.yaml").is_file():
+            raise ConfigError(f"{str(run_dir)!r} is not a run directory: it has no config.yaml")
+    print(f"report written to {write_report(run_dirs, out, target)}", file=sys.stderr)
     return 0
 
 
