@@ -239,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
     """``mode: data_parallel``: start the workers, print a line per metrics window, then a summary."""
     from fedweave import data_parallel
+    from fedweave.observe.loggers import open_loggers
     from fedweave.observe.progress import summary_table
 
     if config is None:
@@ -267,11 +268,19 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
             file=sys.stderr,
         )
 
+    loggers = open_loggers(r.config, r.run_dir)  # observe: TensorBoard, MLflow (none by default)
+
+    def on_record(record: dict[str, Any]) -> None:
+        loggers.record(record)
+        if not quiet:
+            show(record)
+
     try:
-        records = data_parallel.execute(r, None if quiet else show)
+        records = data_parallel.execute(r, on_record)
     except KeyboardInterrupt:
         print(f"\ninterrupted; continue with: fedweave run --resume {r.run_dir}", file=sys.stderr)
         return 130
+    loggers.close(r.run_dir)
     if not quiet and records:
         last = records[-1]
         accs = [x["test_accuracy"] for x in records if x.get("test_accuracy") is not None]
