@@ -147,7 +147,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     """Run the remaining rounds; write metrics, checkpoints and the final model."""
     cfg = r.config
     metrics = MetricsWriter(r.run_dir / METRICS_FILE)
-    loggers = open_loggers(cfg, r.run_dir)  # observe: TensorBoard, MLflow (none by default)
+    loggers = open_loggers(cfg, r.run_dir, r.parts.topology)  # observe: TensorBoard, MLflow, Prometheus
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         metrics.append(record)

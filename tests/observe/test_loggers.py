@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,7 +40,7 @@ class Failing:
     def __init__(self) -> None:
         self.closed = False
 
-    def record(self, step: int, values: Mapping[str, float]) -> None:
+    def record(self, step: int, record: Mapping[str, Any]) -> None:
         raise OSError("tracking server gone")
 
     def close(self, run_dir: Path, finished: bool) -> None:
@@ -50,8 +51,8 @@ class Keeping:
     def __init__(self) -> None:
         self.seen: list[tuple[int, dict[str, float]]] = []
 
-    def record(self, step: int, values: Mapping[str, float]) -> None:
-        self.seen.append((step, dict(values)))
+    def record(self, step: int, record: Mapping[str, Any]) -> None:
+        self.seen.append((step, scalars(record)))
 
     def close(self, run_dir: Path, finished: bool) -> None:
         pass

@@ -1,8 +1,8 @@
 """Where each metrics record goes besides ``metrics.jsonl``: the loggers of ``observe:``
 (TensorBoard, MLflow), fed from the same place that appends the record to the file.
 
-A logger gets the resolved config once, then each record's numbers (:func:`scalars`) at
-its round or step, then :meth:`RunLogger.close` at the end of the run. A logger that fails
+A logger gets the resolved config once, then each record at its round or step (most log
+its numbers, :func:`scalars`), then :meth:`RunLogger.close` at the end of the run. A logger that fails
 mid-run (a tracking server gone) is dropped with a warning: the run goes on, and
 ``metrics.jsonl`` keeps every record.
 """
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class RunLogger(Protocol):
-    def record(self, step: int, values: Mapping[str, float]) -> None: ...
+    def record(self, step: int, record: Mapping[str, Any]) -> None: ...
 
     def close(self, run_dir: Path, finished: bool) -> None: ...
 
@@ -59,12 +59,9 @@ class Loggers:
         self.axis = axis
 
     def record(self, record: Mapping[str, Any]) -> None:
-        if not self.loggers:
-            return
-        values = scalars(record)
         for logger in list(self.loggers):
             try:
-                logger.record(int(record[self.axis]), values)
+                logger.record(int(record[self.axis]), record)
             except Exception as exc:  # noqa: BLE001 - a logger's failure must not end the run
                 log.warning("%s failed (%s); it gets no more records (metrics.jsonl has them all)",
                             type(logger).__name__, exc)
@@ -79,12 +76,22 @@ class Loggers:
         self.loggers = []
 
 
-def open_loggers(config: Config, run_dir: Path) -> Loggers:
-    """The loggers ``config.observe`` asks for (none by default)."""
+def open_loggers(config: Config, run_dir: Path, topology: object = None) -> Loggers:
+    """The loggers ``config.observe`` asks for (none by default). ``topology``: the server's,
+    whose transport, when it is a gRPC server, tells the endpoint's node counts."""
     from fedweave import config as config_mod
 
     obs = config.observe
     loggers: list[RunLogger] = []
+    if obs.prometheus_port is not None:
+        if config.mode == "data_parallel":
+            log.warning("observe.prometheus_port: the endpoint serves federated servers; not started")
+        else:
+            from fedweave.observe.prometheus import NodeCounter, PrometheusLogger
+
+            transport = getattr(topology, "transport", None)
+            nodes = transport if isinstance(transport, NodeCounter) else None
+            loggers.append(PrometheusLogger(obs.prometheus_port, config.rounds, nodes))
     if obs.tensorboard is not False or obs.mlflow.on:
         import yaml
 

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from fedweave.config import MlflowConfig
 from fedweave.errors import ConfigError
@@ -56,7 +57,10 @@ class MlflowLogger:
             self.client.log_batch(self.run_id, params=items[start : start + BATCH])
         log.info("logging to MLflow run %s (experiment %r, %s)", self.run_id, experiment, uri)
 
-    def record(self, step: int, values: Mapping[str, float]) -> None:
+    def record(self, step: int, record: Mapping[str, Any]) -> None:
+        from fedweave.observe.loggers import scalars
+
+        values = scalars(record)
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from fedweave.errors import ConfigError
 
@@ -21,7 +22,10 @@ class TensorBoardLogger:
         self.writer = SummaryWriter(log_dir=str(folder))
         self.writer.add_text("config", "\n".join("    " + line for line in resolved_config.splitlines()))
 
-    def record(self, step: int, values: Mapping[str, float]) -> None:
+    def record(self, step: int, record: Mapping[str, Any]) -> None:
+        from fedweave.observe.loggers import scalars
+
+        values = scalars(record)
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
