@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--target", type=float, metavar="ACC", help="accuracy for 'time to target' (default: "
                         "the best accuracy the weakest run reached)")
 
+    status = sub.add_parser("status", help="print where a run stands (round, accuracy, ETA) from its files")
+    status.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (of a run here or elsewhere)")
+
     keys = sub.add_parser(
         "keys",
         help="make the federation's CKKS keys for the 'he' plugin",
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             return _schema(args.prefix)
         if args.command == "report":
             return _report(args.run_dirs, args.out, args.target)
+        if args.command == "status":
+            return _status(args.run_dir)
         if args.command == "keys":
             return _keys(args)
         if args.command == "join":
@@ -303,10 +308,24 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
 def _report(run_dirs: list[str] | list[Path], out: str | None, target: float | None) -> int:
     from fedweave.observe.report import write_report
 
-    for run_dir in run_dirs:
-        if not (Path(run_dir) / "config.yaml").is_file():
-            raise ConfigError(f"{str(run_dir)!r} is not a run directory: it has no config.yaml")
-    print(f"report written to {write_report(run_dirs, out, target)}", file=sys.stderr)
+    try:
+        written = write_report(run_dirs, out, target)
+    except FileNotFoundError as exc:  # not a run directory
+        raise ConfigError(str(exc)) from None
+    print(f"report written to {written}", file=sys.stderr)
+    return 0
+
+
+def _status(run_dir: str) -> int:
+    from fedweave.observe.progress import summary_table
+    from fedweave.observe.rundata import load_run
+    from fedweave.observe.status import status_rows
+
+    try:
+        run = load_run(run_dir)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    print(summary_table(status_rows(run)))
     return 0
 
 
