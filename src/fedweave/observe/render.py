@@ -10,6 +10,7 @@ from fedweave.observe.figures import Figure, Series
 WIDTH, HEIGHT, DPI = 7.5, 3.6, 100
 STYLES = ("-", "--", ":", "-.")
 MAX_TICKS = 40
+OUTSIDE = 3  # more series than this: the legend goes below the plot
 
 
 def _run_and_name(label: str) -> tuple[str, str]:
@@ -30,8 +31,10 @@ def _draw_lines(ax, fig: Figure) -> None:  # type: ignore[no-untyped-def]
         if len(runs) > 1 and cycle:
             style |= {"color": cycle[runs.index(run) % len(cycle)], "linestyle": STYLES[names.index(name) % len(STYLES)]}
         ax.plot(s.x, s.y, label=s.label, **style)
-    if fig.series:
-        ax.legend(loc="best", fontsize="small", ncol=2 if len(fig.series) > 6 else 1)
+    if len(fig.series) > OUTSIDE:  # below the plot, where it covers no data
+        ax.figure.legend(loc="outside lower center", fontsize="small", ncol=2, frameon=False)
+    elif fig.series:
+        ax.legend(loc="best", fontsize="small")
 
 
 def _draw_timeline(ax, series: list[Series]) -> None:  # type: ignore[no-untyped-def]
@@ -64,8 +67,12 @@ def png(fig: Figure) -> bytes:
     from matplotlib.figure import Figure as MplFigure
 
     rows = len(fig.series) if fig.kind == "heatmap" else len({s.label.rpartition(" ")[0] for s in fig.series})
-    height = HEIGHT if fig.kind == "line" else max(HEIGHT, 1.2 + 0.22 * min(rows, 60))
-    out = MplFigure(figsize=(WIDTH, height), dpi=DPI)
+    if fig.kind == "line":
+        legend_rows = -(-len(fig.series) // 2) if len(fig.series) > OUTSIDE else 0
+        height = HEIGHT + 0.2 * legend_rows
+    else:
+        height = max(HEIGHT, 1.2 + 0.22 * min(rows, 60))
+    out = MplFigure(figsize=(WIDTH, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(out)
     ax = out.add_subplot()
     if fig.kind == "timeline":
@@ -86,7 +93,6 @@ def png(fig: Figure) -> bytes:
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(fig.ylabel)
-    out.tight_layout()
     buffer = io.BytesIO()
     out.savefig(buffer, format="png")
     return buffer.getvalue()

@@ -41,7 +41,7 @@ h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #dd
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ccc;padding:.3em .6em;text-align:right}
 th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
 .figures{display:flex;flex-wrap:wrap;gap:1em}figure{margin:0;flex:1 1 520px}
-figure img{width:100%;height:auto;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
+figure img{width:100%;height:auto;border:1px solid #eee}
 pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:.8em;max-height:30em}
 .note{color:#a60}
 """
@@ -130,7 +130,7 @@ def figure_html(fig: Figure, image: bytes) -> str:
     source = "data:image/png;base64," + base64.b64encode(image).decode()
     title = html.escape(fig.title)
     return (f'<figure class="fw-figure" id="figure-{html.escape(fig.id)}" data-figure="{html.escape(fig.id)}">'
-            f'<img src="{source}" alt="{title}"><figcaption>{title}</figcaption></figure>')
+            f'<img src="{source}" alt="{title}"></figure>')
 
 
 def page(runs: Sequence[RunData], figures: Sequence[Figure], images: dict[str, bytes], target: float | None,
