@@ -104,6 +104,7 @@ def _node_parsers(sub: Any) -> None:
     server.add_argument("--listen", metavar="HOST:PORT", help="bind here instead of grpc.listen / grpc.address")
     server.add_argument("--address-file", metavar="PATH", help="write the bound host:port here (for port 0)")
     server.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
+    server.add_argument("-q", "--quiet", action="store_true", help="no progress line (round, accuracy, ETA)")
 
     client = sub.add_parser(
         "client",
@@ -245,7 +246,7 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
     """``mode: data_parallel``: start the workers, print a line per metrics window, then a summary."""
     from fedweave import data_parallel
     from fedweave.observe.loggers import open_loggers
-    from fedweave.observe.progress import summary_table
+    from fedweave.observe.progress import eta_text, share_done, summary_table
 
     if config is None:
         r = data_parallel.resume(args.resume)
@@ -263,13 +264,16 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
             file=sys.stderr,
         )
     started = time.perf_counter()
+    before = share_done(r.records[-1], dp.steps, dp.epochs) if r.records else 0.0  # a resumed run's start
 
     def show(record: dict[str, Any]) -> None:
         acc = record.get("test_accuracy")
+        elapsed, done = time.perf_counter() - started, share_done(record, dp.steps, dp.epochs)
         print(
             f"step {record['step']} epoch {record['epoch']:.2f} loss {record['train_loss']:.4f}"
             + (f" acc {acc:.4f}" if acc is not None else "")
-            + f" batches {[round(b) for b in record['batch']]} {time.perf_counter() - started:.1f}s",
+            + f" batches {[round(b) for b in record['batch']]} {elapsed:.1f}s"
+            + eta_text(elapsed, (done - before) / max(1 - before, 1e-9)),
             file=sys.stderr,
         )
 
@@ -437,17 +441,29 @@ def _serve_node(args: argparse.Namespace) -> int:
             if args.config is not None or args.overrides:
                 raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
             config = config_mod.load(Path(args.resume) / runner.CONFIG_FILE)
-            node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file)
+            node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file,
+                       on_record=_server_bar(args, config))
             return 0
         if args.config is None:
             raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
         config = config_mod.load(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else runner.new_run_dir(config)
-        node.serve(config, run_dir, listen=args.listen, address_file=args.address_file)
+        node.serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
         return 0
     except KeyboardInterrupt:
         logging.getLogger("fedweave.node").warning("%s stopped by a signal", args.command)
         return 130
+
+
+def _server_bar(args: argparse.Namespace, config: Any) -> Any:
+    """The server's progress line (as `fedweave run`'s) on stderr; none with -q or under the process
+    launcher (which shows its own)."""
+    from fedweave import node
+    from fedweave.observe.progress import ProgressBar
+
+    if args.quiet or os.environ.get(node.PARENT_ENV):
+        return None
+    return ProgressBar(config.rounds, sys.stderr).update
 
 
 def _exit_code(exc: BaseException) -> int:

@@ -192,7 +192,7 @@ def data_parallel_figures(run: RunData) -> list[Figure]:
         ("batch", "per-worker batch size", "batch (samples)", worker_series(recs, "batch")),
         ("compute", "per-worker compute time per step", "compute (s/step)", worker_series(recs, "compute_time")),
         ("idle", "per-worker idle time per step", "idle (s/step)", worker_series(recs, "idle_time")),
-        ("worker-throughput", "per-worker throughput (batch / compute time)", "samples/s", worker_throughput(recs)),
+        ("throughput", "per-worker throughput (batch / compute time)", "samples/s", worker_throughput(recs)),
         ("updates", "asp: updates per metrics window", "updates", worker_series(recs, "updates")),
         ("staleness", "asp: mean staleness of each worker's updates", "staleness (server steps)",
          worker_series(recs, "staleness")),

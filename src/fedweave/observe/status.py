@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fedweave.observe.compare import accuracies, progress
 from fedweave.observe.figures import elapsed
+from fedweave.observe.progress import remaining
 from fedweave.observe.rundata import METRICS_FILE, RunData
 
 
@@ -29,9 +30,7 @@ def eta(run: RunData) -> float | None:
     """Seconds left at the pace so far (None before the first record or without a plan)."""
     done = fraction_done(run)
     wall = elapsed(run.records, run.data_parallel)
-    if not done or not wall:
-        return None
-    return wall[-1] * (1 - done) / done
+    return remaining(wall[-1], done) if done and wall else None
 
 
 def _duration(seconds: float) -> str:
