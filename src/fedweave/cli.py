@@ -284,12 +284,15 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
         if not quiet:
             show(record)
 
+    finished = False
     try:
         records = data_parallel.execute(r, on_record)
+        finished = True
     except KeyboardInterrupt:
         print(f"\ninterrupted; continue with: fedweave run --resume {r.run_dir}", file=sys.stderr)
         return 130
-    loggers.close(r.run_dir)
+    finally:
+        loggers.close(r.run_dir, finished)
     if not quiet and records:
         last = records[-1]
         accs = [x["test_accuracy"] for x in records if x.get("test_accuracy") is not None]

@@ -176,6 +176,9 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
+    except BaseException:
+        loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
+        raise
     finally:
         r.parts.topology.close()
     atomic_save(r.params, r.run_dir / MODEL_FILE)

@@ -4,6 +4,7 @@ reader and MlflowClient read back is what metrics.jsonl holds."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from conftest import run_to_end, small_config
-from fedweave import cli
+from conftest import free_port, run_to_end, small_config
+from fedweave import cli, runner
 from fedweave import config as config_mod
 from fedweave.errors import ConfigError
 from fedweave.observe.loggers import Loggers, flat_params, open_loggers, scalars
@@ -169,3 +170,26 @@ def test_schema_lists_the_observe_keys(capsys: pytest.CaptureFixture[str]) -> No
     keys = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("observe")]
     assert keys == ["observe.tensorboard", "observe.mlflow.enabled", "observe.mlflow.tracking_uri",
                     "observe.mlflow.experiment", "observe.prometheus_port"]
+
+
+def test_an_interrupted_run_marks_its_mlflow_run_failed_and_frees_the_endpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    port = free_port()
+    r = runner.prepare(small_config("observe.mlflow.enabled=true", f"observe.prometheus_port={port}"), tmp_path / "run")
+
+    def interrupt(record: dict[str, Any]) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, interrupt)
+    run_id = (tmp_path / "run" / "mlflow-run-id").read_text().strip()
+    client = MlflowClient(tracking_uri=(tmp_path / "run" / "mlruns").as_uri())
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [1]
+    with socket.socket() as s:  # the endpoint let its port go
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
