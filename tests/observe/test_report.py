@@ -148,3 +148,21 @@ def test_cli_report_of_a_missing_run_is_one_line(tmp_path: Path, capsys: pytest.
     assert cli.main(["report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"fedweave: error: {str(tmp_path / 'nope')!r} is not a run directory: it has no config.yaml"
+
+
+def test_asp_updates_and_staleness_per_worker(tmp_path: Path) -> None:
+    recs = [
+        {"step": 4, "samples": 96, "window_time": 0.5, "workers": [0, 1], "updates": [1, 3], "batch": [24.0, 24.0],
+         "compute_time": [0.5, 0.25], "idle_time": [None, 0.1], "staleness": [1.0, 0.5], "lost": [], "wall_time": 1.0},
+        {"step": 8, "samples": 80, "window_time": 0.4, "workers": [0, 1], "updates": [2, 2], "batch": [16.0, 40.0],
+         "compute_time": [0.5, 0.5], "idle_time": [0.2, 0.3], "staleness": [1.5, 1.0], "lost": [1], "wall_time": 2.0},
+    ]
+    run = write_run(tmp_path / "asp", {"name": "asp", "mode": "data_parallel",
+                                       "data_parallel": {"sync": "asp", "epochs": 1}}, recs)
+    data = embedded(write_report([run]))
+    assert series(data, "worker-updates", "worker 1") == ([4, 8], [3, 2])
+    assert series(data, "worker-staleness", "worker 0") == ([4, 8], [1.0, 1.5])
+    assert series(data, "worker-idle", "worker 0") == ([8], [0.2])  # no idle time measured in its first window
+    assert series(data, "worker-throughput", "worker 1") == ([4, 8], [96.0, 80.0])  # batch / compute time
+    assert series(data, "throughput", "all workers") == ([4, 8], [192.0, 200.0])  # samples / window time
+    assert figure(data, "worker-batch")["marks"] == [[8, "worker 1 left"]]  # lost by the parameter server
