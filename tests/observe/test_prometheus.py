@@ -1,5 +1,5 @@
 """Tests of fedweave.observe.prometheus: the endpoint of a gRPC server, scraped while the run
-goes on, agrees with the run's metrics.jsonl at its end."""
+goes on, agrees with the run's metrics.jsonl at its end (and the server's TensorBoard events too)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 from conftest import free_port, small_config
 from fedweave import node
 from fedweave.observe.prometheus import updates
+
+from .test_loggers import event_scalars
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -40,6 +42,7 @@ def test_the_endpoint_of_a_grpc_server_agrees_with_its_metrics(tmp_path: Path) -
     config = small_config(
         "rounds=2", "clients=3", "transport=grpc", f"grpc.address=127.0.0.1:{port}", "grpc.join_timeout=1",
         "grpc.heartbeat_timeout=1", "grpc.heartbeat_interval=0.2", f"observe.prometheus_port={metrics_port}",
+        "observe.tensorboard=true",
     )
     scraped: dict[int, Any] = {}
 
@@ -68,3 +71,5 @@ def test_the_endpoint_of_a_grpc_server_agrees_with_its_metrics(tmp_path: Path) -
     assert last[("fedweave_test_accuracy", ())] == pytest.approx(records[-1]["test_accuracy"])
     with pytest.raises(urllib.error.URLError):  # served while the run goes on, not after
         scrape(metrics_port)
+    events = event_scalars(tmp_path / "run" / "tensorboard")  # the deployment's server logs as a local run does
+    assert events["test_accuracy"] == [(r["round"], pytest.approx(r["test_accuracy"])) for r in records]
