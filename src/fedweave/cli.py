@@ -44,11 +44,26 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", metavar="DIR", help="write the run here instead of <output_dir>/<name>-<time>")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, partition or summary")
     run.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
+    run.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end (fedweave report)")
 
     schema = sub.add_parser("schema", help="list every config key with its type, default and meaning")
     schema.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. local")
 
     sub.add_parser("list", help="list built-in strategies, plugins, datasets, models and partitions")
+
+    report = sub.add_parser(
+        "report",
+        help="write an HTML report of a run, or a comparison of several (figures, summary, config)",
+        description="One self-contained HTML file (figures inlined, opens from disk) and a PNG per figure "
+        "beside it. Works on a run still going on or interrupted.",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: a comparison)")
+    report.add_argument("--out", metavar="FILE.html", help="default RUN_DIR/report.html, or ./report.html for several")
+    report.add_argument("--target", type=float, metavar="ACC", help="accuracy for 'time to target' (default: "
+                        "the best accuracy the weakest run reached)")
+
+    status = sub.add_parser("status", help="print where a run stands (round, accuracy, ETA) from its files")
+    status.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (of a run here or elsewhere)")
 
     keys = sub.add_parser(
         "keys",
@@ -89,6 +104,7 @@ def _node_parsers(sub: Any) -> None:
     server.add_argument("--listen", metavar="HOST:PORT", help="bind here instead of grpc.listen / grpc.address")
     server.add_argument("--address-file", metavar="PATH", help="write the bound host:port here (for port 0)")
     server.add_argument("--log-level", default="INFO", choices=levels, help="logging level (default INFO)")
+    server.add_argument("-q", "--quiet", action="store_true", help="no progress line (round, accuracy, ETA)")
 
     client = sub.add_parser(
         "client",
@@ -156,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "schema":
             return _schema(args.prefix)
+        if args.command == "report":
+            return _report(args.run_dirs, args.out, args.target)
+        if args.command == "status":
+            return _status(args.run_dir)
         if args.command == "keys":
             return _keys(args)
         if args.command == "join":
@@ -217,13 +237,16 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if not quiet:
         print(summary_table(run_summary(records, str(r.run_dir), time.perf_counter() - started)))
+    if args.report:
+        _report([r.run_dir], None, None)
     return 0
 
 
 def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
     """``mode: data_parallel``: start the workers, print a line per metrics window, then a summary."""
     from fedweave import data_parallel
-    from fedweave.observe.progress import summary_table
+    from fedweave.observe.loggers import open_loggers
+    from fedweave.observe.progress import eta_text, share_done, summary_table
 
     if config is None:
         r = data_parallel.resume(args.resume)
@@ -241,21 +264,35 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
             file=sys.stderr,
         )
     started = time.perf_counter()
+    before = share_done(r.records[-1], dp.steps, dp.epochs) if r.records else 0.0  # a resumed run's start
 
     def show(record: dict[str, Any]) -> None:
         acc = record.get("test_accuracy")
+        elapsed, done = time.perf_counter() - started, share_done(record, dp.steps, dp.epochs)
         print(
             f"step {record['step']} epoch {record['epoch']:.2f} loss {record['train_loss']:.4f}"
             + (f" acc {acc:.4f}" if acc is not None else "")
-            + f" batches {[round(b) for b in record['batch']]} {time.perf_counter() - started:.1f}s",
+            + f" batches {[round(b) for b in record['batch']]} {elapsed:.1f}s"
+            + eta_text(elapsed, (done - before) / max(1 - before, 1e-9)),
             file=sys.stderr,
         )
 
+    loggers = open_loggers(r.config, r.run_dir)  # observe: TensorBoard, MLflow (none by default)
+
+    def on_record(record: dict[str, Any]) -> None:
+        loggers.record(record)
+        if not quiet:
+            show(record)
+
+    finished = False
     try:
-        records = data_parallel.execute(r, None if quiet else show)
+        records = data_parallel.execute(r, on_record)
+        finished = True
     except KeyboardInterrupt:
         print(f"\ninterrupted; continue with: fedweave run --resume {r.run_dir}", file=sys.stderr)
         return 130
+    finally:
+        loggers.close(r.run_dir, finished)
     if not quiet and records:
         last = records[-1]
         accs = [x["test_accuracy"] for x in records if x.get("test_accuracy") is not None]
@@ -270,6 +307,32 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
             ("run directory", str(r.run_dir)),
         ]
         print(summary_table(rows))
+    if args.report:
+        _report([r.run_dir], None, None)
+    return 0
+
+
+def _report(run_dirs: list[str] | list[Path], out: str | None, target: float | None) -> int:
+    from fedweave.observe.report import write_report
+
+    try:
+        written = write_report(run_dirs, out, target)
+    except FileNotFoundError as exc:  # not a run directory
+        raise ConfigError(str(exc)) from None
+    print(f"report written to {written}", file=sys.stderr)
+    return 0
+
+
+def _status(run_dir: str) -> int:
+    from fedweave.observe.progress import summary_table
+    from fedweave.observe.rundata import load_run
+    from fedweave.observe.status import status_rows
+
+    try:
+        run = load_run(run_dir)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    print(summary_table(status_rows(run)))
     return 0
 
 
@@ -381,17 +444,29 @@ def _serve_node(args: argparse.Namespace) -> int:
             if args.config is not None or args.overrides:
                 raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
             config = config_mod.load(Path(args.resume) / runner.CONFIG_FILE)
-            node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file)
+            node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file,
+                       on_record=_server_bar(args, config))
             return 0
         if args.config is None:
             raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
         config = config_mod.load(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else runner.new_run_dir(config)
-        node.serve(config, run_dir, listen=args.listen, address_file=args.address_file)
+        node.serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
         return 0
     except KeyboardInterrupt:
         logging.getLogger("fedweave.node").warning("%s stopped by a signal", args.command)
         return 130
+
+
+def _server_bar(args: argparse.Namespace, config: Any) -> Any:
+    """The server's progress line (as `fedweave run`'s) on stderr; none with -q or under the process
+    launcher (which shows its own)."""
+    from fedweave import node
+    from fedweave.observe.progress import ProgressBar
+
+    if args.quiet or os.environ.get(node.PARENT_ENV):
+        return None
+    return ProgressBar(config.rounds, sys.stderr).update
 
 
 def _exit_code(exc: BaseException) -> int:

@@ -238,6 +238,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class MlflowConfig:
+    """MLflow tracking (extra ``mlflow``): see :mod:`fedweave.observe.mlflow`."""
+
+    enabled: bool | None = opt(None, help="log to MLflow (none: when tracking_uri or experiment is set)")
+    tracking_uri: str | None = opt(None, help="tracking URI (none: a local file: store, RUN_DIR/mlruns)")
+    experiment: str | None = opt(None, help="experiment name (none: the run's name)")
+
+    @property
+    def on(self) -> bool:
+        return self.enabled if self.enabled is not None else bool(self.tracking_uri or self.experiment)
+
+
+@dataclass
+class ObserveConfig:
+    """Where a run's metrics go besides metrics.jsonl (see :mod:`fedweave.observe.loggers`)."""
+
+    tensorboard: bool | str = opt(
+        False, help="TensorBoard event files (extra tensorboard): true for RUN_DIR/tensorboard, or a folder"
+    )
+    mlflow: MlflowConfig = opt(factory=MlflowConfig)
+    prometheus_port: int | None = opt(
+        None, ge=1, le=65535, help="serve Prometheus metrics on this port from the server (extra prometheus)"
+    )
+
+    def validate(self, prefix: str) -> None:
+        if self.tensorboard == "":
+            raise ConfigError(f"config key '{prefix}.tensorboard': expected true, false or a folder, got ''")
+
+
+@dataclass
 class BatchControllerConfig:
     """How the data-parallel controller splits the global batch (see :mod:`fedweave.batching.dynamic`)."""
 
@@ -418,6 +448,7 @@ class Config:
     torchdist: TorchDistConfig = opt(factory=TorchDistConfig)
     eval: EvalConfig = opt(factory=EvalConfig)
     checkpoint: CheckpointConfig = opt(factory=CheckpointConfig)
+    observe: ObserveConfig = opt(factory=ObserveConfig)
     data_parallel: DataParallelConfig = opt(factory=DataParallelConfig)
     heterogeneity: HeterogeneityConfig = opt(factory=HeterogeneityConfig)
     controller: ClientControllerConfig = opt(factory=ClientControllerConfig)

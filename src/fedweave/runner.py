@@ -38,6 +38,7 @@ from fedweave.config import Config, emulates_clients
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
+from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter, read_metrics
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
@@ -146,9 +147,11 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     """Run the remaining rounds; write metrics, checkpoints and the final model."""
     cfg = r.config
     metrics = MetricsWriter(r.run_dir / METRICS_FILE)
+    loggers = open_loggers(cfg, r.run_dir, r.parts.topology)  # observe: TensorBoard, MLflow, Prometheus
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         metrics.append(record)
+        loggers.record(record)
         r.records.append(record)
         if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0 or rnd == cfg.rounds):
             save_checkpoint(
@@ -173,6 +176,9 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
+    except BaseException:
+        loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
+        raise
     finally:
         r.parts.topology.close()
     atomic_save(r.params, r.run_dir / MODEL_FILE)
@@ -180,6 +186,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         from fedweave.observe.plots import plot_clients
 
         plot_clients(r.records, r.run_dir / CLIENTS_PLOT)
+    loggers.close(r.run_dir)
     return r.records
 
 

@@ -10,19 +10,39 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def remaining(elapsed: float, fraction: float) -> float | None:
+    """Seconds left at the pace so far: ``fraction`` of the work took ``elapsed`` seconds."""
+    return elapsed * (1 - fraction) / fraction if fraction > 0 else None
+
+
+def eta_text(elapsed: float, fraction: float) -> str:
+    """`` ETA 12.3s`` while work is left (nothing once it is done or before any)."""
+    left = remaining(elapsed, fraction)
+    return "" if left is None or fraction >= 1 else f" ETA {left:.1f}s"
+
+
+def share_done(record: dict[str, Any], steps: int | None, epochs: int) -> float:
+    """Share of a data-parallel run done at ``record``: of its steps when it counts steps, else of its epochs."""
+    return min(record["step"] / steps if steps else record["epoch"] / epochs, 1.0)
+
+
 class ProgressBar:
-    """Redraws one line per round on a terminal; prints a line per round elsewhere."""
+    """Redraws one line per round on a terminal; prints a line per round elsewhere. The ETA
+    is at the pace of the rounds it has seen (from its creation to the last one)."""
 
     def __init__(self, total: int, stream: TextIO, start_round: int = 0, width: int = 24):
         self.total = total
         self.stream = stream
         self.width = width
         self.done = start_round
+        self.before: int | None = None  # the round before the first one seen (a resumed run's start)
         self.started = time.perf_counter()
         self.tty = stream.isatty()
 
     def update(self, record: dict[str, Any]) -> None:
         self.done = record["round"]
+        self.before = self.done - 1 if self.before is None else self.before
+        elapsed = time.perf_counter() - self.started
         filled = int(self.width * self.done / self.total)
         bar = "#" * filled + "." * (self.width - filled)
         acc = record.get("test_accuracy")
@@ -30,7 +50,8 @@ class ProgressBar:
             f"round {self.done:>{len(str(self.total))}}/{self.total} [{bar}] "
             f"loss {_fmt(record.get('train_loss'))} acc {_fmt(acc)} "
             f"clients {record['clients_completed']}/{record['clients_sampled']} "
-            f"{time.perf_counter() - self.started:.1f}s"
+            f"{elapsed:.1f}s"
+            + eta_text(elapsed, (self.done - self.before) / max(self.total - self.before, 1))
         )
         if self.tty:
             end = "\n" if self.done >= self.total else ""

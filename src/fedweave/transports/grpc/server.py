@@ -199,6 +199,13 @@ class GrpcServerTransport:
                 self._cond.wait(min(0.25, max(deadline - time.monotonic(), 0.0)))
             return len(self._clients)
 
+    def node_counts(self) -> tuple[int, int]:
+        """(registered, alive) nodes, alive meaning heard from within heartbeat_timeout (for monitoring)."""
+        now = time.monotonic()
+        with self._lock:
+            seen = [c.last_seen for c in self._clients.values()]
+        return len(seen), sum(now - t <= self.settings.heartbeat_timeout for t in seen)
+
     def close(self) -> None:
         """Tell every live client to stop (on its next pull or heartbeat), then stop serving."""
         with self._cond:
