@@ -1,0 +1,200 @@
+"""The rendered federation, run: what the YAML says is what runs.
+
+``fedweave deploy k8s`` renders a tiny config (2 clients, 2 rounds, digits); ``kubectl kustomize``
+builds the base; then every container of every Deployment and Job starts as a local process
+with its own command and arguments (the image's ENTRYPOINT, read from the Dockerfile, where the
+container names none), its own environment with ``$(VAR)`` expanded as the kubelet does, and its
+mounted volumes written into a folder per pod: ConfigMap and Secret files as the objects hold
+them, emptyDirs empty, a PersistentVolumeClaim as one folder every pod of it shares. A pod's
+paths are rewritten to its folder, and names are resolved as cluster DNS would, to the loopback:
+each Service's name (and 0.0.0.0, the pod's own address) becomes 127.0.0.1, in the arguments,
+the environment and the mounted config. The ports are the ones the manifests name (the config
+picks free ones). The test then asks the server's readiness probe (its ``grpc`` port) until it
+answers SERVING, and checks every process ends with status 0, the server's run directory on its
+claim holds both rounds, and they equal the same config run in memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from conftest import free_port
+
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.deploy import kubernetes as k8s
+from fedweave.transports.grpc.health import check
+
+from .conftest import ROOT, kustomize
+
+CONFIG = """
+name: k8s-run
+seed: 0
+rounds: 2
+clients: 2
+round_timeout: 60
+task: {{dataset: digits, model: mlp, model_options: {{hidden: [16]}}, partition: iid}}
+local: {{epochs: 1, batch_size: 64, lr: 0.1}}
+strategy: fedavg
+transport: grpc
+grpc:
+  address: 127.0.0.1:{port}
+  health_listen: 0.0.0.0:{health}
+  heartbeat_interval: 0.2
+  heartbeat_timeout: 5.0
+  poll_timeout: 0.5
+  join_timeout: 60
+  connect_timeout: 60
+  backoff_initial: 0.05
+  backoff_max: 0.5
+"""
+
+
+def entrypoint() -> list[str]:
+    """The image's ENTRYPOINT (the Dockerfile's last), with ``fedweave`` as this interpreter's module."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT ")]
+    command = json.loads(lines[-1].removeprefix("ENTRYPOINT "))
+    assert command[0] == "fedweave"
+    return [sys.executable, "-m", "fedweave", *command[1:]]
+
+
+class Pod:
+    """One pod of the manifests as a local process."""
+
+    def __init__(self, name: str, spec: dict[str, Any], objects: list[dict[str, Any]], root: Path, claims: Path):
+        self.name = name
+        (self.container,) = spec["containers"]
+        self.dir = root / name
+        self.mounts: dict[str, Path] = {}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        self.resolve = {o["metadata"]["name"]: "127.0.0.1" for o in objects if o["kind"] == "Service"}
+        self.resolve["0.0.0.0"] = "127.0.0.1"
+        for mount in self.container.get("volumeMounts", []):
+            local = self.dir / "volumes" / mount["name"]
+            self.mounts[mount["mountPath"]] = self._volume(volumes[mount["name"]], local, objects, claims)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def rewrite(self, text: str) -> str:
+        """Paths under a mount to the pod's folder, Service names and 0.0.0.0 to the loopback."""
+        paths = "|".join(re.escape(p) for p in sorted(self.mounts, key=len, reverse=True))
+        text = re.sub(rf"(?<![\w/])({paths})(?![\w.-])", lambda m: str(self.mounts[m.group(1)]), text)  # one pass
+        for name, address in self.resolve.items():
+            text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?=:\d)", address, text)
+        return text
+
+    def _volume(self, volume: dict[str, Any], local: Path, objects: list[dict[str, Any]], claims: Path) -> Path:
+        def named(kind: str, name: str) -> dict[str, Any]:
+            (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+            return found
+
+        if "persistentVolumeClaim" in volume:
+            local = claims / named("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])["metadata"]["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            return local
+        local.mkdir(parents=True)
+        if "configMap" in volume:
+            for key, text in named("ConfigMap", volume["configMap"]["name"])["data"].items():
+                (local / key).write_text(text)  # rewritten once every mount is known (start)
+        elif "secret" in volume:
+            secret = named("Secret", volume["secret"]["secretName"])
+            for key, value in secret["data"].items():
+                (local / key).write_bytes(base64.b64decode(value))
+                (local / key).chmod(volume["secret"].get("defaultMode", 0o644) | 0o400)
+        else:
+            assert "emptyDir" in volume, volume
+        return local
+
+    def start(self) -> None:
+        c = self.container
+        for path, local in self.mounts.items():  # mounted config files name paths and hosts of the cluster
+            for file in local.glob("*.yaml"):
+                file.write_text(self.rewrite(file.read_text()))
+        env = dict(os.environ)
+        for item in c.get("env", []):
+            env[item["name"]] = self.rewrite(item["value"])
+        command = [self.rewrite(a) for a in c["command"]] if "command" in c else entrypoint()
+        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], self.rewrite(a)) for a in c.get("args", [])]
+        cwd = self.dir / "cwd"
+        cwd.mkdir()
+        self.log = (self.dir / "log").open("wb")
+        self.process = subprocess.Popen([*command, *args], cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def tail(self) -> str:
+        self.log.flush()
+        return (self.dir / "log").read_text(errors="replace")[-3000:]
+
+
+def pods(objects: list[dict[str, Any]], root: Path) -> list[Pod]:
+    out = []
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "Job"):
+            spec = obj["spec"]
+            assert spec.get("replicas", 1) == 1 and spec.get("completions", 1) == 1, "one pod per object here"
+            out.append(Pod(obj["metadata"]["name"], spec["template"]["spec"], objects, root, root / "claims"))
+    return out
+
+
+def test_the_rendered_federation_runs_as_local_processes(tmp_path: Path) -> None:
+    port, health = free_port(), free_port()
+    config = tmp_path / "k8s-run.yaml"
+    config.write_text(CONFIG.format(port=port, health=health))
+    rendered = k8s.render(config, tmp_path / "manifests")
+    objects = kustomize(rendered.out / "base")
+    running = pods(objects, tmp_path / "pods")
+    assert sorted(p.name for p in running) == ["k8s-run-client-0", "k8s-run-client-1", "k8s-run-server"]
+    (server,) = [p for p in running if p.name == "k8s-run-server"]
+    probe = server.container["readinessProbe"]["grpc"]["port"]
+    assert probe == health and server.container["livenessProbe"]["grpc"]["port"] == health
+    try:
+        for pod in running:
+            pod.start()
+        deadline = time.monotonic() + 120
+        status = None
+        while status != "SERVING" and time.monotonic() < deadline and server.process.poll() is None:
+            try:
+                status = check(f"127.0.0.1:{probe}", timeout=1.0)
+            except grpc.RpcError:
+                time.sleep(0.2)
+        assert status == "SERVING", server.tail()
+        for pod in running:
+            try:
+                code = pod.process.wait(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{pod.name} did not finish:\n{pod.tail()}")
+            assert code == 0, f"{pod.name} exited {code}:\n{pod.tail()}"
+    finally:
+        for pod in running:
+            if pod.process is not None and pod.process.poll() is None:
+                pod.process.send_signal(signal.SIGTERM)
+                try:
+                    pod.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pod.process.kill()
+                    pod.process.wait()
+    run_dir = server.rewrite(k8s.RUN_DIR)
+    assert Path(run_dir).parent == tmp_path / "pods" / "claims" / "k8s-run-run"  # the server wrote onto its claim
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    assert all(r["clients_completed"] == 2 for r in records)
+    # the same model as the same config run in memory: the deployment changed nothing of the training
+    memory = runner.run_config(config_mod.load(config, ["transport=inmemory"]), tmp_path / "memory")
+    expected = [json.loads(line) for line in (memory.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for got, want in zip(records, expected, strict=True):
+        for key in ("train_loss", "test_loss", "test_accuracy"):
+            assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    log = (server.dir / "log").read_text()
+    assert "(tls: mtls, tokens: True)" in log
+    for i in range(2):
+        assert f"client {i} registered from" in log
