@@ -238,6 +238,23 @@ def test_a_deployment_needs_a_network_transport_and_keeps_the_commands_tls_choic
     assert config_mod.from_dict(yaml.safe_load((tmp_path / "base" / "config.yaml").read_text())).grpc.tls == "tls"
 
 
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        (k8s.Options(cpu="two"), "--cpu"),
+        (k8s.Options(memory="2 GB"), "--memory"),
+        (k8s.Options(storage="-1Gi"), "--storage"),
+        (k8s.Options(namespace="My_NS"), "--namespace"),
+        (k8s.Options(image="fedweave 0.1"), "--image"),
+    ],
+)
+def test_bad_options_are_one_line_naming_the_flag(tmp_path: Path, options: k8s.Options, flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"^fedweave deploy k8s: {flag} ") as err:
+        k8s.render(STAR, tmp_path, options)
+    assert "\n" not in str(err.value)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_k8s_names() -> None:
     assert k8s.k8s_name("Digits_FedProx v2!") == "digits-fedprox-v2"
     assert k8s.k8s_name("___") == "fedweave"

@@ -29,7 +29,6 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 from conftest import free_port
 
 from fedweave import config as config_mod

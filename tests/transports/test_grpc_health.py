@@ -4,6 +4,7 @@ and on the federation's own port behind its TLS."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -14,7 +15,7 @@ from fedweave import config as config_mod
 from fedweave.certs import make_credentials
 from fedweave.errors import ConfigError
 from fedweave.transports.grpc import protocol as p
-from fedweave.transports.grpc.health import check
+from fedweave.transports.grpc.health import Health, check
 from fedweave.transports.grpc.server import GrpcServerTransport
 
 
@@ -39,12 +40,25 @@ def test_probe_port_answers_serving_under_mtls_then_not_serving_on_close(tmp_pat
         # The federation's port speaks mTLS: a plaintext probe gets no answer there.
         with pytest.raises(grpc.RpcError):
             check(server.address, timeout=0.5)
-        health = server.health
     finally:
         server.close()
-    assert health._servicer._server_status[""] == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError):  # the probe port is gone
         check(probe, timeout=0.5)
+
+
+def test_not_serving_before_the_server_is_up_and_after_it_closes() -> None:
+    host = grpc.server(ThreadPoolExecutor(max_workers=2))
+    port = host.add_insecure_port("127.0.0.1:0")
+    health = Health(grpc, host, None)
+    host.start()
+    try:
+        assert check(f"127.0.0.1:{port}") == "NOT_SERVING"
+        health.serving()
+        assert check(f"127.0.0.1:{port}") == "SERVING"
+        health.close()
+        assert check(f"127.0.0.1:{port}") == "NOT_SERVING"
+    finally:
+        host.stop(grace=None).wait(timeout=5)
 
 
 def test_the_federation_port_serves_health_behind_its_tls(tmp_path: Path) -> None:

@@ -141,10 +141,27 @@ def deployed_config(path: str | Path, options: Options) -> tuple[dict[str, Any],
     return data, config, name
 
 
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _check(options: Options) -> None:
+    for flag, value in (("--cpu", options.cpu), ("--memory", options.memory), ("--storage", options.storage)):
+        if not QUANTITY.match(value):
+            raise ConfigError(f"fedweave deploy k8s: {flag} {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)")
+    if not DNS_LABEL.match(options.namespace):
+        raise ConfigError(
+            f"fedweave deploy k8s: --namespace {options.namespace!r} is not a DNS label (lower case letters, digits, '-')"
+        )
+    if not options.image or any(ch.isspace() for ch in options.image):
+        raise ConfigError(f"fedweave deploy k8s: --image {options.image!r} is not an image reference")
+
+
 def render(path: str | Path, out: str | Path, options: Options = Options()) -> Rendered:
     """Write the kustomize base and overlays for the config at ``path`` into ``out``."""
     if not Path(path).is_file():
         raise ConfigError(f"fedweave deploy k8s: no config file {str(path)!r}")
+    _check(options)
     data, config, name = deployed_config(path, options)
     k = _Manifests(config, name, options)
     out = Path(out)
