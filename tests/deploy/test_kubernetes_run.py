@@ -1,7 +1,7 @@
 """The rendered federation, run: what the YAML says is what runs.
 
-``fedweave deploy k8s`` renders a tiny config (2 clients, 2 rounds, digits); ``kubectl kustomize``
-builds the base; then every container of every Deployment and Job starts as a local process
+``fedweave deploy k8s`` renders a tiny config (2 clients, 2 rounds, digits), as a star and as two
+hierarchical sites of one member each; ``kubectl kustomize`` builds the base; then every container of every Deployment and Job starts as a local process
 with its own command and arguments (the image's ENTRYPOINT, read from the Dockerfile, where the
 container names none), its own environment with ``$(VAR)`` expanded as the kubelet does, and its
 mounted volumes written into a folder per pod: ConfigMap and Secret files as the objects hold
@@ -89,8 +89,8 @@ class Pod:
         """Paths under a mount to the pod's folder, Service names and 0.0.0.0 to the loopback."""
         paths = "|".join(re.escape(p) for p in sorted(self.mounts, key=len, reverse=True))
         text = re.sub(rf"(?<![\w/])({paths})(?![\w.-])", lambda m: str(self.mounts[m.group(1)]), text)  # one pass
-        for name, address in self.resolve.items():
-            text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?=:\d)", address, text)
+        for name, address in self.resolve.items():  # a whole host name, not part of a path or a longer name
+            text = re.sub(rf"(?<![\w./-]){re.escape(name)}(?![\w./-])", address, text)
         return text
 
     def _volume(self, volume: dict[str, Any], local: Path, objects: list[dict[str, Any]], claims: Path) -> Path:
@@ -145,21 +145,20 @@ def pods(objects: list[dict[str, Any]], root: Path) -> list[Pod]:
     return out
 
 
-def test_the_rendered_federation_runs_as_local_processes(tmp_path: Path) -> None:
-    port, health = free_port(), free_port()
-    config = tmp_path / "k8s-run.yaml"
-    config.write_text(CONFIG.format(port=port, health=health))
+def run(tmp_path: Path, config: Path, names: list[str]) -> tuple[Pod, list[dict[str, Any]]]:
+    """Render ``config``, start every pod of its base, wait for SERVING and for every pod to end;
+    return the server's pod and the records of its run directory."""
     rendered = k8s.render(config, tmp_path / "manifests")
     objects = kustomize(rendered.out / "base")
     running = pods(objects, tmp_path / "pods")
-    assert sorted(p.name for p in running) == ["k8s-run-client-0", "k8s-run-client-1", "k8s-run-server"]
-    (server,) = [p for p in running if p.name == "k8s-run-server"]
+    assert sorted(p.name for p in running) == sorted(names)
+    (server,) = [p for p in running if p.name == f"{rendered.name}-server"]
     probe = server.container["readinessProbe"]["grpc"]["port"]
-    assert probe == health and server.container["livenessProbe"]["grpc"]["port"] == health
+    assert server.container["livenessProbe"]["grpc"]["port"] == probe
     try:
         for pod in running:
             pod.start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 150
         status = None
         while status != "SERVING" and time.monotonic() < deadline and server.process.poll() is None:
             try:
@@ -182,18 +181,44 @@ def test_the_rendered_federation_runs_as_local_processes(tmp_path: Path) -> None
                 except subprocess.TimeoutExpired:
                     pod.process.kill()
                     pod.process.wait()
-    run_dir = server.rewrite(k8s.RUN_DIR)
-    assert Path(run_dir).parent == tmp_path / "pods" / "claims" / "k8s-run-run"  # the server wrote onto its claim
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [1, 2]
-    assert all(r["clients_completed"] == 2 for r in records)
-    # the same model as the same config run in memory: the deployment changed nothing of the training
-    memory = runner.run_config(config_mod.load(config, ["transport=inmemory"]), tmp_path / "memory")
+    run_dir = Path(server.rewrite(k8s.RUN_DIR))
+    assert run_dir.parent == tmp_path / "pods" / "claims" / f"{rendered.name}-run"  # the server wrote onto its claim
+    return server, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_as_in_memory(records: list[dict[str, Any]], config: Path, tmp_path: Path, *overrides: str) -> None:
+    """The deployment changed nothing of the training: the same metrics as the config run in memory."""
+    memory = runner.run_config(config_mod.load(config, ["transport=inmemory", *overrides]), tmp_path / "memory")
     expected = [json.loads(line) for line in (memory.run_dir / "metrics.jsonl").read_text().splitlines()]
     for got, want in zip(records, expected, strict=True):
+        assert got["clients_completed"] == want["clients_completed"] == 2
         for key in ("train_loss", "test_loss", "test_accuracy"):
-            assert got[key] == pytest.approx(want[key], abs=1e-6), key
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_the_rendered_federation_runs_as_local_processes(tmp_path: Path) -> None:
+    port, health = free_port(), free_port()
+    config = tmp_path / "k8s-run.yaml"
+    config.write_text(CONFIG.format(port=port, health=health))
+    server, records = run(tmp_path, config, ["k8s-run-server", "k8s-run-client-0", "k8s-run-client-1"])
+    assert server.container["readinessProbe"]["grpc"]["port"] == health
+    assert [r["round"] for r in records] == [1, 2]
+    assert_same_as_in_memory(records, config, tmp_path)
     log = (server.dir / "log").read_text()
     assert "(tls: mtls, tokens: True)" in log
-    for i in range(2):
+    for i in range(2):  # each with its own certificate and token
         assert f"client {i} registered from" in log
+
+
+def test_the_rendered_hierarchy_runs_as_local_processes(tmp_path: Path) -> None:
+    """Two sites of one member each: a leader pod per site speaks gRPC to the server and gloo to its member."""
+    config = tmp_path / "k8s-run.yaml"
+    sites = "topology: {{kind: hierarchical, sites: 2}}\ntorchdist: {{port: {rendezvous}, timeout: 60}}\n"
+    config.write_text((CONFIG + sites).format(port=free_port(), health=free_port(), rendezvous=free_port()))
+    names = ["k8s-run-server"] + [f"k8s-run-site-{s}-{role}" for s in range(2) for role in ("leader", "member-1")]
+    server, records = run(tmp_path, config, names)
+    assert [r["round"] for r in records] == [1, 2]
+    assert_same_as_in_memory(records, config, tmp_path, "topology.inner=inmemory")
+    log = (server.dir / "log").read_text()
+    for s in range(2):
+        assert f"site {s} registered from" in log

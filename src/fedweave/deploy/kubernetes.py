@@ -114,10 +114,10 @@ def deployed_config(path: str | Path, options: Options) -> tuple[dict[str, Any],
     """The config the pods read (the user's keys, the deployment's on top), its validated form and
     the deployment's name."""
     data = config_mod.read_yaml(path)
-    # The user's config (credentials at their mount path: a TLS choice of the command's needs them).
-    user = config_mod.from_dict(
-        config_mod.apply_overrides(copy.deepcopy(data), [*options.overrides, f"grpc.credentials={CREDENTIALS_DIR}"])
-    )
+    # The user's config, for its name, mode, topology and ports: with credentials at their mount path
+    # (a TLS choice of the command's needs them) and torch.distributed inside sites (as deployed).
+    first = ["topology.inner=torchdist", *options.overrides, f"grpc.credentials={CREDENTIALS_DIR}"]
+    user = config_mod.from_dict(config_mod.apply_overrides(copy.deepcopy(data), first))
     name = k8s_name(user.name)
     if user.mode == "data_parallel":
         data = config_mod.apply_overrides(data, list(options.overrides))
