@@ -206,20 +206,20 @@ class Namespaces:
         if done.returncode != 0:
             raise OSError(f"`ip {' '.join(args)}`: {done.stderr.strip()}")
 
-    def _netns(self, name: str) -> None:
+    def add_namespace(self, name: str) -> None:
         self._ip("netns", "add", name)
         self.made.append(name)
         self._ip("-n", name, "link", "set", "lo", "up")
 
     def attach(self, running: list[Pod], objects: list[dict[str, Any]]) -> None:
-        self._netns(self.node)
+        self.add_namespace(self.node)
         self._ip("-n", self.node, "link", "add", "br0", "type", "bridge")
         self._ip("-n", self.node, "addr", "add", f"{self.SUBNET}.1/24", "dev", "br0")
         self._ip("-n", self.node, "link", "set", "br0", "up")
         self.address: dict[str, str] = {}
         for i, pod in enumerate(running):
             ns, pod_end, bridge_end = f"{self.tag}-{i}", f"{self.tag}p{i}", f"{self.tag}b{i}"
-            self._netns(ns)
+            self.add_namespace(ns)
             self._ip("link", "add", pod_end, "type", "veth", "peer", "name", bridge_end)
             self._ip("link", "set", pod_end, "netns", ns)
             self._ip("link", "set", bridge_end, "netns", self.node)
@@ -310,7 +310,7 @@ def namespaces_unavailable() -> str | None:
         return "network namespaces need root and iproute2's ip"
     trial = Namespaces()
     try:
-        trial._netns(f"{trial.tag}-check")
+        trial.add_namespace(f"{trial.tag}-check")
     except OSError as exc:
         return f"network namespaces are not permitted here: {exc}"
     finally:
