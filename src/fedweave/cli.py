@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for the run to start")
     join.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
     _node_parsers(sub)
+    deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
+    targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)
+    from fedweave.deploy.kubernetes import add_arguments
+
+    add_arguments(targets.add_parser("k8s", help="a kustomize base and overlays for Kubernetes (docs/deployment.md)"))
     return parser
 
 
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # `fedweave run -q CONFIG rounds=5` and `fedweave run CONFIG -q rounds=5` mean the same:
     # overrides that follow an option arrive here, not in args.overrides.
-    if getattr(args, "command", None) in ("run", "server", "client", "site"):
+    if getattr(args, "command", None) in ("run", "server", "client", "site", "deploy"):
         stray = [e for e in extra if "=" in e and not e.startswith("-")]
         args.overrides = [*args.overrides, *stray]
         extra = [e for e in extra if e not in stray]
@@ -182,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             return _join(args)
         if args.command in ("server", "client", "site", "certs"):
             return _node(args)
+        if args.command == "deploy":
+            return _deploy(args)
         return _list()
     except (ConfigError, TaskError) as exc:
         print(f"fedweave: error: {exc}", file=sys.stderr)
@@ -345,6 +352,16 @@ def _join(args: argparse.Namespace) -> int:
     )
     worker = data_parallel.join(args.run_dir, wait=args.wait)
     print(f"worker {worker} trained with the run in {args.run_dir} to its end", file=sys.stderr)
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from fedweave.deploy.kubernetes import render_args
+
+    rendered = render_args(args)
+    print(f"manifests of {rendered.name} in {rendered.out}; apply one with kubectl apply -k:")
+    for path in rendered.kustomizations:
+        print(f"  {path.parent}")
     return 0
 
 

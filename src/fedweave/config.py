@@ -183,6 +183,9 @@ class GrpcConfig:
 
     address: str = opt("127.0.0.1:50051", help="host:port clients connect to (launcher process picks a free port)")
     listen: str | None = opt(None, help="host:port the server binds (none: address), e.g. 0.0.0.0:50051")
+    health_listen: str | None = opt(
+        None, help="host:port of a plaintext port serving only the gRPC health service (for probes), e.g. 0.0.0.0:8081"
+    )
     tls: Literal["none", "tls", "mtls"] = opt(
         "none", help="none | tls (clients verify the server) | mtls (and the server verifies each client)"
     )
@@ -211,7 +214,7 @@ class GrpcConfig:
             )
         if self.backoff_max < self.backoff_initial:
             raise ConfigError(f"config key '{prefix}.backoff_max': must be >= backoff_initial ({self.backoff_initial})")
-        for key in ("address", "listen"):
+        for key in ("address", "listen", "health_listen"):
             value = getattr(self, key)
             host, sep, port = (value or "h:0").rpartition(":")
             if not sep or not host or not port.isdigit() or int(port) > 65535:

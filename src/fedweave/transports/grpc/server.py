@@ -32,6 +32,7 @@ from fedweave.certs import hash_token, token_entry
 from fedweave.errors import SerializationError, TransportError
 from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p
+from fedweave.transports.grpc.health import Health
 from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
 
@@ -131,7 +132,9 @@ class GrpcServerTransport:
         if not port:
             raise TransportError(f"cannot listen on {bind} (is the address in use?)")
         self.address = f"{bind.rpartition(':')[0]}:{port}"
+        self.health = Health(grpc, self._server, settings.health_listen)
         self._server.start()
+        self.health.serving()
         log.info("gRPC server listening on %s (tls: %s, tokens: %s)", self.address, settings.tls, settings.tokens)
 
     # ------------------------------------------------------------------ Transport
@@ -227,6 +230,7 @@ class GrpcServerTransport:
                 self._cond.wait(0.1)
             self._closed = True
             self._jobs.clear()
+        self.health.close()
         self._server.stop(grace=1.0).wait(timeout=5.0)
         log.info("gRPC server on %s stopped", self.address)
 

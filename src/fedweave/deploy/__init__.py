@@ -1,0 +1,1 @@
+"""Deployments onto clusters: ``fedweave deploy k8s`` (:mod:`fedweave.deploy.kubernetes`)."""
