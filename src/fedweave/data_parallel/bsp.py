@@ -1,0 +1,294 @@
+"""The synchronous step of data-parallel training (``data_parallel.sync: bsp``).
+
+N worker processes train one model on one dataset. Each step::
+
+    sizes   = controller.batches                    # b_i, Σ b_i = B (identical on every worker)
+    mine    = sampler.take(sizes)[rank]             # disjoint index ranges of one global batch
+    g_i     = ∇ (b_i / B) · mean loss on mine        # timed: compute time t_i (+ emulated slowness)
+    buffer  = [g_i, buffers · b_i / B, loss, t_i in slot i, ...]
+    all_reduce(buffer, SUM)                         # ONE collective: Σ_i g_i is the gradient of the
+                                                    # whole batch, and every t_j reaches every worker
+    optimizer.step()                                # the same step on every worker
+    controller.observe(sizes, t)                    # the same decision on every worker
+    sampler.advance(B)
+
+A world-size mean (what DDP does) would weight a worker's samples by 1/n instead of
+b_i / B, which is wrong as soon as the b_i differ; the weighting here makes the step
+exactly that of one process on the concatenated batch
+(:mod:`fedweave.data_parallel.gradients`). Workers that leave or join between steps:
+:mod:`fedweave.data_parallel.elastic`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fedweave.batching.dynamic import BatchController
+from fedweave.batching.sampler import GlobalSampler
+from fedweave.data_parallel.elastic import Joins, admission, next_members
+from fedweave.data_parallel.gradients import assign_gradient, copy_flat, float_buffers, local_contribution, trainable
+from fedweave.data_parallel.group import Group, PeerFailure, Stopped, worker_store
+from fedweave.data_parallel.records import (
+    METRICS_FILE,
+    Record,
+    Window,
+    evaluation,
+    last_logged_step,
+    load_optimizer_state,
+    optimizer_state,
+    save_checkpoint,
+    save_model,
+)
+from fedweave.data_parallel.workers import Shared, make_model, make_optimizer, worker_process, worker_setup
+from fedweave.observe.metrics import MetricsWriter
+from fedweave.seeding import derive_seed
+from fedweave.task import make_loss
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One worker of a synchronous run: its model, optimiser, sampler and controller (the same
+    on every member), through the generations of the process group it takes part in."""
+
+    def __init__(self, worker: int, shared: Shared):
+        cfg = shared.config
+        dp = cfg.data_parallel
+        self.id = worker
+        self.shared = shared
+        self.config = cfg
+        self.emulator, self.device, self.dataset = worker_setup(worker, shared)
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        self.model = make_model(cfg, self.dataset).to(self.device)
+        self.loss_fn = make_loss(cfg.task.loss)
+        self.optimizer = make_optimizer(self.model, dp)
+        self.sampler = GlobalSampler(len(self.dataset.y_train), cfg.seed)
+        self.controller = BatchController(dp.global_batch, shared.members, dp.controller)
+        self.step = 0
+        self.window = Window()
+        self.prev_wait = 0.0
+        self.members = list(shared.members)
+        self.fresh = False  # a newcomer until it has the run's state
+        self.joins = Joins()
+        self.metrics = MetricsWriter(shared.run_dir / METRICS_FILE)
+        self.logged_step = -1
+        self.started = time.perf_counter()
+        if shared.resume is not None:
+            self.load_state_dict(shared.resume)
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": optimizer_state(self.optimizer),
+            "sampler": self.sampler.state_dict(),
+            "controller": self.controller.state_dict(),
+            "window": self.window,
+            "elapsed": time.perf_counter() - self.started,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.model.load_state_dict(state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"], self.device)
+        self.sampler.load_state_dict(state["sampler"])
+        self.controller.load_state_dict(state["controller"])
+        self.window = state["window"]
+        self.started = time.perf_counter() - float(state["elapsed"])
+
+    # ---------------------------------------------------------------- the run
+
+    def run(self, address: tuple[str, int], join_step: int | None = None) -> None:
+        """Train until the run is done; with ``join_step``, first join the running job
+        (taking part from that step at the earliest)."""
+        dp = self.config.data_parallel
+        store = worker_store(address, dp.timeout)
+        self.joins.store = store
+        gen = 0
+        if join_step is not None:
+            gen, self.members = admission(store, self.id, join_step)
+            self.fresh = True
+        while True:
+            group = None
+            try:
+                group = Group(store, gen, self.members, self.id, self.shared.backend, dp.timeout, self.device)
+                if gen > 0:
+                    self._sync(group)
+                if self.controller.workers != self.members:
+                    self.controller.set_workers(self.members)
+                joiners = self._train(group)
+                if not joiners:
+                    break
+                store.set(f"grow/{gen}", ",".join(map(str, joiners)))  # before the report: the launcher reads it
+                log.info("worker %d: admitting workers %s after step %d", self.id, joiners, self.step)
+            except PeerFailure as exc:
+                log.warning("worker %d: generation %d failed at step %d: %s", self.id, gen, self.step, exc)
+            if group is not None:
+                group.close()
+            self.members = next_members(store, gen, self.id, self.step, dp.timeout)
+            gen += 1
+            log.info("worker %d: generation %d at step %d with workers %s", self.id, gen, self.step, self.members)
+        group.close()
+
+    def _sync(self, group: Group) -> None:
+        """Every member takes the state of the most advanced one (lowest rank among equals):
+        a member may have completed the step that failed on the others; a newcomer has none."""
+        steps = torch.zeros(group.size, dtype=torch.float64, device=self.device)
+        steps[group.rank] = -1 if self.fresh else self.step
+        group.all_reduce(steps)
+        src = int(torch.argmax(steps).item())  # the first maximum
+        if steps[src] < 0:
+            raise Stopped(f"no member of generation {group.gen} holds the run's state (only newcomers are left)")
+        mine = (self.state_dict(), self.joins.state_dict()) if group.rank == src else None
+        state, joins = group.broadcast_object(mine, src)
+        if group.rank != src:
+            self.load_state_dict(state)
+            self.joins.load_state_dict(joins)
+        self.fresh = False
+
+    def _done(self) -> bool:
+        dp = self.config.data_parallel
+        if dp.steps is not None:
+            return self.step >= dp.steps
+        return self.sampler.epoch >= dp.epochs
+
+    def _train(self, group: Group) -> list[int]:
+        """Take steps until the run is done (returns []) or joiners are due (returns them,
+        after closing the metrics window so that the next one starts with them)."""
+        dp = self.config.data_parallel
+        data = self.dataset
+        members = self.members
+        n_params = sum(p.numel() for p in trainable(self.model))
+        buffers = float_buffers(self.model)
+        n_buf = sum(b.numel() for b in buffers)
+        dtype = trainable(self.model)[0].dtype
+        if group.rank == 0:
+            self.logged_step = last_logged_step(self.metrics.path)
+        self.joins.poll(force=True)
+        while not self._done():
+            total = self.sampler.step_size(dp.global_batch)
+            sizes = self.controller.allocation(total)
+            index = self.sampler.take([sizes[w] for w in members])[group.rank]
+            mine = sizes[self.id]
+            step_start = time.perf_counter()
+            cpu_start = time.process_time()
+            torch.manual_seed(derive_seed(self.config.seed, "data-parallel-step", self.step, self.id))
+            oom = 0.0
+            try:
+                idx = torch.from_numpy(index)
+                x, y = data.x_train[idx].to(self.device), data.y_train[idx].to(self.device)
+                self.model.train()
+                flat, loss = local_contribution(self.model, self.loss_fn, x, y, mine / total)
+            except torch.OutOfMemoryError:
+                if not self.controller.settings.memory_guard or mine <= self.controller.settings.min_batch:
+                    raise
+                flat, loss, oom = torch.zeros(n_params, dtype=dtype, device=self.device), 0.0, 1.0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.emulator.pad(self.step, mine, time.process_time() - cpu_start, time.perf_counter() - step_start)
+            compute = time.perf_counter() - step_start
+            self.emulator.maybe_crash(self.step)
+            self.joins.poll()
+
+            n = group.size
+            tail = torch.zeros(1 + 4 * n, dtype=dtype, device=self.device)
+            tail[0] = loss
+            tail[1 + group.rank] = compute
+            tail[1 + n + group.rank] = self.prev_wait
+            tail[1 + 2 * n + group.rank] = oom
+            tail[1 + 3 * n + group.rank] = self.joins.seen
+            weight = mine / total
+            parts = [flat, *(b.detach().reshape(-1).to(dtype) * weight for b in buffers), tail]
+            buffer = torch.cat(parts)
+            wait_start = time.perf_counter()
+            group.all_reduce(buffer)
+            self.prev_wait = time.perf_counter() - wait_start
+
+            tail = buffer[n_params + n_buf :].cpu().double().tolist()
+            ooms = [members[j] for j in range(n) if tail[1 + 2 * n + j] > 0]
+            if ooms:
+                for w in ooms:
+                    self.controller.report_oom(w)
+                continue  # the step is taken again with the lowered batches
+            assign_gradient(self.model, buffer[:n_params])
+            self.optimizer.step()
+            copy_flat(buffers, buffer[n_params : n_params + n_buf])
+            times = {members[j]: tail[1 + j] for j in range(n)}
+            waits = [tail[1 + n + j] for j in range(n)]
+            control_start = time.perf_counter()
+            self.controller.observe(sizes, times)
+            epoch = self.sampler.epoch
+            self.sampler.advance(total)
+            epoch_end = self.sampler.epoch != epoch
+            if epoch_end:
+                self.controller.end_epoch()
+            control = time.perf_counter() - control_start
+            self.step += 1
+            self.window.add(sizes, times, tail[0], min(waits) if self.step > 1 and all(waits) else None)
+            self.window.controller_time += control
+            self.window.step_time += time.perf_counter() - step_start
+            if epoch_end or self.step % dp.log_every == 0 or self._done():
+                self._record(group, epoch_end)
+            if not self._done():
+                joiners = self.joins.due(int(max(tail[1 + 3 * n :])), self.step, self.members)
+                if joiners:
+                    if self.window.steps:
+                        self._record(group, False)
+                    return joiners
+        return []
+
+    def _record(self, group: Group, epoch_end: bool) -> None:
+        """Close the metrics window; rank 0 writes it (with an evaluation at epoch ends or the
+        last step), checkpoints at epoch ends, and saves the model after the last step."""
+        w, self.window = self.window, Window()
+        if group.rank != 0:
+            return
+        cfg = self.config
+        done = self._done()
+        if self.step > self.logged_step:  # not already written by a rank 0 lost after writing it
+            self._write_record(w, group.gen, epoch_end, done)
+        if (epoch_end and cfg.checkpoint.every and self.sampler.epoch % cfg.checkpoint.every == 0) or (
+            done and cfg.checkpoint.every
+        ):
+            save_checkpoint(self.shared.run_dir, self.step, self.state_dict())
+        if done:
+            save_model(self.model, self.shared.run_dir)
+
+    def _write_record(self, w: Window, gen: int, epoch_end: bool, done: bool) -> None:
+        """Append the metrics line of window ``w`` (evaluated on the test set when due)."""
+        cfg = self.config
+        k = max(w.steps, 1)
+        workers = sorted(w.batch)
+        record: Record = {
+            "step": self.step,
+            "epoch": self.sampler.epoch + self.sampler.offset / self.sampler.num_samples,
+            "samples": w.samples,
+            "train_loss": w.loss / max(w.samples, 1),
+            "workers": workers,
+            "batch": [w.batch[i] / w.taken[i] for i in workers],
+            "compute_time": [w.compute[i] / w.taken[i] for i in workers],
+            "idle_time": [w.idle[i] / w.taken[i] for i in workers],
+            "comm_time": w.comm / w.comm_steps if w.comm_steps else None,
+            "step_time": w.step_time / k,
+            "controller_time": w.controller_time,
+            "window_time": w.step_time,
+            "adjustments": self.controller.adjustments,
+            "generation": gen,
+        }
+        evaluate_now = done or (epoch_end and cfg.eval.every and self.sampler.epoch % cfg.eval.every == 0)
+        if evaluate_now:
+            record.update(evaluation(cfg, self.model, self.dataset, self.loss_fn))
+        record["wall_time"] = time.perf_counter() - self.started
+        self.metrics.append(record)
+        self.logged_step = self.step
+
+
+def worker_main(worker: int, shared: Shared, port_conn: Any, join_step: int | None = None) -> None:
+    """Entry point of a worker process (of a joining one with ``join_step``)."""
+    worker_process(worker, shared, port_conn, lambda address: Worker(worker, shared).run(address, join_step), log)
