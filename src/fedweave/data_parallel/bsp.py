@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedweave.batching.dynamic import BatchController
@@ -51,6 +54,55 @@ from fedweave.task import make_loss
 log = logging.getLogger(__name__)
 
 
+PER_MEMBER = ("compute", "wait", "oom", "seen")
+"""The values of a step's tail that each member has one of, in the order of their blocks."""
+
+
+@dataclass(frozen=True)
+class StepTail:
+    """The scalars that ride after the gradient and the buffers in a step's all-reduce.
+
+    Laid out as ``[loss | compute × n | wait × n | oom × n | seen × n]`` for n members:
+    each member writes its share of the loss and, in the slot of its rank in each block,
+    its own values, zeros elsewhere, so the sum hands every member the batch's loss and
+    all members' values (an all-gather at no extra cost).
+    """
+
+    loss: float  # the batch's mean loss (the sum of the shares weighted by b_i / B)
+    compute: list[float]  # by rank: seconds computing the step (with the emulated slowness)
+    wait: list[float]  # by rank: seconds the previous step's all-reduce waited
+    oom: list[float]  # by rank: 1.0 when its batch did not fit in memory
+    seen: list[float]  # by rank: the count of announced joiners it last read in the store
+
+
+def tail_size(members: int) -> int:
+    """Slots of the tail of a step with ``members`` members."""
+    return 1 + len(PER_MEMBER) * members
+
+
+def tail_slot(members: int, name: str, rank: int) -> int:
+    """The slot of member ``rank``'s value ``name`` (one of :data:`PER_MEMBER`)."""
+    return 1 + PER_MEMBER.index(name) * members + rank
+
+
+def pack_tail(
+    members: int, rank: int, loss: float, *, compute: float, wait: float, oom: float, seen: int,
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """Member ``rank``'s tail: its loss share and its own values in its slots, zeros elsewhere."""
+    tail = torch.zeros(tail_size(members), dtype=dtype, device=device)
+    tail[0] = loss
+    for name, value in zip(PER_MEMBER, (compute, wait, oom, seen)):
+        tail[tail_slot(members, name, rank)] = value
+    return tail
+
+
+def unpack_tail(members: int, values: Sequence[float]) -> StepTail:
+    """The summed tail of a step with ``members`` members, by name."""
+    starts = {name: tail_slot(members, name, 0) for name in PER_MEMBER}
+    return StepTail(loss=values[0], **{name: list(values[i : i + members]) for name, i in starts.items()})
+
+
 class Worker:
     """One worker of a synchronous run: its model, optimiser, sampler and controller (the same
     on every member), through the generations of the process group it takes part in."""
@@ -64,6 +116,10 @@ class Worker:
         self.emulator, self.device, self.dataset = worker_setup(worker, shared)
         torch.manual_seed(derive_seed(cfg.seed, "init"))
         self.model = make_model(cfg, self.dataset).to(self.device)
+        self.buffers = float_buffers(self.model)  # loading a state copies into these tensors: they stay
+        self.num_params = sum(p.numel() for p in trainable(self.model))
+        self.num_buffers = sum(b.numel() for b in self.buffers)
+        self.dtype = trainable(self.model)[0].dtype
         self.loss_fn = make_loss(cfg.task.loss)
         self.optimizer = make_optimizer(self.model, dp)
         self.sampler = GlobalSampler(len(self.dataset.y_train), cfg.seed)
@@ -161,87 +217,106 @@ class Worker:
     def _train(self, group: Group) -> list[int]:
         """Take steps until the run is done (returns []) or joiners are due (returns them,
         after closing the metrics window so that the next one starts with them)."""
-        dp = self.config.data_parallel
-        data = self.dataset
-        members = self.members
-        n_params = sum(p.numel() for p in trainable(self.model))
-        buffers = float_buffers(self.model)
-        n_buf = sum(b.numel() for b in buffers)
-        dtype = trainable(self.model)[0].dtype
         if group.rank == 0:
             self.logged_step = last_logged_step(self.metrics.path)
         self.joins.poll(force=True)
         while not self._done():
-            total = self.sampler.step_size(dp.global_batch)
-            sizes = self.controller.allocation(total)
-            index = self.sampler.take([sizes[w] for w in members])[group.rank]
-            mine = sizes[self.id]
-            step_start = time.perf_counter()
-            cpu_start = time.process_time()
-            torch.manual_seed(derive_seed(self.config.seed, "data-parallel-step", self.step, self.id))
-            oom = 0.0
-            try:
-                idx = torch.from_numpy(index)
-                x, y = data.x_train[idx].to(self.device), data.y_train[idx].to(self.device)
-                self.model.train()
-                flat, loss = local_contribution(self.model, self.loss_fn, x, y, mine / total)
-            except torch.OutOfMemoryError:
-                if not self.controller.settings.memory_guard or mine <= self.controller.settings.min_batch:
-                    raise
-                flat, loss, oom = torch.zeros(n_params, dtype=dtype, device=self.device), 0.0, 1.0
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.emulator.pad(self.step, mine, time.process_time() - cpu_start, time.perf_counter() - step_start)
-            compute = time.perf_counter() - step_start
-            self.emulator.maybe_crash(self.step)
-            self.joins.poll()
-
-            n = group.size
-            tail = torch.zeros(1 + 4 * n, dtype=dtype, device=self.device)
-            tail[0] = loss
-            tail[1 + group.rank] = compute
-            tail[1 + n + group.rank] = self.prev_wait
-            tail[1 + 2 * n + group.rank] = oom
-            tail[1 + 3 * n + group.rank] = self.joins.seen
-            weight = mine / total
-            parts = [flat, *(b.detach().reshape(-1).to(dtype) * weight for b in buffers), tail]
-            buffer = torch.cat(parts)
-            wait_start = time.perf_counter()
-            group.all_reduce(buffer)
-            self.prev_wait = time.perf_counter() - wait_start
-
-            tail = buffer[n_params + n_buf :].cpu().double().tolist()
-            ooms = [members[j] for j in range(n) if tail[1 + 2 * n + j] > 0]
-            if ooms:
-                for w in ooms:
-                    self.controller.report_oom(w)
+            tail = self._step(group)
+            if tail is None:
                 continue  # the step is taken again with the lowered batches
-            assign_gradient(self.model, buffer[:n_params])
-            self.optimizer.step()
-            copy_flat(buffers, buffer[n_params : n_params + n_buf])
-            times = {members[j]: tail[1 + j] for j in range(n)}
-            waits = [tail[1 + n + j] for j in range(n)]
-            control_start = time.perf_counter()
-            self.controller.observe(sizes, times)
-            epoch = self.sampler.epoch
-            self.sampler.advance(total)
-            epoch_end = self.sampler.epoch != epoch
-            if epoch_end:
-                self.controller.end_epoch()
-            control = time.perf_counter() - control_start
-            self.step += 1
-            self.window.add(sizes, times, tail[0], min(waits) if self.step > 1 and all(waits) else None)
-            self.window.controller_time += control
-            self.window.step_time += time.perf_counter() - step_start
-            if epoch_end or self.step % dp.log_every == 0 or self._done():
-                self._record(group, epoch_end)
             if not self._done():
-                joiners = self.joins.due(int(max(tail[1 + 3 * n :])), self.step, self.members)
+                joiners = self.joins.due(int(max(tail.seen)), self.step, self.members)
                 if joiners:
                     if self.window.steps:
                         self._record(group, False)
                     return joiners
         return []
+
+    def _step(self, group: Group) -> StepTail | None:
+        """One step over the global batch: this worker's share of the gradient, the one
+        all-reduce, the optimiser's step and the bookkeeping after it; the step's tail.
+        None when a member ran out of memory: its batch is capped and nothing else moved."""
+        dp = self.config.data_parallel
+        members = self.members
+        total = self.sampler.step_size(dp.global_batch)
+        sizes = self.controller.allocation(total)
+        index = self.sampler.take([sizes[w] for w in members])[group.rank]
+        mine = sizes[self.id]
+        step_start = time.perf_counter()
+        flat, loss, oom = self._contribution(index, mine, total, step_start)
+        compute = time.perf_counter() - step_start
+        self.emulator.maybe_crash(self.step)
+        self.joins.poll()
+
+        n = group.size
+        tail = pack_tail(
+            n, group.rank, loss, compute=compute, wait=self.prev_wait, oom=oom, seen=self.joins.seen,
+            dtype=self.dtype, device=self.device,
+        )
+        weight = mine / total
+        parts = [flat, *(b.detach().reshape(-1).to(self.dtype) * weight for b in self.buffers), tail]
+        buffer = torch.cat(parts)
+        wait_start = time.perf_counter()
+        group.all_reduce(buffer)
+        self.prev_wait = time.perf_counter() - wait_start
+
+        summed = unpack_tail(n, buffer[self.num_params + self.num_buffers :].cpu().double().tolist())
+        ooms = [members[j] for j in range(n) if summed.oom[j] > 0]
+        if ooms:
+            for w in ooms:
+                self.controller.report_oom(w)
+            return None
+        assign_gradient(self.model, buffer[: self.num_params])
+        self.optimizer.step()
+        copy_flat(self.buffers, buffer[self.num_params : self.num_params + self.num_buffers])
+        self._advance(group, sizes, total, summed, step_start)
+        return summed
+
+    def _contribution(
+        self, index: np.ndarray, mine: int, total: int, step_start: float
+    ) -> tuple[torch.Tensor, float, float]:
+        """This worker's share of the step's gradient over the samples ``index`` (``mine`` of
+        the step's ``total``), its weighted loss, and 1.0 when they did not fit in memory
+        (with ``controller.memory_guard``: a zero share then); padded to the emulated speed."""
+        cpu_start = time.process_time()
+        torch.manual_seed(derive_seed(self.config.seed, "data-parallel-step", self.step, self.id))
+        oom = 0.0
+        try:
+            idx = torch.from_numpy(index)
+            x, y = self.dataset.x_train[idx].to(self.device), self.dataset.y_train[idx].to(self.device)
+            self.model.train()
+            flat, loss = local_contribution(self.model, self.loss_fn, x, y, mine / total)
+        except torch.OutOfMemoryError:
+            if not self.controller.settings.memory_guard or mine <= self.controller.settings.min_batch:
+                raise
+            flat, loss, oom = torch.zeros(self.num_params, dtype=self.dtype, device=self.device), 0.0, 1.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.emulator.pad(self.step, mine, time.process_time() - cpu_start, time.perf_counter() - step_start)
+        return flat, loss, oom
+
+    def _advance(
+        self, group: Group, sizes: dict[int, int], total: int, summed: StepTail, step_start: float
+    ) -> None:
+        """After the optimiser's step: the controller observes every member's compute time,
+        the sampler moves on, and the metrics window takes the step (written when due)."""
+        dp = self.config.data_parallel
+        times = dict(zip(self.members, summed.compute))
+        control_start = time.perf_counter()
+        self.controller.observe(sizes, times)
+        epoch = self.sampler.epoch
+        self.sampler.advance(total)
+        epoch_end = self.sampler.epoch != epoch
+        if epoch_end:
+            self.controller.end_epoch()
+        control = time.perf_counter() - control_start
+        self.step += 1
+        waits = summed.wait
+        self.window.add(sizes, times, summed.loss, min(waits) if self.step > 1 and all(waits) else None)
+        self.window.controller_time += control
+        self.window.step_time += time.perf_counter() - step_start
+        if epoch_end or self.step % dp.log_every == 0 or self._done():
+            self._record(group, epoch_end)
 
     def _record(self, group: Group, epoch_end: bool) -> None:
         """Close the metrics window; rank 0 writes it (with an evaluation at epoch ends or the
