@@ -56,7 +56,6 @@ from fedweave.data_parallel.gradients import copy_flat, float_buffers, local_con
 from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
 from fedweave.data_parallel.parameter_server import Arrival, Assignment, ParameterServer, Ranges
 from fedweave.data_parallel.records import (
-    METRICS_FILE,
     PLOT_FILE,
     DataParallelRun,
     Record,
@@ -76,6 +75,7 @@ from fedweave.data_parallel.workers import (
     worker_setup,
 )
 from fedweave.observe.metrics import MetricsWriter
+from fedweave.rundir import METRICS_FILE
 from fedweave.seeding import derive_seed
 from fedweave.task import make_loss
 

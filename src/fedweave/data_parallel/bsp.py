@@ -36,7 +36,6 @@ from fedweave.data_parallel.elastic import Joins, admission, next_members
 from fedweave.data_parallel.gradients import assign_gradient, copy_flat, float_buffers, local_contribution, trainable
 from fedweave.data_parallel.group import Group, PeerFailure, Stopped, worker_store
 from fedweave.data_parallel.records import (
-    METRICS_FILE,
     Record,
     Window,
     evaluation,
@@ -48,6 +47,7 @@ from fedweave.data_parallel.records import (
 )
 from fedweave.data_parallel.workers import Shared, make_model, make_optimizer, worker_process, worker_setup
 from fedweave.observe.metrics import MetricsWriter
+from fedweave.rundir import METRICS_FILE
 from fedweave.seeding import derive_seed
 from fedweave.task import make_loss
 

@@ -38,7 +38,8 @@ from typing import Any
 import torch.distributed as dist
 
 from fedweave.data_parallel.group import DataParallelError, Stopped
-from fedweave.data_parallel.records import MetricsTail, Record
+from fedweave.data_parallel.records import Record
+from fedweave.rundir import MetricsTail
 
 log = logging.getLogger(__name__)
 

@@ -22,23 +22,17 @@ import torch
 import torch.distributed as dist
 
 from fedweave import config as config_mod
-from fedweave.checkpoint import CHECKPOINT, atomic_write_text, load_checkpoint
+from fedweave import rundir
+from fedweave.checkpoint import atomic_write_text, load_checkpoint
 from fedweave.config import Config
 from fedweave.data_parallel import asp
 from fedweave.data_parallel.bsp import Worker, worker_main
 from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise
 from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
-from fedweave.data_parallel.records import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    PLOT_FILE,
-    DataParallelRun,
-    MetricsTail,
-    Record,
-)
+from fedweave.data_parallel.records import PLOT_FILE, DataParallelRun, Record
 from fedweave.data_parallel.workers import Shared, load_data, release_workers, resolve_backend, spawn_workers
 from fedweave.errors import CheckpointError, ConfigError
-from fedweave.observe.metrics import read_metrics
+from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +41,21 @@ RENDEZVOUS_FILE = "rendezvous.json"  # where a running job's store listens, for 
 
 def prepare(config: Config, run_dir: Path | None = None) -> DataParallelRun:
     """A new run directory (config saved) for ``config`` (``mode: data_parallel``)."""
-    from fedweave.runner import new_run_dir
-
     if config.mode != "data_parallel":
         raise ConfigError(f"config key 'mode': data-parallel runs need mode data_parallel, got {config.mode!r}")
-    run_dir = new_run_dir(config) if run_dir is None else Path(run_dir)
-    if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT).exists():
-        raise ConfigError(
-            f"run directory {str(run_dir)!r} already holds a run; continue it with "
-            "`fedweave run --resume` or choose another directory"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
+    run_dir, _ = rundir.create(config, run_dir)
     return DataParallelRun(config, run_dir)
 
 
 def resume(run_dir: str | Path) -> DataParallelRun:
     """Continue the data-parallel run in ``run_dir`` from its last checkpoint (an epoch's end)."""
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
-    config = config_mod.load(run_dir / CONFIG_FILE)
+    config = rundir.saved_config(run_dir)
     saved = load_checkpoint(run_dir)
     if saved.get("mode") != "data_parallel":
         raise CheckpointError(f"checkpoint in {str(run_dir)!r} is not of a data-parallel run")
     state = saved["state"]
-    kept = [r for r in read_metrics(run_dir / METRICS_FILE) if r["step"] <= state["step"]]
-    atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), run_dir / METRICS_FILE)
+    kept = rundir.records_until(run_dir, "step", state["step"])
     log.info("resuming %s after step %d", run_dir, state["step"])
     return DataParallelRun(config, run_dir, resume_state=state, records=kept)
 
@@ -118,7 +100,7 @@ def execute(
     atomic_write_text(json.dumps({"host": "127.0.0.1", "port": store.port, "backend": backend}), rendezvous)
     if on_start is not None:
         on_start({w: p.pid for w, p in procs.items()})
-    tail = MetricsTail(r.run_dir / METRICS_FILE)
+    tail = MetricsTail(r.run_dir / METRICS_FILE, skip=len(r.records))
     failure = None
     try:
         failure = supervise(store, procs, members, dp.timeout, dp.min_workers, tail, r.records, on_record)

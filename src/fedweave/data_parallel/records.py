@@ -3,7 +3,6 @@ evaluations, the checkpoint and model files, and the optimiser's state within th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,15 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave import rundir
 from fedweave.checkpoint import CHECKPOINT, atomic_save
 from fedweave.config import Config
 from fedweave.observe.metrics import read_metrics
 from fedweave.strategies.training import LocalOptimizer, LossFn
 from fedweave.task import Dataset, evaluate
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-MODEL_FILE = "model.pt"
 PLOT_FILE = "workers.png"
 
 Record = dict[str, Any]
@@ -99,7 +96,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> None:
 
 def save_model(model: nn.Module, run_dir: Path) -> None:
     """The trained model's state (on the CPU) in ``run_dir``."""
-    atomic_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / MODEL_FILE)
+    rundir.save_model({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir)
 
 
 def optimizer_state(optimizer: LocalOptimizer) -> dict[str, Any]:
@@ -126,21 +123,3 @@ def _to(obj: Any, device: torch.device) -> Any:
 def last_logged_step(path: Path) -> int:
     records = read_metrics(path)
     return int(records[-1]["step"]) if records else -1
-
-
-class MetricsTail:
-    """Complete new lines of a growing ``metrics.jsonl``."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.position = path.stat().st_size if path.exists() else 0
-
-    def read(self) -> list[Record]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self.position)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1
-        self.position += end
-        return [json.loads(line) for line in chunk[:end].decode().splitlines() if line.strip()]
