@@ -5,7 +5,7 @@ N worker processes train one model on one dataset. Each step::
     sizes   = controller.batches                    # b_i, Σ b_i = B (identical on every worker)
     mine    = sampler.take(sizes)[rank]             # disjoint index ranges of one global batch
     g_i     = ∇ (b_i / B) · mean loss on mine        # timed: compute time t_i (+ emulated slowness)
-    buffer  = [g_i, buffers · b_i / B, loss, t_i in slot i, ...]
+    buffer  = [g_i, buffers · b_i / B, tail]        # tail: loss share, then t_i (and more) in slot i
     all_reduce(buffer, SUM)                         # ONE collective: Σ_i g_i is the gradient of the
                                                     # whole batch, and every t_j reaches every worker
     optimizer.step()                                # the same step on every worker
