@@ -26,6 +26,7 @@ from fedweave import config as config_mod
 from fedweave import data_parallel
 from fedweave.batching.dynamic import apportion
 from fedweave.config import Config, ConfigError
+from fedweave.data_parallel import bsp
 
 DP = [
     "mode=data_parallel",
@@ -294,7 +295,7 @@ def test_out_of_memory_caps_the_batch_and_the_step_is_taken_again(
             raise torch.OutOfMemoryError("emulated: 30 samples fit")
         return real(model, loss_fn, x, y, weight)
 
-    monkeypatch.setattr(data_parallel, "local_contribution", small_memory)  # inherited by the forked workers
+    monkeypatch.setattr(bsp, "local_contribution", small_memory)  # inherited by the forked workers
     config = dp_config(
         "data_parallel.workers=2", "heterogeneity.speeds=[1, 4]", "heterogeneity.slowdown=3",
         "task.dataset_options={samples: 600, features: 64, classes: 4}", "task.model_options={hidden: [256, 256]}",

@@ -1,4 +1,5 @@
-"""Import layering: strategies and plugins never reach transports, launchers, topologies, the runner or the CLI.
+"""Import layering: strategies and plugins never reach transports, launchers, topologies, the runner or the CLI;
+no module imports a private name of another; no import circle (lazy ones included around data_parallel).
 
 Checked on the source (``ast``), so a module that fails to import is still checked, and
 through every fedweave module they import in turn, so a detour does not hide a violation.
@@ -7,6 +8,9 @@ through every fedweave module they import in turn, so a detour does not hide a v
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,145 @@ def test_the_check_sees_direct_relative_lazy_and_indirect_imports(tmp_path: Path
     assert chain["lazy.py"] == ["fedweave.strategies.lazy", "ray"]
     assert chain["indirect.py"] == ["fedweave.strategies.indirect", "fedweave.helpers.net", "fedweave.transports"]
     assert chain["clean.py"] is None
+
+
+# --------------------------------------------------------------------------- private names and cycles
+
+ALL = sorted(FEDWEAVE.rglob("*.py"))
+DATA_PARALLEL = "fedweave.data_parallel"
+
+
+def private_imports(path: Path, root: Path = PACKAGE_ROOT) -> list[str]:
+    """Private names (a leading underscore) that ``path`` imports from fedweave's modules."""
+    found = []
+    for name in sorted(imported_names(path, root)):
+        module, _, last = name.rpartition(".")
+        if module.split(".")[0] == "fedweave" and last.startswith("_") and not last.startswith("__"):
+            found.append(name)
+    return found
+
+
+def _runs_at_import(tree: ast.Module) -> list[ast.stmt]:
+    """The statements of a module that run when it is imported: not function bodies, not
+    ``if TYPE_CHECKING:`` blocks."""
+    statements, queue = [], list(tree.body)
+    while queue:
+        node = queue.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            queue.extend(node.orelse)
+            continue
+        statements.append(node)
+        queue.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+    return statements
+
+
+def import_graph(paths: list[Path], root: Path = PACKAGE_ROOT, lazy: bool = True) -> dict[str, set[str]]:
+    """Module -> the fedweave modules it imports (``lazy``: also inside functions; never under
+    ``TYPE_CHECKING``). ``from a import b`` points at ``a.b`` when that is a module, else at ``a``."""
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        name = module_name(path, root)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nodes = list(ast.walk(tree)) if lazy else _runs_at_import(tree)
+        if lazy:
+            hidden = [n for n in ast.walk(tree) if isinstance(n, ast.If) and isinstance(n.test, ast.Name)
+                      and n.test.id == "TYPE_CHECKING"]
+            skipped = {id(s) for block in hidden for stmt in block.body for s in ast.walk(stmt)}
+            nodes = [n for n in nodes if id(n) not in skipped]
+        targets: set[str] = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join([*base, node.module] if node.module else base)
+                else:
+                    module = node.module or ""
+                for alias in node.names:
+                    full = f"{module}.{alias.name}"
+                    targets.add(full if source_of(full, root) is not None else module)
+        graph[name] = {t for t in targets if t.split(".")[0] == "fedweave" and source_of(t, root) is not None} - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected parts of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_data_parallel_package_imports_on_its_own() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "import fedweave.data_parallel"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert {module_name(p) for p in ALL if module_name(p).startswith(DATA_PARALLEL + ".")} >= {
+        f"{DATA_PARALLEL}.{m}"
+        for m in ("gradients", "group", "records", "workers", "elastic", "bsp", "parameter_server", "asp", "launch")
+    }
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: module_name(p))
+def test_no_module_imports_a_private_name_of_another(path: Path) -> None:
+    assert private_imports(path) == []
+
+
+def test_no_import_cycle_when_modules_load() -> None:
+    assert cycles(import_graph(ALL, lazy=False)) == []
+
+
+def test_no_import_cycle_through_the_data_parallel_package_or_the_run_directory_even_lazily() -> None:
+    """Lazy imports (inside functions) hide a circle from Python, not from the reader."""
+    mine = [c for c in cycles(import_graph(ALL)) if any(m.startswith(DATA_PARALLEL) or m == "fedweave.rundir" for m in c)]
+    assert mine == []
+
+
+def test_the_checks_see_private_names_and_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    package = tmp_path / "fedweave"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    sources = {
+        "a.py": "from fedweave.sub import b\n",
+        "sub/b.py": "def f():\n    from fedweave import c\n",
+        "c.py": "from fedweave.a import _hidden, shown\n",
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fedweave import a\n",
+    }
+    for name, text in sources.items():
+        (package / name).write_text(text)
+    paths = sorted(package.rglob("*.py"))
+    assert cycles(import_graph(paths, tmp_path)) == [["fedweave.a", "fedweave.c", "fedweave.sub.b"]]
+    assert cycles(import_graph(paths, tmp_path, lazy=False)) == []
+    assert import_graph(paths, tmp_path)["fedweave.d"] == set()
+    assert private_imports(package / "c.py", tmp_path) == ["fedweave.a._hidden"]
+    assert private_imports(package / "a.py", tmp_path) == []

@@ -23,14 +23,8 @@ from fedweave import config as config_mod
 from fedweave import data_parallel
 from fedweave.batching.sampler import GlobalSampler
 from fedweave.config import Config, ConfigError, StalenessOptions
-from fedweave.parameter_server import (
-    Assignment,
-    ParameterServer,
-    Ranges,
-    pack,
-    unpack,
-    update_weight,
-)
+from fedweave.data_parallel.asp import pack, unpack
+from fedweave.data_parallel.parameter_server import Assignment, ParameterServer, Ranges, update_weight
 from fedweave.strategies.training import LocalOptimizer, LocalSettings
 
 DIGITS = 1438  # training samples of digits (test_fraction 0.2)

@@ -13,7 +13,7 @@ import torch
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 from fedweave import config as config_mod
-from fedweave import runner
+from fedweave import rundir, runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.strategies.aggregate import apply_delta
@@ -206,8 +206,8 @@ def test_new_run_directories_are_named_and_unique(tmp_path: Path, monkeypatch: p
         def now(cls, tz: Any = None) -> FrozenClock:
             return cls(2026, 1, 2, 3, 4, 5)
 
-    monkeypatch.setattr(runner, "datetime", FrozenClock)
+    monkeypatch.setattr(rundir, "datetime", FrozenClock)
     config = small_config("name=demo", output=tmp_path / "runs")
-    assert runner.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405"
-    assert runner.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405-2"
+    assert rundir.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405"
+    assert rundir.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405-2"
     assert runner.prepare(config).run_dir == tmp_path / "runs" / "demo-20260102-030405-3"

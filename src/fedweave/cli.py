@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from fedweave import config as config_mod
-    from fedweave import runner
+    from fedweave import rundir, runner
     from fedweave.observe.progress import ProgressBar, run_summary, summary_table
 
     logging.basicConfig(
@@ -216,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume:
         if path is not None or overrides:
             raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
-        saved = Path(args.resume) / runner.CONFIG_FILE
+        saved = Path(args.resume) / rundir.CONFIG_FILE
         if saved.is_file() and config_mod.load(saved).mode == "data_parallel":
             return _run_data_parallel(args, None)
         r = runner.resume(args.resume)
@@ -441,7 +441,7 @@ def _node(args: argparse.Namespace) -> int:
 
 def _serve_node(args: argparse.Namespace) -> int:
     from fedweave import config as config_mod
-    from fedweave import node, runner
+    from fedweave import node, rundir
 
     try:
         node.install_signal_handlers()
@@ -460,14 +460,14 @@ def _serve_node(args: argparse.Namespace) -> int:
         if args.resume:
             if args.config is not None or args.overrides:
                 raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
-            config = config_mod.load(Path(args.resume) / runner.CONFIG_FILE)
+            config = config_mod.load(Path(args.resume) / rundir.CONFIG_FILE)
             node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file,
                        on_record=_server_bar(args, config))
             return 0
         if args.config is None:
             raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
         config = config_mod.load(args.config, args.overrides)
-        run_dir = Path(args.run_dir) if args.run_dir else runner.new_run_dir(config)
+        run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(config)
         node.serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
         return 0
     except KeyboardInterrupt:

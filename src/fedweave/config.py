@@ -314,7 +314,7 @@ class StalenessOptions:
 @dataclass
 class DataParallelConfig(StalenessOptions):
     """Data-parallel SGD over torch.distributed (``mode: data_parallel``): synchronous steps
-    (``sync: bsp``) or a parameter server (``sync: asp``, see :mod:`fedweave.parameter_server`)."""
+    (``sync: bsp``) or a parameter server (``sync: asp``, see :mod:`fedweave.data_parallel.asp`)."""
 
     workers: int = opt(2, ge=1, help="worker processes started on this machine")
     global_batch: int = opt(64, ge=1, help="samples per step over all workers (B = sum of the b_i)")
@@ -331,7 +331,7 @@ class DataParallelConfig(StalenessOptions):
     sync: Literal["bsp", "asp"] = opt(
         "bsp",
         help="bsp: synchronous steps, every worker waits for the slowest | asp: a parameter server applies each "
-        "worker's gradient as it arrives, nobody waits (see fedweave.parameter_server)",
+        "worker's gradient as it arrives, nobody waits (see fedweave.data_parallel.asp)",
     )
     buffer: int = opt(1, ge=1, help="asp: arriving gradients summed into one server step (K)")
     controller: BatchControllerConfig = opt(factory=BatchControllerConfig)

@@ -15,11 +15,10 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedweave import config as config_mod
+from fedweave import rundir
 from fedweave.asynchronous import BufferedServer, run_buffered
 from fedweave.batching.clients import emulated_clients
 from fedweave.batching.selection import sample_clients
@@ -32,14 +31,14 @@ from fedweave.build import (
     global_evaluator,
     initial_params,
 )
-from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave.checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import ConfigError
 from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
-from fedweave.observe.metrics import MetricsWriter, read_metrics
+from fedweave.observe.metrics import MetricsWriter
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
 from fedweave.topologies.base import Topology
@@ -47,9 +46,6 @@ from fedweave.types import Params
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-MODEL_FILE = "model.pt"
 CLIENTS_PLOT = "clients.png"
 
 
@@ -68,17 +64,6 @@ class Run:
     buffered: BufferedServer | None = None  # the state of asynchronous aggregation, when enabled
 
 
-def new_run_dir(config: Config) -> Path:
-    """``<output_dir>/<name>-<timestamp>``, made unique with a suffix if it exists."""
-    base = Path(config.output_dir) / f"{config.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True)
-    return path
-
-
 def prepare(config: Config, run_dir: Path | None = None, topology: Topology | None = None) -> Run:
     """Build every part of a new run and its directory (config and partition saved).
 
@@ -89,15 +74,7 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
         raise ConfigError(
             f"config key 'mode': {config.mode!r} runs through fedweave.data_parallel, not the federated runner"
         )
-    run_dir = new_run_dir(config) if run_dir is None else Path(run_dir)
-    if (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINT).exists():
-        raise ConfigError(
-            f"run directory {str(run_dir)!r} already holds a run; continue it with "
-            "`fedweave run --resume` or choose another directory"
-        )
-    fresh = not run_dir.exists() or not any(run_dir.iterdir())
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
+    run_dir, fresh = rundir.create(config, run_dir)
     try:
         built = _build(config, run_dir, topology)
     except BaseException:
@@ -111,9 +88,7 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
 def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     """Rebuild the run saved in ``run_dir`` and continue after its last checkpoint."""
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
-    config = config_mod.load(run_dir / CONFIG_FILE)
+    config = rundir.saved_config(run_dir)
     state = load_checkpoint(run_dir)
     built = _build(config, run_dir, topology)
     r = built.run
@@ -127,9 +102,7 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     r.parts.chains.load_state_dict(state.get("plugins", {}))
     if r.buffered is not None:
         r.buffered.load_state_dict(state["asynchronous"])
-    metrics = MetricsWriter(run_dir / METRICS_FILE)
-    metrics.truncate_after(state["round"])
-    r.records = read_metrics(metrics.path)
+    r.records = rundir.records_until(run_dir, "round", state["round"])
     log.info("resuming %s after round %d", run_dir, state["round"])
     return r
 
@@ -146,7 +119,7 @@ def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[R
 def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """Run the remaining rounds; write metrics, checkpoints and the final model."""
     cfg = r.config
-    metrics = MetricsWriter(r.run_dir / METRICS_FILE)
+    metrics = MetricsWriter(r.run_dir / rundir.METRICS_FILE)
     loggers = open_loggers(cfg, r.run_dir, r.parts.topology)  # observe: TensorBoard, MLflow, Prometheus
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
@@ -181,7 +154,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         raise
     finally:
         r.parts.topology.close()
-    atomic_save(r.params, r.run_dir / MODEL_FILE)
+    rundir.save_model(r.params, r.run_dir)
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients
 

@@ -15,7 +15,6 @@ no process is left behind.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ import torch
 
 from fedweave.errors import FedweaveError
 from fedweave.node import PARENT_ENV
+from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail, load_model
 
 if TYPE_CHECKING:
     from fedweave.runner import Run
@@ -121,36 +121,13 @@ class Nodes:
             n.reader.join(timeout=1.0)
 
 
-class _Tail:
-    """The records appended to ``metrics.jsonl`` since the last look (whole lines only)."""
-
-    def __init__(self, path: Path, skip: int):
-        self.path = path
-        self.offset = 0
-        self.skip = skip
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        records = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-        fresh, self.skip = records[self.skip :], max(0, self.skip - len(records))
-        return fresh
-
-
 def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Run ``r`` with its server and clients as local processes; return all its records."""
-    from fedweave.runner import CONFIG_FILE, METRICS_FILE, MODEL_FILE
-
     cfg = r.config
     run_dir = Path(r.run_dir).resolve()
     config_file = str(run_dir / CONFIG_FILE)
     nodes = Nodes(logging.getLogger("fedweave").getEffectiveLevel())
-    tail = _Tail(run_dir / METRICS_FILE, skip=len(r.records))
+    tail = MetricsTail(run_dir / METRICS_FILE, skip=len(r.records))
     started = time.monotonic()
     clean = False
     try:
@@ -179,7 +156,7 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
         s = cfg.grpc
         nodes.stop(grace=s.poll_timeout + s.heartbeat_interval + 2.0 if clean else 0.0)
     log.info("all %d nodes stopped after %.1f s", len(nodes.items), time.monotonic() - started)
-    r.params = torch.load(run_dir / MODEL_FILE, weights_only=True)
+    r.params = load_model(run_dir)
     return r.records
 
 
@@ -203,7 +180,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _report(tail: _Tail, r: Run, on_record: Callable[[dict[str, Any]], None] | None) -> None:
+def _report(tail: MetricsTail, r: Run, on_record: Callable[[dict[str, Any]], None] | None) -> None:
     for record in tail.read():
         r.records.append(record)
         if on_record is not None:

@@ -24,9 +24,9 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
-    def truncate_after(self, rnd: int) -> None:
-        """Drop records of rounds after ``rnd`` (those a resumed run will redo)."""
-        kept = [r for r in read_metrics(self.path) if r["round"] <= rnd]
+    def truncate_after(self, last: int, key: str = "round") -> None:
+        """Drop records whose ``key`` (round, or step) is after ``last`` (those a resumed run will redo)."""
+        kept = [r for r in read_metrics(self.path) if r[key] <= last]
         atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), self.path)
 
 

@@ -1,0 +1,39 @@
+"""Data-parallel training (``mode: data_parallel``): N worker processes train one model on
+one dataset, each step over one global batch of B samples split into b_i by the dynamic
+batch controller.
+
+The modules, one concept each:
+
+- :mod:`~fedweave.data_parallel.gradients`: the b_i / B weighting, flat vectors of
+  parameters and buffers (pure maths);
+- :mod:`~fedweave.data_parallel.group`: one generation's process group, the run's
+  store, and how a run fails;
+- :mod:`~fedweave.data_parallel.records`: the run's saved state, metrics window,
+  evaluations, checkpoint and model files;
+- :mod:`~fedweave.data_parallel.workers`: what a worker process gets and builds, and
+  how the workers are started;
+- :mod:`~fedweave.data_parallel.elastic`: workers that leave and join a synchronous run;
+- :mod:`~fedweave.data_parallel.bsp`: the synchronous step (``sync: bsp``);
+- :mod:`~fedweave.data_parallel.parameter_server` and :mod:`~fedweave.data_parallel.asp`:
+  the asynchronous mode (``sync: asp``);
+- :mod:`~fedweave.data_parallel.launch`: prepare, resume, execute and join a run.
+"""
+
+from fedweave.data_parallel.gradients import assign_gradient, local_contribution, summed_gradient
+from fedweave.data_parallel.group import DataParallelError
+from fedweave.data_parallel.launch import execute, join, prepare, resume, run_config
+from fedweave.data_parallel.records import DataParallelRun
+from fedweave.data_parallel.records import Window as _Window  # the path checkpoints of earlier versions pickled
+
+__all__ = [
+    "DataParallelError",
+    "DataParallelRun",
+    "assign_gradient",
+    "execute",
+    "join",
+    "local_contribution",
+    "prepare",
+    "resume",
+    "run_config",
+    "summed_gradient",
+]
