@@ -180,3 +180,18 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert lines[-1]["test_accuracy"] >= 0.90
     assert lines[-1]["clients_completed"] == 10
     assert elapsed < 60
+
+
+def test_a_checkpoint_that_does_not_match_the_config_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["run", *SMALL, "rounds=1", "--run-dir", str(tmp_path), "-q"]) == 0
+    saved = tmp_path / runner.CONFIG_FILE
+    data = yaml.safe_load(saved.read_text())
+    data["rounds"], data["task"]["model_options"]["hidden"] = 2, [32]
+    saved.write_text(yaml.safe_dump(data))
+    assert main(["run", "--resume", str(tmp_path), "-q"]) == 1
+    assert one_line_error(capsys) == (
+        f"fedweave: error: checkpoint in '{tmp_path}': tensor 'features.1.weight' has shape [16, 8] in the "
+        "checkpoint but [32, 8] in the config's model (was the config changed since?)"
+    )

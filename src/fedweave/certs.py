@@ -28,11 +28,11 @@ import datetime
 import hashlib
 import ipaddress
 import json
-import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from fedweave.checkpoint import atomic_write_bytes
 from fedweave.errors import ConfigError
 
 CA_CERT = "ca.pem"
@@ -85,12 +85,6 @@ def _crypto():  # type: ignore[no-untyped-def]
             "creating certificates needs the 'cryptography' package: pip install 'fedweave[grpc]'"
         ) from None
     return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
-
-
-def _write(path: Path, data: bytes, private: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def make_credentials(
@@ -173,18 +167,18 @@ def make_credentials(
             alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             alt_names.append(x509.DNSName(host))
-    _write(out / CA_CERT, cert_pem(ca))
-    _write(out / CA_KEY, key_pem(ca_key), private=True)
+    atomic_write_bytes(cert_pem(ca), out / CA_CERT)
+    atomic_write_bytes(key_pem(ca_key), out / CA_KEY, private=True)
     server_cert, server_key = leaf(hosts[0] if hosts else "fedweave-server", eku.SERVER_AUTH, alt_names)
-    _write(out / SERVER_CERT, server_cert)
-    _write(out / SERVER_KEY, server_key, private=True)
+    atomic_write_bytes(server_cert, out / SERVER_CERT)
+    atomic_write_bytes(server_key, out / SERVER_KEY, private=True)
     token_hashes = {}
     for name in [client_name(c) for c in range(clients)] + [site_name(s) for s in range(sites)]:
         cert, key = leaf(name, eku.CLIENT_AUTH, [x509.DNSName(name)])
-        _write(out / cert_file(name), cert)
-        _write(out / key_file(name), key, private=True)
+        atomic_write_bytes(cert, out / cert_file(name))
+        atomic_write_bytes(key, out / key_file(name), private=True)
         token = secrets.token_hex(32)
-        _write(out / token_file(name), token.encode(), private=True)
+        atomic_write_bytes(token.encode(), out / token_file(name), private=True)
         token_hashes[token_entry(name)] = hash_token(token)
-    _write(out / TOKENS, json.dumps(token_hashes, indent=1).encode(), private=True)
+    atomic_write_bytes(json.dumps(token_hashes, indent=1).encode(), out / TOKENS, private=True)
     return out

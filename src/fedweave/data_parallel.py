@@ -68,7 +68,7 @@ from fedweave import config as config_mod
 from fedweave.batching.dynamic import BatchController
 from fedweave.batching.heterogeneity import Emulator, worker_threads
 from fedweave.batching.sampler import GlobalSampler
-from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint
+from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, checkpoint_type, load_checkpoint
 from fedweave.config import Config
 from fedweave.errors import CheckpointError, ConfigError, FedweaveError
 from fedweave.observe.metrics import MetricsWriter, read_metrics
@@ -228,6 +228,7 @@ class _Group:
 # --------------------------------------------------------------------------- the worker
 
 
+@checkpoint_type
 @dataclass
 class _Window:
     """Per-worker sums over the steps since the last metrics line (identical on every worker)."""

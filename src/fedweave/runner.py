@@ -33,6 +33,7 @@ from fedweave.build import (
     initial_params,
 )
 from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave.checkpoint import check_params
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import CheckpointError, ConfigError
@@ -116,6 +117,7 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     state = load_checkpoint(run_dir)
     built = _build(config, run_dir, topology)
     r = built.run
+    check_params(state["params"], r.params, f"checkpoint in {str(run_dir)!r}")
     r.params = state["params"]
     r.first_round = state["round"] + 1
     r.parts.strategy.load_state_dict(state["strategy"])
