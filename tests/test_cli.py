@@ -195,3 +195,19 @@ def test_a_checkpoint_that_does_not_match_the_config_is_one_line(
         f"fedweave: error: checkpoint in '{tmp_path}': tensor 'features.1.weight' has shape [16, 8] in the "
         "checkpoint but [32, 8] in the config's model (was the config changed since?)"
     )
+
+
+def test_resume_after_a_kill_that_tore_the_last_metrics_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    r = runner.prepare(config_mod.load(None, SMALL), tmp_path)
+
+    def stop(record: dict[str, object]) -> None:
+        if record["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, stop)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"round": 2, "train_lo')  # killed while round 2's line was written
+    assert main(["run", "--resume", str(tmp_path), "-q"]) == 0
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3]
