@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -387,3 +388,49 @@ def test_clients_per_round_honours_fraction_and_minimum() -> None:
     assert config_mod.load(None, ["clients=200", "sample_fraction=0.1"]).clients_per_round == 20
     assert config_mod.load(None, ["clients=3", "sample_fraction=0.01"]).clients_per_round == 1
     assert config_mod.load(None, ["clients=7"]).clients_per_round == 7
+
+
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+heterogeneity:
+  speeds: *i
+"""
+
+
+def test_an_alias_bomb_is_refused_fast_before_it_expands(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BILLION_LAUGHS)  # 9^9 values once expanded
+    started = time.perf_counter()
+    assert file_error(path) == (
+        f"config file '{path}': refused, its aliases expand to more than "
+        f"{config_mod.MAX_YAML_VALUES} values (an alias bomb?)"
+    )
+    assert time.perf_counter() - started < 1.0
+
+
+def test_cycles_and_deep_nesting_are_refused(tmp_path: Path) -> None:
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text("task:\n  dataset_options: &a {x: *a}\n")
+    assert file_error(cycle) == (
+        f"config file '{cycle}': refused, an alias refers to a collection that contains it (a cycle)"
+    )
+    deep = tmp_path / "deep.yaml"
+    for levels in (config_mod.MAX_YAML_DEPTH + 1, 5000):  # past the limit, and past Python's recursion limit
+        deep.write_text("speeds: " + "[" * levels + "]" * levels + "\n")
+        assert file_error(deep) == f"config file '{deep}': refused, it nests deeper than {config_mod.MAX_YAML_DEPTH} levels"
+
+
+def test_aliases_that_stay_small_are_still_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text("x-local: &local {epochs: 2, batch_size: 8}\nlocal: *local\n")
+    data = config_mod.read_yaml(path)
+    assert data["local"] == {"epochs": 2, "batch_size": 8}
+    assert config_mod.from_dict({"local": data["local"]}).local.batch_size == 8
