@@ -11,16 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from fedweave import checkpoint
+from fedweave import checkpoint, files
 from fedweave.checkpoint import (
     CHECKPOINT,
-    atomic_write_bytes,
-    atomic_write_text,
     check_params,
     load_checkpoint,
     save_checkpoint,
 )
 from fedweave.errors import CheckpointError
+from fedweave.files import atomic_write_bytes, atomic_write_text
 from fedweave.types import Update, UpdateKind
 
 
@@ -72,7 +71,7 @@ def test_text_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def failing_replace(src: Any, dst: Any) -> None:
         raise OSError("rename failed")
 
-    monkeypatch.setattr(checkpoint.os, "replace", failing_replace)
+    monkeypatch.setattr(files.os, "replace", failing_replace)
     with pytest.raises(OSError, match="rename failed"):
         atomic_write_text("rounds: 2\n", path)
     assert path.read_text() == "rounds: 1\n"

@@ -434,3 +434,38 @@ def test_aliases_that_stay_small_are_still_yaml(tmp_path: Path) -> None:
     data = config_mod.read_yaml(path)
     assert data["local"] == {"epochs": 2, "batch_size": 8}
     assert config_mod.from_dict({"local": data["local"]}).local.batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "name", ["../../x", "a/b", "..", ".hidden", "-rf", "tab\there", "new\nline", "bell\x07", "x" * 101, "end "]
+)
+def test_a_run_name_is_one_plain_folder_name(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"^config key 'name': .* is not a run name; it names the run's folder"):
+        config_mod.from_dict({"name": name})
+
+
+@pytest.mark.parametrize("name", ["digits-fedprox", "my run", "v1.2+fix", "実験_3", "x" * 100])
+def test_plain_run_names_load(name: str) -> None:
+    assert config_mod.from_dict({"name": name}).name == name
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("grpc.listen=127.0.0.1:99999", "config key 'grpc.listen': port 99999 is out of range 0..65535 (in '127.0.0.1:99999')"),
+        ("grpc.address=host:65536", "config key 'grpc.address': port 65536 is out of range 0..65535 (in 'host:65536')"),
+        ("grpc.address=host:²", "config key 'grpc.address': expected host:port, got 'host:²'"),
+        ("grpc.address=host:٥", "config key 'grpc.address': expected host:port, got 'host:٥'"),
+        ("grpc.address=:50051", "config key 'grpc.address': expected host:port, got ':50051'"),
+        ("torchdist.port=70000", "config key 'torchdist.port': must be <= 65535, got 70000"),
+    ],
+)
+def test_ports_out_of_range_are_refused_where_addresses_are_read(override: str, error: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_mod.load(None, [override])
+    assert str(refused.value) == error
+
+
+def test_addresses_parse_to_host_and_port() -> None:
+    assert config_mod.parse_address("[::1]:50051", "x") == ("[::1]", 50051)
+    assert config_mod.parse_address("0.0.0.0:0", "x") == ("0.0.0.0", 0)

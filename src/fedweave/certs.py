@@ -28,11 +28,12 @@ import datetime
 import hashlib
 import ipaddress
 import json
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedweave.checkpoint import atomic_write_bytes
+from fedweave.files import atomic_write_bytes
 from fedweave.errors import ConfigError
 
 CA_CERT = "ca.pem"
@@ -70,6 +71,17 @@ def token_entry(name: str) -> str:
     return name.removeprefix("client-") if name.startswith("client-") else name
 
 
+def check_token(token: str, source: str) -> str:
+    """``token`` if it is one line of printable ASCII (it travels in a gRPC header), else a
+    ConfigError naming ``source`` (never the token itself)."""
+    if not token or not token.isascii() or not token.isprintable():
+        raise ConfigError(
+            f"{source}: a token is one line of printable ASCII characters; this one is empty or holds "
+            "a newline, a control or a non-ASCII character"
+        )
+    return token
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -87,6 +99,27 @@ def _crypto():  # type: ignore[no-untyped-def]
     return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
 
 
+def _check_host(host: str) -> None:
+    """A ConfigError unless ``host`` is an IP address or an ASCII DNS name (a certificate's SAN)."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if host.isascii() and all(re.fullmatch(r"(\*|[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)", x) for x in labels):
+        return
+    hint = ""
+    try:
+        hint = f" (its ASCII form is {host.encode('idna').decode()!r})" if not host.isascii() else ""
+    except UnicodeError:
+        pass
+    raise ConfigError(
+        f"certs: --host {host!r} is neither an IP address nor a DNS name of ASCII letters, digits and "
+        f"hyphens{hint}"
+    )
+
+
 def make_credentials(
     out: str | Path, clients: int, hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 365, sites: int = 0
 ) -> Path:
@@ -96,6 +129,10 @@ def make_credentials(
         raise ConfigError(f"certs: --clients must be at least 1, got {clients}")
     if sites < 0:
         raise ConfigError(f"certs: --sites must be at least 0, got {sites}")
+    if days < 1:
+        raise ConfigError(f"certs: --days must be at least 1, got {days}")
+    for host in hosts:
+        _check_host(host)
     x509, hashes, serialization, ec, eku, name_oid = _crypto()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

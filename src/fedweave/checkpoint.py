@@ -1,10 +1,5 @@
-"""Atomic checkpoints of the server state, and the atomic file writes every other file goes through.
-
-Each file is written to a temporary file beside it, flushed to disk, then renamed over
-it: a crash while saving leaves the previous file intact; a reader never sees a
-half-written file. Files get the permissions ``open()`` would give them (the umask's),
-except private ones (keys, tokens), which are readable by their owner only whether or
-not the file existed before.
+"""Atomic checkpoints of the server state: written through :mod:`fedweave.files` (a temporary
+file, fsync, rename), so a crash while saving leaves the previous checkpoint intact.
 
 Checkpoints are read with ``torch.load(weights_only=True)``: tensors, plain containers
 and the few fedweave types registered with :func:`checkpoint_type`; a file holding
@@ -14,9 +9,7 @@ anything else is refused rather than unpickled, so a crafted checkpoint cannot r
 from __future__ import annotations
 
 import logging
-import os
 import re
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +17,8 @@ from typing import Any, TypeVar
 import torch
 
 from fedweave.errors import CheckpointError
+from fedweave.files import atomic_write
+from fedweave.files import atomic_write_text as atomic_write_text  # runner and data_parallel import it from here
 from fedweave.types import Update, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -45,44 +40,7 @@ checkpoint_type(UpdateKind)
 
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
-    _atomic_write(path, lambda f: torch.save(obj, f), private=False)
-
-
-def atomic_write_text(text: str, path: str | Path, private: bool = False) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    atomic_write_bytes(text.encode(), path, private)
-
-
-def atomic_write_bytes(data: bytes, path: str | Path, private: bool = False) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename.
-
-    ``private``: the file ends with mode 0600 (owner only), also when ``path`` existed
-    with a looser mode, since the rename replaces it with the temporary file.
-    """
-    _atomic_write(path, lambda f: f.write(data), private)
-
-
-def _atomic_write(path: str | Path, write: Any, private: bool) -> None:
-    path = Path(path)
-    fd, tmp = _temporary_beside(path, 0o600 if private else 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _temporary_beside(path: Path, mode: int) -> tuple[int, Path]:
-    """A new, hidden file in ``path``'s folder, open for writing, with ``mode`` less the umask.
-
-    (``tempfile.mkstemp`` would make every file readable by its owner only.)
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), tmp
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> None:

@@ -213,15 +213,24 @@ class GrpcConfig:
             raise ConfigError(f"config key '{prefix}.backoff_max': must be >= backoff_initial ({self.backoff_initial})")
         for key in ("address", "listen"):
             value = getattr(self, key)
-            host, sep, port = (value or "h:0").rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
-                raise ConfigError(f"config key '{prefix}.{key}': expected host:port, got {value!r}")
+            if value is not None:
+                parse_address(value, f"config key '{prefix}.{key}'")
         if (self.tls != "none" or self.tokens) and self.credentials is None:
             what = f"tls {self.tls!r}" if self.tls != "none" else "tokens"
             raise ConfigError(
                 f"config key '{prefix}.credentials': {what} needs the folder written by "
                 "`fedweave certs --out DIR --clients N`"
             )
+
+
+def parse_address(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` as its host and port; a ConfigError naming ``what`` unless the port is 0..65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not host.isprintable() or not (port.isascii() and port.isdigit()):
+        raise ConfigError(f"{what}: expected host:port, got {value!r}")
+    if int(port) > 65535:
+        raise ConfigError(f"{what}: port {int(port)} is out of range 0..65535 (in {value!r})")
+    return host, int(port)
 
 
 @dataclass
@@ -392,6 +401,10 @@ class AsynchronousConfig(StalenessOptions):
     server_lr: float = opt(1.0, gt=0, help="the server moves this share of the way to the buffer's aggregate")
 
 
+RUN_NAME = re.compile(r"\w(?:[\w .+-]{0,98}[\w.+-])?")
+"""A run name: one folder name, without path separators, '..', control characters or a leading '-'."""
+
+
 @dataclass
 class Config:
     name: str = opt("quickstart", help="run name; the run directory is <output_dir>/<name>-<timestamp>")
@@ -435,6 +448,11 @@ class Config:
         return self.data_parallel.workers + len(self.heterogeneity.joins)
 
     def validate(self, prefix: str) -> None:
+        if not RUN_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"config key 'name': {self.name!r} is not a run name; it names the run's folder, so it takes "
+                "letters, digits, spaces, '_', '.', '+', '-' (at most 100; first a letter, digit or '_'; no space last)"
+            )
         if self.min_clients > self.clients:
             raise ConfigError(
                 f"config key 'min_clients': {self.min_clients} is more than clients={self.clients}; "

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedweave.checkpoint import atomic_write_text
 from fedweave.errors import CheckpointError
+from fedweave.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

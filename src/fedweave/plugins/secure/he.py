@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.checkpoint import atomic_write_bytes
+from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.packing import combine_plain, flatten, unflatten
 from fedweave.schema import opt
