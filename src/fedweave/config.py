@@ -713,7 +713,7 @@ def _parse_plugins(data: Any) -> PluginsConfig:
     chains = {}
     for point, items in data.items():
         if point not in points:
-            raise unknown_key("plugins", point, points)
+            raise unknown_key("plugins", str(point), points)
         if items is None:
             items = []
         if not isinstance(items, list):
@@ -834,7 +834,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 child = {}
                 node[part] = child
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"override {item!r}: '{path}' is not a section")
+                raise ConfigError(f"override {item!r}: {path!r} is not a section")
             node = child
         last = parts[-1]
         if isinstance(node, list):
@@ -848,7 +848,7 @@ def _list_index(items: list[Any], part: str, override: str, path: str) -> int:
     """``part`` as an index into ``items``; a ConfigError naming the override when it is not one."""
     if not part.isdigit() or int(part) >= len(items):
         raise ConfigError(
-            f"override {override!r}: '{path}' is not an item of a list of {len(items)} "
+            f"override {override!r}: {path!r} is not an item of a list of {len(items)} "
             f"(indices 0..{len(items) - 1})"
         )
     return int(part)
@@ -926,7 +926,10 @@ _Loader.add_implicit_resolver(
 
 def parse_yaml(text: str) -> Any:
     """YAML text as plain data (safe loading; exponent floats without a dot are numbers)."""
-    return yaml.load(text, Loader=_Loader)
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ValueError as exc:  # a value YAML reads but Python cannot build: a 5000-digit integer, 2026-13-45
+        raise yaml.constructor.ConstructorError(problem=str(exc).splitlines()[0]) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
