@@ -33,8 +33,8 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedweave.files import atomic_write_bytes
 from fedweave.errors import ConfigError
+from fedweave.files import atomic_write_bytes
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
