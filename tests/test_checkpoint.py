@@ -11,9 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from fedweave import checkpoint
-from fedweave.checkpoint import CHECKPOINT, atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave import checkpoint, files
+from fedweave.checkpoint import (
+    CHECKPOINT,
+    check_params,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedweave.errors import CheckpointError
+from fedweave.files import atomic_write_bytes, atomic_write_text
+from fedweave.types import Update, UpdateKind
 
 
 def state(rnd: int) -> dict[str, Any]:
@@ -64,7 +71,7 @@ def test_text_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def failing_replace(src: Any, dst: Any) -> None:
         raise OSError("rename failed")
 
-    monkeypatch.setattr(checkpoint.os, "replace", failing_replace)
+    monkeypatch.setattr(files.os, "replace", failing_replace)
     with pytest.raises(OSError, match="rename failed"):
         atomic_write_text("rounds: 2\n", path)
     assert path.read_text() == "rounds: 1\n"
@@ -96,3 +103,58 @@ def test_load_errors(tmp_path: Path) -> None:
     torch.save([1, 2], tmp_path / CHECKPOINT)
     with pytest.raises(CheckpointError, match=r"checkpoint '.*' is not a fedweave server state$"):
         load_checkpoint(tmp_path)
+
+
+class _RunsCode:
+    """A pickle that, when loaded without ``weights_only``, opens (creates) a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    torch.save({"round": 1, "params": _RunsCode(marker)}, tmp_path / CHECKPOINT)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(tmp_path)
+    message = str(refused.value)
+    assert message.endswith("cannot be read: it calls for io.open, which is not checkpoint data (refused, nothing unpickled)")
+    assert "\n" not in message
+    assert not marker.exists()
+    torch.load(tmp_path / CHECKPOINT, weights_only=False)  # the file is the exploit it claims to be
+    assert marker.exists()
+
+
+def test_registered_types_load_with_weights_only(tmp_path: Path) -> None:
+    update = Update(UpdateKind.DELTA, {"w": torch.ones(2)}, num_examples=3, client_id=1)
+    save_checkpoint(tmp_path, {"round": 4, "buffer": [update]})
+    (loaded,) = load_checkpoint(tmp_path)["buffer"]
+    assert loaded.kind is UpdateKind.DELTA and loaded.num_examples == 3 and torch.equal(loaded.tensors["w"], torch.ones(2))
+
+
+def test_check_params_names_the_first_mismatch() -> None:
+    model = {"a": torch.zeros(2, 3), "b": torch.zeros(3)}
+    check_params({"a": torch.ones(2, 3), "b": torch.ones(3)}, model, "here")
+    with pytest.raises(CheckpointError, match=r"^here: tensor 'a' has shape \[3, 2\] in the checkpoint but \[2, 3\] "):
+        check_params({"a": torch.ones(3, 2), "b": torch.ones(3)}, model, "here")
+    with pytest.raises(CheckpointError, match=r"^here: the config's model has tensor 'b', the checkpoint does not$"):
+        check_params({"a": torch.ones(2, 3)}, model, "here")
+    with pytest.raises(CheckpointError, match=r"^here: the checkpoint has tensor 'c', the config's model does not$"):
+        check_params({"a": torch.ones(2, 3), "b": torch.ones(3), "c": torch.ones(1)}, model, "here")
+    with pytest.raises(CheckpointError, match=r"^here: 'b' is not a tensor in the checkpoint$"):
+        check_params({"a": torch.ones(2, 3), "b": [1.0]}, model, "here")
+
+
+@pytest.mark.usefixtures("umask_022")
+@pytest.mark.parametrize("private", [True, False])
+def test_a_private_file_is_owner_only_even_when_it_existed_with_a_looser_mode(tmp_path: Path, private: bool) -> None:
+    path = tmp_path / "client-0.key"
+    path.write_bytes(b"old")
+    path.chmod(0o644)
+    atomic_write_bytes(b"secret", path, private=private)
+    assert path.read_bytes() == b"secret"
+    assert stat.S_IMODE(path.stat().st_mode) == (0o600 if private else 0o644)
+    assert [p.name for p in tmp_path.iterdir()] == ["client-0.key"]

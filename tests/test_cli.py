@@ -180,3 +180,63 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert lines[-1]["test_accuracy"] >= 0.90
     assert lines[-1]["clients_completed"] == 10
     assert elapsed < 60
+
+
+def test_a_checkpoint_that_does_not_match_the_config_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["run", *SMALL, "rounds=1", "--run-dir", str(tmp_path), "-q"]) == 0
+    saved = tmp_path / runner.CONFIG_FILE
+    data = yaml.safe_load(saved.read_text())
+    data["rounds"], data["task"]["model_options"]["hidden"] = 2, [32]
+    saved.write_text(yaml.safe_dump(data))
+    assert main(["run", "--resume", str(tmp_path), "-q"]) == 1
+    assert one_line_error(capsys) == (
+        f"fedweave: error: checkpoint in '{tmp_path}': tensor 'features.1.weight' has shape [16, 8] in the "
+        "checkpoint but [32, 8] in the config's model (was the config changed since?)"
+    )
+
+
+def test_resume_after_a_kill_that_tore_the_last_metrics_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    r = runner.prepare(config_mod.load(None, SMALL), tmp_path)
+
+    def stop(record: dict[str, object]) -> None:
+        if record["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, stop)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"round": 2, "train_lo')  # killed while round 2's line was written
+    assert main(["run", "--resume", str(tmp_path), "-q"]) == 0
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3]
+
+
+def test_careless_flags_and_folders_get_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cases = [
+        (["run", *SMALL, f"output_dir={a_file}", "-q"], 1, f"cannot use '{a_file}/quickstart-"),
+        (["run", *SMALL, "--run-dir", str(a_file / "run"), "-q"], 1, f"cannot use '{a_file / 'run'}': Not a directory"),
+        (["run", *SMALL, "task.model_options={hidden: [100000000000000]}", "-q"], 2, "task.model 'mlp' with"),
+        (["certs", "--out", str(a_file), "--clients", "1"], 1, f"cannot use '{a_file}': File exists"),
+        (["certs", "--out", str(tmp_path / "c"), "--clients", "1", "--days", "-5"], 2, "certs: --days must be at least 1"),
+        (["certs", "--out", str(tmp_path / "c"), "--clients", "1", "--host", "bücher.example"], 2, "certs: --host"),
+        (["keys", "--out", str(a_file)], 1, f"cannot use '{a_file}': File exists"),
+        (["client", "x.yaml", "--id", "0", "--token", "abc\ndef"], 2, "--token: a token is one line of printable ASCII"),
+        (["server", "x.yaml", "--listen", "127.0.0.1:99999"], 2, "--listen: port 99999 is out of range 0..65535"),
+        (["client", "x.yaml", "--id", "0", "--address", "127.0.0.1:http"], 2, "--address: expected host:port"),
+        (["site", "x.yaml", "--site", "0", "--rank", "0", "--port", "70000"], 2, "--port: 70000 is out of range"),
+    ]
+    for argv, code, start in cases:
+        assert main(argv) == code, argv
+        assert one_line_error(capsys).startswith(f"fedweave: error: {start}"), argv
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]  # nothing was written
+
+
+def test_a_run_name_cannot_leave_output_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    assert main(["run", *SMALL, "name=../../escaped", f"output_dir={runs}", "-q"]) == 2
+    assert one_line_error(capsys).startswith("fedweave: error: config key 'name': '../../escaped' is not a run name")
+    assert list(tmp_path.iterdir()) == []

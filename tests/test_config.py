@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedweave import config as config_mod
 from fedweave.config import Config, ConfigError
 from fedweave.plugins.identity import Identity
 from fedweave.registry import import_object
-from fedweave.schema import opt
+from fedweave.schema import describe_fields, opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
 from fedweave.types import UpdateKind
 
@@ -387,3 +393,184 @@ def test_clients_per_round_honours_fraction_and_minimum() -> None:
     assert config_mod.load(None, ["clients=200", "sample_fraction=0.1"]).clients_per_round == 20
     assert config_mod.load(None, ["clients=3", "sample_fraction=0.01"]).clients_per_round == 1
     assert config_mod.load(None, ["clients=7"]).clients_per_round == 7
+
+
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+heterogeneity:
+  speeds: *i
+"""
+
+
+def test_an_alias_bomb_is_refused_fast_before_it_expands(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BILLION_LAUGHS)  # 9^9 values once expanded
+    started = time.perf_counter()
+    assert file_error(path) == (
+        f"config file '{path}': refused, its aliases expand to more than "
+        f"{config_mod.MAX_YAML_VALUES} values (an alias bomb?)"
+    )
+    assert time.perf_counter() - started < 1.0
+
+
+def test_cycles_and_deep_nesting_are_refused(tmp_path: Path) -> None:
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text("task:\n  dataset_options: &a {x: *a}\n")
+    assert file_error(cycle) == (
+        f"config file '{cycle}': refused, an alias refers to a collection that contains it (a cycle)"
+    )
+    deep = tmp_path / "deep.yaml"
+    for levels in (config_mod.MAX_YAML_DEPTH + 1, 5000):  # past the limit, and past Python's recursion limit
+        deep.write_text("speeds: " + "[" * levels + "]" * levels + "\n")
+        assert file_error(deep) == f"config file '{deep}': refused, it nests deeper than {config_mod.MAX_YAML_DEPTH} levels"
+
+
+def test_aliases_that_stay_small_are_still_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text("x-local: &local {epochs: 2, batch_size: 8}\nlocal: *local\n")
+    data = config_mod.read_yaml(path)
+    assert data["local"] == {"epochs": 2, "batch_size": 8}
+    assert config_mod.from_dict({"local": data["local"]}).local.batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "name", ["../../x", "a/b", "..", ".hidden", "-rf", "tab\there", "new\nline", "bell\x07", "x" * 101, "end "]
+)
+def test_a_run_name_is_one_plain_folder_name(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"^config key 'name': .* is not a run name; it names the run's folder"):
+        config_mod.from_dict({"name": name})
+
+
+@pytest.mark.parametrize("name", ["digits-fedprox", "my run", "v1.2+fix", "実験_3", "x" * 100])
+def test_plain_run_names_load(name: str) -> None:
+    assert config_mod.from_dict({"name": name}).name == name
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("grpc.listen=127.0.0.1:99999", "config key 'grpc.listen': port 99999 is out of range 0..65535 (in '127.0.0.1:99999')"),
+        ("grpc.address=host:65536", "config key 'grpc.address': port 65536 is out of range 0..65535 (in 'host:65536')"),
+        ("grpc.address=host:²", "config key 'grpc.address': expected host:port, got 'host:²'"),
+        ("grpc.address=host:٥", "config key 'grpc.address': expected host:port, got 'host:٥'"),
+        ("grpc.address=:50051", "config key 'grpc.address': expected host:port, got ':50051'"),
+        ("torchdist.port=70000", "config key 'torchdist.port': must be <= 65535, got 70000"),
+    ],
+)
+def test_ports_out_of_range_are_refused_where_addresses_are_read(override: str, error: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_mod.load(None, [override])
+    assert str(refused.value) == error
+
+
+def test_addresses_parse_to_host_and_port() -> None:
+    assert config_mod.parse_address("[::1]:50051", "x") == ("[::1]", 50051)
+    assert config_mod.parse_address("0.0.0.0:0", "x") == ("0.0.0.0", 0)
+
+
+# --------------------------------------------------------------------------- property-based
+
+FUZZ = settings(
+    max_examples=int(os.environ.get("FEDWEAVE_FUZZ_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+"""Small in CI; ``FEDWEAVE_FUZZ_EXAMPLES=10000`` runs the full budget."""
+
+KEYS = [row[0] for row in describe_fields(Config)] + [
+    "strategy", "strategy.name", "strategy.mu", "plugins", "plugins.client_send", "plugins.server_receive",
+    "task", "local", "grpc", "topology", "heterogeneity", "data_parallel",
+]
+"""Every dotted key of the schema, and the sections, so that generated configs reach deep checks."""
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers().map(lambda n: n * 10**400),  # beyond any float
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["fedavg", "fedprox", "clip", "topk", "dp_local", "mean", "median", "grpc", "star",
+                     "hierarchical", "data_parallel", "asp", "mlp", "synthetic", "dirichlet", "0.0.0.0:1"]),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.one_of(st.sampled_from(["name", "kind", "every", "mu"]), st.text(max_size=6), st.integers()),
+                        inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+def _nest(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A config mapping from dotted keys (a later key may replace a section by a scalar)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = value
+    return data
+
+
+def loads_or_refuses(load: Callable[[], Config]) -> None:
+    """The property: a Config, or the project's one-line ConfigError; never another exception."""
+    try:
+        config = load()
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert isinstance(config, Config)
+    assert config_mod.from_dict(config_mod.parse_yaml(config_mod.to_yaml(config))) == config
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=6))
+def test_any_yaml_data_loads_or_is_one_config_error(pairs: list[tuple[str, Any]]) -> None:
+    loads_or_refuses(lambda: config_mod.from_dict(_nest(pairs)))
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.one_of(st.sampled_from(KEYS), st.text(max_size=10)), st.text(max_size=16)), max_size=4))
+def test_any_dotted_overrides_load_or_are_one_config_error(items: list[tuple[str, str]]) -> None:
+    loads_or_refuses(lambda: config_mod.load(None, [f"{key}={value}" for key, value in items]))
+
+
+@FUZZ
+@given(st.text(max_size=80))
+def test_any_yaml_text_loads_or_is_one_config_error(yaml_dir: Path, text: str) -> None:
+    path = yaml_dir / "fuzz.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    loads_or_refuses(lambda: config_mod.load(path))
+
+
+@pytest.fixture(scope="module")
+def yaml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def test_values_python_cannot_hold_are_config_errors(tmp_path: Path) -> None:
+    """Found by the property tests above: an integer beyond every float, one of 5000 digits, a bad date."""
+    with pytest.raises(ConfigError, match=r"^config key 'heterogeneity.speed_range\[0\]': expected a finite number"):
+        config_mod.from_dict({"heterogeneity": {"speed_range": [10**400, 10**401]}})
+    path = tmp_path / "big.yaml"
+    for text in ("rounds: " + "1" * 5000, "name: 2026-13-45"):
+        path.write_text(text)
+        assert file_error(path) == f"config file '{path}': not valid YAML"
+    with pytest.raises(ConfigError, match=r"^unknown config key 'new\\nline'"):
+        config_mod.load(None, ["new\nline=1"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'plugins.0'"):
+        config_mod.from_dict({"plugins": {0: None}})

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.batching.clients import DEADLINE
+from fedweave.checkpoint import checkpoint_type
 from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError
 from fedweave.loop import (
@@ -107,6 +108,7 @@ def buffered_step(
     return with_selection(target, moved)
 
 
+@checkpoint_type
 @dataclass
 class Flight:
     """One client's work: dispatched at ``start`` on model version ``version``, arriving at ``finish``."""

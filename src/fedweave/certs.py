@@ -28,12 +28,13 @@ import datetime
 import hashlib
 import ipaddress
 import json
-import os
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
 from fedweave.errors import ConfigError
+from fedweave.files import atomic_write_bytes
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
@@ -70,6 +71,17 @@ def token_entry(name: str) -> str:
     return name.removeprefix("client-") if name.startswith("client-") else name
 
 
+def check_token(token: str, source: str) -> str:
+    """``token`` if it is one line of printable ASCII (it travels in a gRPC header), else a
+    ConfigError naming ``source`` (never the token itself)."""
+    if not token or not token.isascii() or not token.isprintable():
+        raise ConfigError(
+            f"{source}: a token is one line of printable ASCII characters; this one is empty or holds "
+            "a newline, a control or a non-ASCII character"
+        )
+    return token
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -87,10 +99,25 @@ def _crypto():  # type: ignore[no-untyped-def]
     return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
 
 
-def _write(path: Path, data: bytes, private: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+def _check_host(host: str) -> None:
+    """A ConfigError unless ``host`` is an IP address or an ASCII DNS name (a certificate's SAN)."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if host.isascii() and all(re.fullmatch(r"(\*|[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)", x) for x in labels):
+        return
+    hint = ""
+    try:
+        hint = f" (its ASCII form is {host.encode('idna').decode()!r})" if not host.isascii() else ""
+    except UnicodeError:
+        pass
+    raise ConfigError(
+        f"certs: --host {host!r} is neither an IP address nor a DNS name of ASCII letters, digits and "
+        f"hyphens{hint}"
+    )
 
 
 def make_credentials(
@@ -102,6 +129,10 @@ def make_credentials(
         raise ConfigError(f"certs: --clients must be at least 1, got {clients}")
     if sites < 0:
         raise ConfigError(f"certs: --sites must be at least 0, got {sites}")
+    if days < 1:
+        raise ConfigError(f"certs: --days must be at least 1, got {days}")
+    for host in hosts:
+        _check_host(host)
     x509, hashes, serialization, ec, eku, name_oid = _crypto()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,18 +204,18 @@ def make_credentials(
             alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             alt_names.append(x509.DNSName(host))
-    _write(out / CA_CERT, cert_pem(ca))
-    _write(out / CA_KEY, key_pem(ca_key), private=True)
+    atomic_write_bytes(cert_pem(ca), out / CA_CERT)
+    atomic_write_bytes(key_pem(ca_key), out / CA_KEY, private=True)
     server_cert, server_key = leaf(hosts[0] if hosts else "fedweave-server", eku.SERVER_AUTH, alt_names)
-    _write(out / SERVER_CERT, server_cert)
-    _write(out / SERVER_KEY, server_key, private=True)
+    atomic_write_bytes(server_cert, out / SERVER_CERT)
+    atomic_write_bytes(server_key, out / SERVER_KEY, private=True)
     token_hashes = {}
     for name in [client_name(c) for c in range(clients)] + [site_name(s) for s in range(sites)]:
         cert, key = leaf(name, eku.CLIENT_AUTH, [x509.DNSName(name)])
-        _write(out / cert_file(name), cert)
-        _write(out / key_file(name), key, private=True)
+        atomic_write_bytes(cert, out / cert_file(name))
+        atomic_write_bytes(key, out / key_file(name), private=True)
         token = secrets.token_hex(32)
-        _write(out / token_file(name), token.encode(), private=True)
+        atomic_write_bytes(token.encode(), out / token_file(name), private=True)
         token_hashes[token_entry(name)] = hash_token(token)
-    _write(out / TOKENS, json.dumps(token_hashes, indent=1).encode(), private=True)
+    atomic_write_bytes(json.dumps(token_hashes, indent=1).encode(), out / TOKENS, private=True)
     return out

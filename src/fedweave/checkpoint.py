@@ -1,61 +1,46 @@
-"""Atomic checkpoints of the server state: write a temporary file, then rename.
+"""Atomic checkpoints of the server state: written through :mod:`fedweave.files` (a temporary
+file, fsync, rename), so a crash while saving leaves the previous checkpoint intact.
 
-A crash while saving leaves the previous checkpoint intact; a reader never sees a
-half-written file. Files get the permissions ``open()`` would give them (the umask's).
+Checkpoints are read with ``torch.load(weights_only=True)``: tensors, plain containers
+and the few fedweave types registered with :func:`checkpoint_type`; a file holding
+anything else is refused rather than unpickled, so a crafted checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import secrets
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from fedweave.errors import CheckpointError
+from fedweave.files import atomic_write
+from fedweave.files import atomic_write_text as atomic_write_text  # runner and data_parallel import it from here
+from fedweave.types import Update, UpdateKind
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 
+T = TypeVar("T", bound=type)
+
+
+def checkpoint_type(cls: T) -> T:
+    """Allow instances of ``cls`` (plain data, no behaviour on load) inside checkpoints."""
+    torch.serialization.add_safe_globals([cls])
+    return cls
+
+
+checkpoint_type(Update)
+checkpoint_type(UpdateKind)
+
 
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
-    path = Path(path)
-    fd, tmp = _temporary_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(text: str, path: str | Path) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    path = Path(path)
-    fd, tmp = _temporary_beside(path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _temporary_beside(path: Path) -> tuple[int, Path]:
-    """A new, hidden file in ``path``'s folder, open for writing, with the umask's permissions.
-
-    (``tempfile.mkstemp`` would make it readable by its owner only.)
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> None:
@@ -68,9 +53,39 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r}: nothing to resume")
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {exc}") from exc
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {_reason(exc)}") from None
     if not isinstance(state, dict) or "round" not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a fedweave server state")
     return state
+
+
+def _reason(exc: Exception) -> str:
+    """One line on why ``torch.load`` failed (its own message spans a page)."""
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if refused:
+        return f"it calls for {refused.group(1)}, which is not checkpoint data (refused, nothing unpickled)"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def check_params(saved: Mapping[str, Any], expected: Mapping[str, torch.Tensor], where: str) -> None:
+    """A CheckpointError naming the first tensor whose name or shape in ``saved`` differs from the
+    model the config builds (``expected``): a config edited since the checkpoint was written."""
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where}: the saved parameters are not a mapping of tensors")
+    for name, tensor in expected.items():
+        if name not in saved:
+            raise CheckpointError(f"{where}: the config's model has tensor {name!r}, the checkpoint does not")
+        value = saved[name]
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{where}: {name!r} is not a tensor in the checkpoint")
+        if value.shape != tensor.shape:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {list(value.shape)} in the checkpoint but "
+                f"{list(tensor.shape)} in the config's model (was the config changed since?)"
+            )
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint has tensor {extra[0]!r}, the config's model does not")

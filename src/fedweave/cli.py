@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _check_node_flags(args)
         if args.command == "run":
             return _run(args)
         if args.command == "schema":
@@ -190,15 +191,46 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "deploy":
             return _deploy(args)
         return _list()
-    except (ConfigError, TaskError) as exc:
-        print(f"fedweave: error: {exc}", file=sys.stderr)
-        return 2
-    except FedweaveError as exc:
-        print(f"fedweave: error: {exc}", file=sys.stderr)
-        return 1
     except BrokenPipeError:  # `fedweave list | head`
         sys.stdout = open(os.devnull, "w")
         return 0
+    except (FedweaveError, OSError) as exc:
+        code = _report(exc)
+        if code is None:
+            raise
+        return code
+
+
+def _report(exc: BaseException) -> int | None:
+    """Print the one line of a user's mistake and return the exit status: 2 for a config or task
+    error, 1 for another fedweave error or a file that cannot be made or read (an unwritable
+    output_dir, --run-dir or --out); None for anything else (a bug: its traceback is wanted)."""
+    if isinstance(exc, (ConfigError, TaskError)):
+        print(f"fedweave: error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(exc, FedweaveError):
+        print(f"fedweave: error: {exc}", file=sys.stderr)
+        return 1
+    if isinstance(exc, OSError) and exc.filename is not None:
+        print(f"fedweave: error: cannot use {str(exc.filename)!r}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return None
+
+
+def _check_node_flags(args: argparse.Namespace) -> None:
+    """Addresses, ports and tokens given on the command line, checked before anything starts."""
+    from fedweave.certs import check_token
+    from fedweave.config import parse_address
+
+    for flag in ("listen", "address"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            parse_address(value, f"--{flag}")
+    port = getattr(args, "port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--port: {port} is out of range 0..65535")
+    if getattr(args, "token", None) is not None:
+        check_token(args.token, "--token")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -490,12 +522,9 @@ def _exit_code(exc: BaseException) -> int:
     """The exit status of a launched node that raised ``exc`` (reported as ``main`` would)."""
     if isinstance(exc, KeyboardInterrupt):
         return 130
-    if isinstance(exc, (ConfigError, TaskError)):
-        print(f"fedweave: error: {exc}", file=sys.stderr)
-        return 2
-    if isinstance(exc, FedweaveError):
-        print(f"fedweave: error: {exc}", file=sys.stderr)
-        return 1
+    code = _report(exc)
+    if code is not None:
+        return code
     import traceback
 
     traceback.print_exception(exc)

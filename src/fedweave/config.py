@@ -216,15 +216,24 @@ class GrpcConfig:
             raise ConfigError(f"config key '{prefix}.backoff_max': must be >= backoff_initial ({self.backoff_initial})")
         for key in ("address", "listen", "health_listen"):
             value = getattr(self, key)
-            host, sep, port = (value or "h:0").rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
-                raise ConfigError(f"config key '{prefix}.{key}': expected host:port, got {value!r}")
+            if value is not None:
+                parse_address(value, f"config key '{prefix}.{key}'")
         if (self.tls != "none" or self.tokens) and self.credentials is None:
             what = f"tls {self.tls!r}" if self.tls != "none" else "tokens"
             raise ConfigError(
                 f"config key '{prefix}.credentials': {what} needs the folder written by "
                 "`fedweave certs --out DIR --clients N`"
             )
+
+
+def parse_address(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` as its host and port; a ConfigError naming ``what`` unless the port is 0..65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not host.isprintable() or not (port.isascii() and port.isdigit()):
+        raise ConfigError(f"{what}: expected host:port, got {value!r}")
+    if int(port) > 65535:
+        raise ConfigError(f"{what}: port {int(port)} is out of range 0..65535 (in {value!r})")
+    return host, int(port)
 
 
 @dataclass
@@ -425,6 +434,10 @@ class AsynchronousConfig(StalenessOptions):
     server_lr: float = opt(1.0, gt=0, help="the server moves this share of the way to the buffer's aggregate")
 
 
+RUN_NAME = re.compile(r"\w(?:[\w .+-]{0,98}[\w.+-])?")
+"""A run name: one folder name, without path separators, '..', control characters or a leading '-'."""
+
+
 @dataclass
 class Config:
     name: str = opt("quickstart", help="run name; the run directory is <output_dir>/<name>-<timestamp>")
@@ -469,6 +482,11 @@ class Config:
         return self.data_parallel.workers + len(self.heterogeneity.joins)
 
     def validate(self, prefix: str) -> None:
+        if not RUN_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"config key 'name': {self.name!r} is not a run name; it names the run's folder, so it takes "
+                "letters, digits, spaces, '_', '.', '+', '-' (at most 100; first a letter, digit or '_'; no space last)"
+            )
         if self.min_clients > self.clients:
             raise ConfigError(
                 f"config key 'min_clients': {self.min_clients} is more than clients={self.clients}; "
@@ -729,7 +747,7 @@ def _parse_plugins(data: Any) -> PluginsConfig:
     chains = {}
     for point, items in data.items():
         if point not in points:
-            raise unknown_key("plugins", point, points)
+            raise unknown_key("plugins", str(point), points)
         if items is None:
             items = []
         if not isinstance(items, list):
@@ -850,7 +868,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 child = {}
                 node[part] = child
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"override {item!r}: '{path}' is not a section")
+                raise ConfigError(f"override {item!r}: {path!r} is not a section")
             node = child
         last = parts[-1]
         if isinstance(node, list):
@@ -864,7 +882,7 @@ def _list_index(items: list[Any], part: str, override: str, path: str) -> int:
     """``part`` as an index into ``items``; a ConfigError naming the override when it is not one."""
     if not part.isdigit() or int(part) >= len(items):
         raise ConfigError(
-            f"override {override!r}: '{path}' is not an item of a list of {len(items)} "
+            f"override {override!r}: {path!r} is not an item of a list of {len(items)} "
             f"(indices 0..{len(items) - 1})"
         )
     return int(part)
@@ -884,8 +902,53 @@ def _shorthands(cls: type, prefix: str = "") -> dict[str, str]:
     return out
 
 
+MAX_YAML_VALUES = 1_000_000
+"""Most values (scalars and collections, aliases counted as the values they repeat) a YAML text may hold."""
+MAX_YAML_DEPTH = 100
+"""Deepest nesting of collections a YAML text may have."""
+
+
+class YamlRefused(yaml.YAMLError):
+    """A YAML text that would take unbounded time or memory to use: an alias bomb, a cycle, deep nesting."""
+
+
 class _Loader(yaml.SafeLoader):
-    """Safe YAML that also reads ``1e-3`` as a number (YAML 1.1 needs a dot: ``1.0e-3``)."""
+    """Safe YAML that also reads ``1e-3`` as a number (YAML 1.1 needs a dot: ``1.0e-3``), and
+    refuses a document whose aliases expand past :data:`MAX_YAML_VALUES` values (a "billion
+    laughs" of twelve lines) or that nests deeper than :data:`MAX_YAML_DEPTH`, before any of it
+    is built."""
+
+    def compose_document(self) -> yaml.Node:
+        try:
+            node = super().compose_document()
+        except RecursionError:
+            raise YamlRefused(f"it nests deeper than {MAX_YAML_DEPTH} levels") from None
+        _expanded_size(node, {}, set(), 0)
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int], depth: int) -> int:
+    """Values under ``node`` with every alias expanded; linear in the distinct nodes (memoized)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise YamlRefused("an alias refers to a collection that contains it (a cycle)")
+    if depth > MAX_YAML_DEPTH:
+        raise YamlRefused(f"it nests deeper than {MAX_YAML_DEPTH} levels")
+    size = 1
+    if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+        open_nodes.add(key)
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+        for child in children:
+            size += _expanded_size(child, sizes, open_nodes, depth + 1)
+            if size > MAX_YAML_VALUES:
+                raise YamlRefused(
+                    f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb?)"
+                )
+        open_nodes.discard(key)
+    sizes[key] = size
+    return size
 
 
 _Loader.add_implicit_resolver(
@@ -897,7 +960,10 @@ _Loader.add_implicit_resolver(
 
 def parse_yaml(text: str) -> Any:
     """YAML text as plain data (safe loading; exponent floats without a dot are numbers)."""
-    return yaml.load(text, Loader=_Loader)
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ValueError as exc:  # a value YAML reads but Python cannot build: a 5000-digit integer, 2026-13-45
+        raise yaml.constructor.ConstructorError(problem=str(exc).splitlines()[0]) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -911,6 +977,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {str(path)!r}: it is not UTF-8 text") from None
     try:
         data = parse_yaml(text)
+    except YamlRefused as exc:
+        raise ConfigError(f"config file {str(path)!r}: refused, {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -31,7 +31,7 @@ from fedweave.build import (
     global_evaluator,
     initial_params,
 )
-from fedweave.checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave.checkpoint import atomic_write_text, check_params, load_checkpoint, save_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError
@@ -92,6 +92,7 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     state = load_checkpoint(run_dir)
     built = _build(config, run_dir, topology)
     r = built.run
+    check_params(state["params"], r.params, f"checkpoint in {str(run_dir)!r}")
     r.params = state["params"]
     r.first_round = state["round"] + 1
     r.parts.strategy.load_state_dict(state["strategy"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from typing import Any, Literal, Union
@@ -118,7 +119,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
-        if value != value or value in (float("inf"), float("-inf")):
+        if not -sys.float_info.max <= value <= sys.float_info.max:  # nan, inf, or an integer beyond every float
             raise ConfigError(f"config key '{key}': expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
@@ -170,7 +171,7 @@ def unknown_key(prefix: str, name: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
     return ConfigError(
-        f"unknown config key '{key}'{hint}; valid keys here: {', '.join(sorted(valid))}"
+        f"unknown config key {key!r}{hint}; valid keys here: {', '.join(sorted(valid))}"
     )
 
 

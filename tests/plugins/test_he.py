@@ -45,6 +45,14 @@ def test_keys_command_writes_a_secret_and_a_public_context(keys: Path) -> None:
     assert slot_count(public) == 2048
 
 
+def test_a_secret_context_that_existed_with_a_looser_mode_ends_owner_only(tmp_path: Path) -> None:
+    (tmp_path / SECRET_FILE).write_bytes(b"stale")
+    (tmp_path / SECRET_FILE).chmod(0o644)
+    assert main(["keys", "--out", str(tmp_path), "--poly-degree", "4096"]) == 0
+    assert stat.S_IMODE((tmp_path / SECRET_FILE).stat().st_mode) == 0o600
+    assert (tmp_path / SECRET_FILE).read_bytes() != b"stale"
+
+
 def test_decrypted_aggregate_equals_plaintext_fedavg_over_several_ciphertexts(keys: Path) -> None:
     plugin = make("he", keys=str(keys))
     plain = updates()

@@ -197,3 +197,28 @@ def test_mlp_learns_synthetic_data() -> None:
                 param -= 0.5 * param.grad
     after = evaluate(model, data.x_test, data.y_test, loss_fn)
     assert before["accuracy"] < 0.3 and after["accuracy"] > 0.9 and after["loss"] < before["loss"]
+
+
+def test_a_model_too_large_to_allocate_is_a_task_error_naming_it() -> None:
+    with pytest.raises(TaskError) as refused:
+        build_model("mlp", input_shape=(8,), num_classes=4, options={"hidden": [10**14]}, seed=0)
+    assert str(refused.value) == (
+        "task.model 'mlp' with task.model_options {'hidden': [100000000000000]} does not fit in memory "
+        f"(it tried to allocate {8 * 10**14 * 4 / 2**30:.1f} GiB); choose a smaller model"
+    )
+
+
+def test_other_runtime_errors_of_a_factory_are_not_called_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(**_: object) -> nn.Module:
+        raise RuntimeError("a bug in the factory")
+
+    monkeypatch.setattr("fedweave.task.models.load_callable", lambda spec, what: broken)
+    with pytest.raises(RuntimeError, match="^a bug in the factory$"):
+        build_model("mine:factory", input_shape=(8,), num_classes=4)
+
+    def exhausted(**_: object) -> nn.Module:
+        raise MemoryError
+
+    monkeypatch.setattr("fedweave.task.models.load_callable", lambda spec, what: exhausted)
+    with pytest.raises(TaskError, match=r"^task.model 'mine:factory' with task.model_options \{\} does not fit in memory \(out of memory\)"):
+        build_model("mine:factory", input_shape=(8,), num_classes=4)

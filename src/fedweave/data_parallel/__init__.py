@@ -23,7 +23,6 @@ from fedweave.data_parallel.gradients import assign_gradient, local_contribution
 from fedweave.data_parallel.group import DataParallelError
 from fedweave.data_parallel.launch import execute, join, prepare, resume, run_config
 from fedweave.data_parallel.records import DataParallelRun
-from fedweave.data_parallel.records import Window as _Window  # the path checkpoints of earlier versions pickled
 
 __all__ = [
     "DataParallelError",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fedweave import rundir
-from fedweave.checkpoint import CHECKPOINT, atomic_save
+from fedweave.checkpoint import CHECKPOINT, atomic_save, checkpoint_type
 from fedweave.config import Config
 from fedweave.observe.metrics import read_metrics
 from fedweave.strategies.training import LocalOptimizer, LossFn
@@ -51,6 +51,7 @@ class DataParallelRun:
         return int(self.resume_state["sampler"]["epoch"]) >= dp.epochs
 
 
+@checkpoint_type
 @dataclass
 class Window:
     """Per-worker sums over the steps since the last metrics line (identical on every worker)."""
@@ -82,6 +83,9 @@ class Window:
             self.comm += comm
             self.comm_steps += 1
 
+
+# checkpoints written before the package split pickled the window under its old path
+torch.serialization.add_safe_globals([(Window, "fedweave.data_parallel._Window")])
 
 def evaluation(config: Config, model: nn.Module, dataset: Dataset, loss_fn: LossFn) -> Record:
     """``model``'s metrics on the test set, each named ``test_<metric>`` as in a metrics line."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from typing import Any, Callable
 
 import torch
@@ -118,11 +119,35 @@ def build_model(
     RNG, so the global torch generator is left as it was.
     """
     options = dict(options or {})
-    if seed is None:
-        return _build(spec, tuple(input_shape), num_classes, options)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return _build(spec, tuple(input_shape), num_classes, options)
+    try:
+        if seed is None:
+            return _build(spec, tuple(input_shape), num_classes, options)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return _build(spec, tuple(input_shape), num_classes, options)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        raise TaskError(
+            f"task.model {spec!r} with task.model_options {options} does not fit in memory "
+            f"({_allocation(exc)}); choose a smaller model"
+        ) from None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (Python's, torch's on the CPU or on a GPU)."""
+    text = str(exc)
+    return (
+        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
+
+
+def _allocation(exc: BaseException) -> str:
+    """The size torch tried to allocate, when its message says."""
+    found = re.search(r"tried to allocate (\d+) bytes", str(exc))
+    return f"it tried to allocate {int(found.group(1)) / 2**30:.1f} GiB" if found else "out of memory"
 
 
 def _build(spec: str, input_shape: tuple[int, ...], num_classes: int, options: dict[str, Any]) -> nn.Module:

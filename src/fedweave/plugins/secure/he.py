@@ -32,13 +32,13 @@ Precision: CKKS is approximate; with the default scale 2^32 the mean is exact to
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.packing import combine_plain, flatten, unflatten
 from fedweave.schema import opt
@@ -88,10 +88,8 @@ def write_keys(out: str | Path, poly_degree: int = 8192, scale_bits: int = 32) -
     out.mkdir(parents=True, exist_ok=True)
     context = make_context(poly_degree, scale_bits)
     secret, public = out / SECRET_FILE, out / PUBLIC_FILE
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(context.serialize(save_secret_key=True))
-    public.write_bytes(public_bytes(context))
+    atomic_write_bytes(context.serialize(save_secret_key=True), secret, private=True)
+    atomic_write_bytes(public_bytes(context), public)
     return secret, public
 
 

@@ -238,7 +238,7 @@ def node_token(settings: GrpcConfig, node: Node, token: str | None = None) -> st
         token = os.environ.get(TOKEN_ENV)
     if token is None and settings.tokens:
         token = _read(Path(settings.credentials or "."), certs.token_file(node.name)).decode().strip()
-    return token
+    return None if token is None else certs.check_token(token, f"the token of {node.name}")
 
 
 def token_hashes(settings: GrpcConfig) -> dict[str, str] | None:

@@ -1,0 +1,69 @@
+"""Tests of fedweave.certs: credentials written whole, private files owner-only."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedweave.certs import CA_KEY, SERVER_CERT, SERVER_KEY, TOKENS, check_token, make_credentials
+from fedweave.errors import ConfigError
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_keys_and_tokens_end_owner_only_even_over_looser_files(tmp_path: Path) -> None:
+    private = [CA_KEY, SERVER_KEY, "client-0.key", "client-0.token", TOKENS]
+    for name in private:
+        (tmp_path / name).write_text("stale")
+        (tmp_path / name).chmod(0o644)
+    make_credentials(tmp_path, 1)
+    for name in private:
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+        assert (tmp_path / name).read_text() != "stale"
+    assert stat.S_IMODE((tmp_path / SERVER_CERT).stat().st_mode) == 0o644
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+@pytest.mark.parametrize("token", ["", "ab\ncd", "ab\rcd", "tab\there", "nul\x00", "naïve"])
+def test_a_token_that_cannot_travel_in_a_header_is_refused_without_echoing_it(token: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check_token(token, "--token")
+    assert str(refused.value).startswith("--token: a token is one line of printable ASCII characters")
+    assert not token or token not in str(refused.value)
+    assert check_token("0123abcdef", "--token") == "0123abcdef"
+
+
+@pytest.mark.parametrize(
+    ("days", "hosts", "error"),
+    [
+        (0, ["localhost"], "certs: --days must be at least 1, got 0"),
+        (-5, ["localhost"], "certs: --days must be at least 1, got -5"),
+        (1, ["bücher.example"], "certs: --host 'bücher.example' is neither an IP address nor a DNS name of ASCII "
+         "letters, digits and hyphens (its ASCII form is 'xn--bcher-kva.example')"),
+        (1, ["two words"], "certs: --host 'two words' is neither an IP address nor a DNS name of ASCII letters, "
+         "digits and hyphens"),
+        (1, ["a..b"], "certs: --host 'a..b' is neither an IP address nor a DNS name of ASCII letters, digits and hyphens"),
+    ],
+)
+def test_bad_days_and_hosts_are_refused_before_anything_is_written(
+    tmp_path: Path, days: int, hosts: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        make_credentials(tmp_path / "out", 1, hosts, days)
+    assert str(refused.value) == error
+    assert not (tmp_path / "out").exists()
+
+
+def test_ip_addresses_and_wildcard_names_are_hosts(tmp_path: Path) -> None:
+    make_credentials(tmp_path, 1, ["fl.example.org", "*.example.org", "10.0.0.1", "fe80::1"], 1)
+    assert (tmp_path / SERVER_CERT).read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
