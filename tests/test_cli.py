@@ -14,6 +14,7 @@ import yaml
 from conftest import SMALL
 from fedweave import config as config_mod
 from fedweave import runner
+from fedweave import rundir
 from fedweave.cli import main
 from fedweave.plugins import PLUGINS
 from fedweave.strategies import STRATEGIES
@@ -186,7 +187,7 @@ def test_a_checkpoint_that_does_not_match_the_config_is_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert main(["run", *SMALL, "rounds=1", "--run-dir", str(tmp_path), "-q"]) == 0
-    saved = tmp_path / runner.CONFIG_FILE
+    saved = tmp_path / rundir.CONFIG_FILE
     data = yaml.safe_load(saved.read_text())
     data["rounds"], data["task"]["model_options"]["hidden"] = 2, [32]
     saved.write_text(yaml.safe_dump(data))

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "schema":
             return _schema(args.prefix)
         if args.command == "report":
-            return _report(args.run_dirs, args.out, args.target)
+            return _write_report(args.run_dirs, args.out, args.target)
         if args.command == "status":
             return _status(args.run_dir)
         if args.command == "keys":
@@ -277,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
     if not quiet:
         print(summary_table(run_summary(records, str(r.run_dir), time.perf_counter() - started)))
     if args.report:
-        _report([r.run_dir], None, None)
+        _write_report([r.run_dir], None, None)
     return 0
 
 
@@ -347,11 +347,11 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
         ]
         print(summary_table(rows))
     if args.report:
-        _report([r.run_dir], None, None)
+        _write_report([r.run_dir], None, None)
     return 0
 
 
-def _report(run_dirs: list[str] | list[Path], out: str | None, target: float | None) -> int:
+def _write_report(run_dirs: list[str] | list[Path], out: str | None, target: float | None) -> int:
     from fedweave.observe.report import write_report
 
     try:
