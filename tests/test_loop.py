@@ -124,6 +124,7 @@ def test_round_aggregates_every_answer_weighted_by_examples() -> None:
         "round_time": 0.0,  # scripted updates report no compute time and claim no client id:
         # each counts for its sender, with the batch the plan gave it
         "clients": [{"id": i, "steps": 0, "batch": i + 1, "compute": 0.0, "idle": 0.0} for i in range(4)],
+        "rejected": {},
     }
     assert parts.controller.observed == [(1, [1, 2, 3, 4])]
 
@@ -153,34 +154,44 @@ def test_a_client_that_raises_is_counted_failed_and_the_rest_aggregate(caplog: p
 
 
 @pytest.mark.parametrize(
-    ("bad", "reason"),
+    ("bad", "reason", "why"),
     [
-        (lambda cid: scripted(cid, value=float("nan")), "it holds NaN or infinite values"),
-        (lambda cid: scripted(cid, value=float("inf")), "it holds NaN or infinite values"),
-        (
-            lambda cid: Update(UpdateKind.DELTA, scripted(cid).tensors, 3, extras={"c": torch.tensor([float("nan")])}),
-            "it holds NaN or infinite values",
-        ),
-        (lambda cid: scripted(cid, num_examples=0), "num_examples=0"),
+        (lambda cid: scripted(cid, value=float("nan")), "tensor 'w' holds NaN or infinite values", "non_finite"),
+        (lambda cid: scripted(cid, value=float("inf")), "tensor 'w' holds NaN or infinite values", "non_finite"),
+        (lambda cid: scripted(cid, num_examples=0), "it claims 0 examples, not a whole number above 0", "examples"),
         (
             lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(3, dtype=torch.float64)}, 3),
-            "tensor 'w' has shape (3,), the model's is (2,)",
+            "tensor 'w' has shape (3,), expected (2,)",
+            "shape",
         ),
         (
             lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2, dtype=torch.float64), "v": torch.ones(1)}, 3),
-            "tensor 'v' is not a parameter of the model",
+            "holds undeclared tensors ['v']",
+            "names",
         ),
-        (lambda cid: Evaluation(3, {"accuracy": 1.0}), "expected an update, got Evaluation"),
+        (lambda cid: Update(UpdateKind.DELTA, {}, 3), "lacks tensors ['w']", "names"),
+        (lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2)}, 3), "tensor 'w' is torch.float32, expected torch.float64", "dtype"),
+        (
+            lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2, dtype=torch.int8)}, 3),
+            "tensor 'w' is torch.int8, expected torch.float64",
+            "dtype",
+        ),
+        (
+            lambda cid: Update(UpdateKind.DELTA, scripted(cid).tensors, 3, extras={"c": torch.tensor([float("nan")])}),
+            "holds undeclared extras tensors ['c']",
+            "extras",
+        ),
+        (lambda cid: Evaluation(3, {"accuracy": 1.0}), "expected an update, got Evaluation", "malformed"),
     ],
 )
 def test_a_bad_update_is_rejected_logged_and_leaves_the_model_alone(
-    bad: Callable[[int], Any], reason: str, caplog: pytest.LogCaptureFixture
+    bad: Callable[[int], Any], reason: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     handler, _ = clients({2: bad})
     with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
         params, record = train_round(make_parts(handler), 1, start())
-    assert f"round 1: update of client 2 rejected: {reason}" in caplog.text
-    assert record["clients_completed"] == 3
+    assert f"round 1: update of client 2 rejected: {reason} ({why})" in caplog.text
+    assert record["clients_completed"] == 3 and record["rejected"] == {why: 1}
     assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)  # as if client 2 had not answered
 
 
@@ -248,6 +259,25 @@ def site(cid: int, value: float, members: list[int]) -> Update:
 ALL = {c: 1 for c in (0, 1, 2, 5, 6, 3, 7, 4)}
 
 
+class TwoSites:
+    """Clients 0..7, of which 2, 5, 6 answer through their site leader 2 and 3, 7 through 3:
+    one (pre-aggregated) update per site; a :class:`~fedweave.topologies.base.Relaying` topology."""
+
+    SITES = {2: frozenset({2, 5, 6}), 3: frozenset({3, 7})}
+
+    def __init__(self, handler: Handler):
+        self.star = Star(InMemoryTransport(handler))
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        return self.star.exchange([m for m in messages if m.client_id < 5], timeout)
+
+    def site_members(self, client_id: int) -> frozenset[int]:
+        return self.SITES.get(client_id, frozenset({client_id}))
+
+    def close(self) -> None:
+        self.star.close()
+
+
 @pytest.mark.parametrize(
     ("aggregation", "w", "accepted"),
     [
@@ -275,8 +305,8 @@ def test_updates_the_rule_discards_do_not_count_as_applied(
         3: lambda cid: site(cid, 4.0, [3, 7]),
         4: lambda cid: scripted(cid, 8.0),
     })
-    parts = make_parts(handler, num_clients=5, per_round=5)
-    parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=5, average=averager(aggregation)))
+    parts = make_parts(handler, num_clients=8, per_round=8, topology=TwoSites(handler))
+    parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=8, average=averager(aggregation)))
     params, record = train_round(parts, 1, start())
     assert_w(params, w)
     assert type(params) is dict  # what the step kept is the loop's business; the model is plain Params

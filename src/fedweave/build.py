@@ -8,6 +8,7 @@ same initial model without exchanging them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,12 @@ from fedweave.plugins import PLUGINS
 from fedweave.plugins.chain import POINTS, Chain, Chains
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
-from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.base import DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
 from fedweave.types import Params
+from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema
 
 
 @dataclass
@@ -95,6 +97,27 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
     if check_model is not None:  # e.g. MOON needs a representation, FedPer its personal layers
         check_model(model, config.strategy.params)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def update_checks(config: Config, task: TaskBundle) -> UpdateChecks:
+    """What the server checks each update against (:mod:`fedweave.validation`): the strategy's
+    schema over the task's model, the example limits (in an in-memory simulation the server
+    holds every client's data, so it knows each one's size), the weight share."""
+    cls = strategy_class(config)
+    with torch.random.fork_rng(devices=[]):  # a model for its names and shapes; the run's draws are untouched
+        model = task.make_model()
+    if isinstance(cls, DeclaresUpdate):
+        schema = cls.update_schema(model, config.strategy.params)
+    else:
+        schema = UpdateSchema.of(model.state_dict())
+    sizes = None
+    if config.transport.kind == "inmemory":
+        sizes = {cid: len(idx) for cid, idx in enumerate(task.clients.train_idx)}
+    return UpdateChecks(
+        schema=dataclasses.replace(schema, kind=cls.update_kind),
+        limits=ExampleLimits(config.aggregation.max_examples, sizes),
+        max_weight_share=config.aggregation.max_weight_share,
+    )
 
 
 def build_chains(config: Config) -> Chains:

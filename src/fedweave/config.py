@@ -83,6 +83,19 @@ class AggregationConfig:
     trim_fraction: float = opt(0.1, ge=0, lt=0.5, help="trimmed_mean: share of values dropped at each end")
     byzantine: int = opt(1, ge=0, help="krum, multi_krum: assumed Byzantine clients f (needs > 2f + 2 updates)")
     multi_krum_m: int | None = opt(None, ge=1, help="multi_krum: updates selected and averaged (none: n - f)")
+    max_examples: int | None = opt(
+        None,
+        ge=1,
+        help="most examples one client may claim; a larger claim counts as this many (an encoded one is "
+        "rejected). In-memory simulations also cap each claim at the client's true partition size",
+    )
+    max_weight_share: float | None = opt(
+        None,
+        gt=0,
+        le=1,
+        help="largest share of a round's total weight one update may carry; larger weights are lowered to "
+        "a common cap (none: no cap; needs updates in the clear)",
+    )
 
     def validate(self, prefix: str) -> None:
         if self.multi_krum_m is not None and self.rule != "multi_krum":
@@ -760,6 +773,11 @@ def check_composition(config: Config) -> None:
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} makes the server combine "
                     f"updates while encoded, so it only sees their sum; aggregation.rule "
                     f"{config.aggregation.rule!r} needs each update in the clear"
+                )
+            if plugin.combines_encoded and config.aggregation.max_weight_share is not None:
+                raise ConfigError(
+                    f"config key 'aggregation.max_weight_share': plugin {spec.name!r} combines updates while "
+                    "encoded, with each weight inside its encoding, so the server cannot lower one; leave it unset"
                 )
             if plugin.combines_encoded and not strategy.weighted_sum:
                 raise ConfigError(

@@ -31,6 +31,7 @@ from fedweave.build import (
     build_task,
     global_evaluator,
     initial_params,
+    update_checks,
 )
 from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
@@ -210,6 +211,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
             numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count
         ),
         eval_batch_size=config.eval.batch_size,
+        checks=update_checks(config, task),
     )
     run_ = Run(
         config=config,

@@ -52,11 +52,19 @@ def leaves(tree: Tree) -> list[int]:
 
 
 def combinable(updates: Sequence[Update]) -> bool:
-    """Whether a weighted mean of ``updates`` is exact: same kind and tensors, in the clear, no extras."""
+    """Whether a weighted mean of ``updates`` is exact: same kind and tensors (names, shapes,
+    dtypes), in the clear, no extras. Otherwise each is relayed, for the server to check."""
     if len(updates) < 2:
         return False
-    kind, names = updates[0].kind, updates[0].tensors.keys()
-    return all(u.kind == kind and u.tensors.keys() == names and not u.applied and not u.extras for u in updates)
+    kind, first = updates[0].kind, updates[0].tensors
+    return all(
+        u.kind == kind
+        and u.tensors.keys() == first.keys()
+        and all(t.shape == first[k].shape and t.dtype == first[k].dtype for k, t in u.tensors.items())
+        and not u.applied
+        and not u.extras
+        for u in updates
+    )
 
 
 def combine(updates: Sequence[Update], client_id: int) -> Update:
@@ -101,6 +109,12 @@ class Site:
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         """Forward each member's messages, collect the replies, pre-aggregate them when exact."""
         result = self._collect(messages, timeout)
+        direct = {m for m in self.members if isinstance(m, int)}
+        for reply in list(result.replies):  # a client speaks for itself; only a child site for its members
+            body = reply.body
+            if reply.client_id in direct and isinstance(body, Update) and (body.members or body.clients != 1):
+                result.replies.remove(reply)
+                result.failures[reply.client_id] = "rejected: a client may not stand for other clients"
         updates = [r.body for r in result.replies]
         if (
             self.pre_aggregate
@@ -160,8 +174,20 @@ class Hierarchical:
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         return self.root.exchange(messages, timeout)
 
+    def site_members(self, client_id: int) -> frozenset[int]:
+        return top_site_members(self.root, client_id)
+
     def close(self) -> None:
         self.root.link.close()
+
+
+def top_site_members(root: Site, client_id: int) -> frozenset[int]:
+    """The clients of the top-level site of ``root`` that holds ``client_id`` (itself alone
+    when it answers the root directly): those one update from that site may stand for."""
+    for child in root.members:
+        if isinstance(child, Site) and client_id in child.ids:
+            return frozenset(child.ids)
+    return frozenset({client_id})
 
 
 def _build(tree: Tree, link: Transport, pre_aggregate: bool, name: str) -> int | Site:
