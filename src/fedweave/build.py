@@ -20,6 +20,7 @@ from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientStateStore
 from fedweave.config import Config
 from fedweave.plugins import PLUGINS
+from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
@@ -99,17 +100,17 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def update_checks(config: Config, task: TaskBundle) -> UpdateChecks:
+def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChecks:
     """What the server checks each update against (:mod:`fedweave.validation`): the strategy's
-    schema over the task's model, the example limits (in an in-memory simulation the server
-    holds every client's data, so it knows each one's size), the weight share."""
+    schema (by default every entry of the model's ``params``), the example limits (in an
+    in-memory simulation the server holds every client's data, so it knows each one's
+    size), the weight share."""
     cls = strategy_class(config)
-    with torch.random.fork_rng(devices=[]):  # a model for its names and shapes; the run's draws are untouched
-        model = task.make_model()
     if isinstance(cls, DeclaresUpdate):
-        schema = cls.update_schema(model, config.strategy.params)
+        with torch.random.fork_rng(devices=[]):  # a model for its layers; the run's draws are untouched
+            schema = cls.update_schema(task.make_model(), config.strategy.params)
     else:
-        schema = UpdateSchema.of(model.state_dict())
+        schema = UpdateSchema.of(params)
     sizes = None
     if config.transport.kind == "inmemory":
         sizes = {cid: len(idx) for cid, idx in enumerate(task.clients.train_idx)}
@@ -171,7 +172,16 @@ def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store
         chains=chains,
         store=store,
         seed=config.seed,
+        attacker=build_attacker(config, task),
     )
+
+
+def build_attacker(config: Config, task: TaskBundle) -> Attacker | None:
+    """The simulated attack of ``config.attacks`` (None: no attack)."""
+    a = config.attacks
+    if not a.kinds:
+        return None
+    return Attacker(a.kinds, a.clients, task.dataset.num_classes, config.seed, a.scale, a.std, a.examples)
 
 
 def global_evaluator(config: Config, task: TaskBundle) -> Callable[[Params], dict[str, float]]:

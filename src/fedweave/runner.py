@@ -211,7 +211,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
             numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count
         ),
         eval_batch_size=config.eval.batch_size,
-        checks=update_checks(config, task),
+        checks=update_checks(config, task, params),
     )
     run_ = Run(
         config=config,
