@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,25 @@ def test_deployment_combinations_are_checked() -> None:
         "launcher=process",
     )
     assert cfg.topology.inner == "torchdist"
+
+
+class Claims(Echo):
+    """Echo, but client 1 claims to stand for clients 0, 1 and 3."""
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        out = super().exchange(messages, timeout)
+        for reply in out.replies:
+            if reply.client_id == 1:
+                reply.body = dataclasses.replace(reply.body, clients=3, members=[0, 1, 3])
+        return out
+
+
+def test_a_member_speaks_for_itself_and_a_site_for_its_members_only() -> None:
+    topo = Hierarchical([[0, 1, 2], [[3], [4]]], Claims(), pre_aggregate=True)
+    msgs = [Message(1, c, Instruction(1, TaskKind.TRAIN, Work(c, 4), {})) for c in range(5)]
+    ex = topo.exchange(msgs, None)
+    assert ex.failures == {2: "boom", 1: "rejected: a client may not stand for other clients"}
+    assert [(r.client_id, r.body.members) for r in ex.replies] == [(0, []), (3, [3, 4])]  # site 0: only client 0 left
+    assert topo.site_members(1) == {0, 1, 2} and topo.site_members(4) == {3, 4}
+    assert not combinable([_update(0, 1.0, 1), dataclasses.replace(_update(1, 1.0, 1), tensors={
+        "w": torch.ones(3, dtype=torch.float64), "c": torch.tensor(1)})])  # another dtype: relayed, not averaged
