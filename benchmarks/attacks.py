@@ -8,7 +8,7 @@ clients (0 and 1) attack (config ``attacks``, :mod:`fedweave.plugins.attacks.poi
 - ``none``: no attack, the clean run of each rule;
 - ``sign flip x10``: each sends −10 × its update (the headline attack);
 - ``scaling x10``: each sends 10 × its update;
-- ``noise std 0.5``: each adds N(0, 0.25) to every entry of its update;
+- ``noise std 3``: each adds N(0, 9) to every entry of its update;
 - ``label flip``: each trains on labels 9 − y;
 - ``count inflation``: ONE client (0) trains on flipped labels and claims 1,000,000
   examples, three times: as every in-memory run does, with the server capping the
@@ -67,7 +67,7 @@ ATTACKS = {  # row: (overrides, whether the server knows no client's size)
     "none": ([], False),
     "sign flip x10": (["attacks.kind=sign_flip", "attacks.scale=10", TWO], False),
     "scaling x10": (["attacks.kind=scaling", "attacks.scale=10", TWO], False),
-    "noise std 0.5": (["attacks.kind=noise", "attacks.std=0.5", TWO], False),
+    "noise std 3": (["attacks.kind=noise", "attacks.std=3", TWO], False),
     "label flip": (["attacks.kind=label_flip", TWO], False),
     "1 inflates: capped at its size": (["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"], False),
     "1 inflates: no cap": (["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"], True),

@@ -210,3 +210,10 @@ def test_cap_weight_share_lowers_claims_to_whole_examples() -> None:
     updates = [dataclasses.replace(update(), num_examples=n) for n in (1_000_000, 100, 100, 101)]
     assert [u.num_examples for u in cap_weight_share(updates, 0.5)] == [301, 100, 100, 101]
     assert all(a is b for a, b in zip(cap_weight_share(updates, None), updates))
+
+
+def test_non_finite_values_of_any_float_dtype_are_found() -> None:
+    schema = UpdateSchema.of({"w": torch.zeros(1, dtype=torch.float16), "n": torch.tensor(0)})
+    check_update(update({"w": torch.ones(1, dtype=torch.float16), "n": torch.tensor(2)}), schema)
+    bad = update({"w": torch.tensor([float("-inf")], dtype=torch.float16), "n": torch.tensor(2)})
+    assert reason(bad, schema)[0] == "non_finite"
