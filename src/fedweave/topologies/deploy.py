@@ -86,7 +86,7 @@ class TorchDistHierarchy:
             for g, (ranks, members) in zip(groups, layout)
         ]
         sites = [
-            Site(list(members), link, False, f"site {i}")
+            Site(list(members), link, False, f"site {i}", link_aggregates=True)
             for i, (link, (_, members)) in enumerate(zip(self.links, layout))
         ]
         self.root = Site(sites, _Unused(), False, "server")

@@ -30,6 +30,7 @@ from fedweave.plugins.chain import POINTS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Message, Update, body_nbytes
+from fedweave.validation import Rejected, check_senders
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,11 @@ def combine(updates: Sequence[Update], client_id: int) -> Update:
 
 
 class Site:
-    """A site leader over ``members`` (client ids reached over ``link``, or child sites)."""
+    """A site leader over ``members`` (client ids reached over ``link``, or child sites).
+
+    A member client's reply speaks for that client alone, unless ``link_aggregates``: the
+    link is itself a leader that may pre-aggregate the site's member clients (a
+    torch.distributed reduce), whose update then stands for some of them, each once."""
 
     def __init__(
         self,
@@ -97,11 +102,13 @@ class Site:
         link: Transport,
         pre_aggregate: bool,
         name: str = "site",
+        link_aggregates: bool = False,
     ):
         self.members = list(members)
         self.link = link
         self.pre_aggregate = pre_aggregate
         self.name = name
+        self.link_aggregates = link_aggregates
         self.ids = [
             cid for m in self.members for cid in ([m] if isinstance(m, int) else m.ids)
         ]
@@ -110,11 +117,16 @@ class Site:
         """Forward each member's messages, collect the replies, pre-aggregate them when exact."""
         result = self._collect(messages, timeout)
         direct = {m for m in self.members if isinstance(m, int)}
-        for reply in list(result.replies):  # a client speaks for itself; only a child site for its members
-            body = reply.body
-            if reply.client_id in direct and isinstance(body, Update) and (body.members or body.clients != 1):
+        counted: set[int] = set()
+        for reply in list(result.replies):  # a client speaks for itself; a child site or leader for its members
+            if reply.client_id not in direct or not isinstance(reply.body, Update):
+                continue
+            try:
+                may = direct if self.link_aggregates else {reply.client_id}
+                counted.update(check_senders(reply.body, reply.client_id, may, counted))
+            except Rejected as exc:
                 result.replies.remove(reply)
-                result.failures[reply.client_id] = "rejected: a client may not stand for other clients"
+                result.failures[reply.client_id] = f"rejected: {exc}"
         updates = [r.body for r in result.replies]
         if (
             self.pre_aggregate
