@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from fedweave.validation import (
     check_senders,
     check_update,
 )
+
+from conftest import assert_same_params, run_to_end
 
 MODEL = {"w": torch.zeros(2, 3), "b": torch.zeros(3), "n": torch.tensor(0)}
 SCHEMA = UpdateSchema.of(MODEL)
@@ -217,3 +220,14 @@ def test_non_finite_values_of_any_float_dtype_are_found() -> None:
     check_update(update({"w": torch.ones(1, dtype=torch.float16), "n": torch.tensor(2)}), schema)
     bad = update({"w": torch.tensor([float("-inf")], dtype=torch.float16), "n": torch.tensor(2)})
     assert reason(bad, schema)[0] == "non_finite"
+
+
+def test_a_run_goes_on_past_bad_updates_and_inflated_claims(tmp_path: Path) -> None:
+    """Client 2's noise overflows float32 each round: rejected, counted, the run finishes. A
+    client claiming 10^6 examples in simulation counts as its partition size: the run is the clean one."""
+    params, records = run_to_end(tmp_path / "inf", "attacks.kind=noise", "attacks.clients=[2]", "attacks.std=1e39")
+    assert [r["rejected"] for r in records] == [{"non_finite": 1}] * len(records)
+    assert all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point())
+    clean, _ = run_to_end(tmp_path / "clean")
+    inflated, _ = run_to_end(tmp_path / "inflated", "attacks.kind=inflate_examples", "attacks.clients=[1]")
+    assert_same_params(inflated, clean)
