@@ -13,7 +13,7 @@ from fedweave.strategies.fedbn import FedBN, FedBNParams
 from fedweave.strategies.fednova import NORM, FedNova, FedNovaParams
 from fedweave.strategies.fedper import FedPer, FedPerParams
 from fedweave.strategies.scaffold import Scaffold, ScaffoldParams
-from fedweave.types import Update, UpdateKind
+from fedweave.types import Evaluation, Update, UpdateKind
 from fedweave.validation import (
     ExampleLimits,
     Rejected,
@@ -24,6 +24,7 @@ from fedweave.validation import (
     capped_weights,
     check_senders,
     check_update,
+    valid_evaluation,
 )
 
 from conftest import assert_same_params, run_to_end
@@ -231,3 +232,13 @@ def test_a_run_goes_on_past_bad_updates_and_inflated_claims(tmp_path: Path) -> N
     clean, _ = run_to_end(tmp_path / "clean")
     inflated, _ = run_to_end(tmp_path / "inflated", "attacks.kind=inflate_examples", "attacks.clients=[1]")
     assert_same_params(inflated, clean)
+
+
+def test_metrics_must_be_numbers() -> None:
+    check_update(update(metrics={"train_loss": float("nan"), "steps": 3}), SCHEMA)  # a diverged loss is reported
+    assert reason(update(metrics={"train_loss": "low"}))[0] == "malformed"
+    assert reason(update(metrics={"train_loss": True}))[0] == "malformed"
+    assert valid_evaluation(Evaluation(5, {"accuracy": 0.5}))
+    assert not valid_evaluation(Evaluation(5, {"accuracy": float("nan")}))
+    assert not valid_evaluation(Evaluation(5, {"accuracy": [0.5]}))  # type: ignore[dict-item]
+    assert not valid_evaluation(Evaluation(0, {"accuracy": 0.5}))

@@ -58,6 +58,7 @@ from fedweave.validation import (
     check_senders,
     check_update,
     rejection_counts,
+    valid_evaluation,
 )
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]
     exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
-    results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and r.body.num_examples > 0]
+    results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and valid_evaluation(r.body)]
     traffic = {"eval_bytes_sent": exchange.bytes_sent, "eval_bytes_received": exchange.bytes_received}
     if not results:
         return traffic

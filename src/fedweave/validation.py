@@ -11,7 +11,7 @@ reason, an update that
 - misses a tensor or holds one the schema does not name (``names``), has another shape
   (``shape``) or dtype (``dtype``: a float64 or int8 or bool tensor where the model's is
   float32), or is not a plain dense tensor (``malformed``);
-- holds NaN or infinite values (``non_finite``);
+- holds NaN or infinite values (``non_finite``), or metrics that are not numbers (``malformed``);
 - carries an ``extras`` tensor the strategy did not declare, or of another shape or
   dtype (``extras``): a 1 GiB extras tensor for a three-entry model is refused here;
 - speaks for clients it may not (``senders``, :func:`check_senders`).
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedweave.errors import FedweaveError
-from fedweave.types import Params, Update, UpdateKind
+from fedweave.types import Evaluation, Params, Update, UpdateKind
 
 REASONS = ("malformed", "senders", "examples", "names", "shape", "dtype", "non_finite", "extras")
 """Why an update is rejected; the keys of a round record's ``rejected`` counts."""
@@ -116,12 +116,32 @@ def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) ->
     n = update.num_examples
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise Rejected("examples", f"it claims {n!r} examples, not a whole number above 0")
+    if not is_metrics(update.metrics):
+        raise Rejected("malformed", "its metrics are not a mapping of names to numbers")
     if schema.kind is not None and update.kind != schema.kind:
         raise Rejected("malformed", f"it is a {getattr(update.kind, 'value', update.kind)!r} update, "
                                     f"the strategy's clients send {schema.kind.value!r}")
     if not encoded:
         check_tensors(update.tensors, schema.tensors, "tensor")
     check_tensors(update.extras, schema.extras, "extras tensor", reason="extras")
+
+
+def is_metrics(metrics: object) -> bool:
+    """Whether ``metrics`` maps names to real numbers (NaN and infinity allowed: a diverged loss)."""
+    return isinstance(metrics, Mapping) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in metrics.items()
+    )
+
+
+def valid_evaluation(evaluation: Evaluation) -> bool:
+    """Whether a client's evaluation can be averaged: a whole, positive example count and
+    finite numbers as metrics."""
+    n = evaluation.num_examples
+    return (
+        isinstance(n, int) and not isinstance(n, bool) and n > 0
+        and is_metrics(evaluation.metrics)
+        and all(math.isfinite(v) for v in evaluation.metrics.values())
+    )
 
 
 def check_senders(update: Update, sender: int, may_stand_for: Collection[int], counted: Collection[int]) -> list[int]:
