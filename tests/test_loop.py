@@ -159,7 +159,7 @@ def test_a_client_that_raises_is_counted_failed_and_the_rest_aggregate(caplog: p
     [
         (lambda cid: scripted(cid, value=float("nan")), "tensor 'w' holds NaN or infinite values", "non_finite"),
         (lambda cid: scripted(cid, value=float("inf")), "tensor 'w' holds NaN or infinite values", "non_finite"),
-        (lambda cid: scripted(cid, num_examples=0), "it claims 0 examples, not a whole number above 0", "examples"),
+        (lambda cid: scripted(cid, num_examples=0), "it claims 0 examples, not a whole number in 1..2^53", "examples"),
         (
             lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(3, dtype=torch.float64)}, 3),
             "tensor 'w' has shape (3,), expected (2,)",

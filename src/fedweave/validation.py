@@ -7,7 +7,7 @@ clients) and the ``extras`` the strategy declares (SCAFFOLD's control-variate de
 FedNova's a_i). :func:`check_update` refuses, with a :class:`Rejected` naming the
 reason, an update that
 
-- claims no examples, or not a whole number of them (``examples``);
+- claims no examples, not a whole number of them, or more than 2^53 (``examples``);
 - misses a tensor or holds one the schema does not name (``names``), has another shape
   (``shape``) or dtype (``dtype``: a float64 or int8 or bool tensor where the model's is
   float32), or is not a plain dense tensor (``malformed``);
@@ -42,6 +42,10 @@ from fedweave.types import Evaluation, Params, Update, UpdateKind
 
 REASONS = ("malformed", "senders", "examples", "names", "shape", "dtype", "non_finite", "extras")
 """Why an update is rejected; the keys of a round record's ``rejected`` counts."""
+
+
+MAX_EXAMPLES = 2**53
+"""The most examples any update may claim: weights are summed as floats, exact up to here."""
 
 
 class Rejected(FedweaveError):
@@ -114,8 +118,8 @@ def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) ->
     """Raise :class:`Rejected` unless ``update`` fits ``schema`` (module doc); an ``encoded``
     update's tensors are not checked, only its claims and extras."""
     n = update.num_examples
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise Rejected("examples", f"it claims {n!r} examples, not a whole number above 0")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_EXAMPLES:
+        raise Rejected("examples", f"it claims {n!r} examples, not a whole number in 1..2^53")
     if not is_metrics(update.metrics):
         raise Rejected("malformed", "its metrics are not a mapping of names to numbers")
     if schema.kind is not None and update.kind != schema.kind:
