@@ -119,3 +119,12 @@ def test_stragglers_and_stale_updates_are_dropped(tmp_path: Path) -> None:
 def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_mod.load(None, overrides)
+
+
+def test_bad_updates_are_rejected_and_counted_in_the_next_step(tmp_path: Path) -> None:
+    """Client 3's noise overflows float32: every update it sends is infinite, and rejected."""
+    attack = ["attacks.kind=noise", "attacks.clients=[3]", "attacks.std=1e39"]
+    params, records = run_to_end(tmp_path, *ASYNC, SPEEDS, "asynchronous.buffer_size=2", "rounds=4", *attack)
+    assert all(c["id"] != 3 for r in records for c in r["clients"])
+    assert sum(r["rejected"].get("non_finite", 0) for r in records) >= 2
+    assert all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point())

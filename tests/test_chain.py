@@ -86,7 +86,7 @@ def test_the_loop_rejects_such_an_update(caplog: pytest.LogCaptureFixture) -> No
     chains = Chains(client_send=Chain([AddOne(IdentityParams())]))
     failures: dict[int, str] = {}
     with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
-        accepted = accept_updates(chains, [Message(1, 0, good), Message(1, 1, foreign)], failures, {"w": torch.zeros(1)})
+        accepted = accept_updates(chains, [Message(1, 0, good), Message(1, 1, foreign)], failures, {"w": torch.zeros(1, dtype=torch.float64)})
     assert [u.tensors["w"].item() for u in accepted] == [3.0]
     assert failures == {1: "rejected: payload was encoded by plugin 'secret_plugin', which this side's chain lacks"}
     assert "update of client 1 rejected: payload was encoded by plugin 'secret_plugin'" in caplog.text

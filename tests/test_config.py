@@ -574,3 +574,36 @@ def test_values_python_cannot_hold_are_config_errors(tmp_path: Path) -> None:
         config_mod.load(None, ["new\nline=1"])
     with pytest.raises(ConfigError, match=r"^unknown config key 'plugins.0'"):
         config_mod.from_dict({"plugins": {0: None}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["attacks=sign_flip"], "config key 'attacks.clients': an attack needs attacking clients"),
+        (["attacks.clients=[1]"], "config key 'attacks.clients': an attack needs attacking clients"),
+        (["attacks.kind=noise", "attacks.clients=[10]"], "config key 'attacks.clients': [10] are not client ids (0..9)"),
+        (["attacks.kind=noise", "attacks.clients=[2, 2]"], "config key 'attacks.clients': [2, 2] names a client twice"),
+        (["attacks.kind=scaling", "attacks.clients=[1]"], "config key 'attacks.scale': scaling by 1 changes nothing"),
+        (["attacks.kind=[noise, noise]", "attacks.clients=[1]"], "config key 'attacks.kind': ['noise', 'noise'] names"),
+        (["attacks.kind=flip", "attacks.clients=[1]"], "config key 'attacks.kind': expected one of 'none', 'sign_flip'"),
+        (["attacks.std=0"], "config key 'attacks.std': must be > 0, got 0.0"),
+        (["aggregation.max_examples=0"], "config key 'aggregation.max_examples': must be >= 1, got 0"),
+        (["aggregation.max_weight_share=1.5"], "config key 'aggregation.max_weight_share': must be <= 1, got 1.5"),
+        (
+            ["aggregation.max_weight_share=0.3", "plugins.client_send=[{name: secagg}]"],
+            "config key 'aggregation.max_weight_share': plugin 'secagg' combines updates while encoded",
+        ),
+    ],
+)
+def test_attack_and_claim_settings_are_checked_at_load(overrides: list[str], message: str) -> None:
+    assert message in error_of(*overrides)
+
+
+def test_attacks_and_claim_caps_load() -> None:
+    config = config_mod.load(None, [
+        "attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0, 3]", "aggregation.max_examples=500",
+        "aggregation.max_weight_share=0.25",
+    ])
+    assert config.attacks.kinds == ["label_flip", "inflate_examples"] and config.attacks.clients == [0, 3]
+    assert (config.aggregation.max_examples, config.aggregation.max_weight_share) == (500, 0.25)
+    assert config_mod.load(None, []).attacks.kinds == []

@@ -36,6 +36,7 @@ from fedweave.types import (
     UpdateKind,
     Work,
 )
+from fedweave.validation import ExampleLimits, UpdateChecks
 
 Handler = Callable[[Message], Message]
 
@@ -124,6 +125,7 @@ def test_round_aggregates_every_answer_weighted_by_examples() -> None:
         "round_time": 0.0,  # scripted updates report no compute time and claim no client id:
         # each counts for its sender, with the batch the plan gave it
         "clients": [{"id": i, "steps": 0, "batch": i + 1, "compute": 0.0, "idle": 0.0} for i in range(4)],
+        "rejected": {},
     }
     assert parts.controller.observed == [(1, [1, 2, 3, 4])]
 
@@ -153,34 +155,44 @@ def test_a_client_that_raises_is_counted_failed_and_the_rest_aggregate(caplog: p
 
 
 @pytest.mark.parametrize(
-    ("bad", "reason"),
+    ("bad", "reason", "why"),
     [
-        (lambda cid: scripted(cid, value=float("nan")), "it holds NaN or infinite values"),
-        (lambda cid: scripted(cid, value=float("inf")), "it holds NaN or infinite values"),
-        (
-            lambda cid: Update(UpdateKind.DELTA, scripted(cid).tensors, 3, extras={"c": torch.tensor([float("nan")])}),
-            "it holds NaN or infinite values",
-        ),
-        (lambda cid: scripted(cid, num_examples=0), "num_examples=0"),
+        (lambda cid: scripted(cid, value=float("nan")), "tensor 'w' holds NaN or infinite values", "non_finite"),
+        (lambda cid: scripted(cid, value=float("inf")), "tensor 'w' holds NaN or infinite values", "non_finite"),
+        (lambda cid: scripted(cid, num_examples=0), "it claims 0 examples, not a whole number in 1..2^53", "examples"),
         (
             lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(3, dtype=torch.float64)}, 3),
-            "tensor 'w' has shape (3,), the model's is (2,)",
+            "tensor 'w' has shape (3,), expected (2,)",
+            "shape",
         ),
         (
             lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2, dtype=torch.float64), "v": torch.ones(1)}, 3),
-            "tensor 'v' is not a parameter of the model",
+            "holds undeclared tensors ['v']",
+            "names",
         ),
-        (lambda cid: Evaluation(3, {"accuracy": 1.0}), "expected an update, got Evaluation"),
+        (lambda cid: Update(UpdateKind.DELTA, {}, 3), "lacks tensors ['w']", "names"),
+        (lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2)}, 3), "tensor 'w' is torch.float32, expected torch.float64", "dtype"),
+        (
+            lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2, dtype=torch.int8)}, 3),
+            "tensor 'w' is torch.int8, expected torch.float64",
+            "dtype",
+        ),
+        (
+            lambda cid: Update(UpdateKind.DELTA, scripted(cid).tensors, 3, extras={"c": torch.tensor([float("nan")])}),
+            "holds undeclared extras tensors ['c']",
+            "extras",
+        ),
+        (lambda cid: Evaluation(3, {"accuracy": 1.0}), "expected an update, got Evaluation", "malformed"),
     ],
 )
 def test_a_bad_update_is_rejected_logged_and_leaves_the_model_alone(
-    bad: Callable[[int], Any], reason: str, caplog: pytest.LogCaptureFixture
+    bad: Callable[[int], Any], reason: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     handler, _ = clients({2: bad})
     with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
         params, record = train_round(make_parts(handler), 1, start())
-    assert f"round 1: update of client 2 rejected: {reason}" in caplog.text
-    assert record["clients_completed"] == 3
+    assert f"round 1: update of client 2 rejected: {reason} ({why})" in caplog.text
+    assert record["clients_completed"] == 3 and record["rejected"] == {why: 1}
     assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)  # as if client 2 had not answered
 
 
@@ -248,6 +260,25 @@ def site(cid: int, value: float, members: list[int]) -> Update:
 ALL = {c: 1 for c in (0, 1, 2, 5, 6, 3, 7, 4)}
 
 
+class TwoSites:
+    """Clients 0..7, of which 2, 5, 6 answer through their site leader 2 and 3, 7 through 3:
+    one (pre-aggregated) update per site; a :class:`~fedweave.topologies.base.Relaying` topology."""
+
+    SITES = {2: frozenset({2, 5, 6}), 3: frozenset({3, 7})}
+
+    def __init__(self, handler: Handler):
+        self.star = Star(InMemoryTransport(handler))
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        return self.star.exchange([m for m in messages if m.client_id < 5], timeout)
+
+    def site_members(self, client_id: int) -> frozenset[int]:
+        return self.SITES.get(client_id, frozenset({client_id}))
+
+    def close(self) -> None:
+        self.star.close()
+
+
 @pytest.mark.parametrize(
     ("aggregation", "w", "accepted"),
     [
@@ -275,8 +306,8 @@ def test_updates_the_rule_discards_do_not_count_as_applied(
         3: lambda cid: site(cid, 4.0, [3, 7]),
         4: lambda cid: scripted(cid, 8.0),
     })
-    parts = make_parts(handler, num_clients=5, per_round=5)
-    parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=5, average=averager(aggregation)))
+    parts = make_parts(handler, num_clients=8, per_round=8, topology=TwoSites(handler))
+    parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=8, average=averager(aggregation)))
     params, record = train_round(parts, 1, start())
     assert_w(params, w)
     assert type(params) is dict  # what the step kept is the loop's business; the model is plain Params
@@ -465,3 +496,67 @@ def test_an_update_counts_for_its_sender_whatever_id_it_claims(caplog: pytest.Lo
     assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)
     assert parts.accepted.state_dict() == {0: 1, 1: 1, 3: 1}
     assert "update of client 2 rejected: it stands for clients [0, 3], which do not include its sender" in caplog.text
+
+
+def test_a_plain_client_claiming_to_be_five_counts_for_nobody(caplog: pytest.LogCaptureFixture) -> None:
+    """Client 0 alone answers with ``clients: 5, members: [0, 1, 2, 3, 3]`` (then without the
+    duplicate): it must not satisfy min_clients nor mark the others' rounds applied."""
+
+    def crash(cid: int) -> Update:
+        raise RuntimeError("gone")
+
+    for members in ([0, 1, 2, 3, 3], [0, 1, 2, 3]):
+        crafted = lambda cid, m=members: dataclasses.replace(scripted(cid), clients=len(m), members=m)  # noqa: E731
+        handler, _ = clients({0: crafted, 1: crash, 2: crash, 3: crash})
+        parts = make_parts(handler, min_clients=2)
+        with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+            params, record = train_round(parts, 1, start())
+        assert record["skipped"] and record["clients_completed"] == 0 and record["rejected"] == {"senders": 1}
+        assert parts.accepted.state_dict() == {}
+        assert_w(params, 0.0)
+    assert "update of client 0 rejected: it names clients [0, 1, 2, 3, 3] more than once (senders)" in caplog.text
+    assert "it claims to stand for clients [1, 2, 3], for whom its sender may not speak (senders)" in caplog.text
+
+
+def test_a_site_may_not_stand_for_a_client_twice_or_outside_the_round() -> None:
+    handler, _ = clients({
+        2: lambda cid: site(cid, 2.0, [2, 5, 6]),
+        3: lambda cid: site(cid, 4.0, [3, 5]),  # 5 is site 2's, and counted already
+    })
+    parts = make_parts(handler, num_clients=8, per_round=8, topology=TwoSites(handler))
+    params, record = train_round(parts, 1, start())
+    assert record["clients_completed"] == 1 + 1 + 3 + 1 and record["rejected"] == {"senders": 1}
+    assert parts.accepted.state_dict() == {0: 1, 1: 1, 2: 1, 5: 1, 6: 1, 4: 1}
+
+
+def test_an_inflated_example_count_is_capped() -> None:
+    """Client 3 claims 10^6 examples for its delta of 4: the server knows it holds 4 (simulation),
+    or caps every claim at aggregation.max_examples, or every weight at a share of the total."""
+    inflated = {3: lambda cid: scripted(cid, num_examples=1_000_000)}
+    for checks, w in (
+        (UpdateChecks(), (1 * 1 + 2 * 2 + 3 * 3 + 4 * 1_000_000) / 1_000_006),  # no bound: client 3 rules
+        (UpdateChecks(limits=ExampleLimits(sizes={0: 1, 1: 2, 2: 3, 3: 4})), 30 / 10),
+        (UpdateChecks(limits=ExampleLimits(max_examples=6)), (1 + 4 + 9 + 4 * 6) / 12),
+        # c = 0.4 · (1 + 2 + 3) / (1 − 0.4) = 4: weights 1, 2, 3, 4
+        (UpdateChecks(max_weight_share=0.4), 30 / 10),
+    ):
+        handler, _ = clients(inflated)
+        parts = make_parts(handler)
+        parts.checks = checks
+        params, record = train_round(parts, 1, start())
+        assert_w(params, w)
+        assert record["rejected"] == {}
+
+
+def test_bad_updates_every_round_do_not_stop_the_run() -> None:
+    """Client 1 sends a float32 tensor, client 2 none at all, client 3 an undeclared 1 GiB extras tensor."""
+    handler, _ = clients({
+        1: lambda cid: Update(UpdateKind.DELTA, {"w": torch.ones(2)}, 3),
+        2: lambda cid: Update(UpdateKind.DELTA, {}, 3),
+        3: lambda cid: Update(UpdateKind.DELTA, scripted(cid).tensors, 3, extras={"c": torch.zeros(1).expand(2**28)}),
+    })
+    records: list[Record] = []
+    final = run(make_parts(handler), start(), 1, 3, lambda rnd, p, rec: records.append(rec))
+    assert [r["rejected"] for r in records] == [{"names": 1, "dtype": 1, "extras": 1}] * 3
+    assert [r["clients_completed"] for r in records] == [1, 1, 1]
+    assert_w(final, 3.0)  # client 0's delta of 1, three times

@@ -60,12 +60,14 @@ from fedweave.loop import (
     accept_updates,
     encode_instructions,
     evaluate_round,
+    stand_for,
     weighted_metric,
 )
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
 from fedweave.strategies.base import Strategy
 from fedweave.types import Params, Update
+from fedweave.validation import cap_weight_share, rejection_counts
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +175,10 @@ class BufferedServer:
             )
             self.bytes_sent += exchange.bytes_sent
             self.bytes_received += exchange.bytes_received
-            accepted = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
+            accepted = accept_updates(
+                parts.chains, exchange.replies, exchange.failures, params, parts.checks,
+                stand_for(parts.topology, {cid}), parts.rejected,
+            )
             update = accepted[0] if accepted else None
             reason = exchange.failures.get(cid, "")
             if update is not None:
@@ -209,7 +214,7 @@ class BufferedServer:
         """Aggregate the full buffer: the next model version and its record."""
         flights = sorted(self.buffer, key=lambda f: (f.client_id, f.seq))  # summed in a fixed order
         self.buffer = []
-        updates = [f.update for f in flights if f.update is not None]
+        updates = cap_weight_share([f.update for f in flights if f.update is not None], parts.checks.max_weight_share)
         staleness = [self.version - f.version for f in flights]
         rnd = self.version + 1
         record: Record = {
@@ -221,6 +226,7 @@ class BufferedServer:
             "bytes_received": self.bytes_received,
             "skipped": False,
             "round_time": self.clock - self.last_step,
+            "rejected": rejection_counts(parts.rejected),  # since the previous step
             "clock": self.clock,
             "clients": [
                 {"id": f.client_id, "steps": u.local_steps, "batch": min(f.batch, u.num_examples),
@@ -245,6 +251,7 @@ class BufferedServer:
         self.version = rnd
         self.last_step = self.clock
         self.arrived = self.bytes_sent = self.bytes_received = 0
+        parts.rejected.clear()
         return params, record
 
     # ------------------------------------------------------------------ state

@@ -8,6 +8,7 @@ same initial model without exchanging them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,14 +20,16 @@ from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientStateStore
 from fedweave.config import Config
 from fedweave.plugins import PLUGINS
+from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
-from fedweave.strategies.base import StrategyContext
+from fedweave.strategies.base import DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
 from fedweave.types import Params
+from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema
 
 
 @dataclass
@@ -97,6 +100,27 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChecks:
+    """What the server checks each update against (:mod:`fedweave.validation`): the strategy's
+    schema (by default every entry of the model's ``params``), the example limits (in an
+    in-memory simulation the server holds every client's data, so it knows each one's
+    size), the weight share."""
+    cls = strategy_class(config)
+    if isinstance(cls, DeclaresUpdate):
+        with torch.random.fork_rng(devices=[]):  # a model for its layers; the run's draws are untouched
+            schema = cls.update_schema(task.make_model(), config.strategy.params)
+    else:
+        schema = UpdateSchema.of(params)
+    sizes = None
+    if config.transport.kind == "inmemory":
+        sizes = {cid: len(idx) for cid, idx in enumerate(task.clients.train_idx)}
+    return UpdateChecks(
+        schema=dataclasses.replace(schema, kind=cls.update_kind),
+        limits=ExampleLimits(config.aggregation.max_examples, sizes),
+        max_weight_share=config.aggregation.max_weight_share,
+    )
+
+
 def build_chains(config: Config) -> Chains:
     """The four plugin chains named in ``config.plugins``, bound to the run (seed, clients)."""
     chains = Chains(
@@ -148,7 +172,16 @@ def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store
         chains=chains,
         store=store,
         seed=config.seed,
+        attacker=build_attacker(config, task),
     )
+
+
+def build_attacker(config: Config, task: TaskBundle) -> Attacker | None:
+    """The simulated attack of ``config.attacks`` (None: no attack)."""
+    a = config.attacks
+    if not a.kinds:
+        return None
+    return Attacker(a.kinds, a.clients, task.dataset.num_classes, config.seed, a.scale, a.std, a.examples)
 
 
 def global_evaluator(config: Config, task: TaskBundle) -> Callable[[Params], dict[str, float]]:

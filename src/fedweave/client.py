@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm
@@ -142,8 +143,10 @@ class ClientRuntime:
         chains: Chains,
         store: ClientStateStore,
         seed: int,
+        attacker: Attacker | None = None,
     ):
         self.algorithm = algorithm
+        self.attacker = attacker  # simulated attacking clients (config ``attacks``), for experiments
         self.data = data
         self.model = model
         self.loss_fn = loss_fn
@@ -183,6 +186,8 @@ class ClientRuntime:
         if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
             update.metrics = {**update.metrics, **job.settings.privacy.report()}
         self.store.stage(cid, instruction.round, job.state)
+        if self.attacker is not None:
+            update = self.attacker.update(update, instruction.params, instruction.round, cid)
         return self.chains.client_send.encode(update, dataclasses.replace(ctx, config=instruction.config))
 
     def _job(self, cid: int, instruction: Instruction) -> ClientJob:
@@ -194,12 +199,15 @@ class ClientRuntime:
         # Dropout and other in-model randomness draw from torch's global generator.
         torch.default_generator.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
         train, test = self.data.train_idx[cid], self.data.test_idx[cid]
+        y_train = self.data.y[train]
+        if self.attacker is not None:
+            y_train = self.attacker.labels(cid, y_train)
         return ClientJob(
             client_id=cid,
             instruction=instruction,
             model=self.model,
             x_train=self.data.x[train],
-            y_train=self.data.y[train],
+            y_train=y_train,
             x_test=self.data.x[test],
             y_test=self.data.y[test],
             loss_fn=self.loss_fn,

@@ -83,12 +83,65 @@ class AggregationConfig:
     trim_fraction: float = opt(0.1, ge=0, lt=0.5, help="trimmed_mean: share of values dropped at each end")
     byzantine: int = opt(1, ge=0, help="krum, multi_krum: assumed Byzantine clients f (needs > 2f + 2 updates)")
     multi_krum_m: int | None = opt(None, ge=1, help="multi_krum: updates selected and averaged (none: n - f)")
+    max_examples: int | None = opt(
+        None,
+        ge=1,
+        help="most examples one client may claim; a larger claim counts as this many (an encoded one is "
+        "rejected). In-memory simulations also cap each claim at the client's true partition size",
+    )
+    max_weight_share: float | None = opt(
+        None,
+        gt=0,
+        le=1,
+        help="largest share of a round's total weight one update may carry; larger weights are lowered to "
+        "a common cap (none: no cap; needs updates in the clear)",
+    )
 
     def validate(self, prefix: str) -> None:
         if self.multi_krum_m is not None and self.rule != "multi_krum":
             raise ConfigError(
                 f"config key '{prefix}.multi_krum_m': only rule 'multi_krum' uses it, but the rule is {self.rule!r}"
             )
+
+
+AttackKind = Literal["none", "sign_flip", "scaling", "noise", "label_flip", "inflate_examples"]
+
+
+@dataclass
+class AttacksConfig:
+    """Simulated attackers, for measuring defences: see :mod:`fedweave.plugins.attacks.poison`."""
+
+    SHORTHAND = "kind"
+    kind: AttackKind | list[AttackKind] = opt(
+        "none",
+        help="what the attacking clients do, one or a list: none | sign_flip (send -scale x the update) | "
+        "scaling (scale x) | noise (add seeded N(0, std^2)) | label_flip (train on labels C-1-y) | "
+        "inflate_examples (claim examples)",
+    )
+    clients: list[int] = opt(factory=list, help="ids of the attacking clients")
+    scale: float = opt(1.0, gt=0, help="sign_flip, scaling: the factor applied to the update")
+    std: float = opt(1.0, gt=0, help="noise: standard deviation of the noise added to each entry")
+    examples: int = opt(1_000_000, ge=1, help="inflate_examples: the example count claimed")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The attacks, in the order they apply (none: empty)."""
+        kinds = self.kind if isinstance(self.kind, list) else [self.kind]
+        return [k for k in kinds if k != "none"]
+
+    def validate(self, prefix: str) -> None:
+        kinds = self.kind if isinstance(self.kind, list) else [self.kind]
+        if len(set(kinds)) != len(kinds) or ("none" in kinds and len(kinds) > 1):
+            raise ConfigError(f"config key '{prefix}.kind': {self.kind} names an attack twice or with none")
+        if (not self.kinds) != (not self.clients):
+            raise ConfigError(
+                f"config key '{prefix}.clients': an attack needs attacking clients and clients need an attack "
+                f"(kind {self.kind!r}, clients {self.clients})"
+            )
+        if len(set(self.clients)) != len(self.clients):
+            raise ConfigError(f"config key '{prefix}.clients': {self.clients} names a client twice")
+        if "scaling" in kinds and self.scale == 1:
+            raise ConfigError(f"config key '{prefix}.scale': scaling by 1 changes nothing; set another factor")
 
 
 @dataclass
@@ -456,6 +509,7 @@ class Config:
     local: LocalConfig = opt(factory=LocalConfig)
     strategy: StrategyConfig = opt(factory=StrategyConfig)
     aggregation: AggregationConfig = opt(factory=AggregationConfig)
+    attacks: AttacksConfig = opt(factory=AttacksConfig)
     plugins: PluginsConfig = opt(factory=PluginsConfig)
     topology: TopologyConfig = opt(factory=TopologyConfig)
     transport: TransportConfig = opt(factory=TransportConfig)
@@ -522,6 +576,19 @@ class Config:
                 f"transport: {self.transport.kind!r}; set transport: {self.topology.outer} (or leave outer unset)"
             )
         _check_heterogeneity_aware(self)
+        if self.attacks.kinds:
+            _check_attacks(self)
+
+
+def _check_attacks(config: Config) -> None:
+    """Attacking clients are clients of a federated run."""
+    if config.mode != "federated":
+        raise ConfigError("config key 'attacks.kind': attacks are simulated in mode federated")
+    strangers = [c for c in config.attacks.clients if not 0 <= c < config.clients]
+    if strangers:
+        raise ConfigError(
+            f"config key 'attacks.clients': {strangers} are not client ids (0..{config.clients - 1})"
+        )
 
 
 def _check_sites(config: Config) -> None:
@@ -812,6 +879,11 @@ def check_composition(config: Config) -> None:
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} makes the server combine "
                     f"updates while encoded, so it only sees their sum; aggregation.rule "
                     f"{config.aggregation.rule!r} needs each update in the clear"
+                )
+            if plugin.combines_encoded and config.aggregation.max_weight_share is not None:
+                raise ConfigError(
+                    f"config key 'aggregation.max_weight_share': plugin {spec.name!r} combines updates while "
+                    "encoded, with each weight inside its encoding, so the server cannot lower one; leave it unset"
                 )
             if plugin.combines_encoded and not strategy.weighted_sum:
                 raise ConfigError(

@@ -4,8 +4,9 @@
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
     send    = chains.server_send.encode(strategy.configure(r, global, plan))
     replies = topology.exchange(send, timeout)
-    updates = chains.to_server(replies)          (malformed / non-finite ones rejected)
-    updates = [chains.combine(updates, control)] (only with secure aggregation / HE plugins)
+    updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
+    updates = cap_weight_share(updates)          (aggregation.max_weight_share)
+          or [chains.combine(updates, control)]  (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
     accepted.applied(r, kept updates)            (each client hears it in its next instruction)
     controller.observe(r, updates); evaluate; on_round(record + client timings + chains.metrics())
@@ -24,7 +25,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,9 +34,9 @@ from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
-from fedweave.strategies.aggregate import all_finite, discarded_clients, kept_indices
+from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
-from fedweave.topologies.base import Topology
+from fedweave.topologies.base import Relaying, Topology
 from fedweave.transports.base import Exchange
 from fedweave.types import (
     ACCEPTED_ROUND,
@@ -46,6 +48,17 @@ from fedweave.types import (
     TaskKind,
     Update,
     Work,
+)
+from fedweave.validation import (
+    Rejected,
+    UpdateChecks,
+    UpdateSchema,
+    bounded_examples,
+    cap_weight_share,
+    check_senders,
+    check_update,
+    rejection_counts,
+    valid_evaluation,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +78,7 @@ RECORD_KEYS = (
     "skipped",
     "round_time",
     "clients",
+    "rejected",
 )
 """Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
 
@@ -119,6 +133,8 @@ class RoundParts:
     federated_eval_clients: Callable[[int], list[int]]  # round -> client ids
     eval_batch_size: int
     accepted: AcceptedRounds = field(default_factory=AcceptedRounds)
+    checks: UpdateChecks = field(default_factory=UpdateChecks)
+    rejected: Counter[str] = field(default_factory=Counter)  # updates rejected since the last record, by reason
 
 
 def run(
@@ -151,12 +167,16 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
     traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
     record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
+    parts.rejected.clear()
     try:
         ready = set(parts.chains.setup(rnd, [w.client_id for w in plan], traffic.control))  # e.g. SecAgg's keys
         plan = [w for w in plan if w.client_id in ready]
         instructions = parts.strategy.configure(rnd, params, plan)
         exchange = traffic.exchange(encode_instructions(parts.chains, instructions, parts.accepted))
-        updates = accept_updates(parts.chains, exchange.replies, exchange.failures, params)
+        updates = accept_updates(
+            parts.chains, exchange.replies, exchange.failures, params, parts.checks,
+            stand_for(parts.topology, {w.client_id for w in plan}), parts.rejected,
+        )
         record["clients_completed"] = sum(u.clients for u in updates)
         if record["clients_completed"] < parts.min_clients:
             reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
@@ -164,26 +184,49 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
                 f"{record['clients_completed']} of {record['clients_sampled']} clients answered, min_clients is "
                 f"{parts.min_clients} ({reasons or 'no failures reported'})"
             )
-        aggregated = updates
-        if parts.chains.client_send.combiner is not None:
-            aggregated = [parts.chains.combine(updates, PluginContext(rnd, -1, "server"), traffic.control)]
+        combining = parts.chains.client_send.combiner is not None
+        if combining:
+            aggregated = [combine_checked(parts, rnd, params, updates, traffic)]
+        else:
+            aggregated = cap_weight_share(updates, parts.checks.max_weight_share)
         result = parts.strategy.aggregate(rnd, params, aggregated)
         params = dict(result)  # plain Params, whether or not the step names the updates it kept
         kept = kept_indices(result, len(aggregated))
         if discarded := discarded_clients(aggregated, kept):
             log.info("round %d: the aggregation rule discarded the updates of clients %s", rnd, discarded)
         applied = [aggregated[i] for i in kept]
-        if aggregated is not updates:  # the combined update stands for all of them
+        if combining:  # the combined update stands for all of them
             applied = updates if applied else []
         parts.accepted.applied(rnd, applied)
     except RoundError as exc:  # too few answers, too few SecAgg survivors, too few clients for Krum
         log.error("round %d skipped: %s; global model kept", rnd, exc)
-        record.update(skipped=True, train_loss=None)
+        record.update(skipped=True, train_loss=None, rejected=rejection_counts(parts.rejected))
         return params, record | traffic.counts()
     parts.controller.observe(rnd, updates)
     record["train_loss"] = weighted_metric(updates, "train_loss")
+    record["rejected"] = rejection_counts(parts.rejected)
     record.update(client_timings(plan, updates, parts.timeout))
     return params, record | traffic.counts()
+
+
+def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:
+    """Sender -> the clients of ``cohort`` its update may stand for: its site's in a
+    :class:`~fedweave.topologies.base.Relaying` topology, else itself alone."""
+    if isinstance(topology, Relaying):
+        return lambda sender: topology.site_members(sender) & cohort
+    return lambda sender: {sender}
+
+
+def combine_checked(parts: RoundParts, rnd: int, params: Params, updates: list[Update], traffic: RoundTraffic) -> Update:
+    """The round's encoded updates combined by their plugin and decoded, checked in full; one
+    that does not fit the run's schema skips the round (:class:`~fedweave.errors.RoundError`)."""
+    combined = parts.chains.combine(updates, PluginContext(rnd, -1, "server"), traffic.control)
+    try:
+        check_update(combined, parts.checks.schema or UpdateSchema.of(params))
+    except Rejected as exc:
+        parts.rejected[exc.reason] += 1
+        raise RoundError(f"the combined update is rejected ({exc.reason}): {exc}") from None
+    return combined
 
 
 class RoundTraffic:
@@ -240,7 +283,7 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]
     exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
-    results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and r.body.num_examples > 0]
+    results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and valid_evaluation(r.body)]
     traffic = {"eval_bytes_sent": exchange.bytes_sent, "eval_bytes_received": exchange.bytes_received}
     if not results:
         return traffic
@@ -261,14 +304,26 @@ def encode_instructions(chains: Chains, instructions: list[Instruction], accepte
     return out
 
 
-def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, str], params: Params) -> list[Update]:
-    """Decode replies; reject (log, count as failed) anything malformed or non-finite.
+def accept_updates(
+    chains: Chains,
+    replies: list[Message],
+    failures: dict[int, str],
+    params: Params,
+    checks: UpdateChecks = UpdateChecks(),
+    may_stand_for: Callable[[int], Collection[int]] | None = None,
+    rejected: Counter[str] | None = None,
+) -> list[Update]:
+    """Decode replies; reject (log, count as failed and in ``rejected`` by reason) any that
+    does not pass :mod:`fedweave.validation`, so that no strategy sees a malformed update.
 
     An update counts for the client that sent it (the transport's id, authenticated over
-    gRPC), whatever id it claims; a pre-aggregated one must name its sender among its
-    ``members``. A fully decoded update must name only tensors of ``params``, each of its
-    shape; one still encoded for a combining plugin (``applied`` not empty) is checked
-    after combining.
+    gRPC), whatever id it claims; it may stand for other clients only as a site's
+    pre-aggregated update, for clients in ``may_stand_for(sender)`` (None: none but
+    itself), each once in the round. A fully decoded update must fit ``checks.schema``
+    (None: exactly the tensors of ``params``); one still encoded for a combining plugin
+    (``applied`` not empty) is checked as far as it can be, and its combination after
+    decoding. A claimed example count above ``checks.limits`` is lowered to it (refused
+    when encoded).
     """
     # each update counts for its sender (authenticated over gRPC), never for the id it claims
     replies = [
@@ -276,44 +331,35 @@ def accept_updates(chains: Chains, replies: list[Message], failures: dict[int, s
         for r in replies
     ]
     chains.observe([r.body for r in replies if isinstance(r.body, Update)])
-    updates = []
+    schema = checks.schema or UpdateSchema.of(params)
+    updates: list[Update] = []
+    counted: set[int] = set()
     for reply in replies:
         cid = reply.client_id
         try:
             if not isinstance(reply.body, Update):
-                raise ValueError(f"expected an update, got {type(reply.body).__name__}")
-            if reply.body.members and cid not in reply.body.members:
-                raise ValueError(f"it stands for clients {reply.body.members}, which do not include its sender")
-            update = chains.to_server(reply.body, PluginContext(reply.round, cid, "server"))
-        except Exception as exc:
-            log.warning("round %d: update of client %d rejected: %s", reply.round, cid, exc)
+                raise Rejected("malformed", f"expected an update, got {type(reply.body).__name__}")
+            ids = check_senders(reply.body, cid, may_stand_for(cid) if may_stand_for else {cid}, counted)
+            try:
+                update = chains.to_server(reply.body, PluginContext(reply.round, cid, "server"))
+            except Exception as exc:  # a decoder's complaint: the update is malformed
+                raise Rejected("malformed", str(exc)) from None
+            encoded = bool(update.applied)
+            check_update(update, schema, encoded)
+            claimed = update.num_examples
+            update = bounded_examples(update, checks.limits.limit(ids), encoded)
+        except Rejected as exc:
+            log.warning("round %d: update of client %d rejected: %s (%s)", reply.round, cid, exc, exc.reason)
             failures[cid] = f"rejected: {exc}"
+            if rejected is not None:
+                rejected[exc.reason] += 1
             continue
-        if not all_finite(update.tensors) or not all_finite(update.extras):
-            log.warning("round %d: update of client %d rejected: it holds NaN or infinite values", reply.round, cid)
-            failures[cid] = "rejected: non-finite values"
-            continue
-        if update.num_examples <= 0:
-            log.warning("round %d: update of client %d rejected: num_examples=%d", reply.round, cid, update.num_examples)
-            failures[cid] = "rejected: no examples"
-            continue
-        mismatch = None if update.applied else _mismatch(update.tensors, params)
-        if mismatch is not None:
-            log.warning("round %d: update of client %d rejected: %s", reply.round, cid, mismatch)
-            failures[cid] = f"rejected: {mismatch}"
-            continue
+        if update.num_examples < claimed:
+            log.warning("round %d: client %d claims %d examples, counted as %d", reply.round, cid, claimed,
+                        update.num_examples)
+        counted.update(ids)
         updates.append(update)
     return updates
-
-
-def _mismatch(tensors: Params, params: Params) -> str | None:
-    """Why ``tensors`` do not fit the model's ``params``; None when they do."""
-    for name, tensor in tensors.items():
-        if name not in params:
-            return f"tensor {name!r} is not a parameter of the model"
-        if tensor.shape != params[name].shape:
-            return f"tensor {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
-    return None
 
 
 def weighted_metric(updates: list[Update], name: str) -> float | None:

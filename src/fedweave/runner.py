@@ -30,6 +30,7 @@ from fedweave.build import (
     build_task,
     global_evaluator,
     initial_params,
+    update_checks,
 )
 from fedweave.checkpoint import atomic_write_text, check_params, load_checkpoint, save_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
@@ -191,6 +192,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
             numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count
         ),
         eval_batch_size=config.eval.batch_size,
+        checks=update_checks(config, task, params),
     )
     run_ = Run(
         config=config,

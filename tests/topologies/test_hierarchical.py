@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,48 @@ def test_deployment_combinations_are_checked() -> None:
         "launcher=process",
     )
     assert cfg.topology.inner == "torchdist"
+
+
+class Claims(Echo):
+    """Echo, but client 1 claims to stand for clients 0, 1 and 3."""
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        out = super().exchange(messages, timeout)
+        for reply in out.replies:
+            if reply.client_id == 1:
+                reply.body = dataclasses.replace(reply.body, clients=3, members=[0, 1, 3])
+        return out
+
+
+def test_a_member_speaks_for_itself_and_a_site_for_its_members_only() -> None:
+    topo = Hierarchical([[0, 1, 2], [[3], [4]]], Claims(), pre_aggregate=True)
+    msgs = [Message(1, c, Instruction(1, TaskKind.TRAIN, Work(c, 4), {})) for c in range(5)]
+    ex = topo.exchange(msgs, None)
+    assert ex.failures == {2: "boom", 1: "rejected: it claims to stand for clients [0, 3], for whom its sender may not speak"}
+    assert [(r.client_id, r.body.members) for r in ex.replies] == [(0, []), (3, [3, 4])]  # site 0: only client 0 left
+    assert topo.site_members(1) == {0, 1, 2} and topo.site_members(4) == {3, 4}
+    assert not combinable([_update(0, 1.0, 1), dataclasses.replace(_update(1, 1.0, 1), tensors={
+        "w": torch.ones(3, dtype=torch.float64), "c": torch.tensor(1)})])  # another dtype: relayed, not averaged
+
+
+class Leader(Echo):
+    """A link that pre-aggregates, as a torch.distributed site leader does: one update for ``members``."""
+
+    def __init__(self, members: list[int]) -> None:
+        super().__init__()
+        self.members = members
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        first = messages[0]
+        combined = dataclasses.replace(_update(first.client_id, 1.0, 3), clients=len(self.members),
+                                       members=self.members)
+        return Exchange(replies=[Message(first.round, first.client_id, combined)])
+
+
+@pytest.mark.parametrize(("members", "accepted"), [([0, 1], True), ([0, 1, 1], False), ([0, 3], False)])
+def test_a_pre_aggregating_link_stands_for_the_sites_members_only(members: list[int], accepted: bool) -> None:
+    site = Site([0, 1, 2], Leader(members), pre_aggregate=False, link_aggregates=True)
+    msgs = [Message(1, c, Instruction(1, TaskKind.TRAIN, Work(c, 4), {})) for c in range(3)]
+    ex = site.exchange(msgs, None)
+    assert [r.body.members for r in ex.replies] == ([members] if accepted else [])
+    assert (0 in ex.failures) != accepted

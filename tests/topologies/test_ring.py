@@ -9,7 +9,9 @@ import torch
 
 from fedweave import runner
 from fedweave.errors import ConfigError
-from fedweave.topologies.ring import metropolis, mix, ring_neighbours, spread
+from fedweave.topologies.ring import Ring, metropolis, mix, ring_neighbours, spread
+from fedweave.transports.inmemory import InMemoryTransport
+from fedweave.types import Instruction, Message, TaskKind, Update, UpdateKind, Work
 from conftest import run_to_end, small_config
 
 IID = [
@@ -73,3 +75,18 @@ def test_ring_needs_a_weighted_mean_observer(tmp_path: Path) -> None:
         runner.prepare(
             small_config("topology=ring", "strategy=scaffold"), tmp_path / "r"
         )
+
+
+def test_a_node_update_that_does_not_fit_its_model_is_rejected_before_mixing() -> None:
+    """Node 1 answers without its tensor 'w' (node 2 with another shape): gossip goes on without them."""
+    start = {"w": torch.zeros(2)}
+    answers = {0: {"w": torch.ones(2)}, 1: {}, 2: {"w": torch.ones(5)}}
+
+    def handle(msg: Message) -> Message:
+        return Message(msg.round, msg.client_id, Update(UpdateKind.DELTA, answers[msg.client_id], 1))
+
+    ring = Ring(InMemoryTransport(handle), 3)
+    msgs = [Message(1, c, Instruction(1, TaskKind.TRAIN, Work(c, 4), start)) for c in range(3)]
+    result = ring.exchange(msgs, None)
+    assert result.failures == {1: "rejected: lacks tensors ['w']", 2: "rejected: tensor 'w' has shape (5,), expected (2,)"}
+    assert [r.client_id for r in result.replies] == [0]

@@ -104,11 +104,6 @@ def apply_delta(params: Params, delta: Params, scale: float = 1.0) -> Params:
     return with_selection(delta, out)
 
 
-def all_finite(params: Params) -> bool:
-    """False when any floating tensor holds a NaN or an infinity."""
-    return all(bool(torch.isfinite(t).all()) for t in params.values() if t.is_floating_point())
-
-
 def step_floats(
     params: Params,
     delta: Params,

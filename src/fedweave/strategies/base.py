@@ -27,18 +27,25 @@ A strategy also declares, for the config validator:
   (MOON needs ``features``/``head``, FedPer patterns that match parameters);
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
-  encryption) can be used with it.
+  encryption) can be used with it;
+- ``update_schema(model, hp)`` (:class:`DeclaresUpdate`), a static method, when its
+  clients send other than every entry of the model's state dict without extras: the
+  tensors and ``extras`` its updates hold. The server rejects any update that does not
+  match (:mod:`fedweave.validation`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from torch import nn
 
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.strategies.training import ClientJob
 from fedweave.types import Evaluation, Instruction, Params, Update, UpdateKind, Work
+from fedweave.validation import UpdateSchema
 
 Average = Callable[[Sequence[Params], Sequence[float]], Params]
 
@@ -82,3 +89,14 @@ class Strategy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class DeclaresUpdate(Protocol):
+    """A strategy whose updates hold other than every state-dict entry of the model and no
+    extras (personal layers kept on the clients, control variates, normalising factors)."""
+
+    @staticmethod
+    def update_schema(model: nn.Module, hp: Any) -> UpdateSchema:
+        """The tensors and extras each client update of this strategy holds."""
+        ...

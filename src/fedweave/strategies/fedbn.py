@@ -13,9 +13,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.fedper import aggregate_shared, keep_local, restore_local
+from fedweave.strategies.fedper import aggregate_shared, keep_local, restore_local, shared_schema
 from fedweave.strategies.training import ClientJob, train_local
 from fedweave.types import Evaluation, Params, Update
+from fedweave.validation import UpdateSchema
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class FedBN(FedAvg):
 
     Params = FedBNParams
     Client = FedBNClient
+
+    @staticmethod
+    def update_schema(model: nn.Module, hp: FedBNParams) -> UpdateSchema:
+        """Every state-dict entry but those of BatchNorm layers."""
+        return shared_schema(model, batch_norm_keys(model))
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         return aggregate_shared(params, updates, self.ctx.average)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from fedweave.errors import ConfigError
 from fedweave.strategies.aggregate import (
@@ -25,6 +26,7 @@ from fedweave.strategies.aggregate import (
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.types import Params, Update, UpdateKind
+from fedweave.validation import TensorSpec, UpdateSchema, specs_of
 
 NORM = "fednova.a"
 """The key of the client's normalising factor a_i in ``Update.extras``."""
@@ -112,6 +114,11 @@ class FedNova(FedAvg):
                 f"config key 'local.optimizer': FedNova normalises by the steps of local SGD; "
                 f"{config.local.optimizer!r} is not supported"
             )
+
+    @staticmethod
+    def update_schema(model: nn.Module, hp: FedNovaParams) -> UpdateSchema:
+        """Δ of every state-dict entry; a_i, one float64 number, in ``extras``."""
+        return UpdateSchema(specs_of(model.state_dict()), {NORM: TensorSpec((), torch.float64)})
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         weights = [float(u.num_examples) for u in updates]

@@ -30,6 +30,7 @@ from fedweave.strategies.training import (
     train_local,
 )
 from fedweave.types import Evaluation, Params, Update, UpdateKind
+from fedweave.validation import UpdateSchema, specs_of
 
 
 @dataclass
@@ -66,6 +67,11 @@ def aggregate_shared(params: Params, updates: list[Update], average: Average) ->
     Names the updates the rule kept, as :func:`~fedweave.strategies.aggregate.with_selection` does."""
     delta = average([u.tensors for u in updates], [u.num_examples for u in updates])
     return with_selection(delta, {**params, **apply_delta({k: params[k] for k in delta}, delta)})
+
+
+def shared_schema(model: nn.Module, local: Collection[str]) -> UpdateSchema:
+    """What a client of a strategy that keeps the ``local`` entries sends: every other entry."""
+    return UpdateSchema(specs_of({k: v for k, v in model.state_dict().items() if k not in local}))
 
 
 def matching_keys(model: nn.Module, patterns: list[str]) -> list[str]:
@@ -107,6 +113,11 @@ class FedPer(FedAvg):
     def check_model(model: nn.Module, hp: FedPerParams) -> None:
         """Every personal-layer pattern must name a parameter: refuse a typo before round 1."""
         matching_keys(model, hp.personal)
+
+    @staticmethod
+    def update_schema(model: nn.Module, hp: FedPerParams) -> UpdateSchema:
+        """Every state-dict entry but the personal layers."""
+        return shared_schema(model, matching_keys(model, hp.personal))
 
     def aggregate(self, rnd: int, params: Params, updates: list[Update]) -> Params:
         return aggregate_shared(params, updates, self.ctx.average)

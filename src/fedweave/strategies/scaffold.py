@@ -26,6 +26,7 @@ from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
 from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Work
+from fedweave.validation import UpdateSchema, specs_of
 
 CONTROL = "control"
 """The key of the client's control variate c_i in ``job.state``."""
@@ -138,6 +139,12 @@ class Scaffold(FedAvg):
                 f"config key 'local.optimizer': SCAFFOLD option II computes control variates from local SGD "
                 f"steps; {config.local.optimizer!r} needs strategy.option=I"
             )
+
+    @staticmethod
+    def update_schema(model: nn.Module, hp: ScaffoldParams) -> UpdateSchema:
+        """Δy of every state-dict entry; Δc of every trainable parameter, in ``extras``."""
+        trainable = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+        return UpdateSchema(specs_of(model.state_dict()), specs_of(trainable))
 
     def __init__(self, hp: ScaffoldParams, ctx: StrategyContext):
         super().__init__(hp, ctx)

@@ -7,7 +7,7 @@ for every topology.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fedweave.transports.base import Exchange
 from fedweave.types import Message
@@ -17,3 +17,13 @@ class Topology(Protocol):
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Relaying(Protocol):
+    """A topology whose site leaders may answer one pre-aggregated update for several clients
+    (:class:`~fedweave.types.Update` ``members``); in any other, each client speaks for itself."""
+
+    def site_members(self, client_id: int) -> frozenset[int]:
+        """The clients an update sent by ``client_id``'s site may stand for: its site's."""
+        ...

@@ -29,6 +29,7 @@ from fedweave.topologies.hierarchical import (
     exact_pre_aggregation,
     leaves,
     site_tree,
+    top_site_members,
 )
 from fedweave.transports.base import Exchange, Transport
 from fedweave.transports.serialization import SiteJob, SiteReply
@@ -85,13 +86,16 @@ class TorchDistHierarchy:
             for g, (ranks, members) in zip(groups, layout)
         ]
         sites = [
-            Site(list(members), link, False, f"site {i}")
+            Site(list(members), link, False, f"site {i}", link_aggregates=True)
             for i, (link, (_, members)) in enumerate(zip(self.links, layout))
         ]
         self.root = Site(sites, _Unused(), False, "server")
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         return self.root.exchange(messages, timeout)
+
+    def site_members(self, client_id: int) -> frozenset[int]:
+        return top_site_members(self.root, client_id)
 
     def close(self) -> None:
         for link in self.links:
@@ -184,6 +188,7 @@ class SiteBatches:
     def __init__(self, tree: list[Any], link: Transport):
         self.transport = link
         self.site_of = {cid: s for s, site in enumerate(tree) for cid in leaves(site)}
+        self.sites = [frozenset(leaves(site)) for site in tree]
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         result = Exchange()
@@ -209,6 +214,10 @@ class SiteBatches:
         order = {m.client_id: i for i, m in enumerate(messages)}
         result.replies.sort(key=lambda r: order.get(r.client_id, len(order)))
         return result
+
+    def site_members(self, client_id: int) -> frozenset[int]:
+        site = self.site_of.get(client_id)
+        return frozenset({client_id}) if site is None else self.sites[site]
 
     def close(self) -> None:
         self.transport.close()

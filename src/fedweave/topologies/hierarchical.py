@@ -30,6 +30,7 @@ from fedweave.plugins.chain import POINTS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Message, Update, body_nbytes
+from fedweave.validation import Rejected, check_senders
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,19 @@ def leaves(tree: Tree) -> list[int]:
 
 
 def combinable(updates: Sequence[Update]) -> bool:
-    """Whether a weighted mean of ``updates`` is exact: same kind and tensors, in the clear, no extras."""
+    """Whether a weighted mean of ``updates`` is exact: same kind and tensors (names, shapes,
+    dtypes), in the clear, no extras. Otherwise each is relayed, for the server to check."""
     if len(updates) < 2:
         return False
-    kind, names = updates[0].kind, updates[0].tensors.keys()
-    return all(u.kind == kind and u.tensors.keys() == names and not u.applied and not u.extras for u in updates)
+    kind, first = updates[0].kind, updates[0].tensors
+    return all(
+        u.kind == kind
+        and u.tensors.keys() == first.keys()
+        and all(t.shape == first[k].shape and t.dtype == first[k].dtype for k, t in u.tensors.items())
+        and not u.applied
+        and not u.extras
+        for u in updates
+    )
 
 
 def combine(updates: Sequence[Update], client_id: int) -> Update:
@@ -81,7 +90,11 @@ def combine(updates: Sequence[Update], client_id: int) -> Update:
 
 
 class Site:
-    """A site leader over ``members`` (client ids reached over ``link``, or child sites)."""
+    """A site leader over ``members`` (client ids reached over ``link``, or child sites).
+
+    A member client's reply speaks for that client alone, unless ``link_aggregates``: the
+    link is itself a leader that may pre-aggregate the site's member clients (a
+    torch.distributed reduce), whose update then stands for some of them, each once."""
 
     def __init__(
         self,
@@ -89,11 +102,13 @@ class Site:
         link: Transport,
         pre_aggregate: bool,
         name: str = "site",
+        link_aggregates: bool = False,
     ):
         self.members = list(members)
         self.link = link
         self.pre_aggregate = pre_aggregate
         self.name = name
+        self.link_aggregates = link_aggregates
         self.ids = [
             cid for m in self.members for cid in ([m] if isinstance(m, int) else m.ids)
         ]
@@ -101,6 +116,17 @@ class Site:
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         """Forward each member's messages, collect the replies, pre-aggregate them when exact."""
         result = self._collect(messages, timeout)
+        direct = {m for m in self.members if isinstance(m, int)}
+        counted: set[int] = set()
+        for reply in list(result.replies):  # a client speaks for itself; a child site or leader for its members
+            if reply.client_id not in direct or not isinstance(reply.body, Update):
+                continue
+            try:
+                may = direct if self.link_aggregates else {reply.client_id}
+                counted.update(check_senders(reply.body, reply.client_id, may, counted))
+            except Rejected as exc:
+                result.replies.remove(reply)
+                result.failures[reply.client_id] = f"rejected: {exc}"
         updates = [r.body for r in result.replies]
         if (
             self.pre_aggregate
@@ -160,8 +186,20 @@ class Hierarchical:
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         return self.root.exchange(messages, timeout)
 
+    def site_members(self, client_id: int) -> frozenset[int]:
+        return top_site_members(self.root, client_id)
+
     def close(self) -> None:
         self.root.link.close()
+
+
+def top_site_members(root: Site, client_id: int) -> frozenset[int]:
+    """The clients of the top-level site of ``root`` that holds ``client_id`` (itself alone
+    when it answers the root directly): those one update from that site may stand for."""
+    for child in root.members:
+        if isinstance(child, Site) and client_id in child.ids:
+            return frozenset(child.ids)
+    return frozenset({client_id})
 
 
 def _build(tree: Tree, link: Transport, pre_aggregate: bool, name: str) -> int | Site:

@@ -23,6 +23,7 @@ import torch
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Instruction, Message, Params, TaskKind, Update, UpdateKind
+from fedweave.validation import Rejected, check_tensors, specs_of
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,11 @@ class Ring:
                 )
                 continue
             own_model = self.models[reply.client_id]
+            try:  # gossiped before the server sees it: checked here
+                check_tensors(update.tensors, specs_of(own_model), "tensor")
+            except Rejected as exc:
+                result.failures[reply.client_id] = f"rejected: {exc}"
+                continue
             trained = (
                 update.tensors
                 if update.kind is UpdateKind.WEIGHTS

@@ -1,0 +1,130 @@
+"""Final test accuracy under attack, for each aggregation rule.
+
+Workload: scikit-learn's digits (1,437 training / 360 test images), 10 clients with an
+iid split, every client every round, FedAvg with 2 local epochs of SGD (batch 16,
+lr 0.05, momentum 0.9), the MLP of the quickstart. Two of the ten
+clients (0 and 1) attack (config ``attacks``, :mod:`fedweave.plugins.attacks.poison`):
+
+- ``none``: no attack, the clean run of each rule;
+- ``sign flip x10``: each sends −10 × its update (the headline attack);
+- ``scaling x10``: each sends 10 × its update;
+- ``noise std 3``: each adds N(0, 9) to every entry of its update;
+- ``label flip``: each trains on labels 9 − y;
+- ``count inflation``: ONE client (0) trains on flipped labels and claims 1,000,000
+  examples, three times: as every in-memory run does, with the server capping the
+  claim at the client's true partition size; as a server that knows no sizes and sets
+  no cap (a deployment without ``aggregation.max_examples``); and as such a server with
+  ``aggregation.max_weight_share: 0.2``.
+
+Rules: ``mean`` (weighted by examples), ``median``, ``trimmed_mean`` (β = 0.2: two values
+dropped at each end of every coordinate), ``krum`` and ``multi_krum`` (f = 2; Multi-Krum
+averages the n − f = 8 best). Each cell is the final global model's accuracy on the
+held-out test set (mean over seeds) and, in brackets, its difference to the clean run
+of the mean.
+
+    python benchmarks/attacks.py                       # 20 rounds, 1 seed
+    python benchmarks/attacks.py --rounds 30 --seeds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.validation import ExampleLimits
+
+BASE = [
+    "task.dataset=digits",
+    "task.model=mlp",
+    "clients=10",
+    "task.partition=iid",
+    "local={epochs: 2, batch_size: 16, lr: 0.05, momentum: 0.9}",
+    "strategy=fedavg",
+    "eval={every: 0, federated_every: 0}",
+    "checkpoint.every=0",
+    "threads=1",
+]
+
+RULES = {
+    "mean": ["aggregation.rule=mean"],
+    "median": ["aggregation.rule=median"],
+    "trimmed_mean": ["aggregation.rule=trimmed_mean", "aggregation.trim_fraction=0.2"],
+    "krum": ["aggregation.rule=krum", "aggregation.byzantine=2"],
+    "multi_krum": ["aggregation.rule=multi_krum", "aggregation.byzantine=2"],
+}
+
+TWO = "attacks.clients=[0, 1]"
+ATTACKS = {  # row: (overrides, whether the server knows no client's size)
+    "none": ([], False),
+    "sign flip x10": (["attacks.kind=sign_flip", "attacks.scale=10", TWO], False),
+    "scaling x10": (["attacks.kind=scaling", "attacks.scale=10", TWO], False),
+    "noise std 3": (["attacks.kind=noise", "attacks.std=3", TWO], False),
+    "label flip": (["attacks.kind=label_flip", TWO], False),
+    "1 inflates: capped at its size": (["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"], False),
+    "1 inflates: no cap": (["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"], True),
+    "1 inflates: max_weight_share 0.2": (
+        ["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]", "aggregation.max_weight_share=0.2"],
+        True,
+    ),
+}
+
+
+def accuracy(overrides: list[str], blind: bool) -> float:
+    """The final test accuracy of one run; ``blind``: the server knows no client's partition size."""
+    with tempfile.TemporaryDirectory() as out:
+        config = config_mod.load(None, [*BASE, *overrides, f"output_dir={out}"])
+        run = runner.prepare(config)
+        if blind:
+            run.parts.checks = dataclasses.replace(run.parts.checks, limits=ExampleLimits(config.aggregation.max_examples))
+        records = runner.run_rounds(run)
+    return float(records[-1]["test_accuracy"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ", ".join(RULES))
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset of the rows")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    rules = args.rules.split(",")
+    rows = args.attacks.split(",")
+    started = time.perf_counter()
+    table: dict[str, dict[str, float]] = {}
+    for row in rows:
+        overrides, blind = ATTACKS[row]
+        table[row] = {}
+        for rule in rules:
+            runs = [
+                accuracy([*overrides, *RULES[rule], f"rounds={args.rounds}", f"seed={seed}"], blind)
+                for seed in range(args.seeds)
+            ]
+            table[row][rule] = statistics.mean(runs)
+    width = max(len(r) for r in rows)
+    print(f"digits, 10 clients (iid), FedAvg, {args.rounds} rounds, {args.seeds} seed(s); "
+          f"final test accuracy; in brackets: minus the clean mean's ({platform.machine()}, "
+          f"{time.perf_counter() - started:.0f} s)")
+    print(f"{'attack':<{width}}  " + "  ".join(f"{rule:>16}" for rule in rules))
+    clean = table.get("none", {}).get("mean")
+    for row in rows:
+        cells = []
+        for rule in rules:
+            value = table[row][rule]
+            gap = f" ({value - clean:+.3f})" if clean is not None else ""
+            cells.append(f"{value:.3f}{gap}".rjust(16))
+        print(f"{row:<{width}}  " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

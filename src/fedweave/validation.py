@@ -1,0 +1,259 @@
+"""What a client's update may hold, checked before any strategy sees it.
+
+Nothing a peer sends is trusted. The server knows what an update of its run must look
+like, an :class:`UpdateSchema`: the tensors the strategy's clients send (names, shapes,
+dtypes of the model's entries; every entry unless the strategy keeps some on the
+clients) and the ``extras`` the strategy declares (SCAFFOLD's control-variate delta,
+FedNova's a_i). :func:`check_update` refuses, with a :class:`Rejected` naming the
+reason, an update that
+
+- claims no examples, not a whole number of them, or more than 2^53 (``examples``);
+- misses a tensor or holds one the schema does not name (``names``), has another shape
+  (``shape``) or dtype (``dtype``: a float64 or int8 or bool tensor where the model's is
+  float32), or is not a plain dense tensor (``malformed``);
+- holds NaN or infinite values (``non_finite``), or metrics that are not numbers (``malformed``);
+- carries an ``extras`` tensor the strategy did not declare, or of another shape or
+  dtype (``extras``): a 1 GiB extras tensor for a three-entry model is refused here;
+- speaks for clients it may not (``senders``, :func:`check_senders`).
+
+An update still encoded for a plugin that combines updates while encoded (secure
+aggregation, homomorphic encryption) is checked as far as it can be: its claims and
+extras, not its encoded tensors; the combined update is checked in full once decoded.
+
+Claimed example counts are bounded (:class:`ExampleLimits`): a claim above what the
+server knows a client holds (in simulation, the partition's sizes) or above
+``aggregation.max_examples`` is lowered to it, or refused when the update is encoded
+(its weight is inside the encoding). :func:`capped_weights` keeps any one update's
+weight at most ``aggregation.max_weight_share`` of a round's total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fedweave.errors import FedweaveError
+from fedweave.types import Evaluation, Params, Update, UpdateKind
+
+REASONS = ("malformed", "senders", "examples", "names", "shape", "dtype", "non_finite", "extras")
+"""Why an update is rejected; the keys of a round record's ``rejected`` counts."""
+
+
+MAX_EXAMPLES = 2**53
+"""The most examples any update may claim: weights are summed as floats, exact up to here."""
+
+
+class Rejected(FedweaveError):
+    """An update that may not reach the strategy; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype a tensor must have."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+
+Specs = Mapping[str, TensorSpec]
+
+
+def specs_of(params: Params) -> dict[str, TensorSpec]:
+    """The spec of every tensor of ``params``."""
+    return {name: TensorSpec.of(t) for name, t in params.items()}
+
+
+@dataclass(frozen=True)
+class UpdateSchema:
+    """What every update of a run must hold: its ``tensors`` and the ``extras`` its strategy
+    declares; ``kind`` the strategy's update kind (None: any)."""
+
+    tensors: Specs
+    extras: Specs = field(default_factory=dict)
+    kind: UpdateKind | None = None
+
+    @classmethod
+    def of(cls, params: Params) -> UpdateSchema:
+        """Every entry of ``params``, no extras, any kind: the default of a strategy that declares nothing."""
+        return cls(specs_of(params))
+
+
+def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | None = None) -> None:
+    """Raise :class:`Rejected` unless ``tensors`` are exactly ``expected``: the same names, each
+    a dense tensor of its shape and dtype, floating values finite. ``reason`` overrides the
+    reason of a wrong name, shape or dtype (``extras`` for an extras tensor)."""
+    if not isinstance(tensors, Mapping):
+        raise Rejected("malformed", f"its {what}s are a {type(tensors).__name__}, not named tensors")
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected), key=str)
+    if missing or unknown:
+        parts = [f"lacks {what}s {missing}" if missing else "", f"holds undeclared {what}s {unknown}" if unknown else ""]
+        raise Rejected(reason or "names", "; ".join(p for p in parts if p)[:300])
+    for name, spec in expected.items():
+        tensor = tensors[name]
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise Rejected("malformed", f"{what} {name!r} is not a dense tensor")
+        if tuple(tensor.shape) != spec.shape:
+            raise Rejected(reason or "shape", f"{what} {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}")
+        if tensor.dtype != spec.dtype:
+            raise Rejected(reason or "dtype", f"{what} {name!r} is {tensor.dtype}, expected {spec.dtype}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise Rejected("non_finite", f"{what} {name!r} holds NaN or infinite values")
+
+
+def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) -> None:
+    """Raise :class:`Rejected` unless ``update`` fits ``schema`` (module doc); an ``encoded``
+    update's tensors are not checked, only its claims and extras."""
+    n = update.num_examples
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_EXAMPLES:
+        raise Rejected("examples", f"it claims {n!r} examples, not a whole number in 1..2^53")
+    if not is_metrics(update.metrics):
+        raise Rejected("malformed", "its metrics are not a mapping of names to numbers")
+    if schema.kind is not None and update.kind != schema.kind:
+        raise Rejected("malformed", f"it is a {getattr(update.kind, 'value', update.kind)!r} update, "
+                                    f"the strategy's clients send {schema.kind.value!r}")
+    if not encoded:
+        check_tensors(update.tensors, schema.tensors, "tensor")
+    check_tensors(update.extras, schema.extras, "extras tensor", reason="extras")
+
+
+def is_metrics(metrics: object) -> bool:
+    """Whether ``metrics`` maps names to real numbers (NaN and infinity allowed: a diverged loss)."""
+    return isinstance(metrics, Mapping) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in metrics.items()
+    )
+
+
+def valid_evaluation(evaluation: Evaluation) -> bool:
+    """Whether a client's evaluation can be averaged: a whole, positive example count and
+    finite numbers as metrics."""
+    n = evaluation.num_examples
+    return (
+        isinstance(n, int) and not isinstance(n, bool) and n > 0
+        and is_metrics(evaluation.metrics)
+        and all(math.isfinite(v) for v in evaluation.metrics.values())
+    )
+
+
+def check_senders(update: Update, sender: int, may_stand_for: Collection[int], counted: Collection[int]) -> list[int]:
+    """The clients ``update``, sent by ``sender``, counts for; :class:`Rejected` (``senders``)
+    when it claims more than it may.
+
+    A client speaks for itself: ``clients`` 1, no ``members``. Only a site leader's
+    pre-aggregated update names ``members``: each once, its sender among them, all in
+    ``may_stand_for`` (the sender's site, in the round), ``clients`` their number. No
+    client counts twice in a round: none of them may be in ``counted`` already.
+    """
+    members = update.members
+    if not isinstance(members, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in members):
+        raise Rejected("malformed", "its members are not a list of client ids")
+    ids = members or [sender]
+    if len(set(ids)) != len(ids):
+        raise Rejected("senders", f"it names clients {members} more than once")
+    if update.clients != len(ids):
+        raise Rejected("senders", f"it claims to stand for {update.clients!r} clients but names {len(ids)}")
+    if sender not in ids:
+        raise Rejected("senders", f"it stands for clients {members}, which do not include its sender")
+    strangers = sorted(set(ids) - set(may_stand_for) - {sender})
+    if strangers:
+        raise Rejected("senders", f"it claims to stand for clients {strangers}, for whom its sender may not speak")
+    again = sorted(set(ids) & set(counted))
+    if again:
+        raise Rejected("senders", f"clients {again} were counted already this round")
+    return ids
+
+
+@dataclass(frozen=True)
+class ExampleLimits:
+    """How many examples an update may claim: at most ``max_examples`` (config
+    ``aggregation.max_examples``) and, where the server knows them (simulation), at most the
+    ``sizes`` of the clients it stands for. None: no bound of that kind."""
+
+    max_examples: int | None = None
+    sizes: Mapping[int, int] | None = None
+
+    def limit(self, ids: Sequence[int]) -> int | None:
+        """The most examples an update standing for clients ``ids`` may claim."""
+        bounds = []
+        if self.max_examples is not None:
+            bounds.append(self.max_examples)
+        if self.sizes is not None:
+            bounds.append(sum(self.sizes.get(cid, 0) for cid in ids))
+        return min(bounds) if bounds else None
+
+
+def bounded_examples(update: Update, limit: int | None, encoded: bool = False) -> Update:
+    """``update`` with its claim lowered to ``limit``; an ``encoded`` update's claim weighs its
+    encoding, so it cannot be lowered: :class:`Rejected` (``examples``) instead."""
+    if limit is None or update.num_examples <= limit:
+        return update
+    if encoded:
+        raise Rejected("examples", f"it claims {update.num_examples} examples, more than the {limit} it may")
+    return dataclasses.replace(update, num_examples=limit)
+
+
+def capped_weights(weights: Sequence[float], max_share: float) -> list[float]:
+    """``weights`` with none above ``max_share`` of their total: the largest are lowered to one
+    common cap c = max_share · Σ min(w_i, c), the others kept. When no cap can reach the
+    share (fewer than 1 / max_share weights), all become equal, the smallest largest share."""
+    if not 0 < max_share <= 1:
+        raise ValueError(f"max_share must lie in (0, 1], got {max_share}")
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"weights must be positive, got {list(weights)}")
+    ordered = sorted(weights, reverse=True)
+    rest = float(sum(ordered))
+    for k, largest in enumerate(ordered):  # k weights capped, the rest kept
+        if max_share * k >= 1:
+            break
+        cap = max_share * rest / (1 - max_share * k)
+        if largest <= cap:
+            return [min(float(w), cap) for w in weights]
+        rest -= largest
+    return [float(min(weights))] * len(weights)
+
+
+def rejection_counts(counter: Counter[str]) -> dict[str, int]:
+    """A round record's ``rejected``: updates rejected per reason, in :data:`REASONS` order."""
+    return {reason: counter[reason] for reason in REASONS if counter[reason]}
+
+
+def whole_examples(n: float) -> int:
+    """A capped weight as a whole example count (never 0), for ``Update.num_examples``."""
+    return max(1, math.floor(n + 1e-9))
+
+
+@dataclass(frozen=True)
+class UpdateChecks:
+    """What a run's server checks each update against, built from its config: the
+    ``schema`` (None: every entry of the round's global parameters, no extras), the
+    claims' ``limits``, and the largest share of a round's total weight one update may
+    have (None: no cap)."""
+
+    schema: UpdateSchema | None = None
+    limits: ExampleLimits = ExampleLimits()
+    max_weight_share: float | None = None
+
+
+def cap_weight_share(updates: Sequence[Update], max_share: float | None) -> list[Update]:
+    """``updates`` whose claimed examples give none more than ``max_share`` of their total
+    weight (:func:`capped_weights`, rounded down to whole examples); unchanged for None."""
+    if max_share is None or not updates:
+        return list(updates)
+    weights = capped_weights([u.num_examples for u in updates], max_share)
+    return [
+        u if whole_examples(w) >= u.num_examples else dataclasses.replace(u, num_examples=whole_examples(w))
+        for u, w in zip(updates, weights)
+    ]

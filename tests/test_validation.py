@@ -1,0 +1,244 @@
+"""Tests of fedweave.validation: an update's tensors, extras, claims and senders against the run's schema."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fedweave.strategies.fedbn import FedBN, FedBNParams
+from fedweave.strategies.fednova import NORM, FedNova, FedNovaParams
+from fedweave.strategies.fedper import FedPer, FedPerParams
+from fedweave.strategies.scaffold import Scaffold, ScaffoldParams
+from fedweave.types import Evaluation, Update, UpdateKind
+from fedweave.validation import (
+    ExampleLimits,
+    Rejected,
+    TensorSpec,
+    UpdateSchema,
+    bounded_examples,
+    cap_weight_share,
+    capped_weights,
+    check_senders,
+    check_update,
+    valid_evaluation,
+)
+
+from conftest import assert_same_params, run_to_end
+
+MODEL = {"w": torch.zeros(2, 3), "b": torch.zeros(3), "n": torch.tensor(0)}
+SCHEMA = UpdateSchema.of(MODEL)
+
+
+def update(tensors: dict[str, torch.Tensor] | None = None, **fields: object) -> Update:
+    base = {"w": torch.ones(2, 3), "b": torch.ones(3), "n": torch.tensor(4)}
+    return Update(UpdateKind.DELTA, base if tensors is None else tensors, 10, **fields)  # type: ignore[arg-type]
+
+
+def reason(u: Update, schema: UpdateSchema = SCHEMA, encoded: bool = False) -> tuple[str, str]:
+    with pytest.raises(Rejected) as info:
+        check_update(u, schema, encoded)
+    return info.value.reason, str(info.value)
+
+
+def test_an_update_of_the_model_schema_passes() -> None:
+    check_update(update(), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "expected"),
+    [
+        ({}, ("names", "lacks tensors ['b', 'n', 'w']")),
+        ({"w": torch.ones(2, 3), "n": torch.tensor(1)}, ("names", "lacks tensors ['b']")),
+        (
+            {"w": torch.ones(2, 3), "b": torch.ones(3), "n": torch.tensor(1), "x": torch.ones(1)},
+            ("names", "holds undeclared tensors ['x']"),
+        ),
+        (
+            {"w": torch.ones(2, 3, dtype=torch.float64), "b": torch.ones(3), "n": torch.tensor(1)},
+            ("dtype", "tensor 'w' is torch.float64, expected torch.float32"),
+        ),
+        (
+            {"w": torch.ones(2, 3, dtype=torch.int8), "b": torch.ones(3), "n": torch.tensor(1)},
+            ("dtype", "tensor 'w' is torch.int8, expected torch.float32"),
+        ),
+        (
+            {"w": torch.ones(2, 3), "b": torch.ones(3, dtype=torch.bool), "n": torch.tensor(1)},
+            ("dtype", "tensor 'b' is torch.bool, expected torch.float32"),
+        ),
+        (
+            {"w": torch.ones(3, 2), "b": torch.ones(3), "n": torch.tensor(1)},
+            ("shape", "tensor 'w' has shape (3, 2), expected (2, 3)"),
+        ),
+        (
+            {"w": torch.ones(2, 3), "b": torch.tensor([0.0, float("nan"), 1.0]), "n": torch.tensor(1)},
+            ("non_finite", "tensor 'b' holds NaN or infinite values"),
+        ),
+        (
+            {"w": torch.ones(2, 3).to_sparse(), "b": torch.ones(3), "n": torch.tensor(1)},
+            ("malformed", "tensor 'w' is not a dense tensor"),
+        ),
+        (
+            {"w": [[1.0] * 3] * 2, "b": torch.ones(3), "n": torch.tensor(1)},
+            ("malformed", "tensor 'w' is not a dense tensor"),
+        ),
+    ],
+    ids=["none", "missing", "extra", "float64", "int8", "bool", "shape", "nan", "sparse", "list"],
+)
+def test_tensors_must_match_the_model(tensors: dict[str, torch.Tensor], expected: tuple[str, str]) -> None:
+    assert reason(update(tensors)) == expected
+
+
+@pytest.mark.parametrize("claim", [0, -3, 2.5, True, 2**53 + 1, 10**400])
+def test_an_update_claims_a_whole_positive_number_of_examples(claim: object) -> None:
+    bad = dataclasses.replace(update(), num_examples=claim)
+    assert reason(bad) == ("examples", f"it claims {claim!r} examples, not a whole number in 1..2^53")
+
+
+def test_extras_must_be_those_the_strategy_declares() -> None:
+    schema = UpdateSchema(SCHEMA.tensors, {"w": TensorSpec((2, 3), torch.float32)})
+    check_update(update(extras={"w": torch.ones(2, 3)}), schema)
+    assert reason(update(extras={}), schema) == ("extras", "lacks extras tensors ['w']")
+    assert reason(update(extras={"w": torch.ones(2, 3)})) == ("extras", "holds undeclared extras tensors ['w']")
+    # a 1 GiB extras tensor (stride 0: no memory behind it) for a three-entry model
+    huge = torch.zeros(1).expand(2**28)
+    assert reason(update(extras={"w": huge}), schema) == ("extras", "extras tensor 'w' has shape (268435456,), "
+                                                                    "expected (2, 3)")
+    assert reason(update(extras={"huge": huge})) == ("extras", "holds undeclared extras tensors ['huge']")
+    nan = update(extras={"w": torch.full((2, 3), float("inf"))})
+    assert reason(nan, schema) == ("non_finite", "extras tensor 'w' holds NaN or infinite values")
+
+
+def test_an_encoded_update_is_checked_for_its_claims_and_extras_only() -> None:
+    encoded = update({"secagg.masked": torch.ones(7, dtype=torch.int64)}, applied=["secagg"])
+    check_update(encoded, SCHEMA, encoded=True)
+    assert reason(dataclasses.replace(encoded, num_examples=0), encoded=True)[0] == "examples"
+    assert reason(dataclasses.replace(encoded, extras={"c": torch.ones(1)}), encoded=True)[0] == "extras"
+
+
+def test_the_update_kind_is_the_strategys() -> None:
+    schema = dataclasses.replace(SCHEMA, kind=UpdateKind.DELTA)
+    check_update(update(), schema)
+    weights = dataclasses.replace(update(), kind=UpdateKind.WEIGHTS)
+    assert reason(weights, schema) == ("malformed", "it is a 'weights' update, the strategy's clients send 'delta'")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.head = nn.Linear(3, 2)
+
+
+def test_strategies_declare_what_their_updates_hold() -> None:
+    net = Net()
+    entries = dict(net.state_dict())
+    scaffold = Scaffold.update_schema(net, ScaffoldParams())
+    assert set(scaffold.tensors) == set(entries)
+    assert scaffold.extras == {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in net.named_parameters()}
+    assert "norm.running_mean" not in scaffold.extras  # a buffer has no control variate
+    nova = FedNova.update_schema(net, FedNovaParams())
+    assert set(nova.tensors) == set(entries) and nova.extras == {NORM: TensorSpec((), torch.float64)}
+    per = FedPer.update_schema(net, FedPerParams(personal=["head.*"]))
+    assert set(per.tensors) == set(entries) - {"head.weight", "head.bias"} and not per.extras
+    bn = FedBN.update_schema(net, FedBNParams())
+    assert set(bn.tensors) == {"body.weight", "body.bias", "head.weight", "head.bias"}
+
+
+def senders(u: Update, sender: int, may: set[int], counted: set[int] | None = None) -> list[int]:
+    return check_senders(u, sender, may, counted or set())
+
+
+def test_a_plain_client_speaks_for_itself_only() -> None:
+    assert senders(update(), 3, {3}) == [3]
+    crafted = update(clients=5, members=[0, 1, 2, 3, 3])
+    with pytest.raises(Rejected, match=r"names clients \[0, 1, 2, 3, 3\] more than once"):
+        senders(crafted, 0, {0})
+    with pytest.raises(Rejected, match=r"clients \[1, 2, 3\], for whom its sender may not speak"):
+        senders(update(clients=4, members=[0, 1, 2, 3]), 0, {0})
+    with pytest.raises(Rejected, match="claims to stand for 5 clients but names 1"):
+        senders(update(clients=5), 0, {0})
+
+
+def test_a_site_update_stands_for_members_of_its_site_each_once_per_round() -> None:
+    site = update(clients=3, members=[4, 5, 7])
+    assert senders(site, 4, {4, 5, 6, 7}) == [4, 5, 7]
+    with pytest.raises(Rejected, match=r"clients \[7\], for whom"):
+        senders(site, 4, {4, 5, 6})
+    with pytest.raises(Rejected, match=r"clients \[5\] were counted already this round"):
+        senders(site, 4, {4, 5, 6, 7}, {5})
+    with pytest.raises(Rejected, match="claims to stand for 2 clients but names 3"):
+        senders(dataclasses.replace(site, clients=2), 4, {4, 5, 7})
+    with pytest.raises(Rejected, match="do not include its sender"):
+        senders(site, 6, {4, 5, 6, 7})
+
+
+def test_a_claim_above_the_limit_is_lowered_or_refused_when_encoded() -> None:
+    limits = ExampleLimits(max_examples=500, sizes={0: 120, 1: 80})
+    assert limits.limit([0]) == 120 and limits.limit([0, 1]) == 200 and limits.limit([9]) == 0
+    assert ExampleLimits(max_examples=500).limit([0]) == 500 and ExampleLimits().limit([0]) is None
+    inflated = dataclasses.replace(update(), num_examples=1_000_000)
+    assert bounded_examples(inflated, limits.limit([0])).num_examples == 120
+    honest = update()
+    assert bounded_examples(honest, 120) is honest  # a claim within the limit is kept
+    with pytest.raises(Rejected, match="claims 1000000 examples, more than the 120 it may") as info:
+        bounded_examples(inflated, 120, encoded=True)
+    assert info.value.reason == "examples"
+
+
+@pytest.mark.parametrize(
+    ("weights", "share", "expected"),
+    [
+        # c = 0.5 · (100 + 100 + 100) / (1 − 0.5): 300 of 600
+        ([1e6, 100, 100, 100], 0.5, [300, 100, 100, 100]),
+        # c = 0.35 · (3 + 2 + 1) / (1 − 0.35) = 2.1 / 0.65: the 3 stays below it
+        ([4, 3, 2, 1], 0.35, [2.1 / 0.65, 3, 2, 1]),
+        # two capped: c = 0.3 · (2 + 1) / (1 − 0.6) = 2.25
+        ([9, 5, 2, 1], 0.3, [2.25, 2.25, 2, 1]),
+        ([1, 2, 3, 4], 0.4, [1, 2, 3, 4]),  # 4 of 10 is the share itself
+        ([5, 1], 0.4, [1, 1]),  # two weights cannot be below 0.5 each: equal
+    ],
+)
+def test_capped_weights(weights: list[float], share: float, expected: list[float]) -> None:
+    out = capped_weights(weights, share)
+    assert out == pytest.approx(expected, rel=1e-12)
+    if len(weights) * share >= 1:
+        assert max(out) / sum(out) <= share + 1e-12
+
+
+def test_cap_weight_share_lowers_claims_to_whole_examples() -> None:
+    updates = [dataclasses.replace(update(), num_examples=n) for n in (1_000_000, 100, 100, 101)]
+    assert [u.num_examples for u in cap_weight_share(updates, 0.5)] == [301, 100, 100, 101]
+    assert all(a is b for a, b in zip(cap_weight_share(updates, None), updates))
+
+
+def test_non_finite_values_of_any_float_dtype_are_found() -> None:
+    schema = UpdateSchema.of({"w": torch.zeros(1, dtype=torch.float16), "n": torch.tensor(0)})
+    check_update(update({"w": torch.ones(1, dtype=torch.float16), "n": torch.tensor(2)}), schema)
+    bad = update({"w": torch.tensor([float("-inf")], dtype=torch.float16), "n": torch.tensor(2)})
+    assert reason(bad, schema)[0] == "non_finite"
+
+
+def test_a_run_goes_on_past_bad_updates_and_inflated_claims(tmp_path: Path) -> None:
+    """Client 2's noise overflows float32 each round: rejected, counted, the run finishes. A
+    client claiming 10^6 examples in simulation counts as its partition size: the run is the clean one."""
+    params, records = run_to_end(tmp_path / "inf", "attacks.kind=noise", "attacks.clients=[2]", "attacks.std=1e39")
+    assert [r["rejected"] for r in records] == [{"non_finite": 1}] * len(records)
+    assert all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point())
+    clean, _ = run_to_end(tmp_path / "clean")
+    inflated, _ = run_to_end(tmp_path / "inflated", "attacks.kind=inflate_examples", "attacks.clients=[1]")
+    assert_same_params(inflated, clean)
+
+
+def test_metrics_must_be_numbers() -> None:
+    check_update(update(metrics={"train_loss": float("nan"), "steps": 3}), SCHEMA)  # a diverged loss is reported
+    assert reason(update(metrics={"train_loss": "low"}))[0] == "malformed"
+    assert reason(update(metrics={"train_loss": True}))[0] == "malformed"
+    assert valid_evaluation(Evaluation(5, {"accuracy": 0.5}))
+    assert not valid_evaluation(Evaluation(5, {"accuracy": float("nan")}))
+    assert not valid_evaluation(Evaluation(5, {"accuracy": [0.5]}))  # type: ignore[dict-item]
+    assert not valid_evaluation(Evaluation(0, {"accuracy": 0.5}))
