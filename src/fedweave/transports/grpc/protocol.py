@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from fedweave import certs
 from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.seeding import derive_seed
-from fedweave.transports.serialization import FRAME
+from fedweave.transports.serialization import FRAME, load_json
 
 if TYPE_CHECKING:
     from fedweave.config import GrpcConfig
@@ -140,10 +140,7 @@ def parse_control(frame: bytes) -> dict[str, Any] | None:
     if len(frame) < FRAME.size or frame[0] != CONTROL:
         return None
     end = _control_end(frame)
-    try:
-        value = json.loads(frame[FRAME.size : end].decode())
-    except (UnicodeDecodeError, ValueError):
-        raise SerializationError("corrupted control frame: not UTF-8 JSON") from None
+    value = load_json(memoryview(frame)[FRAME.size : end], "control frame")
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise SerializationError("corrupted control frame: no type")
     return value
@@ -154,10 +151,7 @@ def encode_json(value: dict[str, Any]) -> bytes:
 
 
 def decode_json(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data.decode()) if data else {}
-    except (UnicodeDecodeError, ValueError):
-        raise SerializationError("malformed request: not UTF-8 JSON") from None
+    value = load_json(data, "request") if data else {}
     if not isinstance(value, dict):
         raise SerializationError("malformed request: not a JSON object")
     return value

@@ -32,7 +32,7 @@ from fedweave.certs import hash_token, token_entry
 from fedweave.errors import SerializationError, TransportError
 from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p
-from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, encode_frames
+from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, ascii_id, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
 
 if TYPE_CHECKING:
@@ -239,10 +239,11 @@ class GrpcServerTransport:
             why = f"{other} {metadata[other]!r}: this server serves {kind} (topology.kind differs from the server's?)"
             self._refuse(context, codes.UNAUTHENTICATED, why)
         raw = metadata.get(key, "")
-        if not str(raw).isdigit() or not 0 <= int(raw) < self.num_nodes:
-            why = f"unknown {self.role} id {raw!r} ({self.role}s are 0..{self.num_nodes - 1})"
+        number = ascii_id(raw)
+        if number is None or not 0 <= number < self.num_nodes:
+            why = f"unknown {self.role} id {str(raw)[:40]!r} ({self.role}s are 0..{self.num_nodes - 1})"
             self._refuse(context, codes.UNAUTHENTICATED, why)
-        node = p.Node(self.role, int(raw))
+        node = p.Node(self.role, number)
         cid = node.id
         if self._tokens is not None:
             token, expected = metadata.get(p.TOKEN_KEY), self._tokens.get(token_entry(node.name))
