@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import inspect
 import json
 import random
 import struct
@@ -361,9 +362,14 @@ def fuzz_atheris(runs: int, seconds: int) -> None:
     corpus += [b"\1" + f for f in control_frames()] + [b"\2" + r for r in requests()]
     for i, seed in enumerate(corpus):
         (seeds / f"seed-{i}").write_bytes(seed)
-    with atheris.instrument_imports():
-        import fedweave.transports.grpc.protocol  # noqa: F401 - instrumented for coverage
-        import fedweave.transports.serialization  # noqa: F401
+    for module in (ser, p):  # already imported: instrument their functions and methods in place
+        for value in vars(module).values():
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            functions = vars(value).values() if inspect.isclass(value) else [value]
+            for function in functions:
+                if inspect.isfunction(function):
+                    atheris.instrument_func(function)
     args = [sys.argv[0], f"-runs={runs}", f"-max_total_time={seconds}", "-rss_limit_mb=4096", str(seeds)]
     atheris.Setup(args, atheris_input)
     atheris.Fuzz()

@@ -210,6 +210,37 @@ def test_a_dead_client_fails_its_round_within_the_heartbeat_timeout() -> None:
         assert elapsed < 5, "a dead client must not hold the round until its 30 s deadline"
 
 
+def test_a_dead_client_costs_the_heartbeat_timeout_once_not_every_round() -> None:
+    """Issue 14 item 16: lost in round 1 (after heartbeat_timeout, 1 s here), a client fails every
+    later round at once until it is heard from again, and each exchange reports its real wait."""
+    release = threading.Event()
+
+    def hang(msg: Message) -> Message:
+        release.wait(10)
+        return echo(msg)
+
+    with cluster(settings("grpc.join_timeout=0"), clients=3, start=1) as c:
+        dying = c.start(1, hang)
+        threading.Timer(0.3, dying.stop).start()
+        first = c.server.exchange(jobs([0, 1, 2], PARAMS, 1), timeout=30)
+        assert sorted(first.failures) == [1, 2] and 1.0 < first.waited < 5
+        for rnd in (2, 3):
+            began = time.monotonic()
+            later = c.server.exchange(jobs([0, 1, 2], PARAMS, rnd), timeout=30)
+            took = time.monotonic() - began
+            assert [r.client_id for r in later.replies] == [0] and sorted(later.failures) == [1, 2]
+            assert later.failures[1].startswith("lost: it has not sent a heartbeat for")
+            assert later.failures[2].startswith("lost: it has not registered for")
+            assert took < 0.5 and later.waited == pytest.approx(took, abs=0.05)
+        release.set()
+        back_again = [c.start(1), c.start(2)]  # registered again, they serve the next round
+        until = time.monotonic() + 5
+        while any(client._session is None for client in back_again) and time.monotonic() < until:
+            time.sleep(0.02)
+        back = c.server.exchange(jobs([0, 1, 2], PARAMS, 4), timeout=30)
+        assert back.failures == {} and len(back.replies) == 3
+
+
 def test_a_late_client_misses_the_deadline_and_serves_the_next_round() -> None:
     slow_rounds = {1}
 
