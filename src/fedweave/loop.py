@@ -182,7 +182,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         return params, record | traffic.counts()
     parts.controller.observe(rnd, updates)
     record["train_loss"] = weighted_metric(updates, "train_loss")
-    record.update(client_timings(plan, updates, parts.timeout))
+    record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
 
 

@@ -54,7 +54,6 @@ class _Job:
     id: str
     client_id: int
     message: Message
-    posted: float
     expected: dict[str, tuple[int, ...]] | None
     state: str = "pending"  # pending | sending | sent | done | failed
     reply: Message | None = None
@@ -103,6 +102,7 @@ class GrpcServerTransport:
         self._closing = False
         self._closed = False
         self._joined = False  # the first exchange waits for clients to register
+        self._first_round: float | None = None  # when it began: an unregistered node is silent since then
         self._epoch = secrets.token_hex(3)
         self._count = 0
         handler = grpc.method_handlers_generic_handler(
@@ -145,13 +145,15 @@ class GrpcServerTransport:
             joined = self.wait_for_clients(self.num_nodes, self.settings.join_timeout)
             log.info("%d of %d %ss registered before the first round", joined, self.num_nodes, self.role)
         start = time.monotonic()
+        if self._first_round is None:
+            self._first_round = start
         deadline = None if timeout is None else start + timeout
         lost_after = self.settings.heartbeat_timeout
         with self._cond:
             jobs = []
             for msg in messages:
                 self._count += 1
-                job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, start, _expected(msg))
+                job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, _expected(msg))
                 self._jobs[msg.client_id] = job
                 jobs.append(job)
                 self._wake_of(msg.client_id).notify_all()
@@ -161,8 +163,10 @@ class GrpcServerTransport:
                     for job in jobs:
                         if not job.open:
                             continue
+                        # silent since its last sign of life, which may be rounds ago: a node
+                        # lost in an earlier round fails at once until it is heard from again
                         client = self._clients.get(job.client_id)
-                        seen = max(job.posted, client.last_seen if client else 0.0)
+                        seen = client.last_seen if client is not None else self._first_round
                         if now - seen > lost_after:
                             what = "registered" if client is None else "sent a heartbeat"
                             self._close_job(job, failed=f"lost: it has not {what} for {now - seen:.1f} s")
@@ -181,6 +185,7 @@ class GrpcServerTransport:
                         self._close_job(job, failed="the exchange was interrupted")
                     if self._jobs.get(job.client_id) is job:
                         del self._jobs[job.client_id]
+        result.waited = time.monotonic() - start
         for job in jobs:  # replies in the order of the messages, as in simulation
             result.bytes_sent += job.bytes_sent
             result.bytes_received += job.bytes_received
