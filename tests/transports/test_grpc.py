@@ -11,10 +11,12 @@ import dataclasses
 
 import json
 import logging
+import re
 import shutil
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +35,7 @@ from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.transports.grpc.server import GrpcServerTransport
-from fedweave.transports.serialization import FRAME, SiteJob, SiteReply, encode_frames
+from fedweave.transports.serialization import FRAME, HEADER, SiteJob, SiteReply, encode, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 FAST = [
@@ -474,6 +476,91 @@ def test_a_reply_may_not_carry_data_inside_a_control_frame() -> None:
     _, result, error = raw_round(PARAMS, inline_error)
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert result.failures[0] == "rejected: SerializationError: a control frame with data inline in a reply"
+
+
+def _forged(reply: Message, meta_text: str | None = None, data_len: int | None = None) -> list[bytes]:
+    """``reply`` as DATA frames, its metadata replaced by ``meta_text`` (checksum made to match)."""
+    data = bytes(encode(reply))
+    magic, version, flags, meta_len, _, old_data = HEADER.unpack_from(data)
+    if meta_text is not None:
+        meta = meta_text.encode()
+        head = HEADER.pack(magic, version, flags, len(meta), zlib.crc32(meta), old_data if data_len is None else data_len)
+        head += meta
+        data = head + bytes(-len(head) % 64) + data[len(data) - old_data :]
+    return [FRAME.pack(1, 1, 0, 0, zlib.crc32(data), 0) + data]
+
+
+def _meta_text(reply: Message, change: Callable[[dict[str, Any]], None], raw: str | None = None) -> str:
+    data = bytes(encode(reply))
+    meta = json.loads(data[HEADER.size : HEADER.size + HEADER.unpack_from(data)[3]])
+    change(meta)
+    return json.dumps(meta).replace('"RAW"', raw, 1) if raw is not None else json.dumps(meta)
+
+
+GARBAGE: dict[str, Callable[[Message], list[bytes]]] = {
+    "deep nesting": lambda r: _forged(r, "[" * 50_000 + "]" * 50_000),
+    "a list as a dtype": lambda r: _forged(r, _meta_text(r, lambda m: m["tensors"][0].__setitem__(2, ["float32"]))),
+    "10**400 as compute time": lambda r: _forged(r, _meta_text(r, lambda m: m["fields"].update(compute_time="RAW"), "1" + "0" * 400)),
+    "shape [0, 2**63]": lambda r: _forged(r, _meta_text(r, lambda m: m["tensors"][0].__setitem__(3, [0, 2**63]))),
+    "a declared 60 GiB": lambda r: _forged(
+        r, _meta_text(r, lambda m: m.update(tensors=[["tensors", "w", "float32", [15 << 30], 0, 60 << 30]])), 60 << 30
+    ),
+    "random bytes": lambda r: [FRAME.pack(1, 1, 0, 0, zlib.crc32(b"garbage" * 9), 0) + b"garbage" * 9],
+}
+
+
+def test_garbage_gets_invalid_argument_and_the_honest_clients_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 14 item 5 over gRPC: each malformed reply of a hostile client 2 is refused with
+    INVALID_ARGUMENT and a one-line reason, its job closes at once (not after the 10 s heartbeat
+    timeout), no traceback is logged, and clients 0 and 1 are served every round."""
+    caplog.set_level(logging.WARNING)
+    s = settings("grpc.join_timeout=0", "grpc.heartbeat_timeout=10", clients=3)
+    with cluster(s, clients=3, start=2) as c:
+        outcome: dict[str, Any] = {}
+
+        def hostile() -> None:
+            raw = RawClient(c.server.address, 2)
+            for name, forge in GARBAGE.items():
+                job, msg = raw.pull()
+                outcome[name] = raw.push(job, forge(echo(msg)))
+
+        thread = threading.Thread(target=hostile, daemon=True)
+        thread.start()
+        for rnd, name in enumerate(GARBAGE, start=1):
+            began = time.monotonic()
+            result = c.server.exchange(jobs([0, 1, 2], PARAMS, rnd), timeout=30)
+            assert time.monotonic() - began < 3, name
+            assert [r.client_id for r in result.replies] == [0, 1], name
+            assert re.fullmatch(r"rejected: (SerializationError|PayloadTooLarge): [^\n]+", result.failures[2]), name
+        thread.join(10)
+    for name in GARBAGE:
+        assert outcome[name].code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "\n" not in outcome[name].details(), name
+    assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
+    refusals = [r.getMessage() for r in caplog.records if "reply of client 2 refused" in r.getMessage()]
+    assert len(refusals) == len(GARBAGE)
+
+
+def test_a_caller_id_must_be_ascii_digits(caplog: pytest.LogCaptureFixture) -> None:
+    """A caller id is ASCII digits within range, else refused as unknown (not misread or crashed on).
+    gRPC itself refuses non-ASCII metadata ('٥', '²') before it leaves the caller; the decoder's
+    own check of them is in test_serialization."""
+    caplog.set_level(logging.WARNING)
+    with cluster(settings(clients=6), clients=6, start=0) as c:
+        channel = grpc.insecure_channel(c.server.address)
+        call = channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        hello = p.encode_json({"version": p.VERSION})
+        for raw in ("1" * 40, "-1", "5a", "6"):
+            with pytest.raises(grpc.RpcError) as raised:
+                call(hello, metadata=[(p.CLIENT_KEY, raw)], timeout=5, wait_for_ready=True)
+            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "unknown client id" in raised.value.details()
+        with pytest.raises(grpc.RpcError) as raised:
+            call(b"[" * 50_000, metadata=[(p.CLIENT_KEY, "1")], timeout=5)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nested too deeply" in raised.value.details()
+        channel.close()
+        assert c.server._clients == {}
+    assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
 
 
 @pytest.mark.parametrize(
