@@ -190,6 +190,9 @@ class GrpcConfig:
         None, help="folder written by `fedweave certs` (ca.pem, server.*, client-<id>.*, tokens)"
     )
     tokens: bool = opt(False, help="require each client's secret token (credentials/tokens.json on the server)")
+    allow_unauthenticated: bool = opt(
+        False, help="acknowledge a server without tokens or mTLS (trusted network): no warning at its start"
+    )
     chunk_bytes: int = opt(1 << 20, ge=4096, le=64 << 20, help="bytes per streamed chunk of a message")
     max_message_mb: float = opt(
         2048.0, gt=0, help="largest message a node accepts, in MiB (raise it for a model over ~500M float32 values)"

@@ -289,6 +289,62 @@ def test_tls_modes_and_tokens_serve_valid_clients(credentials: Path, tls: str) -
     assert c.errors == {}
 
 
+def _register(address: str, cid: int, *extra: tuple[str, str]) -> grpc.RpcError | None:
+    """A bare Register call as node ``cid`` (an impostor, or a restarted node)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        try:
+            call(p.encode_json({"version": p.VERSION}), metadata=[(p.CLIENT_KEY, str(cid)), *extra], timeout=5)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+def test_without_authentication_a_live_client_cannot_be_replaced(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 14 item 3: with neither tokens nor mTLS an impostor claiming a connected client's id
+    is refused (ALREADY_EXISTS, one line, logged) and the real client keeps its jobs; once the
+    real one is gone (silent for heartbeat_timeout) a restarted client may take the id."""
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    with cluster(settings("grpc.join_timeout=0", clients=2), clients=2) as c:
+        assert c.server.wait_for_clients(2, 5) == 2
+        error = _register(c.server.address, 1)
+        assert error is not None and error.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "client 1 is connected from" in error.details() and "\n" not in error.details()
+        assert "refused a call from" in caplog.text and "client 1 is connected from" in caplog.text
+        result = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
+        assert result.failures == {} and result.replies[1].body.num_examples == 11  # the real client 1 answered
+        c.clients[1].stop()
+        c.join(1)
+        time.sleep(c.settings.heartbeat_timeout + 0.2)
+        assert _register(c.server.address, 1) is None  # a restart after the real one died
+
+
+def test_with_tokens_a_node_may_register_again_while_its_old_session_lives(credentials: Path) -> None:
+    """Holding the node's token proves who it is: its new registration replaces the old session."""
+    s = settings(f"grpc.credentials={credentials}", "grpc.tokens=true", "grpc.join_timeout=0", clients=2)
+    with cluster(s, clients=2) as c:
+        assert c.server.wait_for_clients(2, 5) == 2
+        token = (credentials / token_file(client_name(1))).read_text().strip()
+        assert _register(c.server.address, 1, (p.TOKEN_KEY, token)) is None
+
+
+def test_security_warnings_name_what_is_missing(caplog: pytest.LogCaptureFixture) -> None:
+    def warnings(*overrides: str, server: bool = True) -> str:
+        return " | ".join(p.security_warnings(settings(*overrides, "grpc.credentials=x"), server))
+
+    assert "WITHOUT AUTHENTICATION" in warnings() and "clear text" not in warnings()
+    assert warnings("grpc.allow_unauthenticated=true") == ""
+    assert warnings("grpc.tls=mtls") == "" and warnings("grpc.tls=tls", "grpc.tokens=true") == ""
+    assert "travel in clear text" in warnings("grpc.tokens=true") and "AUTHENTICATION" not in warnings("grpc.tokens=true")
+    assert warnings(server=False) == "" and "clear text" in warnings("grpc.tokens=true", server=False)
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    GrpcServerTransport(settings(), 1, listen="127.0.0.1:0").close()
+    assert "gRPC server runs WITHOUT AUTHENTICATION" in caplog.text
+    caplog.clear()
+    GrpcServerTransport(settings("grpc.allow_unauthenticated=true"), 1, listen="127.0.0.1:0").close()
+    assert "AUTHENTICATION" not in caplog.text
+
+
 def test_a_wrong_token_is_refused_and_logged(credentials: Path, caplog: pytest.LogCaptureFixture) -> None:
     s = settings(f"grpc.credentials={credentials}", "grpc.tokens=true", "grpc.join_timeout=0", clients=2)
     caplog.set_level(logging.WARNING, logger="fedweave")

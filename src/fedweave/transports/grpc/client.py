@@ -73,6 +73,8 @@ class GrpcClient:
         self.address = address or settings.address
         self._grpc = grpc
         self._token = p.node_token(settings, self.node, token)
+        for warning in p.security_warnings(settings, server=False):
+            log.warning("%s: %s", self.node, warning)
         credentials = p.channel_credentials(settings, self.node)
         opts = p.options(settings, server=False)
         self._channel = (

@@ -94,6 +94,29 @@ class Node:
         return f"{self.role} {self.id}"
 
 
+def authenticated(settings: GrpcConfig) -> bool:
+    """Whether the server knows who calls it: a token per node, or a client certificate (mTLS)."""
+    return settings.tokens or settings.tls == "mtls"
+
+
+def security_warnings(settings: GrpcConfig, server: bool) -> list[str]:
+    """What a node should warn about its security settings (one line each)."""
+    warnings = []
+    if server and not authenticated(settings) and not settings.allow_unauthenticated:
+        warnings.append(
+            "this gRPC server runs WITHOUT AUTHENTICATION (no tokens, no mTLS): anyone who reaches it can "
+            "register as a node that is not connected, receive the model and send updates; create "
+            "credentials with `fedweave certs` and set grpc.tls: mtls and grpc.tokens: true, or set "
+            "grpc.allow_unauthenticated: true on a trusted network"
+        )
+    if settings.tokens and settings.tls == "none":
+        warnings.append(
+            "grpc.tokens with grpc.tls: none: the tokens travel in clear text, and anyone on the network path "
+            "can read and reuse them; set grpc.tls: tls or mtls"
+        )
+    return warnings
+
+
 def grpc_module() -> Any:
     """``import grpc``, or a ConfigError that names the extra to install."""
     try:

@@ -133,6 +133,8 @@ class GrpcServerTransport:
         self.address = f"{bind.rpartition(':')[0]}:{port}"
         self._server.start()
         log.info("gRPC server listening on %s (tls: %s, tokens: %s)", self.address, settings.tls, settings.tokens)
+        for warning in p.security_warnings(settings, server=True):
+            log.warning(warning)
 
     # ------------------------------------------------------------------ Transport
 
@@ -293,9 +295,24 @@ class GrpcServerTransport:
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, why)
         session = secrets.token_hex(8)
         with self._cond:
-            again = cid in self._clients
-            self._clients[cid] = _Client(session, context.peer(), time.monotonic())
-            self._cond.notify_all()
+            current = self._clients.get(cid)
+            # Unauthenticated, anyone may claim any id: a second claim must not take a live node's place
+            # (a restarted node gets in once its predecessor has been silent for heartbeat_timeout).
+            taken = (
+                current is not None
+                and not p.authenticated(self.settings)
+                and time.monotonic() - current.last_seen <= self.settings.heartbeat_timeout
+            )
+            if not taken:
+                self._clients[cid] = _Client(session, context.peer(), time.monotonic())
+                self._cond.notify_all()
+        if taken:
+            why = (
+                f"{self.role} {cid} is connected from {current.peer}: without tokens or mTLS another "
+                f"registration may not replace it while it is alive"
+            )
+            self._refuse(context, self._grpc.StatusCode.ALREADY_EXISTS, why)
+        again = current is not None
         log.info("%s %d %s from %s", self.role, cid, "registered again" if again else "registered", context.peer())
         return p.encode_json(
             {"session": session, "heartbeat_interval": self.settings.heartbeat_interval, "closing": self._closing}
