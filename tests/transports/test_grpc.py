@@ -389,6 +389,32 @@ def test_mtls_refuses_foreign_and_stolen_certificates(
         assert result.failures == {} and len(result.replies) == 1
 
 
+@pytest.mark.parametrize(
+    ("server", "client", "hint"),
+    [
+        (["grpc.tls=tls"], [], "the server closes every connection during set-up: it probably requires TLS"),
+        ([], ["grpc.tls=tls"], "TLS handshake failed: the server does not speak TLS (this node has grpc.tls: tls"),
+        (["grpc.tls=tls"], ["grpc.tls=tls", "FOREIGN"], "TLS handshake failed: the server's certificate is not signed by this node's ca.pem"),
+        (["grpc.tls=mtls"], ["grpc.tls=tls"], "does it require a client certificate (grpc.tls: mtls) that this node lacks"),
+    ],
+    ids=["plaintext client, TLS server", "TLS client, plaintext server", "another CA", "no client certificate"],
+)
+def test_a_tls_mismatch_ends_the_client_at_once_with_a_hint(
+    credentials: Path, tmp_path: Path, server: list[str], client: list[str], hint: str
+) -> None:
+    """Issue 14 item 13: not a bare DEADLINE_EXCEEDED after connect_timeout (30 s here), but the
+    cause in one line within a second or two."""
+    folder = make_credentials(tmp_path / "foreign", 2) if "FOREIGN" in client else credentials
+    client = [o for o in client if o != "FOREIGN"]
+    s = settings(*server, "grpc.join_timeout=0", f"grpc.credentials={credentials}", clients=2)
+    with cluster(s, clients=2, start=0) as c:
+        began = time.monotonic()
+        error = _run_client(settings(*client, "grpc.connect_timeout=30", f"grpc.credentials={folder}", clients=2), 1, c.server.address)
+        assert time.monotonic() - began < 5
+    assert isinstance(error, TransportError) and "\n" not in str(error)
+    assert str(error).startswith(f"client 1: cannot register with {c.server.address}: ") and hint in str(error)
+
+
 class RawClient:
     """A hand-written client of the protocol, for sending what a fedweave client never would."""
 

@@ -300,6 +300,33 @@ def refused(code: Any) -> bool:
     )
 
 
+def connection_hint(details: str | None, tls: str) -> str | None:
+    """Why a connection fails when the cause is the nodes' TLS settings (a failed handshake, or a
+    server that closes the connection during set-up), read from gRPC's error details; else None."""
+    text = details or ""
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (
+            "TLS handshake failed: the server's certificate is not signed by this node's ca.pem "
+            "(credentials from another `fedweave certs` run?)"
+        )
+    if "WRONG_VERSION_NUMBER" in text:
+        return f"TLS handshake failed: the server does not speak TLS (this node has grpc.tls: {tls}; set it as on the server)"
+    if "andshake failed" in text:
+        return "TLS handshake failed: " + text.rsplit("andshake failed", 1)[1].strip(" :")
+    if "Socket closed" in text and tls == "none":
+        return (
+            "the server closes every connection during set-up: it probably requires TLS "
+            "(set grpc.tls and grpc.credentials as on the server)"
+        )
+    if "Socket closed" in text:
+        return (
+            f"the server closes every connection during the TLS handshake: does it require a client "
+            f"certificate (grpc.tls: mtls) that this node lacks (grpc.tls: {tls}), or was this node's "
+            "certificate signed by another CA?"
+        )
+    return None
+
+
 def transport_error(what: str, exc: Any) -> TransportError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
