@@ -187,7 +187,9 @@ class GrpcConfig:
         "none", help="none | tls (clients verify the server) | mtls (and the server verifies each client)"
     )
     credentials: str | None = opt(
-        None, help="folder written by `fedweave certs` (ca.pem, server.*, client-<id>.*, tokens)"
+        None,
+        help="folder written by `fedweave certs` (ca.pem, server.*, client-<id>.*, tokens); "
+        "auto: launcher process writes fresh ones for each run",
     )
     tokens: bool = opt(False, help="require each client's secret token (credentials/tokens.json on the server)")
     allow_unauthenticated: bool = opt(

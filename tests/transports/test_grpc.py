@@ -29,7 +29,7 @@ import torch
 from fedweave import config as config_mod
 from fedweave.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
-from fedweave.errors import SerializationError, TransportError
+from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.topologies.deploy import SiteBatches
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
@@ -326,6 +326,15 @@ def test_with_tokens_a_node_may_register_again_while_its_old_session_lives(crede
         assert c.server.wait_for_clients(2, 5) == 2
         token = (credentials / token_file(client_name(1))).read_text().strip()
         assert _register(c.server.address, 1, (p.TOKEN_KEY, token)) is None
+
+
+def test_auto_credentials_come_from_the_process_launcher_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    s = settings("grpc.tls=mtls", "grpc.credentials=auto", "grpc.tokens=true")
+    monkeypatch.delenv(p.CREDENTIALS_ENV, raising=False)
+    with pytest.raises(ConfigError, match="'auto' is for launcher: process.*`fedweave certs --out DIR"):
+        GrpcServerTransport(s, 3, listen="127.0.0.1:0")
+    monkeypatch.setenv(p.CREDENTIALS_ENV, str(tmp_path))
+    assert p.credentials_folder(s) == tmp_path
 
 
 def test_security_warnings_name_what_is_missing(caplog: pytest.LogCaptureFixture) -> None:

@@ -64,6 +64,10 @@ SESSION_KEY = "fedweave-session"
 JOB_KEY = "fedweave-job"
 ROLE_KEYS = {"client": CLIENT_KEY, "site": SITE_KEY}  # a node's role -> the call metadata that carries its id
 TOKEN_ENV = "FEDWEAVE_TOKEN"
+AUTO = "auto"
+"""``grpc.credentials: auto``: the process launcher writes fresh credentials for each run."""
+CREDENTIALS_ENV = "FEDWEAVE_CREDENTIALS"
+"""Where the process launcher tells its nodes that run's credentials are."""
 
 VERSION = 2
 CONTROL = 2
@@ -211,6 +215,20 @@ def options(settings: GrpcConfig, server: bool) -> list[tuple[str, Any]]:
     ]
 
 
+def credentials_folder(settings: GrpcConfig) -> Path:
+    """The folder of this node's credentials (``auto``: the one its process launcher wrote)."""
+    if settings.credentials != AUTO:
+        return Path(settings.credentials or ".")
+    folder = os.environ.get(CREDENTIALS_ENV)
+    if not folder:
+        raise ConfigError(
+            "config key 'grpc.credentials': 'auto' is for launcher: process, which creates credentials for each "
+            "run on this machine; across machines create them with `fedweave certs --out DIR --clients N` and "
+            "set grpc.credentials to DIR on every node"
+        )
+    return Path(folder)
+
+
 def _read(folder: Path, name: str) -> bytes:
     path = folder / name
     try:
@@ -227,7 +245,7 @@ def server_credentials(settings: GrpcConfig) -> Any:
     if settings.tls == "none":
         return None
     grpc = grpc_module()
-    folder = Path(settings.credentials or ".")
+    folder = credentials_folder(settings)
     pair = (_read(folder, certs.SERVER_KEY), _read(folder, certs.SERVER_CERT))
     if settings.tls == "mtls":
         return grpc.ssl_server_credentials([pair], root_certificates=_read(folder, certs.CA_CERT), require_client_auth=True)
@@ -239,7 +257,7 @@ def channel_credentials(settings: GrpcConfig, node: Node) -> Any:
     if settings.tls == "none":
         return None
     grpc = grpc_module()
-    folder = Path(settings.credentials or ".")
+    folder = credentials_folder(settings)
     ca = _read(folder, certs.CA_CERT)
     if settings.tls == "mtls":
         return grpc.ssl_channel_credentials(
@@ -254,7 +272,7 @@ def node_token(settings: GrpcConfig, node: Node, token: str | None = None) -> st
     if token is None:
         token = os.environ.get(TOKEN_ENV)
     if token is None and settings.tokens:
-        token = _read(Path(settings.credentials or "."), certs.token_file(node.name)).decode().strip()
+        token = _read(credentials_folder(settings), certs.token_file(node.name)).decode().strip()
     return token
 
 
@@ -263,7 +281,7 @@ def token_hashes(settings: GrpcConfig) -> dict[str, str] | None:
     tokens are not required)."""
     if not settings.tokens:
         return None
-    raw = _read(Path(settings.credentials or "."), certs.TOKENS)
+    raw = _read(credentials_folder(settings), certs.TOKENS)
     try:
         data = json.loads(raw.decode())
         return {str(k): str(v) for k, v in data.items()}
