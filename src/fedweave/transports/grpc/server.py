@@ -308,8 +308,8 @@ class GrpcServerTransport:
                 self._cond.notify_all()
         if taken:
             why = (
-                f"{self.role} {cid} is connected from {current.peer}: without tokens or mTLS another "
-                f"registration may not replace it while it is alive"
+                f"{self.role} {cid} is already connected: without tokens or mTLS another registration "
+                "may not replace it while it is alive"
             )
             self._refuse(context, self._grpc.StatusCode.ALREADY_EXISTS, why)
         again = current is not None
