@@ -826,6 +826,45 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
     assert "round 2 skipped: 1 of 2 clients answered, min_clients is 2 (client 1: lost" in caplog.text
 
 
+def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: Path) -> None:
+    """Three rounds of training over gRPC on loopback: clients 0 and 1 train honestly, client 2
+    answers every job with another kind of garbage; each round aggregates the two honest updates
+    without waiting for client 2 (its job fails at once), and the run ends normally."""
+    from conftest import small_config
+
+    from fedweave import runner
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.node import server_topology
+
+    config = small_config("clients=3", "min_clients=2", "rounds=3", *FAST, "grpc.heartbeat_timeout=10",
+                          "grpc.listen=127.0.0.1:0")
+    topology = server_topology(config)
+    r = runner.prepare(config, tmp_path / "run", topology=topology)
+    c = Cluster(config.grpc, topology.transport)
+    task = build_task(config)
+    for cid in (0, 1):
+        c.start(cid, build_client_runtime(config, task, build_chains(config), ClientStateStore()).handle)
+    refusals: list[Any] = []
+
+    def hostile() -> None:
+        raw = RawClient(topology.transport.address, 2)
+        for name in ("deep nesting", "a list as a dtype", "10**400 as compute time"):
+            job, msg = raw.pull()
+            refusals.append(raw.push(job, GARBAGE[name](echo(msg))))
+
+    thread = threading.Thread(target=hostile, daemon=True)
+    thread.start()
+    records = runner.run_rounds(r)  # closes the topology at the end
+    thread.join(10)
+    for cid in (0, 1):
+        c.join(cid)
+    assert [(rec["round"], rec["clients_completed"], rec["skipped"]) for rec in records] == [(n, 2, False) for n in (1, 2, 3)]
+    assert all(rec["round_time"] < 5 and rec["test_accuracy"] is not None for rec in records)
+    assert [e.code() for e in refusals] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert c.errors == {}
+
+
 # --------------------------------------------------------------------------- site leaders
 
 
