@@ -390,7 +390,7 @@ def main() -> int:
     bad = outcomes["inputs with another exception"]
     print(f"{args.count} fuzzed inputs (seed {args.seed}), {sum(outcomes.values()) - bad} decoder calls: "
           f"{outcomes['decoded']} decoded, {outcomes['rejected']} rejected with SerializationError, "
-          f"{sum(first and outcomes[k] for k in first)} raised another exception")
+          f"{sum(outcomes[k] for k in first)} raised another exception")
     print(f"inputs with a non-project exception: {bad}")
     for kind in sorted(first):
         print(f"  {outcomes[kind]:6d}  {kind}: {first[kind]}")
