@@ -23,7 +23,9 @@ from fedweave.transports import serialization as ser
 from fedweave.transports.grpc import protocol as p
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
-EXAMPLES = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = settings(
+    max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 PARAMS = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([1, 2])}
 EXPECTED = {k: tuple(v.shape) for k, v in PARAMS.items()}
 
