@@ -349,6 +349,28 @@ def test_run_reports_every_round_with_wall_time() -> None:
     assert_w(final, 6.0)
 
 
+def test_round_time_is_the_measured_wait_for_a_lost_client_not_the_deadline() -> None:
+    """Over a network a lost client is given up after heartbeat_timeout (6 s here), well before
+    the round's 120 s deadline: the record shows the 6 s the server waited."""
+    handler, _ = clients()
+    inner = Star(InMemoryTransport(handler))
+
+    class LosesClient3:
+        def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+            result = inner.exchange([m for m in messages if m.client_id != 3], timeout)
+            result.failures[3], result.waited = "lost: it has not sent a heartbeat for 6.0 s", 6.0
+            return result
+
+        def close(self) -> None:
+            """Nothing to release."""
+
+    parts = dataclasses.replace(make_parts(handler, topology=LosesClient3()), timeout=120.0)
+    _, record = train_round(parts, 1, start())
+    assert record["clients_completed"] == 3 and record["round_time"] == 6.0
+    simulated = dataclasses.replace(parts, topology=Star(InMemoryTransport(clients({3: lambda c: 1 / 0})[0])))
+    assert train_round(simulated, 1, start())[1]["round_time"] == 120.0  # no measured wait: the deadline
+
+
 class EvaluationTopology:
     """A fake topology that answers evaluation instructions with scripted results."""
 

@@ -243,11 +243,18 @@ class GrpcConfig:
         "none", help="none | tls (clients verify the server) | mtls (and the server verifies each client)"
     )
     credentials: str | None = opt(
-        None, help="folder written by `fedweave certs` (ca.pem, server.*, client-<id>.*, tokens)"
+        None,
+        help="folder written by `fedweave certs` (ca.pem, server.*, client-<id>.*, tokens); "
+        "auto: launcher process writes fresh ones for each run",
     )
     tokens: bool = opt(False, help="require each client's secret token (credentials/tokens.json on the server)")
+    allow_unauthenticated: bool = opt(
+        False, help="acknowledge a server without tokens or mTLS (trusted network): no warning at its start"
+    )
     chunk_bytes: int = opt(1 << 20, ge=4096, le=64 << 20, help="bytes per streamed chunk of a message")
-    max_message_mb: float = opt(65536.0, gt=0, help="largest message a node accepts, in MiB")
+    max_message_mb: float = opt(
+        2048.0, gt=0, help="largest message a node accepts, in MiB (raise it for a model over ~500M float32 values)"
+    )
     checksum: bool = opt(True, help="CRC-32 on every chunk; a corrupted chunk is rejected")
     heartbeat_interval: float = opt(1.0, gt=0, help="seconds between a client's heartbeats (sent while it trains)")
     heartbeat_timeout: float = opt(10.0, gt=0, help="seconds without any sign of a client before it counts as lost")

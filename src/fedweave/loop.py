@@ -205,7 +205,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     parts.controller.observe(rnd, updates)
     record["train_loss"] = weighted_metric(updates, "train_loss")
     record["rejected"] = rejection_counts(parts.rejected)
-    record.update(client_timings(plan, updates, parts.timeout))
+    record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
 
 

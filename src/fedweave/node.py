@@ -78,6 +78,11 @@ def run_client(config: Config, client_id: int, *, address: str | None = None, to
     """Run client node ``client_id`` until the server ends the run; return the jobs it answered."""
     from fedweave.transports.grpc.client import GrpcClient
 
+    if config.transport.kind != "grpc":
+        raise ConfigError(
+            f"config key 'transport': `fedweave client` connects to a server over gRPC, but this config's "
+            f"transport is {config.transport.kind!r} (its clients run inside `fedweave run`); set transport: grpc"
+        )
     if not 0 <= client_id < config.clients:
         raise ConfigError(f"--id {client_id} is not a client of this config (clients: 0..{config.clients - 1})")
     task = build_task(config)

@@ -169,6 +169,8 @@ def test_client_timings_show_work_compute_and_idle() -> None:
         ],
     }
     assert client_timings(plan, updates, 3.0)["round_time"] == 3.0  # client 2 was waited for until the deadline
+    assert client_timings(plan, updates, 2.5)["round_time"] == 2.5  # or given up after 2.5 s (lost)
+    assert client_timings(plan, updates, 1.0)["round_time"] == 2.0  # not below the slowest compute
 
 
 @pytest.mark.parametrize(

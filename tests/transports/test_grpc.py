@@ -11,10 +11,12 @@ import dataclasses
 
 import json
 import logging
+import re
 import shutil
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,13 +29,13 @@ import torch
 from fedweave import config as config_mod
 from fedweave.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
-from fedweave.errors import SerializationError, TransportError
+from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.topologies.deploy import SiteBatches
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.transports.grpc.server import GrpcServerTransport
-from fedweave.transports.serialization import FRAME, SiteJob, SiteReply, encode_frames
+from fedweave.transports.serialization import FRAME, HEADER, SiteJob, SiteReply, encode, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 FAST = [
@@ -210,6 +212,37 @@ def test_a_dead_client_fails_its_round_within_the_heartbeat_timeout() -> None:
         assert elapsed < 5, "a dead client must not hold the round until its 30 s deadline"
 
 
+def test_a_dead_client_costs_the_heartbeat_timeout_once_not_every_round() -> None:
+    """Issue 14 item 16: lost in round 1 (after heartbeat_timeout, 1 s here), a client fails every
+    later round at once until it is heard from again, and each exchange reports its real wait."""
+    release = threading.Event()
+
+    def hang(msg: Message) -> Message:
+        release.wait(10)
+        return echo(msg)
+
+    with cluster(settings("grpc.join_timeout=0"), clients=3, start=1) as c:
+        dying = c.start(1, hang)
+        threading.Timer(0.3, dying.stop).start()
+        first = c.server.exchange(jobs([0, 1, 2], PARAMS, 1), timeout=30)
+        assert sorted(first.failures) == [1, 2] and 1.0 < first.waited < 5
+        for rnd in (2, 3):
+            began = time.monotonic()
+            later = c.server.exchange(jobs([0, 1, 2], PARAMS, rnd), timeout=30)
+            took = time.monotonic() - began
+            assert [r.client_id for r in later.replies] == [0] and sorted(later.failures) == [1, 2]
+            assert later.failures[1].startswith("lost: it has not sent a heartbeat for")
+            assert later.failures[2].startswith("lost: it has not registered for")
+            assert took < 0.5 and later.waited == pytest.approx(took, abs=0.05)
+        release.set()
+        back_again = [c.start(1), c.start(2)]  # registered again, they serve the next round
+        until = time.monotonic() + 5
+        while any(client._session is None for client in back_again) and time.monotonic() < until:
+            time.sleep(0.02)
+        back = c.server.exchange(jobs([0, 1, 2], PARAMS, 4), timeout=30)
+        assert back.failures == {} and len(back.replies) == 3
+
+
 def test_a_late_client_misses_the_deadline_and_serves_the_next_round() -> None:
     slow_rounds = {1}
 
@@ -256,6 +289,71 @@ def test_tls_modes_and_tokens_serve_valid_clients(credentials: Path, tls: str) -
     assert c.errors == {}
 
 
+def _register(address: str, cid: int, *extra: tuple[str, str]) -> grpc.RpcError | None:
+    """A bare Register call as node ``cid`` (an impostor, or a restarted node)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        try:
+            call(p.encode_json({"version": p.VERSION}), metadata=[(p.CLIENT_KEY, str(cid)), *extra], timeout=5)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+def test_without_authentication_a_live_client_cannot_be_replaced(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 14 item 3: with neither tokens nor mTLS an impostor claiming a connected client's id
+    is refused (ALREADY_EXISTS, one line, logged) and the real client keeps its jobs; once the
+    real one is gone (silent for heartbeat_timeout) a restarted client may take the id."""
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    with cluster(settings("grpc.join_timeout=0", clients=2), clients=2) as c:
+        assert c.server.wait_for_clients(2, 5) == 2
+        error = _register(c.server.address, 1)
+        assert error is not None and error.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "client 1 is already connected" in error.details() and "\n" not in error.details()
+        assert "refused a call from" in caplog.text and "client 1 is already connected" in caplog.text
+        result = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
+        assert result.failures == {} and result.replies[1].body.num_examples == 11  # the real client 1 answered
+        c.clients[1].stop()
+        c.join(1)
+        time.sleep(c.settings.heartbeat_timeout + 0.2)
+        assert _register(c.server.address, 1) is None  # a restart after the real one died
+
+
+def test_with_tokens_a_node_may_register_again_while_its_old_session_lives(credentials: Path) -> None:
+    """Holding the node's token proves who it is: its new registration replaces the old session."""
+    s = settings(f"grpc.credentials={credentials}", "grpc.tokens=true", "grpc.join_timeout=0", clients=2)
+    with cluster(s, clients=2) as c:
+        assert c.server.wait_for_clients(2, 5) == 2
+        token = (credentials / token_file(client_name(1))).read_text().strip()
+        assert _register(c.server.address, 1, (p.TOKEN_KEY, token)) is None
+
+
+def test_auto_credentials_come_from_the_process_launcher_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    s = settings("grpc.tls=mtls", "grpc.credentials=auto", "grpc.tokens=true")
+    monkeypatch.delenv(p.CREDENTIALS_ENV, raising=False)
+    with pytest.raises(ConfigError, match="'auto' is for launcher: process.*`fedweave certs --out DIR"):
+        GrpcServerTransport(s, 3, listen="127.0.0.1:0")
+    monkeypatch.setenv(p.CREDENTIALS_ENV, str(tmp_path))
+    assert p.credentials_folder(s) == tmp_path
+
+
+def test_security_warnings_name_what_is_missing(caplog: pytest.LogCaptureFixture) -> None:
+    def warnings(*overrides: str, server: bool = True) -> str:
+        return " | ".join(p.security_warnings(settings(*overrides, "grpc.credentials=x"), server))
+
+    assert "WITHOUT AUTHENTICATION" in warnings() and "clear text" not in warnings()
+    assert warnings("grpc.allow_unauthenticated=true") == ""
+    assert warnings("grpc.tls=mtls") == "" and warnings("grpc.tls=tls", "grpc.tokens=true") == ""
+    assert "travel in clear text" in warnings("grpc.tokens=true") and "AUTHENTICATION" not in warnings("grpc.tokens=true")
+    assert warnings(server=False) == "" and "clear text" in warnings("grpc.tokens=true", server=False)
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    GrpcServerTransport(settings(), 1, listen="127.0.0.1:0").close()
+    assert "gRPC server runs WITHOUT AUTHENTICATION" in caplog.text
+    caplog.clear()
+    GrpcServerTransport(settings("grpc.allow_unauthenticated=true"), 1, listen="127.0.0.1:0").close()
+    assert "AUTHENTICATION" not in caplog.text
+
+
 def test_a_wrong_token_is_refused_and_logged(credentials: Path, caplog: pytest.LogCaptureFixture) -> None:
     s = settings(f"grpc.credentials={credentials}", "grpc.tokens=true", "grpc.join_timeout=0", clients=2)
     caplog.set_level(logging.WARNING, logger="fedweave")
@@ -298,6 +396,32 @@ def test_mtls_refuses_foreign_and_stolen_certificates(
         assert "client 1: its certificate belongs to ['client-0']" in caplog.text
         result = c.server.exchange(jobs([0], PARAMS), timeout=20)  # client 0 is served throughout
         assert result.failures == {} and len(result.replies) == 1
+
+
+@pytest.mark.parametrize(
+    ("server", "client", "hint"),
+    [
+        (["grpc.tls=tls"], [], "the server closes every connection during set-up: it probably requires TLS"),
+        ([], ["grpc.tls=tls"], "TLS handshake failed: the server does not speak TLS (this node has grpc.tls: tls"),
+        (["grpc.tls=tls"], ["grpc.tls=tls", "FOREIGN"], "TLS handshake failed: the server's certificate is not signed by this node's ca.pem"),
+        (["grpc.tls=mtls"], ["grpc.tls=tls"], "does it require a client certificate (grpc.tls: mtls) that this node lacks"),
+    ],
+    ids=["plaintext client, TLS server", "TLS client, plaintext server", "another CA", "no client certificate"],
+)
+def test_a_tls_mismatch_ends_the_client_at_once_with_a_hint(
+    credentials: Path, tmp_path: Path, server: list[str], client: list[str], hint: str
+) -> None:
+    """Issue 14 item 13: not a bare DEADLINE_EXCEEDED after connect_timeout (30 s here), but the
+    cause in one line within a second or two."""
+    folder = make_credentials(tmp_path / "foreign", 2) if "FOREIGN" in client else credentials
+    client = [o for o in client if o != "FOREIGN"]
+    s = settings(*server, "grpc.join_timeout=0", f"grpc.credentials={credentials}", clients=2)
+    with cluster(s, clients=2, start=0) as c:
+        began = time.monotonic()
+        error = _run_client(settings(*client, "grpc.connect_timeout=30", f"grpc.credentials={folder}", clients=2), 1, c.server.address)
+        assert time.monotonic() - began < 5
+    assert isinstance(error, TransportError) and "\n" not in str(error)
+    assert str(error).startswith(f"client 1: cannot register with {c.server.address}: ") and hint in str(error)
 
 
 class RawClient:
@@ -443,6 +567,91 @@ def test_a_reply_may_not_carry_data_inside_a_control_frame() -> None:
     _, result, error = raw_round(PARAMS, inline_error)
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert result.failures[0] == "rejected: SerializationError: a control frame with data inline in a reply"
+
+
+def _forged(reply: Message, meta_text: str | None = None, data_len: int | None = None) -> list[bytes]:
+    """``reply`` as DATA frames, its metadata replaced by ``meta_text`` (checksum made to match)."""
+    data = bytes(encode(reply))
+    magic, version, flags, meta_len, _, old_data = HEADER.unpack_from(data)
+    if meta_text is not None:
+        meta = meta_text.encode()
+        head = HEADER.pack(magic, version, flags, len(meta), zlib.crc32(meta), old_data if data_len is None else data_len)
+        head += meta
+        data = head + bytes(-len(head) % 64) + data[len(data) - old_data :]
+    return [FRAME.pack(1, 1, 0, 0, zlib.crc32(data), 0) + data]
+
+
+def _meta_text(reply: Message, change: Callable[[dict[str, Any]], None], raw: str | None = None) -> str:
+    data = bytes(encode(reply))
+    meta = json.loads(data[HEADER.size : HEADER.size + HEADER.unpack_from(data)[3]])
+    change(meta)
+    return json.dumps(meta).replace('"RAW"', raw, 1) if raw is not None else json.dumps(meta)
+
+
+GARBAGE: dict[str, Callable[[Message], list[bytes]]] = {
+    "deep nesting": lambda r: _forged(r, "[" * 50_000 + "]" * 50_000),
+    "a list as a dtype": lambda r: _forged(r, _meta_text(r, lambda m: m["tensors"][0].__setitem__(2, ["float32"]))),
+    "10**400 as compute time": lambda r: _forged(r, _meta_text(r, lambda m: m["fields"].update(compute_time="RAW"), "1" + "0" * 400)),
+    "shape [0, 2**63]": lambda r: _forged(r, _meta_text(r, lambda m: m["tensors"][0].__setitem__(3, [0, 2**63]))),
+    "a declared 60 GiB": lambda r: _forged(
+        r, _meta_text(r, lambda m: m.update(tensors=[["tensors", "w", "float32", [15 << 30], 0, 60 << 30]])), 60 << 30
+    ),
+    "random bytes": lambda r: [FRAME.pack(1, 1, 0, 0, zlib.crc32(b"garbage" * 9), 0) + b"garbage" * 9],
+}
+
+
+def test_garbage_gets_invalid_argument_and_the_honest_clients_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 14 item 5 over gRPC: each malformed reply of a hostile client 2 is refused with
+    INVALID_ARGUMENT and a one-line reason, its job closes at once (not after the 10 s heartbeat
+    timeout), no traceback is logged, and clients 0 and 1 are served every round."""
+    caplog.set_level(logging.WARNING)
+    s = settings("grpc.join_timeout=0", "grpc.heartbeat_timeout=10", clients=3)
+    with cluster(s, clients=3, start=2) as c:
+        outcome: dict[str, Any] = {}
+
+        def hostile() -> None:
+            raw = RawClient(c.server.address, 2)
+            for name, forge in GARBAGE.items():
+                job, msg = raw.pull()
+                outcome[name] = raw.push(job, forge(echo(msg)))
+
+        thread = threading.Thread(target=hostile, daemon=True)
+        thread.start()
+        for rnd, name in enumerate(GARBAGE, start=1):
+            began = time.monotonic()
+            result = c.server.exchange(jobs([0, 1, 2], PARAMS, rnd), timeout=30)
+            assert time.monotonic() - began < 3, name
+            assert [r.client_id for r in result.replies] == [0, 1], name
+            assert re.fullmatch(r"rejected: (SerializationError|PayloadTooLarge): [^\n]+", result.failures[2]), name
+        thread.join(10)
+    for name in GARBAGE:
+        assert outcome[name].code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "\n" not in outcome[name].details(), name
+    assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
+    refusals = [r.getMessage() for r in caplog.records if "reply of client 2 refused" in r.getMessage()]
+    assert len(refusals) == len(GARBAGE)
+
+
+def test_a_caller_id_must_be_ascii_digits(caplog: pytest.LogCaptureFixture) -> None:
+    """A caller id is ASCII digits within range, else refused as unknown (not misread or crashed on).
+    gRPC itself refuses non-ASCII metadata ('٥', '²') before it leaves the caller; the decoder's
+    own check of them is in test_serialization."""
+    caplog.set_level(logging.WARNING)
+    with cluster(settings(clients=6), clients=6, start=0) as c:
+        channel = grpc.insecure_channel(c.server.address)
+        call = channel.unary_unary(p.method(p.REGISTER), p.identity, p.identity)
+        hello = p.encode_json({"version": p.VERSION})
+        for raw in ("1" * 40, "-1", "5a", "6"):
+            with pytest.raises(grpc.RpcError) as raised:
+                call(hello, metadata=[(p.CLIENT_KEY, raw)], timeout=5, wait_for_ready=True)
+            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "unknown client id" in raised.value.details()
+        with pytest.raises(grpc.RpcError) as raised:
+            call(b"[" * 50_000, metadata=[(p.CLIENT_KEY, "1")], timeout=5)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nested too deeply" in raised.value.details()
+        channel.close()
+        assert c.server._clients == {}
+    assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
 
 
 @pytest.mark.parametrize(
@@ -615,6 +824,45 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
     assert records[0]["clients_completed"] == 2 and not records[0].get("skipped")
     assert records[1]["skipped"] is True and records[1]["clients_completed"] == 1
     assert "round 2 skipped: 1 of 2 clients answered, min_clients is 2 (client 1: lost" in caplog.text
+
+
+def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: Path) -> None:
+    """Three rounds of training over gRPC on loopback: clients 0 and 1 train honestly, client 2
+    answers every job with another kind of garbage; each round aggregates the two honest updates
+    without waiting for client 2 (its job fails at once), and the run ends normally."""
+    from conftest import small_config
+
+    from fedweave import runner
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.node import server_topology
+
+    config = small_config("clients=3", "min_clients=2", "rounds=3", *FAST, "grpc.heartbeat_timeout=10",
+                          "grpc.listen=127.0.0.1:0")
+    topology = server_topology(config)
+    r = runner.prepare(config, tmp_path / "run", topology=topology)
+    c = Cluster(config.grpc, topology.transport)
+    task = build_task(config)
+    for cid in (0, 1):
+        c.start(cid, build_client_runtime(config, task, build_chains(config), ClientStateStore()).handle)
+    refusals: list[Any] = []
+
+    def hostile() -> None:
+        raw = RawClient(topology.transport.address, 2)
+        for name in ("deep nesting", "a list as a dtype", "10**400 as compute time"):
+            job, msg = raw.pull()
+            refusals.append(raw.push(job, GARBAGE[name](echo(msg))))
+
+    thread = threading.Thread(target=hostile, daemon=True)
+    thread.start()
+    records = runner.run_rounds(r)  # closes the topology at the end
+    thread.join(10)
+    for cid in (0, 1):
+        c.join(cid)
+    assert [(rec["round"], rec["clients_completed"], rec["skipped"]) for rec in records] == [(n, 2, False) for n in (1, 2, 3)]
+    assert all(rec["round_time"] < 5 and rec["test_accuracy"] is not None for rec in records)
+    assert [e.code() for e in refusals] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert c.errors == {}
 
 
 # --------------------------------------------------------------------------- site leaders

@@ -254,6 +254,97 @@ def test_malformed_metadata_is_rejected(name: str) -> None:
         stream.finish()
 
 
+def forge_text(text: str, data: bytes = b"") -> bytes:
+    """A message whose metadata is ``text`` as written (JSON that Python's json would never write)."""
+    raw = text.encode()
+    head = ser.HEADER.pack(ser.MAGIC, ser.VERSION, 0, len(raw), zlib.crc32(raw), len(data)) + raw
+    return head + bytes(-len(head) % ser.ALIGN) + data
+
+
+def text_with(change: Any, value: str) -> str:
+    """The good metadata as JSON text, one field (set to a marker by ``change``) written as ``value``."""
+    meta, _ = good_meta()
+    change(meta, "MARK")
+    return json.dumps(meta).replace('"MARK"', value, 1)
+
+
+HOSTILE = {
+    # the six causes of non-project exceptions found by fuzzing (issue 14, item 5)
+    "deep nesting": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "list as a dtype name": (lambda m, v: m["tensors"][0].__setitem__(2, ["float32"]), "unknown dtype"),
+    "list as the body": (lambda m, v: m.update(body=["update"]), "unknown body"),
+    "mapping as the update kind": (lambda m, v: m["fields"].update(kind={"delta": 1}), "unknown update kind"),
+    "list as a group": (lambda m, v: m["tensors"][0].__setitem__(0, ["tensors"]), "group"),
+    "10**400 as compute time": (lambda m, v: m["fields"].update(compute_time=v), "1" + "0" * 400, "out of range"),
+    "1e400 as a metric": (lambda m, v: m["fields"]["metrics"].update(loss=v), "1e400", "out of range"),
+    "NaN as a metric": (lambda m, v: m["fields"]["metrics"].update(loss=v), "NaN", "not a number JSON allows"),
+    "2**63 examples": (lambda m, v: m["fields"].update(num_examples=2**63), "out of range"),
+    "shape [0, 2**63]": (lambda m, v: m["tensors"][0].__setitem__(3, [0, 2**63]), "out of range"),
+    "shape [0, 2**62, 2**62]": (lambda m, v: m["tensors"][0].__setitem__(3, [0, 2**62, 2**62]), "bad shape"),
+    "shape of 70 dimensions": (lambda m, v: m["tensors"][0].__setitem__(3, [1] * 70), "bad shape"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_metadata_is_a_serialization_error(name: str) -> None:
+    """Never RecursionError, TypeError, OverflowError or ValueError: only the project's rejection."""
+    case = HOSTILE[name]
+    if isinstance(case[0], str):
+        data = forge_text(case[0])
+    elif len(case) == 3:
+        data = forge_text(text_with(case[0], case[1]), good_meta()[1])
+    else:
+        data = mutate(lambda m: case[0](m, None))
+    why = case[-1]
+    with pytest.raises(SerializationError, match=why):
+        ser.decode(data)
+    stream = ser.StreamDecoder()
+    with pytest.raises(SerializationError, match=why):
+        stream.feed(data)
+        stream.finish()
+
+
+def test_a_declared_size_no_memory_can_hold_is_too_large_not_an_os_error() -> None:
+    """A header and metadata that agree on a 1 PiB tensor, with no size limit set: the allocation
+    fails (ENOMEM on any machine) and that is a PayloadTooLarge, not an OSError."""
+    meta, _ = good_meta()
+    numel = 1 << 48
+    meta["tensors"] = [["tensors", "w", "float32", [numel], 0, 4 * numel]]
+    raw = json.dumps(meta).encode()
+    head = ser.HEADER.pack(ser.MAGIC, ser.VERSION, 0, len(raw), zlib.crc32(raw), 4 * numel) + raw
+    stream = ser.StreamDecoder()
+    with pytest.raises(PayloadTooLarge, match=f"cannot allocate the {4 * numel} bytes"):
+        stream.feed(head + bytes(-len(head) % ser.ALIGN))
+    everything = ser.HEADER.pack(ser.MAGIC, ser.VERSION, 0, len(raw), zlib.crc32(raw), (1 << 64) - 1)
+    with pytest.raises(PayloadTooLarge, match="exceeds any size"):
+        ser.StreamDecoder().feed(everything)
+
+
+def test_extras_count_toward_the_size_limit() -> None:
+    """A 3-entry model's update may not smuggle a large extras tensor past the limit."""
+    msg = update({"w": torch.ones(3)})
+    msg.body.extras = {"dc": torch.zeros(1 << 20)}
+    limit = ser.encoded_size(update({"w": torch.ones(3)})) + 1024
+    with pytest.raises(PayloadTooLarge):
+        ser.decode(ser.encode(msg), max_bytes=limit)
+    frames = ser.FrameDecoder(max_bytes=limit)
+    with pytest.raises(PayloadTooLarge):
+        for frame in ser.encode_frames(msg):
+            frames.feed(frame)
+
+
+def test_the_default_message_limit_fits_a_machine() -> None:
+    from fedweave.config import GrpcConfig
+
+    assert GrpcConfig().max_message_mb == 2048  # 64 GiB before: more than most machines hold
+
+
+def test_a_node_id_is_read_from_ascii_digits_only() -> None:
+    assert [ser.ascii_id(t) for t in ("0", "17", "007")] == [0, 17, 7]
+    for text in ("٥", "²", "-1", " 5", "5\n", "", "1" * 19, "0x5", 5, None, ["5"]):
+        assert ser.ascii_id(text) is None, text
+
+
 def test_header_problems_are_rejected() -> None:
     meta, data = good_meta()
     cases = {
@@ -511,6 +602,9 @@ BATCH_MALFORMED = {
     "control with params": ("control_job", lambda m: m["fields"]["items"][0]["tensors"].update(params=m["fields"]["items"][0]["tensors"].pop("tensors")), "item 0: tensor groups are not of"),
     "control answer of an unknown kind": ("control_reply", lambda m: m["fields"]["items"][1].update(body="ack"), "cannot hold a message of kind 'ack'"),
     "control answer of a failed client": ("control_reply", lambda m: m["fields"]["failures"].update({"5": "x"}), "failure '5'"),
+    "failure of a superscript two": ("reply", lambda m: m["fields"]["failures"].update({"²": "x"}), "failure '²'"),
+    "failure of an Arabic-Indic five": ("reply", lambda m: m["fields"]["failures"].update({"\u0665": "x"}), "failure '\u0665'"),
+    "failure named twice": ("reply", lambda m: m["fields"]["failures"].update({"07": "x"}), "failure '07'"),
 }
 
 

@@ -176,19 +176,20 @@ def _clip(value: float, low: int, high: float) -> int:
     return int(min(max(round(value), low), high))
 
 
-def client_timings(plan: Sequence[Work], updates: Sequence[Update], timeout: float | None) -> dict[str, Any]:
+def client_timings(plan: Sequence[Work], updates: Sequence[Update], waited: float | None) -> dict[str, Any]:
     """What a round's record shows of its clients' work and time.
 
     ``clients``: per answering client ``{id, steps, batch, compute, idle}``, idle being
     how long it waited for the round to end; ``round_time``: the slowest compute time,
-    or the deadline when a sampled client did not answer and a deadline was set (the
-    server waited for it until then).
+    or, when a sampled client did not answer, how long the server ``waited`` for it if
+    known (the round's deadline in simulation; the measured wait over a network, where a
+    lost client is given up before the deadline).
     """
     batches = {w.client_id: w.batch_size for w in plan}
     times = [u.compute_time for u in updates]
     round_time = max(times, default=0.0)
-    if timeout is not None and len(updates) < len(plan):
-        round_time = max(round_time, timeout)
+    if waited is not None and len(updates) < len(plan):
+        round_time = max(round_time, waited)
     clients = [
         {
             "id": u.client_id,

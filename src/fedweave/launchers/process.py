@@ -32,6 +32,7 @@ import torch
 from fedweave.errors import FedweaveError
 from fedweave.node import PARENT_ENV
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail, load_model
+from fedweave.transports.grpc.protocol import AUTO, CREDENTIALS_ENV
 
 if TYPE_CHECKING:
     from fedweave.runner import Run
@@ -137,6 +138,8 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
         else:
             server_args += [config_file, "--run-dir", str(run_dir)]
         address = f"127.0.0.1:{_free_port()}"
+        if cfg.grpc.credentials == AUTO:  # every node runs here: fresh credentials for this run
+            nodes.env[CREDENTIALS_ENV] = str(_credentials(cfg, run_dir))
         server = nodes.start("server", [*server_args, "--listen", address])
         if cfg.topology.kind == "hierarchical" and cfg.topology.inner == "torchdist":
             _start_sites(nodes, cfg, config_file, address)
@@ -171,6 +174,15 @@ def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None
         for rank in range(1 + len(site_members(cfg, site))):
             name = f"site {site} leader" if rank == 0 else f"site {site} rank {rank}"
             nodes.start(name, ["site", config_file, "--site", str(site), "--rank", str(rank), "--address", address, "--port", port])
+
+
+def _credentials(cfg: Any, run_dir: Path) -> Path:
+    """A CA, server, client (and site leader) certificates and tokens in the run directory."""
+    from fedweave.certs import make_credentials
+    from fedweave.topologies.hierarchical import site_tree
+
+    sites = len(site_tree(cfg.topology.sites, cfg.clients)) if cfg.topology.kind == "hierarchical" else 0
+    return make_credentials(run_dir / "credentials", cfg.clients, sites=sites)
 
 
 def _free_port() -> int:

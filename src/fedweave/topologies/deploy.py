@@ -203,7 +203,7 @@ class SiteBatches:
         rnd = messages[0].round
         jobs = [Message(rnd, s, SiteJob(msgs, timeout)) for s, msgs in sorted(per_site.items())]
         ex = self.transport.exchange(jobs, timeout)
-        result.bytes_sent, result.bytes_received = ex.bytes_sent, ex.bytes_received
+        result.bytes_sent, result.bytes_received, result.waited = ex.bytes_sent, ex.bytes_received, ex.waited
         for reply in ex.replies:
             assert isinstance(reply.body, SiteReply)  # the transport checked it against the job
             result.replies.extend(reply.body.messages)

@@ -21,6 +21,9 @@ class Exchange:
     failures: dict[int, str] = field(default_factory=dict)  # client id -> reason
     bytes_sent: int = 0
     bytes_received: int = 0
+    waited: float | None = None
+    """Seconds the exchange waited on the real clock, where the transport measures it (a networked
+    server); None where a simulation's clock judges the round (the deadline stands for the wait)."""
 
 
 class Transport(Protocol):

@@ -69,6 +69,11 @@ HEADER = struct.Struct("<4sHHIIQ")
 ALIGN = 64
 CHUNK_BYTES = 1 << 20
 MAX_META_BYTES = 64 << 20
+MAX_INT = (1 << 63) - 1
+"""The largest integer metadata may hold (int64): every count, id, shape and size fits a C long."""
+MAX_NDIM = 64
+MAX_ELEMENTS = 1 << 62
+"""The most elements a tensor's shape may span, zero dimensions counted as one (strides fit int64)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -353,6 +358,8 @@ def _header(buf: bytes | memoryview, max_bytes: int | None) -> tuple[int, int, i
     if meta_len > MAX_META_BYTES:
         raise PayloadTooLarge(f"message metadata of {meta_len} bytes exceeds the {MAX_META_BYTES}-byte limit")
     total = _align(HEADER.size + meta_len) + data_len
+    if total > MAX_INT:
+        raise PayloadTooLarge(f"message of {total} bytes exceeds any size this machine can hold")
     if max_bytes is not None and total > max_bytes:
         raise PayloadTooLarge(f"message of {total} bytes exceeds the maximum of {max_bytes} bytes")
     return meta_len, meta_crc, data_len
@@ -365,6 +372,51 @@ def _is_int(v: Any, low: int | None = None) -> bool:
 def _check(ok: bool, what: str) -> None:
     if not ok:
         raise SerializationError(f"malformed message metadata: {what}")
+
+
+def _json_int(text: str) -> int:
+    # at most 19 digits and a sign: int() never sees a huge literal, and the value fits int64
+    _check(len(text.lstrip("-")) <= 19 and abs(int(text)) <= MAX_INT, f"integer {text[:30]} is out of range")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    _check(math.isfinite(value), f"number {text[:30]} is out of range")
+    return value
+
+
+def _json_constant(text: str) -> float:
+    raise SerializationError(f"malformed message metadata: {text} is not a number JSON allows")
+
+
+def load_json(data: bytes | memoryview, what: str) -> Any:
+    """Strict JSON of a peer: UTF-8, integers within int64, finite floats (no NaN or Infinity),
+    nesting within the interpreter's recursion limit; anything else is a SerializationError."""
+    try:
+        return json.loads(
+            bytes(data).decode("utf-8"),
+            parse_int=_json_int,
+            parse_float=_json_float,
+            parse_constant=_json_constant,
+        )
+    except RecursionError:
+        raise SerializationError(f"malformed {what}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SerializationError(f"malformed {what}: not UTF-8 JSON ({exc})") from None
+
+
+def ascii_id(text: Any) -> int | None:
+    """A node id written by a peer: ASCII digits only (not "²" or "٥"), within int64; else None."""
+    if not isinstance(text, str) or not 0 < len(text) <= 18 or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+def _shape_ok(shape: Any) -> bool:
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(s, 0) for s in shape):
+        return False
+    return math.prod(max(s, 1) for s in shape) <= MAX_ELEMENTS
 
 
 def _scalars(d: Any, what: str) -> dict[str, float]:
@@ -394,16 +446,13 @@ _FIELDS = {
 def _layout(meta_bytes: bytes | memoryview, meta_crc: int, data_len: int, expected: Expected | None) -> _Layout:
     if zlib.crc32(meta_bytes) != meta_crc:
         raise SerializationError("corrupted message: the metadata checksum does not match")
-    try:
-        meta = json.loads(bytes(meta_bytes).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise SerializationError(f"malformed message metadata: not UTF-8 JSON ({exc})") from None
+    meta = load_json(meta_bytes, "message metadata")
     _check(isinstance(meta, dict), "not a mapping")
     _check(set(meta) == {"round", "client_id", "body", "fields", "tensors"}, f"unexpected keys {sorted(meta)}")
     _check(_is_int(meta["round"], 0), "round is not a non-negative integer")
     _check(_is_int(meta["client_id"], -1), "client_id is not an integer >= -1")
     body = meta["body"]
-    _check(body in _GROUPS, f"unknown body {body!r}")
+    _check(isinstance(body, str) and body in _GROUPS, f"unknown body {body!r}")
     fields = meta["fields"]
     _check(isinstance(fields, dict) and set(fields) == _FIELDS[body], f"{body} fields are not {sorted(_FIELDS[body])}")
     entries = meta["tensors"]
@@ -412,12 +461,12 @@ def _layout(meta_bytes: bytes | memoryview, meta_crc: int, data_len: int, expect
     for i, e in enumerate(entries):
         _check(isinstance(e, list) and len(e) == 6, f"tensor entry {i} is not [group, name, dtype, shape, offset, nbytes]")
         group, name, dtype_name, shape, offset, nbytes = e
-        _check(group in _GROUPS[body], f"tensor {i}: group {group!r} is not one of {list(_GROUPS[body])}")
+        _check(isinstance(group, str) and group in _GROUPS[body], f"tensor {i}: group {group!r} is not one of {list(_GROUPS[body])}")
         _check(isinstance(name, str), f"tensor {i}: name is not a string")
         _check((group, name) not in seen, f"tensor {name!r} appears twice in {group}")
         seen.add((group, name))
-        _check(dtype_name in DTYPES, f"tensor {name!r}: unknown dtype {dtype_name!r}")
-        _check(isinstance(shape, list) and all(_is_int(s, 0) for s in shape), f"tensor {name!r}: bad shape {shape!r}")
+        _check(isinstance(dtype_name, str) and dtype_name in DTYPES, f"tensor {name!r}: unknown dtype {dtype_name!r}")
+        _check(_shape_ok(shape), f"tensor {name!r}: bad shape {shape!r}")
         dtype = DTYPES[dtype_name]
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         _check(
@@ -448,7 +497,7 @@ def _check_fields(layout: _Layout) -> None:
             _check(isinstance(f[key], str) and _NAME.fullmatch(f[key]) is not None, f"control {key} {f[key]!r} is not a name")
         return
     if layout.body == "instruction":
-        _check(f["task"] in {t.value for t in TaskKind}, f"unknown task {f['task']!r}")
+        _check(isinstance(f["task"], str) and f["task"] in {t.value for t in TaskKind}, f"unknown task {f['task']!r}")
         w = f["work"]
         _check(isinstance(w, dict) and set(w) == {"client_id", "batch_size", "epochs", "local_steps"}, "bad work")
         _check(_is_int(w["client_id"], 0) and _is_int(w["batch_size"], 1) and _is_int(w["epochs"], 0), "bad work")
@@ -460,7 +509,7 @@ def _check_fields(layout: _Layout) -> None:
         _scalars(f["metrics"], "metrics")
         _check(_is_int(f["client_id"], -1), "client_id is not an integer")
     if layout.body == "update":
-        _check(f["kind"] in {k.value for k in UpdateKind}, f"unknown update kind {f['kind']!r}")
+        _check(isinstance(f["kind"], str) and f["kind"] in {k.value for k in UpdateKind}, f"unknown update kind {f['kind']!r}")
         _names(f["applied"], "applied")
         _check(_is_int(f["local_steps"], 0), "local_steps is not a non-negative integer")
         _check(isinstance(f["compute_time"], (int, float)) and not isinstance(f["compute_time"], bool), "bad compute_time")
@@ -501,11 +550,11 @@ def _check_batch(layout: _Layout) -> None:
             isinstance(item, dict) and set(item) == {"round", "client_id", "body", "fields", "tensors"},
             f"item {n} is not a mapping of round, client_id, body, fields, tensors",
         )
-        _check(item["round"] == layout.round, f"item {n} is for round {item['round']!r}, the batch for {layout.round}")
+        _check(_is_int(item["round"]) and item["round"] == layout.round, f"item {n} is for round {item['round']!r}, the batch for {layout.round}")
         cid, kind = item["client_id"], item["body"]
         _check(_is_int(cid, 0) and cid not in ids, f"item {n}: client_id {cid!r} is not a new non-negative integer")
         ids.add(cid)
-        _check(kind in _BATCHES[layout.body], f"item {n}: a {layout.body} cannot hold a message of kind {kind!r}")
+        _check(isinstance(kind, str) and kind in _BATCHES[layout.body], f"item {n}: a {layout.body} cannot hold a message of kind {kind!r}")
         fields, refs = item["fields"], item["tensors"]
         _check(isinstance(fields, dict) and set(fields) == _FIELDS[kind], f"item {n}: {kind} fields are not {sorted(_FIELDS[kind])}")
         _check(isinstance(refs, dict) and set(refs) <= set(_GROUPS[kind]), f"item {n}: tensor groups are not of {_GROUPS[kind]}")
@@ -525,7 +574,9 @@ def _check_batch(layout: _Layout) -> None:
         failures = f["failures"]
         _check(isinstance(failures, dict), "failures is not a mapping")
         for c, why in failures.items():
-            _check(c.isdigit() and int(c) not in ids and isinstance(why, str), f"failure {c!r} is not a reason of another client")
+            cid = ascii_id(c)
+            _check(cid is not None and cid not in ids and isinstance(why, str), f"failure {c!r} is not a reason of another client")
+            ids.add(cid)
 
 
 def _check_expected(layout: _Layout, expected: Expected) -> None:
@@ -734,9 +785,12 @@ class StreamDecoder:
             meta = memoryview(self._head)[HEADER.size : HEADER.size + meta_len]
             layout = _layout(meta, meta_crc, data_len, self.expected)
             meta.release()
-            region = receive_region(layout.data_len)
-            for t in layout.tensors:
-                value = _empty(t) if region is None or not t.nbytes else _view(region, t)
+            try:
+                region = receive_region(layout.data_len)
+                values = [_empty(t) if region is None or not t.nbytes else _view(region, t) for t in layout.tensors]
+            except (OSError, MemoryError, RuntimeError) as exc:  # mmap's ENOMEM, torch's failed allocation
+                raise PayloadTooLarge(f"cannot allocate the {layout.data_len} bytes the message declares: {exc}") from None
+            for t, value in zip(layout.tensors, values):
                 self._values[(t.group, t.name)] = value
                 if t.nbytes:
                     start = layout.data_start + t.offset

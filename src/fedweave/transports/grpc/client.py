@@ -73,6 +73,8 @@ class GrpcClient:
         self.address = address or settings.address
         self._grpc = grpc
         self._token = p.node_token(settings, self.node, token)
+        for warning in p.security_warnings(settings, server=False):
+            log.warning("%s: %s", self.node, warning)
         credentials = p.channel_credentials(settings, self.node)
         opts = p.options(settings, server=False)
         self._channel = (
@@ -86,6 +88,7 @@ class GrpcClient:
         self._push_rpc = self._channel.stream_unary(p.method(p.PUSH), p.identity, p.identity)
         self._push_one_rpc = self._channel.unary_unary(p.method(p.PUSH_ONE), p.identity, p.identity)
         self._session: str | None = None
+        self._await_server = False  # register waits for the channel once the server was found not listening
         self._stop = threading.Event()
         self._working = threading.Event()  # from a job's first frame to its reply delivered: heartbeats on
         self._backoff = p.Backoff(settings.backoff_initial, settings.backoff_max, seed, role, node_id)
@@ -155,7 +158,7 @@ class GrpcClient:
                 p.encode_json({"version": p.VERSION}),
                 metadata=self._metadata(),
                 timeout=self.settings.rpc_timeout,
-                wait_for_ready=True,
+                wait_for_ready=self._await_server,
             )
         )
         session = reply.get("session")
@@ -231,6 +234,7 @@ class GrpcClient:
         """``call()``, retried with backoff while the server is unreachable; re-registers when asked."""
         grpc = self._grpc
         failing_since: float | None = None
+        mismatches = 0  # registrations in a row that failed for the TLS settings
         while True:
             try:
                 result = call()
@@ -246,6 +250,14 @@ class GrpcClient:
                     self._retrying("register", self._register)
                     continue
                 problem = f"{code.name}: {exc.details()}"
+                if what == "register":
+                    # a fail-fast call shows why a connection fails; once none is listening, wait for one
+                    hint = p.connection_hint(exc.details(), self.settings.tls)
+                    self._await_server = code == grpc.StatusCode.UNAVAILABLE and hint is None
+                    mismatches = mismatches + 1 if hint is not None else 0
+                    if mismatches >= 3:  # not a blip: the same refusal each time
+                        log.error("%s: cannot register with %s: %s", self.node, self.address, hint)
+                        raise TransportError(f"{self.node}: cannot register with {self.address}: {hint}")
             except SerializationError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             now = time.monotonic()

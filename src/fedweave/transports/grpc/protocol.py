@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from fedweave import certs
 from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.seeding import derive_seed
-from fedweave.transports.serialization import FRAME
+from fedweave.transports.serialization import FRAME, load_json
 
 if TYPE_CHECKING:
     from fedweave.config import GrpcConfig
@@ -64,6 +64,10 @@ SESSION_KEY = "fedweave-session"
 JOB_KEY = "fedweave-job"
 ROLE_KEYS = {"client": CLIENT_KEY, "site": SITE_KEY}  # a node's role -> the call metadata that carries its id
 TOKEN_ENV = "FEDWEAVE_TOKEN"
+AUTO = "auto"
+"""``grpc.credentials: auto``: the process launcher writes fresh credentials for each run."""
+CREDENTIALS_ENV = "FEDWEAVE_CREDENTIALS"
+"""Where the process launcher tells its nodes that run's credentials are."""
 
 VERSION = 2
 CONTROL = 2
@@ -92,6 +96,29 @@ class Node:
 
     def __str__(self) -> str:
         return f"{self.role} {self.id}"
+
+
+def authenticated(settings: GrpcConfig) -> bool:
+    """Whether the server knows who calls it: a token per node, or a client certificate (mTLS)."""
+    return settings.tokens or settings.tls == "mtls"
+
+
+def security_warnings(settings: GrpcConfig, server: bool) -> list[str]:
+    """What a node should warn about its security settings (one line each)."""
+    warnings = []
+    if server and not authenticated(settings) and not settings.allow_unauthenticated:
+        warnings.append(
+            "this gRPC server runs WITHOUT AUTHENTICATION (no tokens, no mTLS): anyone who reaches it can "
+            "register as a node that is not connected, receive the model and send updates; create "
+            "credentials with `fedweave certs` and set grpc.tls: mtls and grpc.tokens: true, or set "
+            "grpc.allow_unauthenticated: true on a trusted network"
+        )
+    if settings.tokens and settings.tls == "none":
+        warnings.append(
+            "grpc.tokens with grpc.tls: none: the tokens travel in clear text, and anyone on the network path "
+            "can read and reuse them; set grpc.tls: tls or mtls"
+        )
+    return warnings
 
 
 def grpc_module() -> Any:
@@ -140,10 +167,7 @@ def parse_control(frame: bytes) -> dict[str, Any] | None:
     if len(frame) < FRAME.size or frame[0] != CONTROL:
         return None
     end = _control_end(frame)
-    try:
-        value = json.loads(frame[FRAME.size : end].decode())
-    except (UnicodeDecodeError, ValueError):
-        raise SerializationError("corrupted control frame: not UTF-8 JSON") from None
+    value = load_json(memoryview(frame)[FRAME.size : end], "control frame")
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise SerializationError("corrupted control frame: no type")
     return value
@@ -154,10 +178,7 @@ def encode_json(value: dict[str, Any]) -> bytes:
 
 
 def decode_json(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data.decode()) if data else {}
-    except (UnicodeDecodeError, ValueError):
-        raise SerializationError("malformed request: not UTF-8 JSON") from None
+    value = load_json(data, "request") if data else {}
     if not isinstance(value, dict):
         raise SerializationError("malformed request: not a JSON object")
     return value
@@ -194,6 +215,20 @@ def options(settings: GrpcConfig, server: bool) -> list[tuple[str, Any]]:
     ]
 
 
+def credentials_folder(settings: GrpcConfig) -> Path:
+    """The folder of this node's credentials (``auto``: the one its process launcher wrote)."""
+    if settings.credentials != AUTO:
+        return Path(settings.credentials or ".")
+    folder = os.environ.get(CREDENTIALS_ENV)
+    if not folder:
+        raise ConfigError(
+            "config key 'grpc.credentials': 'auto' is for launcher: process, which creates credentials for each "
+            "run on this machine; across machines create them with `fedweave certs --out DIR --clients N` and "
+            "set grpc.credentials to DIR on every node"
+        )
+    return Path(folder)
+
+
 def _read(folder: Path, name: str) -> bytes:
     path = folder / name
     try:
@@ -210,7 +245,7 @@ def server_credentials(settings: GrpcConfig) -> Any:
     if settings.tls == "none":
         return None
     grpc = grpc_module()
-    folder = Path(settings.credentials or ".")
+    folder = credentials_folder(settings)
     pair = (_read(folder, certs.SERVER_KEY), _read(folder, certs.SERVER_CERT))
     if settings.tls == "mtls":
         return grpc.ssl_server_credentials([pair], root_certificates=_read(folder, certs.CA_CERT), require_client_auth=True)
@@ -222,7 +257,7 @@ def channel_credentials(settings: GrpcConfig, node: Node) -> Any:
     if settings.tls == "none":
         return None
     grpc = grpc_module()
-    folder = Path(settings.credentials or ".")
+    folder = credentials_folder(settings)
     ca = _read(folder, certs.CA_CERT)
     if settings.tls == "mtls":
         return grpc.ssl_channel_credentials(
@@ -237,7 +272,7 @@ def node_token(settings: GrpcConfig, node: Node, token: str | None = None) -> st
     if token is None:
         token = os.environ.get(TOKEN_ENV)
     if token is None and settings.tokens:
-        token = _read(Path(settings.credentials or "."), certs.token_file(node.name)).decode().strip()
+        token = _read(credentials_folder(settings), certs.token_file(node.name)).decode().strip()
     return None if token is None else certs.check_token(token, f"the token of {node.name}")
 
 
@@ -246,7 +281,7 @@ def token_hashes(settings: GrpcConfig) -> dict[str, str] | None:
     tokens are not required)."""
     if not settings.tokens:
         return None
-    raw = _read(Path(settings.credentials or "."), certs.TOKENS)
+    raw = _read(credentials_folder(settings), certs.TOKENS)
     try:
         data = json.loads(raw.decode())
         return {str(k): str(v) for k, v in data.items()}
@@ -281,6 +316,33 @@ def refused(code: Any) -> bool:
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.UNIMPLEMENTED,
     )
+
+
+def connection_hint(details: str | None, tls: str) -> str | None:
+    """Why a connection fails when the cause is the nodes' TLS settings (a failed handshake, or a
+    server that closes the connection during set-up), read from gRPC's error details; else None."""
+    text = details or ""
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (
+            "TLS handshake failed: the server's certificate is not signed by this node's ca.pem "
+            "(credentials from another `fedweave certs` run?)"
+        )
+    if "WRONG_VERSION_NUMBER" in text:
+        return f"TLS handshake failed: the server does not speak TLS (this node has grpc.tls: {tls}; set it as on the server)"
+    if "andshake failed" in text:
+        return "TLS handshake failed: " + text.rsplit("andshake failed", 1)[1].strip(" :")
+    if "Socket closed" in text and tls == "none":
+        return (
+            "the server closes every connection during set-up: it probably requires TLS "
+            "(set grpc.tls and grpc.credentials as on the server)"
+        )
+    if "Socket closed" in text:
+        return (
+            f"the server closes every connection during the TLS handshake: does it require a client "
+            f"certificate (grpc.tls: mtls) that this node lacks (grpc.tls: {tls}), or was this node's "
+            "certificate signed by another CA?"
+        )
+    return None
 
 
 def transport_error(what: str, exc: Any) -> TransportError:

@@ -33,7 +33,7 @@ from fedweave.errors import SerializationError, TransportError
 from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.health import Health
-from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, encode_frames
+from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, ascii_id, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
 
 if TYPE_CHECKING:
@@ -55,7 +55,6 @@ class _Job:
     id: str
     client_id: int
     message: Message
-    posted: float
     expected: dict[str, tuple[int, ...]] | None
     state: str = "pending"  # pending | sending | sent | done | failed
     reply: Message | None = None
@@ -104,6 +103,7 @@ class GrpcServerTransport:
         self._closing = False
         self._closed = False
         self._joined = False  # the first exchange waits for clients to register
+        self._first_round: float | None = None  # when it began: an unregistered node is silent since then
         self._epoch = secrets.token_hex(3)
         self._count = 0
         handler = grpc.method_handlers_generic_handler(
@@ -136,6 +136,8 @@ class GrpcServerTransport:
         self._server.start()
         self.health.serving()
         log.info("gRPC server listening on %s (tls: %s, tokens: %s)", self.address, settings.tls, settings.tokens)
+        for warning in p.security_warnings(settings, server=True):
+            log.warning(warning)
 
     # ------------------------------------------------------------------ Transport
 
@@ -148,13 +150,15 @@ class GrpcServerTransport:
             joined = self.wait_for_clients(self.num_nodes, self.settings.join_timeout)
             log.info("%d of %d %ss registered before the first round", joined, self.num_nodes, self.role)
         start = time.monotonic()
+        if self._first_round is None:
+            self._first_round = start
         deadline = None if timeout is None else start + timeout
         lost_after = self.settings.heartbeat_timeout
         with self._cond:
             jobs = []
             for msg in messages:
                 self._count += 1
-                job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, start, _expected(msg))
+                job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, _expected(msg))
                 self._jobs[msg.client_id] = job
                 jobs.append(job)
                 self._wake_of(msg.client_id).notify_all()
@@ -164,8 +168,10 @@ class GrpcServerTransport:
                     for job in jobs:
                         if not job.open:
                             continue
+                        # silent since its last sign of life, which may be rounds ago: a node
+                        # lost in an earlier round fails at once until it is heard from again
                         client = self._clients.get(job.client_id)
-                        seen = max(job.posted, client.last_seen if client else 0.0)
+                        seen = client.last_seen if client is not None else self._first_round
                         if now - seen > lost_after:
                             what = "registered" if client is None else "sent a heartbeat"
                             self._close_job(job, failed=f"lost: it has not {what} for {now - seen:.1f} s")
@@ -184,6 +190,7 @@ class GrpcServerTransport:
                         self._close_job(job, failed="the exchange was interrupted")
                     if self._jobs.get(job.client_id) is job:
                         del self._jobs[job.client_id]
+        result.waited = time.monotonic() - start
         for job in jobs:  # replies in the order of the messages, as in simulation
             result.bytes_sent += job.bytes_sent
             result.bytes_received += job.bytes_received
@@ -250,10 +257,11 @@ class GrpcServerTransport:
             why = f"{other} {metadata[other]!r}: this server serves {kind} (topology.kind differs from the server's?)"
             self._refuse(context, codes.UNAUTHENTICATED, why)
         raw = metadata.get(key, "")
-        if not str(raw).isdigit() or not 0 <= int(raw) < self.num_nodes:
-            why = f"unknown {self.role} id {raw!r} ({self.role}s are 0..{self.num_nodes - 1})"
+        number = ascii_id(raw)
+        if number is None or not 0 <= number < self.num_nodes:
+            why = f"unknown {self.role} id {str(raw)[:40]!r} ({self.role}s are 0..{self.num_nodes - 1})"
             self._refuse(context, codes.UNAUTHENTICATED, why)
-        node = p.Node(self.role, int(raw))
+        node = p.Node(self.role, number)
         cid = node.id
         if self._tokens is not None:
             token, expected = metadata.get(p.TOKEN_KEY), self._tokens.get(token_entry(node.name))
@@ -298,9 +306,24 @@ class GrpcServerTransport:
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, why)
         session = secrets.token_hex(8)
         with self._cond:
-            again = cid in self._clients
-            self._clients[cid] = _Client(session, context.peer(), time.monotonic())
-            self._cond.notify_all()
+            current = self._clients.get(cid)
+            # Unauthenticated, anyone may claim any id: a second claim must not take a live node's place
+            # (a restarted node gets in once its predecessor has been silent for heartbeat_timeout).
+            taken = (
+                current is not None
+                and not p.authenticated(self.settings)
+                and time.monotonic() - current.last_seen <= self.settings.heartbeat_timeout
+            )
+            if not taken:
+                self._clients[cid] = _Client(session, context.peer(), time.monotonic())
+                self._cond.notify_all()
+        if taken:
+            why = (
+                f"{self.role} {cid} is already connected: without tokens or mTLS another registration "
+                "may not replace it while it is alive"
+            )
+            self._refuse(context, self._grpc.StatusCode.ALREADY_EXISTS, why)
+        again = current is not None
         log.info("%s %d %s from %s", self.role, cid, "registered again" if again else "registered", context.peer())
         return p.encode_json(
             {"session": session, "heartbeat_interval": self.settings.heartbeat_interval, "closing": self._closing}
