@@ -84,7 +84,7 @@ def test_elapsed_sums_federated_rounds_and_stitches_a_resumed_data_parallel_run(
 
 def test_a_torn_last_line_is_left_out_and_noted(tmp_path: Path) -> None:
     run = write_run(tmp_path / "running", {"name": "r", "rounds": 10},
-                    [fed_record(1, 0.5, 1.0), fed_record(2, 0.6, 1.0, epsilon=0.7, rejected=1)],
+                    [fed_record(1, 0.5, 1.0), fed_record(2, 0.6, 1.0, epsilon=0.7, rejected={"shape": 1})],
                     tail='{"round": 3, "wall_ti')
     recs, notes = read_records(run / "metrics.jsonl")
     assert [r["round"] for r in recs] == [1, 2]

@@ -9,7 +9,7 @@ are drawn once per run; the others overlay several runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,9 +42,15 @@ class Figure:
 
 
 def points(records: Sequence[Record], x: Sequence[float], key: str) -> tuple[list[float], list[float]]:
-    """(x, value) of the records whose ``key`` has a value."""
-    pairs = [(xi, r[key]) for xi, r in zip(x, records) if r.get(key) is not None]
+    """(x, value) of the records whose ``key`` has a value; counts by reason (a round's
+    ``rejected``) are plotted as their total."""
+    pairs = [(xi, total(r[key])) for xi, r in zip(x, records) if r.get(key) is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def total(value: Any) -> Any:
+    """A number as it is; a mapping of counts (reasons to counts) as their sum."""
+    return sum(value.values()) if isinstance(value, Mapping) else value
 
 
 def elapsed(records: Sequence[Record], data_parallel: bool) -> list[float]:

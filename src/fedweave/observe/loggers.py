@@ -26,8 +26,9 @@ class RunLogger(Protocol):
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of a record: its numeric fields, and per-worker lists (aligned with
-    ``workers``) as ``<key>/worker_<id>``. The round or step itself is the x axis, not a value."""
+    """The numbers of a record: its numeric fields, counts by reason (a round's ``rejected``)
+    as ``<key>/<reason>``, and per-worker lists (aligned with ``workers``) as
+    ``<key>/worker_<id>``. The round or step itself is the x axis, not a value."""
     out: dict[str, float] = {}
     workers = record.get("workers") or []
     for key, value in record.items():
@@ -35,6 +36,9 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
             continue
         if isinstance(value, (int, float)):
             out[key] = float(value)
+        elif isinstance(value, Mapping):
+            out.update({f"{key}/{k}": float(v) for k, v in value.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         elif isinstance(value, list) and key != "workers" and len(value) == len(workers):
             out.update({f"{key}/worker_{w}": float(v) for w, v in zip(workers, value)
                         if isinstance(v, (int, float)) and not isinstance(v, bool)})

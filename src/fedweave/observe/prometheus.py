@@ -12,9 +12,9 @@ the process launcher, ``fedweave run``) from the start of the run to its end, at
 ``fedweave_clients_registered``        nodes that registered with the gRPC server
 ``fedweave_clients_alive``             of those, nodes heard from within heartbeat_timeout
 ``fedweave_updates_accepted_total``    updates that counted in a round that was not skipped
-``fedweave_updates_rejected_total``    by ``reason``: ``rejected`` (the record's ``rejected``
-                                       count: malformed, non-finite, wrong shapes),
-                                       ``no_answer`` (lost, late, failed), ``round_skipped``
+``fedweave_updates_rejected_total``    by ``reason``: the validation's reasons (the
+                                       record's ``rejected``: ``names``, ``shape``,
+                                       ``dtype``, ``non_finite`` ...), ``no_answer`` (lost, late, failed), ``round_skipped``
                                        (answers of a round skipped for too few of them)
 ``fedweave_bytes_sent_total``          bytes the server sent (``bytes_sent``)
 ``fedweave_bytes_received_total``      bytes it received (``bytes_received``)
@@ -30,11 +30,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from fedweave import validation
 from fedweave.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-REASONS = ("rejected", "no_answer", "round_skipped")
+REASONS = (*validation.REASONS, "no_answer", "round_skipped")
 
 
 @runtime_checkable
@@ -44,24 +45,16 @@ class NodeCounter(Protocol):
     def node_counts(self) -> tuple[int, int]: ...
 
 
-def count(value: Any) -> int:
-    """A count however a record holds it: a number, reasons to counts, or a list of reasons."""
-    if isinstance(value, Mapping):
-        return int(sum(value.values()))
-    if isinstance(value, list):
-        return len(value)
-    return int(value or 0)
-
-
 def updates(record: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
-    """Accepted updates of a round's record and rejected ones by reason."""
+    """Accepted updates of a round's record and the others by reason: the validation's
+    reasons (the record's ``rejected``), ``no_answer`` and ``round_skipped``."""
     sampled = record.get("clients_sampled") or 0
     completed = record.get("clients_completed") or 0
-    rejected = count(record.get("rejected"))
+    rejected = {reason: int(n) for reason, n in (record.get("rejected") or {}).items()}
     skipped = bool(record.get("skipped"))
     reasons = {
-        "rejected": rejected,
-        "no_answer": max(sampled - completed - rejected, 0),
+        **rejected,
+        "no_answer": max(sampled - completed - sum(rejected.values()), 0),
         "round_skipped": completed if skipped else 0,
     }
     return (0 if skipped else completed), reasons
