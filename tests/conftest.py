@@ -42,6 +42,14 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """A umask of 022 for the test: files others may read unless written private."""
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
 def small_config(*overrides: str, output: Path | None = None) -> config_mod.Config:
     extra = [f"output_dir={output}"] if output is not None else []
     return config_mod.load(None, [*SMALL, *extra, *overrides])

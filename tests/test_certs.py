@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fedweave.certs import CA_KEY, SERVER_CERT, SERVER_KEY, TOKENS, check_token, make_credentials
 from fedweave.errors import ConfigError
-
-
-@pytest.fixture
-def umask_022() -> Iterator[None]:
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
 
 
 @pytest.mark.usefixtures("umask_022")

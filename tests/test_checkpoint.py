@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +74,6 @@ def test_text_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyP
         atomic_write_text("rounds: 2\n", path)
     assert path.read_text() == "rounds: 1\n"
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
-
-
-@pytest.fixture
-def umask_022() -> Iterator[None]:
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
 
 
 @pytest.mark.usefixtures("umask_022")

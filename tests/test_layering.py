@@ -43,14 +43,18 @@ def imported_names(path: Path, root: Path = PACKAGE_ROOT) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join([*base, node.module] if node.module else base)
-            else:
-                module = node.module or ""
+            module = imported_from(node, package)
             names.add(module)
             names.update(f"{module}.{alias.name}" for alias in node.names)
     return names
+
+
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from MODULE import ...`` in ``package`` (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
 
 
 def source_of(name: str, root: Path = PACKAGE_ROOT) -> Path | None:
@@ -171,11 +175,7 @@ def import_graph(paths: list[Path], root: Path = PACKAGE_ROOT, lazy: bool = True
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    module = ".".join([*base, node.module] if node.module else base)
-                else:
-                    module = node.module or ""
+                module = imported_from(node, package)
                 for alias in node.names:
                     full = f"{module}.{alias.name}"
                     targets.add(full if source_of(full, root) is not None else module)
