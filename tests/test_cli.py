@@ -146,8 +146,9 @@ def test_interrupt_tells_how_to_resume(
     assert capsys.readouterr().err == f"\ninterrupted; continue with: fedweave run --resume {tmp_path}\n"
 
 
-def test_resume_continues_an_interrupted_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    r = runner.prepare(config_mod.load(None, SMALL), tmp_path)
+def stop_after_round_1(run_dir: Path) -> None:
+    """The SMALL run in ``run_dir``, interrupted once its first round is written."""
+    r = runner.prepare(config_mod.load(None, SMALL), run_dir)
 
     def stop(record: dict[str, object]) -> None:
         if record["round"] == 1:
@@ -155,6 +156,10 @@ def test_resume_continues_an_interrupted_run(capsys: pytest.CaptureFixture[str],
 
     with pytest.raises(KeyboardInterrupt):
         runner.execute(r, stop)
+
+
+def test_resume_continues_an_interrupted_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    stop_after_round_1(tmp_path)
     assert main(["run", "--resume", str(tmp_path)]) == 0
     err = capsys.readouterr().err.splitlines()
     assert [line.split(" [")[0] for line in err if line.startswith("round ")] == ["round 2/3", "round 3/3"]
@@ -199,14 +204,7 @@ def test_a_checkpoint_that_does_not_match_the_config_is_one_line(
 
 
 def test_resume_after_a_kill_that_tore_the_last_metrics_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    r = runner.prepare(config_mod.load(None, SMALL), tmp_path)
-
-    def stop(record: dict[str, object]) -> None:
-        if record["round"] == 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        runner.execute(r, stop)
+    stop_after_round_1(tmp_path)
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"round": 2, "train_lo')  # killed while round 2's line was written
     assert main(["run", "--resume", str(tmp_path), "-q"]) == 0
