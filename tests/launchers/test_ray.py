@@ -170,6 +170,19 @@ def test_an_actor_killed_mid_round_drops_only_its_client(cluster: str, tmp_path:
     assert (r.run_dir / runner.MODEL_FILE).is_file()
 
 
+def test_work_past_the_deadline_is_dropped_and_its_actors_replaced(cluster: str, tmp_path: Path) -> None:
+    """No client can answer within a millisecond: the round is skipped, both busy actors replaced."""
+    r = runner.prepare(
+        _config(tmp_path, "rounds=1", "round_timeout=0.001", "eval.federated_every=0", "launcher=ray",
+                f"ray.address={cluster}", "ray.actors=2"),
+        tmp_path / "r",
+    )
+    pool = r.parts.topology.transport.pool
+    (record,) = runner.execute(r)
+    assert record["skipped"] and record["clients_completed"] == 0
+    assert pool.replaced == 2
+
+
 def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray imports
     with pytest.raises(FedweaveError, match=r"pip install 'fedweave\[ray\]'"):
