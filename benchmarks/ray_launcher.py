@@ -50,7 +50,8 @@ def two_node_cluster(cpus: int, timeout: float = 120.0) -> Iterator[str]:
 
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a cluster of this machine alone, the driver included
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(fedweave.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # 0 would forbid the second node
     common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats"]

@@ -70,6 +70,8 @@ def cluster() -> Iterator[str]:
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # 0 would forbid a second node
     ray_cli = str(Path(sys.executable).with_name("ray"))
     common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    driver_auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver as the nodes, whatever token ~/.ray may hold
     procs: list[subprocess.Popen[bytes]] = []
     temps = [tempfile.mkdtemp(prefix="fwray-") for _ in range(2)]  # short: Ray's socket paths live here
     logs = [open(Path(t, "start.log"), "wb") for t in temps]  # noqa: SIM115 (closed below)
@@ -99,6 +101,10 @@ def cluster() -> Iterator[str]:
         _stop(procs)
         for f in logs:
             f.close()
+        if driver_auth is None:
+            del os.environ["RAY_AUTH_MODE"]
+        else:
+            os.environ["RAY_AUTH_MODE"] = driver_auth
 
 
 def _config(tmp_path: Path, *overrides: str) -> config_mod.Config:
