@@ -177,10 +177,11 @@ def test_an_actor_killed_mid_round_drops_only_its_client(cluster: str, tmp_path:
 
 
 def test_work_past_the_deadline_is_dropped_and_its_actors_replaced(cluster: str, tmp_path: Path) -> None:
-    """No client can answer within a millisecond: the round is skipped, both busy actors replaced."""
+    """100,000 local steps take far more than the 1 s deadline: the round is skipped, both busy actors
+    are replaced (and stop working at once)."""
     r = runner.prepare(
-        _config(tmp_path, "rounds=1", "round_timeout=0.001", "eval.federated_every=0", "launcher=ray",
-                f"ray.address={cluster}", "ray.actors=2"),
+        _config(tmp_path, "rounds=1", "round_timeout=1", "local.steps=100000", "eval.federated_every=0",
+                "launcher=ray", f"ray.address={cluster}", "ray.actors=2"),
         tmp_path / "r",
     )
     pool = r.parts.topology.transport.pool

@@ -206,7 +206,7 @@ class RayTransport:
         free = deque(range(len(self.pool.slots)))
         running: dict[Any, tuple[int, int]] = {}  # object ref -> (message index, slot)
         done: dict[int, tuple[Update | Evaluation, dict[str, Any]]] = {}
-        while queue or running:
+        while (queue or running) and not _passed(deadline):
             while queue and free:
                 i, slot = queue.popleft(), free.popleft()
                 running[self._submit(opened[i], slot)] = (i, slot)
@@ -219,6 +219,8 @@ class RayTransport:
             answer = self._answer(ready[0], opened[i], slot)
             if isinstance(answer, str):
                 self._drop(result, opened[i], answer)
+            elif _passed(deadline):  # seen after the deadline: late, as the in-process transport counts it
+                self._drop(result, opened[i], "missed the round deadline")
             else:
                 done[i] = answer
         for i, slot in running.values():
@@ -279,6 +281,10 @@ class RayTransport:
         self.pool.close()
         if self.owns_ray:
             self.ray.shutdown()
+
+
+def _passed(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
 
 
 def _is_data(value: Any) -> bool:
