@@ -142,6 +142,20 @@ def test_ray_run_equals_the_in_process_run(cluster: str, tmp_path: Path) -> None
     assert remote.store.state_dict().keys() == local.store.state_dict().keys() == {0, 1, 2, 3}
 
 
+def test_many_clients_share_a_pool_the_size_of_the_cluster(cluster: str, tmp_path: Path) -> None:
+    """40 clients, 10 sampled, no ray.actors: one actor per CPU of the cluster (2) trains them all."""
+    r = runner.prepare(
+        _config(tmp_path, "rounds=1", "clients=40", "sample_fraction=0.25", "eval.federated_every=0",
+                "launcher=ray", f"ray.address={cluster}"),
+        tmp_path / "r",
+    )
+    pool = r.parts.topology.transport.pool
+    assert len(pool.slots) == 2
+    (record,) = runner.execute(r)
+    assert (record["clients_sampled"], record["clients_completed"]) == (10, 10)
+    assert pool.replaced == 0
+
+
 class _KillFirstActor(logging.Handler):
     """Kills (SIGKILL) the actor that round 1's first client is sent to, as it is sent."""
 
@@ -194,6 +208,14 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray imports
     with pytest.raises(FedweaveError, match=r"pip install 'fedweave\[ray\]'"):
         import_ray()
+
+
+def test_an_unreachable_cluster_fails_at_once_with_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'fedweave[ray]')")
+    closed = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(FedweaveError, match=f"cannot reach the Ray cluster at ray.address='{closed}'"):
+        runner.prepare(_config(tmp_path, "launcher=ray", f"ray.address={closed}"), tmp_path / "r")
+    assert not (tmp_path / "r").exists()  # a run that could not be built leaves no directory
 
 
 def test_config_refuses_what_the_ray_launcher_cannot_run() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -296,6 +297,17 @@ def _is_data(value: Any) -> bool:
     return True
 
 
+def _reachable(address: str, timeout: float = 10.0) -> None:
+    """Fail at once, with one line, when nothing listens at ``host:port`` (Ray itself would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise FedweaveError(f"config key 'ray.address': expected host:port or auto, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise FedweaveError(f"cannot reach the Ray cluster at ray.address={address!r}: {exc}") from None
+
+
 def pool_size(ray: Any, config: Config) -> int:
     """``ray.actors``, or as many actors as the cluster's CPUs (and GPUs) hold, at most one per client."""
     s: RayConfig = config.ray
@@ -314,9 +326,15 @@ def launch_ray(config: Config, runtime: ClientRuntime) -> RayTransport:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # fedweave never reports usage anywhere
     owns = not ray.is_initialized()
     if owns:
+        address = config.ray.address
         started = time.perf_counter()
-        ray.init(address=config.ray.address, logging_level=logging.WARNING, log_to_driver=False)
-        log.info("joined Ray at %s in %.1f s", config.ray.address or "a new local cluster", time.perf_counter() - started)
+        if address not in (None, "auto"):
+            _reachable(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise FedweaveError(f"cannot join the Ray cluster at ray.address={address!r}: {exc}") from None
+        log.info("joined Ray at %s in %.1f s", address or "a new local cluster", time.perf_counter() - started)
     try:
         pool = ActorPool(ray, config, pool_size(ray, config))
     except BaseException:
