@@ -20,10 +20,12 @@ import fedweave
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.errors import ConfigError, FedweaveError
-from fedweave.launchers.ray import import_ray
+from fedweave.launchers.ray import ActorPool, import_ray
 
 START_TIMEOUT = 120.0
-SAME = ("train_loss", "test_loss", "test_accuracy", "federated_loss", "federated_accuracy", "bytes_sent", "bytes_received")
+SAME = (
+    "train_loss", "test_loss", "test_accuracy", "federated_loss", "federated_accuracy", "bytes_sent", "bytes_received"
+)
 
 
 def _free_port() -> int:
@@ -210,6 +212,20 @@ def test_work_past_the_deadline_is_dropped_and_its_actors_replaced(cluster: str,
     (record,) = runner.execute(r)
     assert record["skipped"] and record["clients_completed"] == 0
     assert pool.replaced == 2
+
+
+def test_actors_the_cluster_cannot_place_fail_the_run_before_round_1(
+    cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No node has 2 CPUs: after ray.start_timeout one line says so, and the waiting actor is killed."""
+    killed: list[int] = []
+    close = ActorPool.close
+    monkeypatch.setattr(ActorPool, "close", lambda pool: (killed.append(len(pool.slots)), close(pool))[1])
+    config = _config(tmp_path, "launcher=ray", f"ray.address={cluster}", "ray.actors=1", "ray.num_cpus=2",
+                     "ray.start_timeout=2")
+    with pytest.raises(FedweaveError, match=r"1 of 1 Ray actors did not start within ray.start_timeout=2.0 s"):
+        runner.prepare(config, tmp_path / "r")
+    assert killed == [1]
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

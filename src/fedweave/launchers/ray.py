@@ -75,7 +75,9 @@ class ClientWorker:
         """This actor's process id and host, once its task is built."""
         return os.getpid(), os.uname().nodename
 
-    def work(self, message: bytes, local: dict[str, Any], state: dict[str, Any]) -> tuple[bytes | None, dict[str, Any], str]:
+    def work(
+        self, message: bytes, local: dict[str, Any], state: dict[str, Any]
+    ) -> tuple[bytes | None, dict[str, Any], str]:
         """Client work on one encoded instruction: the encoded answer and the client's new state,
         or None and why it failed."""
         try:
@@ -112,20 +114,27 @@ class ActorPool:
         )(ClientWorker)
         self.slots = [self._start() for _ in range(size)]
         self.replaced = 0
+        try:
+            self._wait_ready(settings)
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d Ray actors ready: %s", size, ", ".join(f"pid {p} on {h}" for p, h in self.where_all()))
+
+    def _wait_ready(self, settings: RayConfig) -> None:
         refs = [s.ready for s in self.slots]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=settings.start_timeout)
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=settings.start_timeout)
         if len(done) < len(refs):
             raise FedweaveError(
-                f"{len(refs) - len(done)} of {size} Ray actors did not start within ray.start_timeout="
+                f"{len(refs) - len(done)} of {len(refs)} Ray actors did not start within ray.start_timeout="
                 f"{settings.start_timeout} s (each needs {settings.num_cpus} CPUs and {settings.num_gpus} GPUs; "
-                f"the cluster has {ray.cluster_resources()})"
+                f"the cluster has {self.ray.cluster_resources()})"
             )
         try:
             for slot in self.slots:
-                slot.where = tuple(ray.get(slot.ready))
-        except ray.exceptions.RayError as exc:
+                slot.where = tuple(self.ray.get(slot.ready))
+        except self.ray.exceptions.RayError as exc:
             raise FedweaveError(f"a Ray actor failed to build the task: {exc}") from None
-        log.info("%d Ray actors ready: %s", size, ", ".join(f"pid {p} on {h}" for p, h in self.where_all()))
 
     def _start(self) -> _Slot:
         actor = self.actor_class.options(scheduling_strategy="SPREAD").remote(self.config_text)
