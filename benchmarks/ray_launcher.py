@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -55,11 +56,12 @@ def two_node_cluster(cpus: int, timeout: float = 120.0) -> Iterator[str]:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(fedweave.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # 0 would forbid the second node
     common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats"]
-    procs = []
+    procs, temps = [], []
     deadline = time.monotonic() + timeout
     try:
         for args in (["--head", f"--port={port}", "--include-dashboard=false"], [f"--address={address}"]):
             temp = tempfile.mkdtemp(prefix="fwray-")
+            temps.append(temp)
             procs.append(subprocess.Popen(
                 [str(Path(sys.executable).with_name("ray")), "start", *args, *common, f"--temp-dir={temp}"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -88,6 +90,8 @@ def two_node_cluster(cpus: int, timeout: float = 120.0) -> Iterator[str]:
             end = time.monotonic() + grace
             while time.monotonic() < end and any(p.poll() is None for p in procs):
                 time.sleep(0.2)
+        for temp in temps:
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def measure(overrides: list[str], out: Path) -> tuple[float, float, dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,6 +104,8 @@ def cluster() -> Iterator[str]:
         _stop(procs)
         for f in logs:
             f.close()
+        for t in temps:
+            shutil.rmtree(t, ignore_errors=True)
         if driver_auth is None:
             del os.environ["RAY_AUTH_MODE"]
         else:
