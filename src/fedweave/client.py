@@ -130,6 +130,16 @@ def _copy(value: Any) -> Any:
     return value
 
 
+@dataclass
+class Opened:
+    """An instruction the client side has received (see :meth:`ClientRuntime.open`)."""
+
+    round: int
+    client_id: int
+    instruction: Instruction
+    ctx: PluginContext
+
+
 class ClientRuntime:
     """Handles train and evaluate messages for every client of this process."""
 
@@ -157,6 +167,19 @@ class ClientRuntime:
         self.plugin_state: dict[int, dict[str, Any]] = {}  # client id -> its plugins' private state
 
     def handle(self, msg: Message) -> Message:
+        try:
+            opened = self.open(msg)
+            if isinstance(opened, Message):
+                return opened
+            body, state = self.work(msg.client_id, opened.instruction, self.store.get(msg.client_id))
+            return self.close(opened, body, state)
+        finally:
+            self.release(msg.client_id)
+
+    def open(self, msg: Message) -> Message | Opened:
+        """The first half of handling ``msg``: a control step's answer, or the instruction as the
+        client_receive chain decodes it, the client's pending state settled. A launcher that runs
+        :meth:`work` elsewhere (Ray actors) calls :meth:`open`, :meth:`close`, :meth:`release` here."""
         cid = msg.client_id
         if not isinstance(msg.body, (Instruction, Control)):
             raise TypeError(f"client {cid} expected an instruction, got {type(msg.body).__name__}")
@@ -164,33 +187,46 @@ class ClientRuntime:
             raise ValueError(f"client id {cid} is outside 0..{len(self.data) - 1}")
         state = self.plugin_state.setdefault(cid, {})
         ctx = PluginContext(round=msg.round, client_id=cid, side="client", state=state)
-        try:
-            if isinstance(msg.body, Control):
-                return Message(msg.round, cid, self.chains.answer(msg.body, ctx))
-            return Message(msg.round, cid, self._work(cid, self.chains.to_client(msg.body, ctx), ctx))
-        finally:
-            if not state:
-                self.plugin_state.pop(cid, None)
-
-    def _work(self, cid: int, instruction: Instruction, ctx: PluginContext) -> Update | Evaluation:
+        if isinstance(msg.body, Control):
+            return Message(msg.round, cid, self.chains.answer(msg.body, ctx))
+        instruction = self.chains.to_client(msg.body, ctx)
         accepted = instruction.config.get(ACCEPTED_ROUND)
         if accepted is not None and (not isinstance(accepted, int) or isinstance(accepted, bool) or accepted < 0):
             raise ValueError(f"client {cid}: instruction config {ACCEPTED_ROUND!r} is {accepted!r}, not a round >= 0")
         self.store.settle(cid, accepted, training=instruction.task is TaskKind.TRAIN)
-        job = self._job(cid, instruction)
+        return Opened(msg.round, cid, instruction, ctx)
+
+    def work(
+        self, cid: int, instruction: Instruction, state: dict[str, Any]
+    ) -> tuple[Update | Evaluation, dict[str, Any]]:
+        """Client ``cid``'s local work on ``instruction`` from its committed ``state``: the update
+        (before the client_send chain) or evaluation, and the client's new state."""
+        job = self._job(cid, instruction, state)
         if instruction.task is TaskKind.EVALUATE:
-            return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid)
+            return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid), job.state
         start = time.perf_counter()
         update = self.algorithm.train(job)
         update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
         if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
             update.metrics = {**update.metrics, **job.settings.privacy.report()}
-        self.store.stage(cid, instruction.round, job.state)
-        if self.attacker is not None:
+        if self.attacker is not None:  # after training, before any plugin: what a poisoning client sends
             update = self.attacker.update(update, instruction.params, instruction.round, cid)
-        return self.chains.client_send.encode(update, dataclasses.replace(ctx, config=instruction.config))
+        return update, job.state
 
-    def _job(self, cid: int, instruction: Instruction) -> ClientJob:
+    def close(self, opened: Opened, body: Update | Evaluation, state: dict[str, Any]) -> Message:
+        """The second half: keep a trained state pending, encode the update, the reply."""
+        instruction = opened.instruction
+        if instruction.task is TaskKind.TRAIN:
+            self.store.stage(opened.client_id, instruction.round, state)
+            body = self.chains.client_send.encode(body, dataclasses.replace(opened.ctx, config=instruction.config))
+        return Message(opened.round, opened.client_id, body)
+
+    def release(self, cid: int) -> None:
+        """Forget the client's plugin state once it holds nothing."""
+        if not self.plugin_state.get(cid, True):
+            del self.plugin_state[cid]
+
+    def _job(self, cid: int, instruction: Instruction, state: dict[str, Any]) -> ClientJob:
         self.model.load_state_dict(instruction.params)
         settings = self.settings
         overrides = {k: v for k, v in instruction.config.items() if hasattr(settings, k)}
@@ -213,6 +249,6 @@ class ClientRuntime:
             loss_fn=self.loss_fn,
             settings=settings,
             generator=torch_generator(self.seed, "client", instruction.round, cid),
-            state=self.store.get(cid),
+            state=state,
         )
 

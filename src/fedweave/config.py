@@ -223,11 +223,27 @@ class TorchDistConfig:
 @dataclass
 class LauncherConfig:
     SHORTHAND = "kind"
-    kind: Literal["local", "process"] = opt(
+    kind: Literal["local", "process", "ray"] = opt(
         "local",
         help="where nodes run: local = this process only (simulation, or the gRPC server) | "
-        "process = the server and every client as local processes (needs transport grpc)",
+        "process = the server and every client as local processes (needs transport grpc) | "
+        "ray = the server here, clients trained by a pool of Ray actors (see ray.*)",
     )
+
+
+@dataclass
+class RayConfig:
+    """The Ray launcher (``launcher: ray``, extra ``ray``); see docs/deployment.md (Ray)."""
+
+    address: str | None = opt(
+        None, help="Ray cluster to join: host:port of its head, or auto (none: start a local one in this process)"
+    )
+    actors: int | None = opt(
+        None, ge=1, help="actors in the pool that trains the clients (none: as many as the cluster's resources hold)"
+    )
+    num_cpus: float = opt(1.0, gt=0, help="CPUs each actor reserves")
+    num_gpus: float = opt(0.0, ge=0, help="GPUs each actor reserves (a fraction shares one GPU)")
+    start_timeout: float = opt(300.0, gt=0, help="seconds the actors may take to start (each loads the task once)")
 
 
 @dataclass
@@ -521,6 +537,7 @@ class Config:
     topology: TopologyConfig = opt(factory=TopologyConfig)
     transport: TransportConfig = opt(factory=TransportConfig)
     launcher: LauncherConfig = opt(factory=LauncherConfig)
+    ray: RayConfig = opt(factory=RayConfig)
     grpc: GrpcConfig = opt(factory=GrpcConfig)
     torchdist: TorchDistConfig = opt(factory=TorchDistConfig)
     eval: EvalConfig = opt(factory=EvalConfig)
@@ -562,6 +579,13 @@ class Config:
             raise ConfigError(
                 f"config key 'launcher': 'process' runs every node as its own process, which needs a "
                 f"network transport; set transport: grpc (got {self.transport.kind!r})"
+            )
+        if self.mode == "federated" and self.launcher.kind == "ray" and (
+            self.transport.kind != "inmemory" or emulates_clients(self)
+        ):
+            raise ConfigError(
+                "config key 'launcher': 'ray' carries the clients' work to Ray actors itself and runs them at "
+                "their real speed; it needs transport inmemory and no heterogeneity emulation"
             )
         if self.mode == "data_parallel":
             _check_data_parallel(self)

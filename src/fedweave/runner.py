@@ -213,6 +213,12 @@ def _topology(config: Config, runtime: ClientRuntime) -> Topology:
         from fedweave.node import server_topology
 
         return server_topology(config)
+    if config.launcher.kind == "ray":  # the clients' local work on a pool of Ray actors
+        from fedweave.build import strategy_class
+        from fedweave.launchers.ray import launch_ray
+        from fedweave.topologies.arrange import arrange
+
+        return arrange(config, launch_ray(config, runtime), strategy_class(config))
     emulated = emulated_clients(config, runtime.handle)  # None unless client speeds are emulated (star only)
     if emulated is not None:
         return emulated
