@@ -20,6 +20,7 @@ import torch
 import fedweave
 from fedweave import config as config_mod
 from fedweave import runner
+from fedweave import rundir
 from fedweave.errors import ConfigError, FedweaveError
 from fedweave.launchers.ray import ActorPool, import_ray
 
@@ -200,7 +201,7 @@ def test_an_actor_killed_mid_round_drops_only_its_client(cluster: str, tmp_path:
     assert (first["clients_sampled"], first["clients_completed"]) == (4, 3)  # only the killed actor's client
     assert (second["clients_sampled"], second["clients_completed"]) == (4, 4)  # the pool is whole again
     assert pool.replaced == 1
-    assert (r.run_dir / runner.MODEL_FILE).is_file()
+    assert (r.run_dir / rundir.MODEL_FILE).is_file()
 
 
 def test_work_past_the_deadline_is_dropped_and_its_actors_replaced(cluster: str, tmp_path: Path) -> None:
