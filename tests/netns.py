@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -88,6 +89,25 @@ class Hosts(NetworkNamespaces):
     def exec(self, i: int) -> list[str]:
         """The command prefix that runs a command on host ``i``."""
         return ["ip", "netns", "exec", self.namespace(i)]
+
+    def torchrun(self, i: int, nnodes: str, rdzv_conf: str, port: int = 29400) -> tuple[list[str], dict[str, str]]:
+        """Host ``i``'s torchrun agent (one worker; the c10d rendezvous on host 0, which hosts
+        its store): the command up to the module or script to run, and the environment."""
+        command = [
+            *self.exec(i), sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.address(0)}:{port}", "--rdzv-id=job", "--max-restarts=3",
+            f"--rdzv-conf={rdzv_conf},is_host={str(i == 0).lower()}", f"--local-addr={self.address(i)}",
+            "--monitor-interval=0.1",
+        ]
+        env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": self.device(i),
+            "OMP_NUM_THREADS": "1",
+            "LOGLEVEL": "INFO",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # else a host that joins a running job waits forever (torch 2.13)
+        }
+        return command, env
 
     def kill(self, i: int) -> None:
         """SIGKILL every process of host ``i`` at once, as a machine that dies."""

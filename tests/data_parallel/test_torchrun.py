@@ -33,7 +33,6 @@ from fedweave import config as config_mod
 from fedweave.data_parallel import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
-PORT = 29400
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 TIMEOUT = 90.0
 CONFIG = {
@@ -72,24 +71,13 @@ def write_config(tmp_path: Path, **dp: Any) -> tuple[Path, config_mod.Config]:
 
 def agent(hosts: netns.Hosts, i: int, nnodes: str, config: Path, run_dir: Path, *overrides: str) -> subprocess.Popen[bytes]:
     """Host ``i``'s torchrun agent (output in ``run_dir/../agent-<i>.log``)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}",
-        "GLOO_SOCKET_IFNAME": hosts.device(i),
-        "OMP_NUM_THREADS": "1",
-        "LOGLEVEL": "INFO",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # else a host that joins a running job waits forever (torch 2.13)
-    }
-    command = [
-        *hosts.exec(i), sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={hosts.address(0)}:{PORT}", "--rdzv-id=job", "--max-restarts=3",
-        f"--rdzv-conf={RDZV_CONF},is_host={str(i == 0).lower()}", f"--local-addr={hosts.address(i)}",
-        "--monitor-interval=0.1",
-        "-m", "fedweave.data_parallel", str(config), *overrides, "--run-dir", str(run_dir),
-    ]
+    command, env = hosts.torchrun(i, nnodes, RDZV_CONF)
+    env["PYTHONPATH"] = f"{ROOT / 'src'}:{ROOT / 'tests'}"
     log = (run_dir.parent / f"agent-{i}.log").open("wb")
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [*command, "-m", "fedweave.data_parallel", str(config), *overrides, "--run-dir", str(run_dir)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
