@@ -23,19 +23,40 @@ first; its time is printed too):
 ``--slowdown`` runs the fastest emulated worker that many times slower than native,
 so that the emulated cluster fits the cores: speeds 1:2:4 keep Σ 1/f_i = 1.75 / slowdown
 cores busy (see docs/heterogeneity.md).
+
+``--hosts 3`` runs each worker on a host of its own: three network namespaces on a
+bridge (root and iproute2), one torchrun agent each, the rendezvous on host 0
+(docs/heterogeneity.md, *Across hosts*). It then also measures a world change: the
+seconds from a SIGKILL of one host to the survivors' next step under torchrun (the
+survivors' workers restart and resume from the job's saved state) against the
+in-place re-formation of one host's launcher (``fedweave run``, a worker SIGKILLed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from fedweave import config as config_mod
 from fedweave import data_parallel
+from fedweave.observe.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the network namespaces of the multi-host tests
+
+import netns  # noqa: E402
+
+RDZV_CONF = "join_timeout=120,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 BASE = [
     "mode=data_parallel",
@@ -65,6 +86,66 @@ def run(policy: str, epochs: int, slowdown: float, out: Path) -> list[dict[str, 
     return data_parallel.execute(data_parallel.prepare(config, out / policy))
 
 
+def run_hosts(hosts: netns.Hosts, overrides: list[str], run_dir: Path, kill_at: int | None = None) -> float | None:
+    """A torchrun job of one worker per host with ``overrides``, until it ends; with ``kill_at``,
+    host ``count - 1`` is SIGKILLed once the metrics reach that step (the job has ``--nnodes``
+    down to ``count - 1``): the seconds from the kill to the survivors' first metrics line."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(config_mod.to_yaml(config_mod.load(None, overrides)))
+    n = hosts.count
+    nnodes = str(n) if kill_at is None else f"{n - 1}:{n}"
+    agents = []
+    for i in range(n):
+        command, env = hosts.torchrun(i, nnodes, RDZV_CONF)
+        env["PYTHONPATH"] = str(ROOT / "src")
+        log = (run_dir.parent / f"{run_dir.name}-agent-{i}.log").open("wb")
+        agents.append(subprocess.Popen([*command, "-m", "fedweave.data_parallel", str(config), "--run-dir", str(run_dir)],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT))
+    recovery = None
+    try:
+        if kill_at is not None:
+            while not (lines := whole_lines(run_dir)) or lines[-1]["step"] < kill_at:
+                time.sleep(0.005)
+            hosts.kill(n - 1)
+            killed = time.monotonic()
+            while whole_lines(run_dir)[-1]["generation"] == 0:
+                time.sleep(0.005)
+            recovery = time.monotonic() - killed
+        for a in agents[: n - 1 if kill_at is not None else n]:
+            if a.wait(timeout=900) != 0:
+                raise SystemExit(f"a torchrun agent failed: see {run_dir.parent}/*-agent-*.log")
+    finally:
+        for a in agents:
+            a.kill()
+    return recovery
+
+
+def whole_lines(run_dir: Path) -> list[dict[str, Any]]:
+    """The metrics lines written so far (not one being written)."""
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
+def in_place_recovery(overrides: list[str], run_dir: Path, kill_at: int) -> float:
+    """The seconds from a SIGKILL of worker 2 of one host's launcher to the survivors' first metrics line."""
+    config = config_mod.load(None, overrides)
+    pids: dict[int, int] = {}
+    killed: list[float] = []
+    recovered: list[float] = []
+
+    def watch(record: dict[str, Any]) -> None:
+        if not killed and record["step"] >= kill_at:
+            os.kill(pids[2], signal.SIGKILL)
+            killed.append(time.monotonic())
+        elif killed and not recovered and record["workers"] == [0, 1]:
+            recovered.append(time.monotonic())
+
+    data_parallel.execute(data_parallel.prepare(config, run_dir), on_record=watch, on_start=pids.update)
+    return recovered[0] - killed[0]
+
+
 def epoch_stats(record: dict[str, Any], global_batch: int) -> dict[str, float]:
     """Measured and ideal time of one epoch's metrics line."""
     steps = record["samples"] / global_batch
@@ -92,11 +173,36 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--slowdown", type=float, default=2.0)
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy for time-to-accuracy")
+    parser.add_argument("--hosts", type=int, choices=(0, 3), default=0,
+                        help="3: each worker on a network namespace of its own under torchrun (root); 0: one host")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     B = 224
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {policy: run(policy, args.epochs, args.slowdown, Path(tmp)) for policy in ("dynamic", "static")}
+    hosts = None
+    if args.hosts:
+        reason = netns.unavailable()
+        if reason:
+            raise SystemExit(f"--hosts: {reason}")
+        hosts = netns.Hosts(args.hosts)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {}
+            for policy in ("dynamic", "static"):
+                if hosts is None:
+                    results[policy] = run(policy, args.epochs, args.slowdown, Path(tmp))
+                    continue
+                overrides = [*BASE, f"data_parallel.epochs={args.epochs}", f"data_parallel.controller.policy={policy}",
+                             f"heterogeneity.slowdown={args.slowdown}"]
+                run_hosts(hosts, overrides, Path(tmp) / policy)
+                results[policy] = read_metrics(Path(tmp) / policy / "metrics.jsonl")
+            if hosts is not None:
+                change = [*BASE, "data_parallel.epochs=2", "data_parallel.log_every=1",
+                          f"heterogeneity.slowdown={args.slowdown}", "data_parallel.checkpoint_every=10"]
+                elastic = run_hosts(hosts, change, Path(tmp) / "kill", kill_at=25)
+                in_place = in_place_recovery(change, Path(tmp) / "kill-in-place", kill_at=25)
+    finally:
+        if hosts is not None:
+            hosts.close()
     summary = {}
     for policy, records in results.items():
         stats = [epoch_stats(r, B) for r in records]
@@ -127,6 +233,9 @@ def main() -> None:
     if t_dyn and t_sta:
         print(f"time-to-accuracy ratio (static / dynamic): {t_sta / t_dyn:.2f}x; final accuracy "
               f"{dyn['records'][-1]['test_accuracy']:.4f} dynamic vs {sta['records'][-1]['test_accuracy']:.4f} static")
+    if hosts is not None:
+        print(f"SIGKILL of one host to the survivors' next step: {elastic:.2f} s under torchrun (restart from the "
+              f"saved state) vs {in_place:.2f} s in place on one host (the launcher's re-formation)")
 
 
 def _fmt(seconds: float | None) -> str:

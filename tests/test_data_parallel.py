@@ -208,6 +208,23 @@ def test_too_few_survivors_stop_cleanly_and_the_run_resumes(tmp_path: Path) -> N
     assert_matches_reference(run, config)
 
 
+def test_checkpoint_every_bounds_the_steps_a_stopped_run_loses(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = dp_config(
+        "data_parallel.min_workers=3", "data_parallel.checkpoint_every=4", "heterogeneity.crashes=[{step: 14, worker: 0}]"
+    )
+    with pytest.raises(data_parallel.DataParallelError, match="min_workers is 3"):
+        data_parallel.execute(data_parallel.prepare(config, run))
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["state"]["step"] == 12  # 4, 8, (10: epoch), 12
+    text = (run / "config.yaml").read_text().replace("crashes:\n  - step: 14\n    worker: 0\n", "crashes: []\n")
+    (run / "config.yaml").write_text(text)
+    resumed = data_parallel.resume(run)
+    assert resumed.start_step == 12 and [rec["step"] for rec in resumed.records] == [5, 10]
+    records = data_parallel.execute(resumed)
+    assert [rec["step"] for rec in records] == [5, 10, 15, 20, 25, 30]
+    assert_matches_reference(run, config)
+
+
 JOIN = ["data_parallel.workers=2", "heterogeneity.joins=[{step: 12, worker: 2}]"]  # speeds [1, 2, 4]
 
 

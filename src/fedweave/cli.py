@@ -84,6 +84,18 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running job")
     join.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for the run to start")
     join.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
+    worker = sub.add_parser(
+        "worker",
+        help="be one worker of a data-parallel job started by torchrun (on one host or many)",
+        description="One worker of a data-parallel job under torchrun: `torchrun --nnodes=MIN:MAX "
+        "--nproc-per-node=K --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --max-restarts=R -m "
+        "fedweave.data_parallel CONFIG` runs this command in every process it starts.",
+    )
+    worker.add_argument("config", help="YAML config file (mode: data_parallel)")
+    worker.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data_parallel.epochs=3")
+    worker.add_argument("--run-dir", metavar="DIR", help="the job's run directory (default: "
+                        "<output_dir>/<name>-<rendezvous id>), on storage every host sees")
+    worker.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
     _node_parsers(sub)
     deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
     targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -163,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # `fedweave run -q CONFIG rounds=5` and `fedweave run CONFIG -q rounds=5` mean the same:
     # overrides that follow an option arrive here, not in args.overrides.
-    if getattr(args, "command", None) in ("run", "server", "client", "site", "deploy"):
+    if getattr(args, "command", None) in ("run", "server", "client", "site", "deploy", "worker"):
         stray = [e for e in extra if "=" in e and not e.startswith("-")]
         args.overrides = [*args.overrides, *stray]
         extra = [e for e in extra if e not in stray]
@@ -186,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args)
         if args.command == "join":
             return _join(args)
+        if args.command == "worker":
+            return _worker(args)
         if args.command in ("server", "client", "site", "certs"):
             return _node(args)
         if args.command == "deploy":
@@ -384,6 +398,21 @@ def _join(args: argparse.Namespace) -> int:
     )
     worker = data_parallel.join(args.run_dir, wait=args.wait)
     print(f"worker {worker} trained with the run in {args.run_dir} to its end", file=sys.stderr)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """``fedweave worker CONFIG``: one worker of a torchrun job (``python -m fedweave.data_parallel``)."""
+    from fedweave import config as config_mod
+    from fedweave.data_parallel import torchrun
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    config = config_mod.load(args.config, args.overrides)
+    run_dir = torchrun.run(config, args.run_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"fedweave: the job's run directory is {run_dir}", file=sys.stderr)
     return 0
 
 

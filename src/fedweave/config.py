@@ -413,6 +413,10 @@ class DataParallelConfig(StalenessOptions):
     timeout: float = opt(30.0, gt=0, help="seconds a collective or a re-formation waits before a worker counts as lost")
     min_workers: int = opt(1, ge=1, help="fewest surviving workers that continue after a failure")
     log_every: int = opt(10, ge=1, help="steps per metrics line (and at each epoch's end)")
+    checkpoint_every: int = opt(
+        0, ge=0, help="steps between checkpoints, which an elastic torchrun job resumes from after a world change "
+        "(0: at epoch ends, as checkpoint.every says)"
+    )
     sync: Literal["bsp", "asp"] = opt(
         "bsp",
         help="bsp: synchronous steps, every worker waits for the slowest | asp: a parameter server applies each "

@@ -26,7 +26,6 @@ import base64
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import netns
 import pytest
 from conftest import free_port
 
@@ -187,7 +187,7 @@ class Loopback:
         """Nothing to release."""
 
 
-class Namespaces:
+class Namespaces(netns.NetworkNamespaces):
     """Each pod in a network namespace of its own, its veth on one bridge in a "node" namespace (the
     kubelet's side, which probes), as a cluster network: a pod's /etc/hosts (``ip netns exec`` mounts
     /etc/netns/NS/hosts over it) resolves each Service's names to the address of the pod it selects,
@@ -197,35 +197,24 @@ class Namespaces:
     SUBNET = "10.213.0"
 
     def __init__(self) -> None:
-        self.tag = f"fwk{os.getpid() % 100000}"
+        super().__init__(f"fwk{os.getpid() % 100000}")
         self.node = f"{self.tag}-node"
-        self.made: list[str] = []
-
-    def _ip(self, *args: str) -> None:
-        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
-        if done.returncode != 0:
-            raise OSError(f"`ip {' '.join(args)}`: {done.stderr.strip()}")
-
-    def add_namespace(self, name: str) -> None:
-        self._ip("netns", "add", name)
-        self.made.append(name)
-        self._ip("-n", name, "link", "set", "lo", "up")
 
     def attach(self, running: list[Pod], objects: list[dict[str, Any]]) -> None:
         self.add_namespace(self.node)
-        self._ip("-n", self.node, "link", "add", "br0", "type", "bridge")
-        self._ip("-n", self.node, "addr", "add", f"{self.SUBNET}.1/24", "dev", "br0")
-        self._ip("-n", self.node, "link", "set", "br0", "up")
+        self.ip("-n", self.node, "link", "add", "br0", "type", "bridge")
+        self.ip("-n", self.node, "addr", "add", f"{self.SUBNET}.1/24", "dev", "br0")
+        self.ip("-n", self.node, "link", "set", "br0", "up")
         self.address: dict[str, str] = {}
         for i, pod in enumerate(running):
             ns, pod_end, bridge_end = f"{self.tag}-{i}", f"{self.tag}p{i}", f"{self.tag}b{i}"
             self.add_namespace(ns)
-            self._ip("link", "add", pod_end, "type", "veth", "peer", "name", bridge_end)
-            self._ip("link", "set", pod_end, "netns", ns)
-            self._ip("link", "set", bridge_end, "netns", self.node)
-            self._ip("-n", self.node, "link", "set", bridge_end, "master", "br0", "up")
-            self._ip("-n", ns, "addr", "add", f"{self.SUBNET}.{10 + i}/24", "dev", pod_end)
-            self._ip("-n", ns, "link", "set", pod_end, "up")
+            self.ip("link", "add", pod_end, "type", "veth", "peer", "name", bridge_end)
+            self.ip("link", "set", pod_end, "netns", ns)
+            self.ip("link", "set", bridge_end, "netns", self.node)
+            self.ip("-n", self.node, "link", "set", bridge_end, "master", "br0", "up")
+            self.ip("-n", ns, "addr", "add", f"{self.SUBNET}.{10 + i}/24", "dev", pod_end)
+            self.ip("-n", ns, "link", "set", pod_end, "up")
             self.address[pod.name] = f"{self.SUBNET}.{10 + i}"
             pod.prefix = ["ip", "netns", "exec", ns]
         hosts = []
@@ -246,14 +235,6 @@ class Namespaces:
         out = subprocess.run([*command, str(seconds)], capture_output=True, text=True, timeout=seconds + 30, check=False)
         return out.stdout.strip() or out.stderr[-500:]
 
-    def close(self) -> None:
-        for name in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10, check=False)
-            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
-        try:
-            Path("/etc/netns").rmdir()  # only when no other namespace keeps files there
-        except OSError:
-            pass
 
 
 def run(tmp_path: Path, config: Path, names: list[str], network: Loopback | Namespaces) -> tuple[Pod, list[dict[str, Any]]]:
@@ -304,24 +285,10 @@ def assert_same_as_in_memory(records: list[dict[str, Any]], config: Path, tmp_pa
             assert got[key] == pytest.approx(want[key], abs=1e-5), key
 
 
-def namespaces_unavailable() -> str | None:
-    """Why this machine cannot give each pod a network namespace (None: it can)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "network namespaces need root and iproute2's ip"
-    trial = Namespaces()
-    try:
-        trial.add_namespace(f"{trial.tag}-check")
-    except OSError as exc:
-        return f"network namespaces are not permitted here: {exc}"
-    finally:
-        trial.close()
-    return None
-
-
 @pytest.fixture
 def network() -> Loopback | Namespaces:
     """A network namespace per pod where this machine allows, else the loopback."""
-    return Loopback() if namespaces_unavailable() else Namespaces()
+    return Loopback() if netns.unavailable() else Namespaces()
 
 
 def ports(network: Loopback | Namespaces) -> str:

@@ -132,6 +132,7 @@ class Worker:
         self.joins = Joins()
         self.metrics = MetricsWriter(shared.run_dir / METRICS_FILE)
         self.logged_step = -1
+        self.stop_requested = False  # set (by a signal handler) to stop at the next step boundary
         self.started = time.perf_counter()
         if shared.resume is not None:
             self.load_state_dict(shared.resume)
@@ -192,6 +193,17 @@ class Worker:
             log.info("worker %d: generation %d at step %d with workers %s", self.id, gen, self.step, self.members)
         group.close()
 
+    def adopt(self, group: Group) -> None:
+        """Take part in ``group``, formed elsewhere (torchrun's rendezvous): every member takes
+        the state of the most advanced one, and the controller replans over the members."""
+        self._sync(group)
+        if self.controller.workers != self.members:
+            self.controller.set_workers(self.members)
+
+    def train(self, group: Group) -> None:
+        """Take steps in ``group`` until the run is done or a stop is requested."""
+        self._train(group)
+
     def _sync(self, group: Group) -> None:
         """Every member takes the state of the most advanced one (lowest rank among equals):
         a member may have completed the step that failed on the others; a newcomer has none."""
@@ -220,7 +232,7 @@ class Worker:
         if group.rank == 0:
             self.logged_step = last_logged_step(self.metrics.path)
         self.joins.poll(force=True)
-        while not self._done():
+        while not self._done() and not self.stop_requested:
             tail = self._step(group)
             if tail is None:
                 continue  # the step is taken again with the lowered batches
@@ -317,6 +329,8 @@ class Worker:
         self.window.step_time += time.perf_counter() - step_start
         if epoch_end or self.step % dp.log_every == 0 or self._done():
             self._record(group, epoch_end)
+        if group.rank == 0 and dp.checkpoint_every and self.step % dp.checkpoint_every == 0 and not self._done():
+            save_checkpoint(self.shared.run_dir, self.step, self.state_dict())
 
     def _record(self, group: Group, epoch_end: bool) -> None:
         """Close the metrics window; rank 0 writes it (with an evaluation at epoch ends or the

@@ -76,9 +76,8 @@ class Joins:
     def poll(self, force: bool = False) -> None:
         """Read the store's count of announced joiners, at most every ``JOIN_POLL`` seconds."""
         now = time.monotonic()
-        if not force and now - self.last_poll < JOIN_POLL:
-            return
-        assert self.store is not None
+        if self.store is None or (not force and now - self.last_poll < JOIN_POLL):
+            return  # no store: torchrun's rendezvous admits joiners (the group is formed anew)
         try:
             self.seen = int(self.store.add(JOINS_KEY, 0))
         except Exception as exc:
@@ -88,8 +87,8 @@ class Joins:
     def due(self, announced: int, step: int, members: list[int]) -> list[int]:
         """Joiners to admit after ``step``: announced (``announced`` is the largest count any
         member read, the same on every member), due by their first step, not yet admitted."""
-        assert self.store is not None
         for i in range(len(self.announced) + 1, announced + 1):  # slots up to the count are filled
+            assert self.store is not None
             self.announced.append(_parse_announcement(self.store.get(f"join/{i}").decode()))
         due = sorted({w for w, first in self.announced if first <= step} - self.admitted - set(members))
         self.admitted.update(due)

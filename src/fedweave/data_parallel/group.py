@@ -40,10 +40,11 @@ class Stopped(Exception):
 
 class Group:
     """One generation of the process group: ``members`` (worker ids, sorted) joined under
-    the store prefix of generation ``gen``; rank = position of this worker in ``members``."""
+    the store prefix of generation ``gen``; rank = position of this worker in ``members``.
+    Without a store the group is torchrun's: its rendezvous, from the environment (``env://``)."""
 
     def __init__(
-        self, store: dist.Store, gen: int, members: list[int], worker: int, backend: str, timeout: float,
+        self, store: dist.Store | None, gen: int, members: list[int], worker: int, backend: str, timeout: float,
         device: torch.device,
     ):
         self.gen = gen
@@ -51,10 +52,11 @@ class Group:
         self.rank = members.index(worker)
         self.size = len(members)
         self.device = device
+        where = {"init_method": "env://"} if store is None else {"store": dist.PrefixStore(f"gen{gen}/", store)}
         try:
             dist.init_process_group(
                 backend,
-                store=dist.PrefixStore(f"gen{gen}/", store),
+                **where,
                 rank=self.rank,
                 world_size=self.size,
                 timeout=datetime.timedelta(seconds=timeout),

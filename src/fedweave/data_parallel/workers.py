@@ -37,6 +37,7 @@ class Shared:
     backend: str
     resume: dict[str, Any] | None = None
     dataset: Dataset | None = None  # preloaded by the launcher when the workers are forked
+    local_rank: int | None = None  # under torchrun: the worker's index on its host (its GPU); else its id
 
 
 def resolve_backend(config: Config) -> tuple[str, str]:
@@ -76,7 +77,8 @@ def worker_setup(worker: int, shared: Shared) -> tuple[Emulator, torch.device, D
     if threads:
         torch.set_num_threads(threads)
     emulator = Emulator(cfg.heterogeneity, worker, threads or torch.get_num_threads())
-    device = torch.device(f"cuda:{worker}") if shared.backend == "nccl" else torch.device("cpu")
+    gpu = worker if shared.local_rank is None else shared.local_rank
+    device = torch.device(f"cuda:{gpu}") if shared.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return emulator, device, shared.dataset or load_data(cfg)

@@ -1,0 +1,203 @@
+"""Data-parallel training under torchrun across hosts: each host a network namespace with
+its own address on one bridge (:mod:`netns`), one torchrun agent per host, the c10d
+rendezvous on host 0's address, the run directory on storage all hosts see.
+
+- two hosts train the model one process trains on the same global batches (float64,
+  ≤ 1e-6 relative), with unequal b_i;
+- a host killed with SIGKILL mid-epoch: the other goes on (torchrun re-forms the group
+  within its rendezvous timeouts), resumes from the job's latest state, loses at most
+  ``checkpoint_every`` steps, covers every sample of each epoch once (the model is still
+  the one process's) and ends;
+- a third host that starts its agent mid-run gets its share of the batch within two
+  controller decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import netns
+from conftest import reference
+from fedweave import config as config_mod
+from fedweave.data_parallel import torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+TIMEOUT = 90.0
+CONFIG = {
+    "name": "torchrun",
+    "seed": 0,
+    "mode": "data_parallel",
+    "task": {
+        "dataset": "synthetic",
+        "dataset_options": {"samples": 600, "features": 8, "classes": 4},
+        "model": "data_parallel.models:mlp64",
+        "model_options": {"hidden": [16]},
+    },
+    # 480 training samples, 47 a step: 10 steps of 47 and one of 10 per epoch, split unequally
+    "data_parallel": {"workers": 2, "global_batch": 47, "epochs": 2, "lr": 0.1, "momentum": 0.9, "log_every": 1,
+                      "timeout": 10, "checkpoint_every": 4, "controller": {"every": 3}},
+}
+
+needs_hosts = pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or "")
+
+
+@pytest.fixture
+def hosts() -> Iterator[netns.Hosts]:
+    made = netns.Hosts(3)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def write_config(tmp_path: Path, **dp: Any) -> tuple[Path, config_mod.Config]:
+    cfg = {**CONFIG, "data_parallel": {**CONFIG["data_parallel"], **dp}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, config_mod.load(path)
+
+
+def agent(hosts: netns.Hosts, i: int, nnodes: str, config: Path, run_dir: Path, *overrides: str) -> subprocess.Popen[bytes]:
+    """Host ``i``'s torchrun agent (output in ``run_dir/../agent-<i>.log``)."""
+    command, env = hosts.torchrun(i, nnodes, RDZV_CONF)
+    env["PYTHONPATH"] = f"{ROOT / 'src'}:{ROOT / 'tests'}"
+    log = (run_dir.parent / f"agent-{i}.log").open("wb")
+    return subprocess.Popen(
+        [*command, "-m", "fedweave.data_parallel", str(config), *overrides, "--run-dir", str(run_dir)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for(run_dir: Path, written: Callable[[dict[str, Any]], bool], agents: list[subprocess.Popen[bytes]]) -> int:
+    """Wait until the last metrics line is ``written``; its step."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        lines = records(run_dir)
+        if lines and written(lines[-1]):
+            return int(lines[-1]["step"])
+        assert all(a.poll() is None for a in agents), "an agent ended early"
+        time.sleep(0.02)
+    raise AssertionError(f"the metrics did not reach the awaited line in {TIMEOUT} s")
+
+
+def finish(agents: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    for i, a in enumerate(agents):
+        try:
+            code = a.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            code = None
+        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(tmp_path.glob("agent-*.log")))
+        assert code == 0, f"agent {i} ended with {code}:\n{logs}"
+
+
+def assert_matches_reference(run_dir: Path, config: config_mod.Config) -> None:
+    params, _ = reference(config)
+    trained = torch.load(run_dir / "model.pt")
+    assert trained.keys() == params.keys()
+    for k in params:
+        assert params[k].dtype == torch.float64
+        torch.testing.assert_close(trained[k], params[k], rtol=1e-6, atol=0.0, msg=lambda m: f"{k}: {m}")
+
+
+def assert_each_epoch_covers_every_sample_once(written: list[dict[str, Any]], epochs: int) -> None:
+    """One record per step (log_every 1) after a resume's truncation: steps 1..n in order, the
+    samples of each epoch adding up to the training set."""
+    assert [r["step"] for r in written] == list(range(1, len(written) + 1))
+    per_epoch = [0] * epochs
+    for r in written:
+        per_epoch[min(int(r["epoch"] - 1e-9), epochs - 1)] += r["samples"]
+    assert per_epoch == [480] * epochs
+    assert written[-1]["epoch"] == epochs
+
+
+def test_a_worker_outside_torchrun_is_refused_with_one_line(tmp_path: Path) -> None:
+    path, _ = write_config(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in torchrun.ENV}
+    env["PYTHONPATH"] = f"{ROOT / 'src'}:{ROOT / 'tests'}"
+    done = subprocess.run([sys.executable, "-m", "fedweave.data_parallel", str(path)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "fedweave: error: not started by torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT unset "
+        "(run `torchrun ... -m fedweave.data_parallel CONFIG`)"
+    ]
+
+
+def test_the_workers_agree_on_the_run_directory_from_the_rendezvous_id(tmp_path: Path) -> None:
+    _, config = write_config(tmp_path)
+    env = torchrun.TorchrunEnv.read({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                                     "MASTER_PORT": "1", "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "4711"})
+    assert (env.rank, env.world_size, env.local_rank, env.group_rank, env.restart_count) == (3, 4, 1, 1, 0)
+    assert torchrun.agreed_run_dir(config, env) == Path("runs") / "torchrun-4711"
+    assert torchrun.agreed_run_dir(config, env, tmp_path / "mine") == tmp_path / "mine"
+
+
+@needs_hosts
+def test_two_hosts_train_the_model_of_one_process(hosts: netns.Hosts, tmp_path: Path) -> None:
+    path, config = write_config(tmp_path)
+    run_dir = tmp_path / "run"
+    finish([agent(hosts, i, "2", path, run_dir) for i in range(2)], tmp_path)
+    written = records(run_dir)
+    assert written[-1]["workers"] == [0, 1] and written[-1]["epoch"] == 2
+    assert any(r["batch"][0] != r["batch"][1] for r in written)  # unequal b_i
+    assert_matches_reference(run_dir, config)
+
+
+@needs_hosts
+def test_a_host_killed_mid_epoch_the_other_goes_on(hosts: netns.Hosts, tmp_path: Path) -> None:
+    path, config = write_config(tmp_path, epochs=3)
+    run_dir = tmp_path / "run"
+    agents = [agent(hosts, i, "1:2", path, run_dir, "heterogeneity.slowdown=100") for i in range(2)]
+    before = wait_for(run_dir, lambda last: last["step"] >= 14, agents)  # in the second epoch
+    hosts.kill(1)
+    killed = time.monotonic()
+    wait_for(run_dir, lambda last: last["generation"] > 0, agents[:1])
+    # the survivor's collective breaks at once; torchrun drops the dead host after 3 keep-alives of 1 s,
+    # waits the last call (1 s), and starts the worker again (an interpreter and torch: seconds)
+    assert time.monotonic() - killed < config.data_parallel.timeout + 10
+    finish(agents[:1], tmp_path)
+    written = records(run_dir)
+    resumed = next(r for r in written if r["generation"] > 0)
+    assert resumed["workers"] == [0]
+    assert resumed["step"] - 1 >= before - config.data_parallel.checkpoint_every  # steps lost ≤ the cadence
+    assert_each_epoch_covers_every_sample_once(written, 3)
+    assert_matches_reference(run_dir, config)
+
+
+@needs_hosts
+def test_a_third_host_joining_gets_its_share_within_two_decisions(hosts: netns.Hosts, tmp_path: Path) -> None:
+    path, config = write_config(tmp_path, epochs=3)
+    run_dir = tmp_path / "run"
+    slow = "heterogeneity.slowdown=300"  # ~0.4 s a step: the third agent starts (~5 s) well before the end
+    agents = [agent(hosts, i, "2:3", path, run_dir, slow) for i in range(2)]
+    wait_for(run_dir, lambda last: last["step"] >= 2, agents)
+    agents.append(agent(hosts, 2, "2:3", path, run_dir, slow))
+    finish(agents, tmp_path)
+    written = records(run_dir)
+    before = [r for r in written if len(r["workers"]) == 2]
+    after = [r for r in written if len(r["workers"]) == 3]
+    assert before and after, "the third host never took part"
+    first = after[0]
+    assert first["batch"][2] > 0 and first["adjustments"] - before[-1]["adjustments"] <= 2
+    assert_each_epoch_covers_every_sample_once(written, 3)
+    assert_matches_reference(run_dir, config)
