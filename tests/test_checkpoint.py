@@ -96,3 +96,37 @@ def test_load_errors(tmp_path: Path) -> None:
     torch.save([1, 2], tmp_path / CHECKPOINT)
     with pytest.raises(CheckpointError, match=r"checkpoint '.*' is not a fedweave server state$"):
         load_checkpoint(tmp_path)
+
+
+def test_the_writer_saves_the_state_as_it_was_when_saved(tmp_path: Path) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path)
+    first = state(1)
+    writer.save(first)
+    first["params"]["w"].fill_(99.0)  # the next round changes the tensors in place
+    writer.close()
+    assert torch.equal(load_checkpoint(tmp_path)["params"]["w"], torch.full((3,), 1.0))
+    writer.save(state(2))
+    writer.save(state(3))  # waits for round 2's write
+    writer.close()
+    assert load_checkpoint(tmp_path)["round"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]
+
+
+def test_a_failed_background_write_is_raised_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path)
+    writer.save(state(1))
+    writer.close()
+    before = (tmp_path / CHECKPOINT).read_bytes()
+
+    def no_space(fd: int) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", no_space)
+    writer.save(state(2))
+    with pytest.raises(CheckpointError, match="could not be written: No space left on device"):
+        writer.close()
+    writer.close()  # reported once
+    assert (tmp_path / CHECKPOINT).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]

@@ -6,11 +6,14 @@ half-written file. Files get the permissions ``open()`` would give them (the uma
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import secrets
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -23,11 +26,14 @@ CHECKPOINT = "checkpoint.pt"
 
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
-    path = Path(path)
+    _atomic_write(lambda f: torch.save(obj, f), Path(path))
+
+
+def _atomic_write(write: Callable[[BinaryIO], Any], path: Path) -> None:
     fd, tmp = _temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -61,6 +67,45 @@ def _temporary_beside(path: Path) -> tuple[int, Path]:
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> None:
     atomic_save(state, Path(run_dir) / CHECKPOINT)
     log.debug("checkpoint of round %d written", state["round"])
+
+
+class CheckpointWriter:
+    """Checkpoints written off the training path.
+
+    ``save`` serializes the state at once (later rounds cannot change what is saved) and
+    leaves writing, fsync and rename to a background thread, so the next round trains
+    while the disk catches up; at most one write is in flight (the next ``save`` waits
+    for it). ``close`` waits for the last one and raises the error of a failed write.
+    A crash before a write lands leaves the previous checkpoint, from which a resumed
+    run redoes the later rounds exactly.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / CHECKPOINT
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self.close()
+        self._thread = threading.Thread(target=self._write, args=(buffer, state["round"]), name="checkpoint-writer")
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"checkpoint {str(self.path)!r} could not be written: {error}") from error
+
+    def _write(self, buffer: io.BytesIO, rnd: int) -> None:
+        try:
+            _atomic_write(lambda f: f.write(buffer.getbuffer()), self.path)
+            log.debug("checkpoint of round %d written", rnd)
+        except BaseException as exc:  # raised in the training thread by the next save or close
+            self._error = exc
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from fedweave.build import (
     global_evaluator,
     initial_params,
 )
-from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text, load_checkpoint, save_checkpoint
+from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, atomic_save, atomic_write_text, load_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import CheckpointError, ConfigError
@@ -146,13 +146,13 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     """Run the remaining rounds; write metrics, checkpoints and the final model."""
     cfg = r.config
     metrics = MetricsWriter(r.run_dir / METRICS_FILE)
+    checkpoints = CheckpointWriter(r.run_dir)
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         metrics.append(record)
         r.records.append(record)
         if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0 or rnd == cfg.rounds):
-            save_checkpoint(
-                r.run_dir,
+            checkpoints.save(
                 {
                     "round": rnd,
                     "params": params,
@@ -174,7 +174,10 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
     finally:
-        r.parts.topology.close()
+        try:
+            r.parts.topology.close()
+        finally:
+            checkpoints.close()  # the last checkpoint is on disk when the run returns
     atomic_save(r.params, r.run_dir / MODEL_FILE)
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients
