@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
-from fedweave.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.chain import POINTS, Chain, Chains
@@ -26,6 +27,8 @@ from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
+from fedweave.task.datasets import synthetic_means, synthetic_options
+from fedweave.task.generated import GeneratedClients
 from fedweave.types import Params
 
 
@@ -34,7 +37,7 @@ class TaskBundle:
     """The task of a run: data (split per client), model factory, loss."""
 
     dataset: Dataset
-    clients: ClientData
+    clients: ClientSplits
     make_model: Callable[[], torch.nn.Module]
     loss_fn: LossFn
     partition_summary: dict[str, Any]
@@ -52,6 +55,15 @@ def build_task(config: Config) -> TaskBundle:
         root=task.data_root,
         options=task.dataset_options,
     )
+
+    def make_model() -> torch.nn.Module:
+        return build_model(
+            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+        )
+
+    if task.dataset == "synthetic" and task.dataset_options.get("per_client"):
+        generated = generated_clients(config)
+        return TaskBundle(dataset, generated, make_model, make_loss(task.loss), generated.summary())
     labels = dataset.y_train.numpy()
     parts = partition(
         labels,
@@ -66,12 +78,6 @@ def build_task(config: Config) -> TaskBundle:
         split_local(p, task.local_test_fraction, numpy_rng(config.seed, "local-split", i))
         for i, p in enumerate(parts)
     ]
-
-    def make_model() -> torch.nn.Module:
-        return build_model(
-            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
-        )
-
     return TaskBundle(
         dataset=dataset,
         clients=ClientData(
@@ -83,6 +89,23 @@ def build_task(config: Config) -> TaskBundle:
         make_model=make_model,
         loss_fn=make_loss(task.loss),
         partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes),
+    )
+
+
+def generated_clients(config: Config) -> GeneratedClients:
+    """The clients of ``synthetic`` with ``per_client``: each generates its data on demand,
+    around the class means the run seed gives (the test set's)."""
+    task = config.task
+    _, features, classes, per_client = synthetic_options(task.dataset_options)
+    return GeneratedClients(
+        config.seed,
+        config.clients,
+        per_client,
+        synthetic_means(np.random.default_rng(config.seed), features, classes),
+        scheme=task.partition.scheme,
+        alpha=task.partition.alpha,
+        local_test_fraction=task.local_test_fraction,
+        min_samples=task.partition.min_samples,
     )
 
 
