@@ -1,7 +1,8 @@
 """fedweave's overhead against a bare PyTorch loop doing the same FedAvg work.
 
 Both sides train the same clients (same partition, same initial model, same batch
-order) with plain SGD and average the deltas weighted by examples, then evaluate
+order) with plain SGD (the bare loop writes the update out, as fedweave does, rather than
+pay ``torch.optim``'s per-step bookkeeping) and average the deltas weighted by examples, then evaluate
 the global model on the test set every round. fedweave also writes its metrics
 line every round and its checkpoint at the config's cadence (``checkpoint.every``;
 ``--checkpoint-every``), which the bare loop does not: that is part of the overhead
@@ -59,7 +60,7 @@ def bare_time(overrides: list[str], out: Path) -> tuple[Seconds, float]:
         deltas, weights = [], []
         for cid in range(config.clients):
             model.load_state_dict(global_params)
-            opt = torch.optim.SGD(model.parameters(), lr=local.lr, momentum=local.momentum)
+            momentum: dict[torch.nn.Parameter, torch.Tensor] = {}
             idx = data.train_idx[cid]
             x, y = data.x[idx], data.y[idx]
             n = len(idx)
@@ -69,9 +70,14 @@ def bare_time(overrides: list[str], out: Path) -> tuple[Seconds, float]:
                 order = torch.randperm(n, generator=gen)
                 for i in range(0, n, local.batch_size):
                     b = order[i : i + local.batch_size]
-                    opt.zero_grad()
+                    model.zero_grad(set_to_none=True)
                     loss_fn(model(x[b]), y[b]).backward()
-                    opt.step()
+                    with torch.no_grad():  # SGD as torch.optim.SGD computes it, without its bookkeeping
+                        for p in model.parameters():
+                            g = p.grad
+                            if local.momentum:
+                                g = momentum[p] = g.clone() if p not in momentum else momentum[p].mul_(local.momentum).add_(g)
+                            p.add_(g, alpha=-local.lr)
             state = model.state_dict()
             deltas.append({k: state[k] - global_params[k] for k in global_params})
             weights.append(n)

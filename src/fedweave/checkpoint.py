@@ -10,8 +10,8 @@ import io
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -73,39 +73,46 @@ class CheckpointWriter:
     """Checkpoints written off the training path.
 
     ``save`` serializes the state at once (later rounds cannot change what is saved) and
-    leaves writing, fsync and rename to a background thread, so the next round trains
+    leaves writing, fsync and rename to one background thread, so the next round trains
     while the disk catches up; at most one write is in flight (the next ``save`` waits
-    for it). ``close`` waits for the last one and raises the error of a failed write.
-    A crash before a write lands leaves the previous checkpoint, from which a resumed
-    run redoes the later rounds exactly.
+    for it). ``close`` waits for the last one, stops the thread and raises the error of a
+    failed write. A crash before a write lands leaves the previous checkpoint, from which
+    a resumed run redoes the later rounds exactly.
     """
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / CHECKPOINT
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
 
     def save(self, state: dict[str, Any]) -> None:
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        self.close()
-        self._thread = threading.Thread(target=self._write, args=(buffer, state["round"]), name="checkpoint-writer")
-        self._thread.start()
+        self._wait()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending = self._thread.submit(self._write, buffer, state["round"])
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"checkpoint {str(self.path)!r} could not be written: {error}") from error
+        try:
+            self._wait()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {str(self.path)!r} could not be written: {exc}") from exc
 
     def _write(self, buffer: io.BytesIO, rnd: int) -> None:
-        try:
-            _atomic_write(lambda f: f.write(buffer.getbuffer()), self.path)
-            log.debug("checkpoint of round %d written", rnd)
-        except BaseException as exc:  # raised in the training thread by the next save or close
-            self._error = exc
+        _atomic_write(lambda f: f.write(buffer.getbuffer()), self.path)
+        log.debug("checkpoint of round %d written", rnd)
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:

@@ -80,3 +80,13 @@ def test_all_finite() -> None:
     assert not all_finite({"w": torch.tensor([1.0, float("nan")])})
     assert not all_finite({"w": torch.tensor([float("-inf")], dtype=torch.float16)})
     assert all_finite({})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 777, 99_999])
+def test_all_finite_finds_one_bad_entry_anywhere(dtype: torch.dtype, bad: float, where: int) -> None:
+    w = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite({"w": w, "empty": torch.empty(0, dtype=dtype)})
+    w[where] = bad
+    assert not all_finite({"b": torch.zeros(3), "w": w.reshape(100, 1000)})

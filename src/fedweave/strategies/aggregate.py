@@ -105,8 +105,15 @@ def apply_delta(params: Params, delta: Params, scale: float = 1.0) -> Params:
 
 
 def all_finite(params: Params) -> bool:
-    """False when any floating tensor holds a NaN or an infinity."""
-    return all(bool(torch.isfinite(t).all()) for t in params.values() if t.is_floating_point())
+    """False when any floating tensor holds a NaN or an infinity: its minimum or its maximum
+    is then not finite (NaN propagates through both), which one ``aminmax`` pass finds
+    several times faster than a mask of every entry."""
+    for t in params.values():
+        if t.is_floating_point() and t.numel():
+            low, high = torch.aminmax(t)
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                return False
+    return True
 
 
 def step_floats(
