@@ -11,7 +11,10 @@ the global test set takes a fifth) and partition it; the rows marked *generated*
 seed when it trains (:mod:`fedweave.task.generated`), so a million clients need no
 million-row array, and client sampling draws 100 ids without touching the others.
 
-    python benchmarks/scale.py [--rounds 5]
+    python benchmarks/scale.py [--rounds 10]
+
+Prints the median wall and CPU seconds per round (the first round left out) and the
+peak resident memory of each configuration, then the ratios.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,15 +69,15 @@ def child(total: int, sampled: int, rounds: int, generated: bool, out: str) -> N
 
     runner.execute(r, record)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    per_round = sum(times[1:]) / max(1, len(times) - 1)
-    cpu_per_round = (cpu[-1] - cpu[1]) / max(1, len(cpu) - 2)
+    per_round = statistics.median(times[1:] or times)  # the first round (lazy imports, caches) left out
+    cpu_per_round = statistics.median(b - a for a, b in zip(cpu[1:-1], cpu[2:])) if len(cpu) > 2 else cpu[-1] - cpu[0]
     result = {"peak_mb": peak_mb, "per_round": per_round, "cpu_per_round": cpu_per_round}
     json.dump(result | {"accuracy": r.records[-1]["test_accuracy"]}, sys.stdout)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--child", nargs=4, type=int, metavar=("TOTAL", "SAMPLED", "ROUNDS", "GENERATED"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -5,8 +5,8 @@ With ``task.dataset: synthetic`` and ``task.dataset_options.per_client: n``, cli
 n samples come from its own generator, ``numpy_rng(seed, "synthetic-client", i)``: first
 its labels (uniform over the classes with ``task.partition.scheme: iid``; with
 ``dirichlet``, drawn from class proportions the client draws from Dir(alpha)), then
-Gaussian features around the dataset's class means (:mod:`fedweave.task.datasets`). Its
-local test split is :func:`~fedweave.task.partition.split_local`'s, as for any partition.
+Gaussian features around the dataset's class means (:mod:`fedweave.task.datasets`), then
+its local test split (:func:`~fedweave.task.partition.split_local`, as for any partition).
 Nothing per client is held: a client's arrays exist while it works, and are the same in
 every process, round and resumed run.
 """
@@ -77,18 +77,23 @@ class GeneratedClients:
 
     def split(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x_train, y_train, x_test, y_test`` of one client."""
-        x, y = self.samples(client_id)
-        train, test = split_local(
-            np.arange(self.per_client), self.local_test_fraction, numpy_rng(self.seed, "local-split", client_id)
-        )
+        rng = self._generator(client_id)
+        x, y = self._draw(rng)
+        train, test = split_local(np.arange(self.per_client), self.local_test_fraction, rng)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         return xt[train], yt[train], xt[test], yt[test]
 
     def samples(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
         """All ``per_client`` samples of a client (before its local test split)."""
+        return self._draw(self._generator(client_id))
+
+    def _generator(self, client_id: int) -> np.random.Generator:
+        """The client's own stream: its labels, then its features, then its local test split."""
         if not 0 <= client_id < self.num_clients:
             raise ValueError(f"client id {client_id} is outside 0..{self.num_clients - 1}")
-        rng = numpy_rng(self.seed, "synthetic-client", client_id)
+        return numpy_rng(self.seed, "synthetic-client", client_id)
+
+    def _draw(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         classes = len(self.means)
         if self.scheme == "iid":
             y = rng.integers(0, classes, size=self.per_client)
