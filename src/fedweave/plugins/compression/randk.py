@@ -65,7 +65,8 @@ class RandKCodec:
         if key in self.drawn:
             return self.drawn[key]
         k = max(1, int(self.hp.ratio * numel))
-        positions = torch.randperm(numel, generator=torch.Generator().manual_seed(seed), dtype=torch.int32)[:k].clone()
+        dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+        positions = torch.randperm(numel, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k].clone()
         while self.drawn and self.held + k > HELD_POSITIONS:
             self.held -= self.drawn.pop(next(iter(self.drawn))).numel()
         if k <= HELD_POSITIONS:
