@@ -11,10 +11,11 @@ the global test set takes a fifth) and partition it; the rows marked *generated*
 seed when it trains (:mod:`fedweave.task.generated`), so a million clients need no
 million-row array, and client sampling draws 100 ids without touching the others.
 
-    python benchmarks/scale.py [--rounds 10]
+    python benchmarks/scale.py [--rounds 10] [--repeats 1]
 
 Prints the median wall and CPU seconds per round (the first round left out) and the
-peak resident memory of each configuration, then the ratios.
+peak resident memory of each configuration, then the ratios (of the medians over the
+repeats, which run every case in turn).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def child(total: int, sampled: int, rounds: int, generated: bool, out: str) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=1, help="run every case this many times, in turn")
     parser.add_argument("--child", nargs=4, type=int, metavar=("TOTAL", "SAMPLED", "ROUNDS", "GENERATED"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -86,24 +88,34 @@ def main() -> None:
         total, sampled, rounds, generated = args.child
         child(total, sampled, rounds, bool(generated), args.out)
         return
-    rows = {}
-    for total, sampled, generated in CASES:
-        with tempfile.TemporaryDirectory() as tmp:
-            start = time.perf_counter()
-            done = subprocess.run(
-                [sys.executable, __file__, "--child", str(total), str(sampled), str(args.rounds), str(int(generated)),
-                 "--out", tmp],
-                check=True, capture_output=True, text=True,
+    runs: dict[tuple[int, int, bool], list[dict]] = {case: [] for case in CASES}
+    for repeat in range(args.repeats):  # every case once, then again: the machine's load falls on all alike
+        for case in CASES:
+            total, sampled, generated = case
+            with tempfile.TemporaryDirectory() as tmp:
+                start = time.perf_counter()
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child", str(total), str(sampled), str(args.rounds),
+                     str(int(generated)), "--out", tmp],
+                    check=True, capture_output=True, text=True,
+                )
+                result = json.loads(done.stdout)
+                result["process_s"] = time.perf_counter() - start
+            runs[case].append(result)
+            print(
+                f"{total:9,d} clients, {sampled:4d} sampled{', generated' if generated else ''}: "
+                f"{result['per_round'] * 1000:8.1f} ms/round ({result['cpu_per_round'] * 1000:7.1f} ms CPU), "
+                f"peak memory {result['peak_mb']:7.1f} MB, whole process {result['process_s']:.1f} s, "
+                f"accuracy {result['accuracy']:.4f}",
+                flush=True,
             )
-            result = json.loads(done.stdout)
-            result["process_s"] = time.perf_counter() - start
-        rows[total, sampled, generated] = result
-        print(
-            f"{total:9,d} clients, {sampled:4d} sampled{', generated' if generated else ''}: "
-            f"{result['per_round'] * 1000:8.1f} ms/round ({result['cpu_per_round'] * 1000:7.1f} ms CPU), peak memory {result['peak_mb']:7.1f} MB, "
-            f"whole process {result['process_s']:.1f} s, accuracy {result['accuracy']:.4f}",
-            flush=True,
-        )
+    rows = {
+        case: {key: statistics.median(r[key] for r in results) for key in ("per_round", "cpu_per_round")}
+        | {"peak_mb": max(r["peak_mb"] for r in results)}
+        for case, results in runs.items()
+    }
+    if args.repeats > 1:
+        print(f"medians over {args.repeats} repeats:")
 
     def ratio(a: tuple[int, int, bool], b: tuple[int, int, bool]) -> str:
         wall = rows[a]["per_round"] / rows[b]["per_round"]
