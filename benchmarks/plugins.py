@@ -19,8 +19,9 @@ against plaintext FedAvg with the same 100 clients and local work, and HE with 1
 timings; accuracies and bytes are exact for the seed. For the configurations in
 ``PAIRED`` a second measurement follows the table, steadier under load: the plugin's
 rounds and the dense rounds interleaved in one process, CPU and wall seconds of each round,
-and the medians of the per-round ratios (``--paired-rounds``, 0 to skip). Its last column
-is the floor no SecAgg+ implementation goes under on this machine: the dense round plus
+and the medians of the per-round ratios (``--paired-rounds``, 0 to skip): the codecs
+(top-k 1 %, random-k 10 %, QSGD-8, int8, with the table's federation) and SecAgg+. Its last
+column, for SecAgg+, is the floor no SecAgg+ implementation goes under on this machine: the dense round plus
 the cryptography alone (per client a key pair, k X25519 agreements and k + 1 AES-CTR
 masks of the model added in place), as a factor of the dense round.
 
@@ -36,6 +37,7 @@ dense runs. About 300 MB of memory per process.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -106,7 +108,10 @@ CONFIGS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-PAIRED = ("secagg+100", "secagg+100-k6", "secagg+100-k8", "secagg+100-E5B10", "secagg+100-k8-E5B10")
+PAIRED = (
+    "topk-1%+EF", "randk-10%", "qsgd-8bit", "int8",
+    "secagg+100", "secagg+100-k6", "secagg+100-k8", "secagg+100-E5B10", "secagg+100-k8-E5B10",
+)
 DEPLOYED = ("secagg+100", "secagg+100-k8")
 GRPC = ["transport=grpc", "launcher=process", "round_timeout=600"]
 
@@ -114,9 +119,10 @@ GRPC = ["transport=grpc", "launcher=process", "round_timeout=600"]
 def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Path) -> dict[str, float]:
     """Median CPU and wall seconds per round of the dense run and of the plugin run, their
     rounds interleaved so that the machine's load falls on both alike, and the medians of
-    the per-round ratios. The first round (caches, lazy imports) is left out. After each
-    pair of rounds, the cryptography alone of a SecAgg+ round (:func:`crypto_floor`), as
-    ``floor_ratio``: 1 + its CPU seconds over the dense round's."""
+    the per-round ratios. The first round (caches, lazy imports) is left out. With secure
+    aggregation, after each pair of rounds, the cryptography alone of a SecAgg+ round
+    (:func:`crypto_floor`), as ``floor_ratio``: 1 + its CPU seconds over the dense round's
+    (NaN for other plugins)."""
     runs = [runner.prepare(config_mod.load(None, [*BASE, *federation, *extra]), out / f"paired{i}") for i, extra in enumerate(([], plugins))]
     params = [r.params for r in runs]
     cpu: list[list[float]] = [[], []]
@@ -128,7 +134,7 @@ def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Pat
             params[i], _ = loop.train_round(r.parts, rnd, params[i])
             cpu[i].append(time.process_time() - started)
             wall[i].append(time.perf_counter() - started_wall)
-        if rnd > 1:
+        if rnd > 1 and runs[1].parts.chains.client_send.combiner is not None:
             floor.append(crypto_floor(runs[1]))
     out_: dict[str, float] = {}
     for what, seconds in (("cpu", cpu), ("wall", wall)):
@@ -136,7 +142,7 @@ def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Pat
         out_[f"dense_{what}"] = statistics.median(dense)
         out_[f"plugin_{what}"] = statistics.median(plugin)
         out_[f"{what}_ratio"] = statistics.median(p / d for d, p in zip(dense, plugin))
-    out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor))
+    out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor)) if floor else float("nan")
     return out_
 
 
@@ -218,10 +224,13 @@ def main() -> None:
             print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name in paired:
             federation, plugins = CONFIGS[name]
+            if not any(o.startswith("clients=") for o in federation):
+                federation = [f"clients={args.clients}", *federation]
             c = paired_cost(federation, plugins, args.paired_rounds, Path(tmp) / name)
+            floor = "-" if math.isnan(c["floor_ratio"]) else f"{c['floor_ratio']:.2f}"
             print(
                 f"| {name} | {c['dense_cpu']:.3f} | {c['plugin_cpu']:.3f} | {c['cpu_ratio']:.2f} "
-                f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} | {c['floor_ratio']:.2f} |",
+                f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} | {floor} |",
                 flush=True,
             )
         deployed = [n for n in names if n in DEPLOYED]

@@ -13,8 +13,8 @@ from fedweave import checkpoint, files
 from fedweave.checkpoint import (
     CHECKPOINT,
     check_params,
+    atomic_save,
     load_checkpoint,
-    save_checkpoint,
 )
 from fedweave.errors import CheckpointError
 from fedweave.files import atomic_write_bytes, atomic_write_text
@@ -23,6 +23,11 @@ from fedweave.types import Update, UpdateKind
 
 def state(rnd: int) -> dict[str, Any]:
     return {"round": rnd, "params": {"w": torch.full((3,), float(rnd))}, "strategy": {}, "client_states": {}}
+
+
+def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
+    """A checkpoint as the data-parallel spine writes one: atomic_save in the foreground."""
+    atomic_save(state, run_dir / CHECKPOINT)
 
 
 def test_save_then_load(tmp_path: Path) -> None:
@@ -149,3 +154,37 @@ def test_a_private_file_is_owner_only_even_when_it_existed_with_a_looser_mode(tm
     assert path.read_bytes() == b"secret"
     assert stat.S_IMODE(path.stat().st_mode) == (0o600 if private else 0o644)
     assert [p.name for p in tmp_path.iterdir()] == ["client-0.key"]
+
+
+def test_the_writer_saves_the_state_as_it_was_when_saved(tmp_path: Path) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path)
+    first = state(1)
+    writer.save(first)
+    first["params"]["w"].fill_(99.0)  # the next round changes the tensors in place
+    writer.close()
+    assert torch.equal(load_checkpoint(tmp_path)["params"]["w"], torch.full((3,), 1.0))
+    writer.save(state(2))
+    writer.save(state(3))  # waits for round 2's write
+    writer.close()
+    assert load_checkpoint(tmp_path)["round"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]
+
+
+def test_a_failed_background_write_is_raised_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path)
+    writer.save(state(1))
+    writer.close()
+    before = (tmp_path / CHECKPOINT).read_bytes()
+
+    def no_space(fd: int) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", no_space)
+    writer.save(state(2))
+    with pytest.raises(CheckpointError, match="could not be written: No space left on device"):
+        writer.close()
+    writer.close()  # reported once
+    assert (tmp_path / CHECKPOINT).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]

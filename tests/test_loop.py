@@ -557,7 +557,7 @@ def test_an_inflated_example_count_is_capped() -> None:
     inflated = {3: lambda cid: scripted(cid, num_examples=1_000_000)}
     for checks, w in (
         (UpdateChecks(), (1 * 1 + 2 * 2 + 3 * 3 + 4 * 1_000_000) / 1_000_006),  # no bound: client 3 rules
-        (UpdateChecks(limits=ExampleLimits(sizes={0: 1, 1: 2, 2: 3, 3: 4})), 30 / 10),
+        (UpdateChecks(limits=ExampleLimits(size_of={0: 1, 1: 2, 2: 3, 3: 4}.__getitem__)), 30 / 10),
         (UpdateChecks(limits=ExampleLimits(max_examples=6)), (1 + 4 + 9 + 4 * 6) / 12),
         # c = 0.4 · (1 + 2 + 3) / (1 − 0.4) = 4: weights 1, 2, 3, 4
         (UpdateChecks(max_weight_share=0.4), 30 / 10),

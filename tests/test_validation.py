@@ -24,6 +24,7 @@ from fedweave.validation import (
     capped_weights,
     check_senders,
     check_update,
+    finite,
     valid_evaluation,
 )
 
@@ -178,7 +179,7 @@ def test_a_site_update_stands_for_members_of_its_site_each_once_per_round() -> N
 
 
 def test_a_claim_above_the_limit_is_lowered_or_refused_when_encoded() -> None:
-    limits = ExampleLimits(max_examples=500, sizes={0: 120, 1: 80})
+    limits = ExampleLimits(max_examples=500, size_of=lambda cid: {0: 120, 1: 80}.get(cid, 0))
     assert limits.limit([0]) == 120 and limits.limit([0, 1]) == 200 and limits.limit([9]) == 0
     assert ExampleLimits(max_examples=500).limit([0]) == 500 and ExampleLimits().limit([0]) is None
     inflated = dataclasses.replace(update(), num_examples=1_000_000)
@@ -242,3 +243,13 @@ def test_metrics_must_be_numbers() -> None:
     assert not valid_evaluation(Evaluation(5, {"accuracy": float("nan")}))
     assert not valid_evaluation(Evaluation(5, {"accuracy": [0.5]}))  # type: ignore[dict-item]
     assert not valid_evaluation(Evaluation(0, {"accuracy": 0.5}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 777, 99_999])
+def test_finite_finds_one_bad_entry_anywhere(dtype: torch.dtype, bad: float, where: int) -> None:
+    w = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert finite(w) and finite(torch.empty(0, dtype=dtype))
+    w[where] = bad
+    assert not finite(w.reshape(100, 1000))

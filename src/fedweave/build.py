@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
-from fedweave.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
@@ -28,6 +29,8 @@ from fedweave.strategies.base import DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
+from fedweave.task.datasets import synthetic_means, synthetic_options
+from fedweave.task.generated import GeneratedClients
 from fedweave.types import Params
 from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema
 
@@ -37,7 +40,7 @@ class TaskBundle:
     """The task of a run: data (split per client), model factory, loss."""
 
     dataset: Dataset
-    clients: ClientData
+    clients: ClientSplits
     make_model: Callable[[], torch.nn.Module]
     loss_fn: LossFn
     partition_summary: dict[str, Any]
@@ -55,6 +58,15 @@ def build_task(config: Config) -> TaskBundle:
         root=task.data_root,
         options=task.dataset_options,
     )
+
+    def make_model() -> torch.nn.Module:
+        return build_model(
+            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+        )
+
+    if task.dataset == "synthetic" and task.dataset_options.get("per_client"):
+        generated = generated_clients(config)
+        return TaskBundle(dataset, generated, make_model, make_loss(task.loss), generated.summary())
     labels = dataset.y_train.numpy()
     parts = partition(
         labels,
@@ -69,12 +81,6 @@ def build_task(config: Config) -> TaskBundle:
         split_local(p, task.local_test_fraction, numpy_rng(config.seed, "local-split", i))
         for i, p in enumerate(parts)
     ]
-
-    def make_model() -> torch.nn.Module:
-        return build_model(
-            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
-        )
-
     return TaskBundle(
         dataset=dataset,
         clients=ClientData(
@@ -86,6 +92,23 @@ def build_task(config: Config) -> TaskBundle:
         make_model=make_model,
         loss_fn=make_loss(task.loss),
         partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes),
+    )
+
+
+def generated_clients(config: Config) -> GeneratedClients:
+    """The clients of ``synthetic`` with ``per_client``: each generates its data on demand,
+    around the class means the run seed gives (the test set's)."""
+    task = config.task
+    _, features, classes, per_client = synthetic_options(task.dataset_options)
+    return GeneratedClients(
+        config.seed,
+        config.clients,
+        per_client,
+        synthetic_means(np.random.default_rng(config.seed), features, classes),
+        scheme=task.partition.scheme,
+        alpha=task.partition.alpha,
+        local_test_fraction=task.local_test_fraction,
+        min_samples=task.partition.min_samples,
     )
 
 
@@ -111,12 +134,10 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
             schema = cls.update_schema(task.make_model(), config.strategy.params)
     else:
         schema = UpdateSchema.of(params)
-    sizes = None
-    if config.transport.kind == "inmemory":
-        sizes = {cid: len(idx) for cid, idx in enumerate(task.clients.train_idx)}
+    size_of = task.clients.train_size if config.transport.kind == "inmemory" else None
     return UpdateChecks(
         schema=dataclasses.replace(schema, kind=cls.update_kind),
-        limits=ExampleLimits(config.aggregation.max_examples, sizes),
+        limits=ExampleLimits(config.aggregation.max_examples, size_of),
         max_weight_share=config.aggregation.max_weight_share,
     )
 

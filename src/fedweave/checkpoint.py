@@ -8,9 +8,11 @@ anything else is refused rather than unpickled, so a crafted checkpoint cannot r
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +20,6 @@ import torch
 
 from fedweave.errors import CheckpointError
 from fedweave.files import atomic_write
-from fedweave.files import atomic_write_text as atomic_write_text  # runner and data_parallel import it from here
 from fedweave.types import Update, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,50 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> None:
-    atomic_save(state, Path(run_dir) / CHECKPOINT)
-    log.debug("checkpoint of round %d written", state["round"])
+class CheckpointWriter:
+    """Checkpoints written off the training path.
+
+    ``save`` serializes the state at once (later rounds cannot change what is saved) and
+    leaves writing, fsync and rename to one background thread, so the next round trains
+    while the disk catches up; at most one write is in flight (the next ``save`` waits
+    for it). ``close`` waits for the last one, stops the thread and raises the error of a
+    failed write. A crash before a write lands leaves the previous checkpoint, from which
+    a resumed run redoes the later rounds exactly.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / CHECKPOINT
+        self._thread: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    def save(self, state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self._wait()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending = self._thread.submit(self._write, buffer, state["round"])
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {str(self.path)!r} could not be written: {exc}") from exc
+
+    def _write(self, buffer: io.BytesIO, rnd: int) -> None:
+        atomic_write(self.path, lambda f: f.write(buffer.getbuffer()))
+        log.debug("checkpoint of round %d written", rnd)
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:

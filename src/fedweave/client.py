@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +57,25 @@ class ClientData:
 
     def __len__(self) -> int:
         return len(self.train_idx)
+
+    def train_size(self, client_id: int) -> int:
+        return len(self.train_idx[client_id])
+
+    def split(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x_train, y_train, x_test, y_test`` of one client."""
+        train, test = self.train_idx[client_id], self.test_idx[client_id]
+        return self.x[train], self.y[train], self.x[test], self.y[test]
+
+
+class ClientSplits(Protocol):
+    """Where a client runtime finds each client's data: :class:`ClientData` (index arrays
+    into one dataset) or :class:`fedweave.task.generated.GeneratedClients` (made on demand)."""
+
+    def __len__(self) -> int: ...
+
+    def train_size(self, client_id: int) -> int: ...
+
+    def split(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class ClientStateStore:
@@ -146,7 +165,7 @@ class ClientRuntime:
     def __init__(
         self,
         algorithm: ClientAlgorithm,
-        data: ClientData,
+        data: ClientSplits,
         model: nn.Module,
         loss_fn: LossFn,
         settings: LocalSettings,
@@ -234,18 +253,17 @@ class ClientRuntime:
             settings = dataclasses.replace(settings, **overrides)
         # Dropout and other in-model randomness draw from torch's global generator.
         torch.default_generator.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
-        train, test = self.data.train_idx[cid], self.data.test_idx[cid]
-        y_train = self.data.y[train]
+        x_train, y_train, x_test, y_test = self.data.split(cid)
         if self.attacker is not None:
             y_train = self.attacker.labels(cid, y_train)
         return ClientJob(
             client_id=cid,
             instruction=instruction,
             model=self.model,
-            x_train=self.data.x[train],
+            x_train=x_train,
             y_train=y_train,
-            x_test=self.data.x[test],
-            y_test=self.data.y[test],
+            x_test=x_test,
+            y_test=y_test,
             loss_fn=self.loss_fn,
             settings=settings,
             generator=torch_generator(self.seed, "client", instruction.round, cid),

@@ -23,7 +23,7 @@ from typing import Any
 
 from fedweave import runner
 from fedweave.build import build_chains, build_client_runtime, build_task
-from fedweave.checkpoint import atomic_write_text
+from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config
 from fedweave.errors import ConfigError
@@ -88,7 +88,7 @@ def run_client(config: Config, client_id: int, *, address: str | None = None, to
     task = build_task(config)
     runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
     client = GrpcClient(config.grpc, client_id, runtime.handle, address=address, token=token, seed=config.seed)
-    samples = len(task.clients.train_idx[client_id])
+    samples = task.clients.train_size(client_id)
     log.info("client %d built (%d training samples); connecting to %s", client_id, samples, client.address)
     done = client.run()
     log.info("client %d answered %d jobs", client_id, done)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from fedweave import config as config_mod
-from fedweave.checkpoint import CHECKPOINT, atomic_save, atomic_write_text
+from fedweave.checkpoint import CHECKPOINT, atomic_save
+from fedweave.files import atomic_write_text
 from fedweave.config import Config
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.observe.metrics import MetricsWriter, read_metrics

@@ -32,7 +32,8 @@ from fedweave.build import (
     initial_params,
     update_checks,
 )
-from fedweave.checkpoint import atomic_write_text, check_params, load_checkpoint, save_checkpoint
+from fedweave.checkpoint import CheckpointWriter, check_params, load_checkpoint
+from fedweave.files import atomic_write_text
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError
@@ -123,14 +124,14 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     cfg = r.config
     metrics = MetricsWriter(r.run_dir / rundir.METRICS_FILE)
     loggers = open_loggers(cfg, r.run_dir, r.parts.topology)  # observe: TensorBoard, MLflow, Prometheus
+    checkpoints = CheckpointWriter(r.run_dir)
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         metrics.append(record)
         loggers.record(record)
         r.records.append(record)
         if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0 or rnd == cfg.rounds):
-            save_checkpoint(
-                r.run_dir,
+            checkpoints.save(
                 {
                     "round": rnd,
                     "params": params,
@@ -155,7 +156,10 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
         raise
     finally:
-        r.parts.topology.close()
+        try:
+            r.parts.topology.close()
+        finally:
+            checkpoints.close()  # the last checkpoint is on disk when the run returns
     rundir.save_model(r.params, r.run_dir)
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients

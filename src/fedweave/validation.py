@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +91,16 @@ class UpdateSchema:
         return cls(specs_of(params))
 
 
+def finite(tensor: torch.Tensor) -> bool:
+    """False when a floating ``tensor`` holds a NaN or an infinity: its minimum or its maximum
+    is then not finite (NaN propagates through both), which one ``aminmax`` pass finds
+    several times faster than a mask of every entry."""
+    if not tensor.numel():
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | None = None) -> None:
     """Raise :class:`Rejected` unless ``tensors`` are exactly ``expected``: the same names, each
     a dense tensor of its shape and dtype, floating values finite. ``reason`` overrides the
@@ -110,7 +120,7 @@ def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | Non
             raise Rejected(reason or "shape", f"{what} {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         if tensor.dtype != spec.dtype:
             raise Rejected(reason or "dtype", f"{what} {name!r} is {tensor.dtype}, expected {spec.dtype}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not finite(tensor):
             raise Rejected("non_finite", f"{what} {name!r} holds NaN or infinite values")
 
 
@@ -180,18 +190,19 @@ def check_senders(update: Update, sender: int, may_stand_for: Collection[int], c
 class ExampleLimits:
     """How many examples an update may claim: at most ``max_examples`` (config
     ``aggregation.max_examples``) and, where the server knows them (simulation), at most the
-    ``sizes`` of the clients it stands for. None: no bound of that kind."""
+    sizes of the clients it stands for (``size_of``: a client id's training examples).
+    None: no bound of that kind."""
 
     max_examples: int | None = None
-    sizes: Mapping[int, int] | None = None
+    size_of: Callable[[int], int] | None = None
 
     def limit(self, ids: Sequence[int]) -> int | None:
         """The most examples an update standing for clients ``ids`` may claim."""
         bounds = []
         if self.max_examples is not None:
             bounds.append(self.max_examples)
-        if self.sizes is not None:
-            bounds.append(sum(self.sizes.get(cid, 0) for cid in ids))
+        if self.size_of is not None:
+            bounds.append(sum(self.size_of(cid) for cid in ids))
         return min(bounds) if bounds else None
 
 

@@ -40,3 +40,10 @@ def test_every_client_is_chosen_about_as_often() -> None:
 def test_impossible_counts(count: int) -> None:
     with pytest.raises(ValueError, match=f"cannot sample {count} of 10 clients"):
         sample_clients(numpy_rng(0), 10, count)
+
+
+def test_sampling_costs_the_sampled_clients_not_the_population() -> None:
+    """100 of 10^12 clients: anything that touched every id would need terabytes."""
+    ids = sample_clients(numpy_rng(0, "sample", 1), 10**12, 100)
+    assert len(set(ids)) == 100 and ids == sorted(ids) and all(0 <= i < 10**12 for i in ids)
+    assert ids == sample_clients(numpy_rng(0, "sample", 1), 10**12, 100)

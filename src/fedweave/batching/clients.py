@@ -122,10 +122,16 @@ class EmulatedClients:
         return dataclasses.replace(reply, body=dataclasses.replace(body, compute_time=duration))
 
 
+LOGGED_SPEEDS = 20
+"""Client speeds listed in the log line; a million clients get a summary."""
+
+
 def emulated_clients(config: Config, handler: Callable[[Message], Message]) -> Star | None:
     """A star over :class:`EmulatedClients` when the config emulates client speeds, else None."""
     if not emulates_clients(config):
         return None
     speeds = client_speeds(config)
-    log.info("emulated client speeds (%s clock): %s", config.heterogeneity.clock, [round(s, 2) for s in speeds])
+    shown = [round(s, 2) for s in speeds[:LOGGED_SPEEDS]]
+    more = f" ... ({len(speeds)} clients, {min(speeds):.2f} to {max(speeds):.2f})" if len(speeds) > LOGGED_SPEEDS else ""
+    log.info("emulated client speeds (%s clock): %s%s", config.heterogeneity.clock, shown, more)
     return Star(EmulatedClients(handler, config.heterogeneity, speeds, config.threads or torch.get_num_threads()))

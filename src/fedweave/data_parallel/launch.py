@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from fedweave import config as config_mod
 from fedweave import rundir
-from fedweave.checkpoint import atomic_write_text, load_checkpoint
+from fedweave.checkpoint import load_checkpoint
+from fedweave.files import atomic_write_text
 from fedweave.config import Config
 from fedweave.data_parallel import asp
 from fedweave.data_parallel.bsp import Worker, worker_main

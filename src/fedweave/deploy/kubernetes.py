@@ -45,6 +45,7 @@ from fedweave import certs
 from fedweave import config as config_mod
 from fedweave.config import Config
 from fedweave.errors import ConfigError
+from fedweave.files import atomic_write_text
 
 KUBERNETES_VERSION = "1.33.0"
 """The Kubernetes version the rendered manifests are validated against (tests/deploy)."""
@@ -214,8 +215,6 @@ def render(path: str | Path, out: str | Path, options: Options = Options()) -> R
 
 def _write(text: str, path: Path) -> None:
     """Write ``path`` (and its folders) through a temporary file and a rename."""
-    from fedweave.checkpoint import atomic_write_text  # imports torch: not at the CLI's start
-
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(text, path)
 

@@ -143,7 +143,7 @@ def train_local(
     total_steps = work.local_steps if work.local_steps is not None else work.epochs * per_epoch
     opt = optimizer if optimizer is not None else LocalOptimizer(model.parameters(), job.settings)
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = 0.0  # float64, as a Python float: no tensor op per step
     seen = 0
     step = 0
     order = torch.empty(0, dtype=torch.long)
@@ -162,10 +162,10 @@ def train_local(
         if after_backward is not None:
             after_backward(model)
         opt.step()
-        loss_sum += reported.detach().double() * len(idx)
+        loss_sum += float(reported.detach()) * len(idx)
         seen += len(idx)
         step += 1
-    return TrainResult(steps=total_steps, num_examples=n, mean_loss=(loss_sum / seen).item())
+    return TrainResult(steps=total_steps, num_examples=n, mean_loss=loss_sum / seen)
 
 
 def model_delta(model: nn.Module, start: Params) -> Params:

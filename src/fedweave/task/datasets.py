@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 DATASETS = ("digits", "mnist5k", "synthetic", "torchvision:mnist", "torchvision:cifar10")
 """The built-in dataset specs; any other ``package.module:function`` is a user factory."""
 
-_SYNTHETIC_DEFAULTS = {"samples": 2000, "features": 20, "classes": 10}
+_SYNTHETIC_DEFAULTS = {"samples": 2000, "features": 20, "classes": 10, "per_client": 0}
 _SYNTHETIC_SEPARATION = 7.0  # nearest-mean accuracy about 0.98 at the defaults
 
 
@@ -78,12 +78,15 @@ def load_dataset(
         if not 0.0 < test_fraction < 1.0:
             raise ConfigError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
         rng = np.random.default_rng(seed)
-        if spec == "synthetic":
-            x, y = _synthetic(rng, options)
+        if spec == "synthetic" and options.get("per_client"):
+            dataset = _synthetic_test_only(rng, options, test_fraction)
         else:
-            _no_options(spec, options)
-            x, y = _digits() if spec == "digits" else _mnist5k()
-        dataset = _holdout(spec, x, y, test_fraction, rng)
+            if spec == "synthetic":
+                x, y = _synthetic(rng, options)
+            else:
+                _no_options(spec, options)
+                x, y = _digits() if spec == "digits" else _mnist5k()
+            dataset = _holdout(spec, x, y, test_fraction, rng)
     elif spec.startswith("torchvision:"):
         _no_options(spec, options)
         dataset = _torchvision(spec, root)
@@ -135,6 +138,45 @@ def _synthetic(rng: np.random.Generator, options: dict[str, Any]) -> tuple[np.nd
     The means are scaled so that two of them lie on average ``_SYNTHETIC_SEPARATION`` noise
     standard deviations apart whatever the number of features.
     """
+    samples, features, classes, _ = synthetic_options(options)
+    means = synthetic_means(rng, features, classes)
+    y = rng.permutation(np.arange(samples) % classes)
+    x = means[y] + rng.normal(0.0, 1.0, size=(samples, features))
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def synthetic_means(rng: np.random.Generator, features: int, classes: int) -> np.ndarray:
+    """The class means of the synthetic dataset (its first draw from the run seed's generator)."""
+    return rng.normal(0.0, _SYNTHETIC_SEPARATION / np.sqrt(2 * features), size=(classes, features))
+
+
+def synthetic_samples(means: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Samples of classes ``y``: unit-variance noise around their class means, float32."""
+    return (means[y] + rng.normal(0.0, 1.0, size=(len(y), means.shape[1]))).astype(np.float32)
+
+
+def _synthetic_test_only(rng: np.random.Generator, options: dict[str, Any], test_fraction: float) -> Dataset:
+    """``synthetic`` with ``per_client``: each client generates its own samples when it
+    trains (:class:`fedweave.task.generated.GeneratedClients`), so the dataset holds only
+    the global test set, round(test_fraction * samples) balanced samples drawn after the
+    class means."""
+    samples, features, classes, _ = synthetic_options(options)
+    means = synthetic_means(rng, features, classes)
+    y = rng.permutation(np.arange(max(classes, int(np.floor(test_fraction * samples + 0.5)))) % classes)
+    x = synthetic_samples(means, y, rng)
+    return Dataset(
+        name="synthetic",
+        x_train=torch.empty(0, features),
+        y_train=torch.empty(0, dtype=torch.int64),
+        x_test=torch.from_numpy(x),
+        y_test=torch.from_numpy(y.astype(np.int64)),
+        num_classes=classes,
+        input_shape=(features,),
+    )
+
+
+def synthetic_options(options: dict[str, Any]) -> tuple[int, int, int, int]:
+    """``samples, features, classes, per_client`` of the synthetic dataset, checked."""
     unknown = sorted(set(options) - set(_SYNTHETIC_DEFAULTS))
     if unknown:
         raise TaskError(
@@ -143,17 +185,15 @@ def _synthetic(rng: np.random.Generator, options: dict[str, Any]) -> tuple[np.nd
         )
     merged = {**_SYNTHETIC_DEFAULTS, **options}
     for key, value in merged.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TaskError(f"dataset 'synthetic': option {key} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "per_client" else 1):
+            kind = "a non-negative" if key == "per_client" else "a positive"
+            raise TaskError(f"dataset 'synthetic': option {key} must be {kind} integer, got {value!r}")
     samples, features, classes = merged["samples"], merged["features"], merged["classes"]
     if classes < 2 or samples < 2 * classes:
         raise TaskError(
             f"dataset 'synthetic': needs classes >= 2 and samples >= 2 * classes, got {samples} and {classes}"
         )
-    means = rng.normal(0.0, _SYNTHETIC_SEPARATION / np.sqrt(2 * features), size=(classes, features))
-    y = rng.permutation(np.arange(samples) % classes)
-    x = means[y] + rng.normal(0.0, 1.0, size=(samples, features))
-    return x.astype(np.float32), y.astype(np.int64)
+    return samples, features, classes, merged["per_client"]
 
 
 def _holdout(

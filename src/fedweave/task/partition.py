@@ -175,8 +175,8 @@ def format_summary(summary: dict[str, Any], max_rows: int = 10) -> str:
     lines = [f"{'client':>{id_width}}  {'n':>{width}}  per-class counts"]
     for client, (count, histogram) in enumerate(zip(counts[:max_rows], summary["histograms"])):
         lines.append(f"{client:>{id_width}}  {count:>{width}}  {' '.join(str(v) for v in histogram)}")
-    if len(counts) > max_rows:
-        lines.append(f"... {len(counts) - max_rows} more")
+    if summary["clients"] > max_rows:
+        lines.append(f"... {summary['clients'] - max_rows} more")
     lines.append(
         f"{summary['clients']} clients, {summary['samples']} samples; size min {summary['min']} / "
         f"mean {summary['mean']:.1f} / max {summary['max']}; "

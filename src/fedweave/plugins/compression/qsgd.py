@@ -29,9 +29,18 @@ class QSGDParams:
 
 
 def bucketed(flat: torch.Tensor, bucket: int) -> torch.Tensor:
-    """``flat`` zero-padded to whole buckets, one bucket per row."""
+    """``flat`` zero-padded to whole buckets, one bucket per row (a view when no padding
+    is needed)."""
     pad = -flat.numel() % bucket
-    return torch.nn.functional.pad(flat, (0, pad)).reshape(-1, bucket)
+    return (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).reshape(-1, bucket)
+
+
+def stochastic_round(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``scaled`` rounded down or up at random, up with probability its fractional part
+    (unbiased). Works in place: ``scaled`` holds its fractional part afterwards."""
+    lower = scaled.floor()
+    noise = torch.rand(scaled.shape, generator=generator)
+    return lower.add_(noise.lt_(scaled.sub_(lower)))
 
 
 def pack_nibbles(levels: torch.Tensor) -> torch.Tensor:
@@ -56,10 +65,9 @@ class QSGDCodec:
         flat = x.reshape(-1)
         rows = bucketed(flat, self.hp.bucket)
         norms = rows.norm(dim=1, keepdim=True)
-        scaled = rows.abs() / torch.where(norms > 0, norms, torch.ones_like(norms)) * s
-        lower = scaled.floor()
-        noise = torch.rand(scaled.shape, generator=site.generator(site.client_id, site.name))
-        levels = ((lower + (noise < scaled - lower).to(scaled.dtype)) * rows.sign()).reshape(-1)[: flat.numel()]
+        scaled = rows.abs().div_(torch.where(norms > 0, norms, torch.ones_like(norms))).mul_(s)
+        levels = stochastic_round(scaled, site.generator(site.client_id, site.name))
+        levels = levels.copysign_(rows).reshape(-1)[: flat.numel()]
         if s <= 7:
             return {"nibbles": pack_nibbles(levels), "norms": norms.reshape(-1)}
         dtype = torch.int8 if s <= 127 else torch.int16

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.plugins.compression.qsgd import bucketed
+from fedweave.plugins.compression.qsgd import bucketed, stochastic_round
 from fedweave.plugins.compression.wire import Compressor, Site
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
@@ -45,12 +45,10 @@ class QuantizeCodec:
         scales = rows.abs().amax(dim=1, keepdim=True) / 127
         scaled = rows / torch.where(scales > 0, scales, torch.ones_like(scales))
         if self.hp.stochastic:
-            lower = scaled.floor()
-            noise = torch.rand(scaled.shape, generator=site.generator(site.client_id, site.name))
-            rounded = lower + (noise < scaled - lower).to(scaled.dtype)
+            rounded = stochastic_round(scaled, site.generator(site.client_id, site.name))
         else:
-            rounded = scaled.round()
-        values = rounded.clamp(-127, 127).reshape(-1)[: flat.numel()].to(torch.int8)
+            rounded = scaled.round_()
+        values = rounded.clamp_(-127, 127).reshape(-1)[: flat.numel()].to(torch.int8)
         return {"values": values, "scales": scales.reshape(-1)}
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:

@@ -31,9 +31,15 @@ class RandKParams:
     shared_indices: bool = opt(False, help="every client of a round sends the same positions (summable)")
 
 
+HELD_POSITIONS = 1 << 22
+"""At most this many drawn positions are kept for reuse (16 MB as int32)."""
+
+
 class RandKCodec:
     def __init__(self, hp: RandKParams):
         self.hp = hp
+        self.drawn: dict[tuple[int, int], torch.Tensor] = {}  # (seed, numel) -> positions
+        self.held = 0  # positions in ``drawn``
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
         flat = x.reshape(-1)
@@ -52,8 +58,21 @@ class RandKCodec:
         return out.reshape(shape)
 
     def _positions(self, seed: int, numel: int) -> torch.Tensor:
+        """The first k of a seeded permutation. Drawing them is most of the codec's work, and
+        in one process the same positions are needed again (the error feedback's residual,
+        the server's decode in simulation): the latest draws are kept, oldest dropped first."""
+        key = (seed, numel)
+        if key in self.drawn:
+            return self.drawn[key]
         k = max(1, int(self.hp.ratio * numel))
-        return torch.randperm(numel, generator=torch.Generator().manual_seed(seed))[:k]
+        dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+        positions = torch.randperm(numel, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k].clone()
+        while self.drawn and self.held + k > HELD_POSITIONS:
+            self.held -= self.drawn.pop(next(iter(self.drawn))).numel()
+        if k <= HELD_POSITIONS:
+            self.drawn[key] = positions
+            self.held += k
+        return positions
 
 
 def _summable(params: Any) -> bool:

@@ -183,10 +183,9 @@ BLOCK = 1 << 16
 
 
 def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
-    """Flat positions in 2 bytes each: sorted, as offsets within blocks of 65,536 entries
+    """Sorted flat positions in 2 bytes each: as offsets within blocks of 65,536 entries
     (stored as int16 shifted by −32,768), with one int32 count per block when the tensor
     has more than one block."""
-    indices = indices.sort().values
     out = {"indices": (indices % BLOCK - BLOCK // 2).to(torch.int16)}
     if numel > BLOCK:
         out["blocks"] = torch.bincount(indices // BLOCK, minlength=-(-numel // BLOCK)).to(torch.int32)

@@ -1,0 +1,120 @@
+"""The compression codecs on hand-made vectors: exact wire fields and bytes, exact decoded
+values, and the fast paths (top-k's sampled selection, random-k's reused positions)
+giving what the plain computation gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedweave.plugins.compression import randk as randk_mod
+from fedweave.plugins.compression.topk import largest
+from fedweave.plugins.compression.wire import Site
+from fedweave.types import params_nbytes
+
+from .helpers import ctx, make, roundtrip, update
+
+SITE = Site("test", 0, "up", 1, 0, "w")
+
+
+def wire(plugin_name: str, x: torch.Tensor, **params: object) -> dict[str, torch.Tensor]:
+    """The fields of ``x`` on the wire, without the layout (dtype code and shape, int32)."""
+    encoded = make(plugin_name, **params).encode(update({"w": x}), ctx()).tensors
+    assert torch.equal(encoded.pop("w.__layout"), torch.tensor([0, *x.shape], dtype=torch.int32))
+    return {k.removeprefix("w.__"): v for k, v in encoded.items()}
+
+
+def test_topk_fields_bytes_and_decoded_values_of_a_hand_made_vector() -> None:
+    x = torch.tensor([0.5, -3.0, 1.0, 0.0, 2.0, -0.25, 0.125, 4.0])
+    fields = wire("topk", x, ratio=0.375, error_feedback=False)  # k = 3
+    assert torch.equal(fields["values"], torch.tensor([-3.0, 2.0, 4.0]))
+    assert torch.equal(fields["indices"], torch.tensor([1 - 32768, 4 - 32768, 7 - 32768], dtype=torch.int16))
+    assert fields.keys() == {"values", "indices"}
+    assert params_nbytes(fields) == 3 * 4 + 3 * 2
+    out = roundtrip(make("topk", ratio=0.375, error_feedback=False), update({"w": x}), ctx()).tensors["w"]
+    assert torch.equal(out, torch.tensor([0.0, -3.0, 0.0, 0.0, 2.0, 0.0, 0.0, 4.0]))
+
+
+def test_topk_positions_past_one_block_travel_as_offsets_and_counts() -> None:
+    x = torch.zeros(70000)
+    x[[5, 65535, 65536, 69999]] = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    fields = wire("topk", x, ratio=4.5 / 70000, error_feedback=False)  # k = 4
+    offsets = torch.tensor([5, 65535, 0, 69999 - 65536]) - 32768
+    assert torch.equal(fields["indices"], offsets.to(torch.int16))
+    assert torch.equal(fields["blocks"], torch.tensor([2, 2], dtype=torch.int32))
+    assert params_nbytes(fields) == 4 * 4 + 4 * 2 + 2 * 4
+
+
+def test_int8_fields_and_decoded_values_of_a_hand_made_vector() -> None:
+    x = torch.tensor([0.5, -1.27, 0.1, 0.0, 0.3])
+    fields = wire("quantize", x, dtype="int8", bucket=2, stochastic=False)
+    scales = torch.tensor([1.27, 0.1, 0.3]) / 127  # the largest magnitude of each bucket of 2
+    assert torch.equal(fields["scales"], scales)
+    assert torch.equal(fields["values"], torch.tensor([50, -127, 127, 0, 127], dtype=torch.int8))
+    assert params_nbytes(fields) == 5 * 1 + 3 * 4
+    out = roundtrip(make("quantize", dtype="int8", bucket=2, stochastic=False), update({"w": x}), ctx()).tensors["w"]
+    assert torch.equal(out, torch.tensor([50.0, -127.0, 127.0, 0.0, 127.0]) * scales[[0, 0, 1, 1, 2]])
+
+
+def test_qsgd_levels_are_the_two_neighbours_chosen_by_the_sites_draws() -> None:
+    x = torch.tensor([3.0, -4.0, 0.0, 0.0, 0.0, 0.5])  # buckets of 4: norms 5 and 0.5
+    fields = wire("qsgd", x, levels=2, bucket=4)
+    assert torch.equal(fields["norms"], torch.tensor([5.0, 0.5]))
+    assert params_nbytes(fields) == 3 + 2 * 4  # six 4-bit levels in 3 bytes
+    # |v| / norm * s = 1.2, 1.6, 0, 0 | 0, 2 (then padding): up with probability 0.2, 0.6
+    noise = torch.rand(8, generator=Site("qsgd", 0, "up", 1, 0, "w").generator(0, "w"))
+    up = (noise[:2] < torch.tensor([1.2, 1.6]) - 1).long()
+    levels = [1 + int(up[0]), -1 - int(up[1]), 0, 0, 0, 2]
+    codes = [v + 8 for v in levels]  # offset by 8, two per byte
+    assert fields["nibbles"].tolist() == [codes[0] << 4 | codes[1], codes[2] << 4 | codes[3], codes[4] << 4 | codes[5]]
+    out = roundtrip(make("qsgd", levels=2, bucket=4), update({"w": x}), ctx()).tensors["w"]
+    assert torch.equal(out, torch.tensor(levels, dtype=torch.float32) * torch.tensor([5.0] * 4 + [0.5] * 2) / 2)
+    eight_bit = wire("qsgd", x, levels=127, bucket=4)
+    assert eight_bit["levels"].dtype == torch.int8 and params_nbytes(eight_bit) == 6 * 1 + 2 * 4
+
+
+def test_randk_sends_the_seeded_positions_scaled_and_decodes_them_anywhere() -> None:
+    x = torch.arange(1.0, 21.0)
+    fields = wire("randk", x, ratio=0.2)  # k = 4 of 20, unbiased: values × 20 / 4
+    seed = int(fields["seed"].item())
+    positions = torch.randperm(20, generator=torch.Generator().manual_seed(seed))[:4]
+    assert torch.equal(fields["values"], x[positions] * 5)
+    assert params_nbytes(fields) == 4 * 4 + 8
+    encoded = make("randk", ratio=0.2).encode(update({"w": x}), ctx())
+    fresh = make("randk", ratio=0.2)  # another process: draws the positions from the seed
+    out = fresh.decode(encoded, ctx(side="server")).tensors["w"]
+    expected = torch.zeros(20)
+    expected[positions] = x[positions] * 5
+    assert torch.equal(out, expected)
+
+
+def test_randk_keeps_a_bounded_number_of_drawn_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(randk_mod, "HELD_POSITIONS", 25)
+    codec = randk_mod.RandKCodec(randk_mod.RandKParams(ratio=0.1))
+    for seed in range(10):
+        positions = codec._positions(seed, 100)  # 10 each: at most 2 kept
+        assert torch.equal(positions, torch.randperm(100, generator=torch.Generator().manual_seed(seed))[:10].int())
+        assert codec.held == sum(p.numel() for p in codec.drawn.values()) <= 25
+    assert list(codec.drawn) == [(8, 100), (9, 100)]
+
+
+def reference(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    return magnitude.topk(k, sorted=False).indices.sort().values
+
+
+@pytest.mark.parametrize("case", ["normal", "zeros", "ties at the threshold", "nan", "few distinct", "small"])
+def test_largest_picks_the_positions_topk_picks(case: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100_000, generator=g).abs()
+    if case == "zeros":
+        x[torch.randperm(100_000, generator=g)[:97_000]] = 0  # fewer nonzero entries than twice k
+    elif case == "ties at the threshold":
+        x = x.clamp(max=2.0)  # ~4,500 entries equal 2.0, k = 1,000 of them
+    elif case == "nan":
+        x[[17, 40_000]] = float("nan")
+    elif case == "few distinct":
+        x = (x * 4).floor()
+    elif case == "small":
+        x = x[:300]
+    k = max(1, x.numel() // 100)
+    assert torch.equal(largest(x, k), reference(x, k))
