@@ -100,11 +100,15 @@ def _node_parsers(sub: Any) -> None:
         "server",
         help="run the server node of a config (transport grpc); clients connect to it",
         description="Listen on grpc.address (or --listen), wait for the clients, run every round, "
-        "then tell the clients to stop. Writes the run directory as `fedweave run` does.",
+        "then tell the clients to stop. Writes the run directory as `fedweave run` does; started again "
+        "with the same --run-dir, it resumes the run after its checkpoint (or exits 0 if it finished).",
     )
     server.add_argument("config", nargs="?", help="YAML config file")
     server.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpc.tls=mtls")
-    server.add_argument("--run-dir", metavar="DIR", help="write the run here instead of <output_dir>/<name>-<time>")
+    server.add_argument(
+        "--run-dir", metavar="DIR",
+        help="the run's directory instead of <output_dir>/<name>-<time>; a run already there is continued",
+    )
     server.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR after its last checkpoint")
     server.add_argument("--listen", metavar="HOST:PORT", help="bind here instead of grpc.listen / grpc.address")
     server.add_argument("--address-file", metavar="PATH", help="write the bound host:port here (for port 0)")

@@ -32,7 +32,7 @@ from fedweave.build import (
     initial_params,
     update_checks,
 )
-from fedweave.checkpoint import atomic_write_text, check_params, load_checkpoint, save_checkpoint
+from fedweave.checkpoint import CHECKPOINT, atomic_write_text, check_params, load_checkpoint, save_checkpoint
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError
@@ -107,6 +107,22 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     r.records = rundir.records_until(run_dir, "round", state["round"])
     log.info("resuming %s after round %d", run_dir, state["round"])
     return r
+
+
+def reopen(config: Config, run_dir: Path, topology: Topology | None = None) -> Run:
+    """The run of ``config`` in ``run_dir``, whatever a restart finds there: a new run in a directory
+    without one; the run resumed after its checkpoint; begun again when it never wrote one (its
+    metrics lines, which the new run writes again, are dropped). A run of another config is refused.
+    """
+    run_dir = Path(run_dir)
+    if not rundir.holds_run(run_dir):
+        return prepare(config, run_dir, topology)
+    rundir.check_same_config(config, run_dir)
+    if (run_dir / CHECKPOINT).is_file():
+        return resume(run_dir, topology)
+    log.info("%s holds no checkpoint of its run: beginning it again", run_dir)
+    (run_dir / rundir.METRICS_FILE).unlink(missing_ok=True)
+    return prepare(config, run_dir, topology)
 
 
 def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
