@@ -92,3 +92,32 @@ def test_a_server_killed_mid_round_and_started_again_ends_as_an_uninterrupted_ru
     assert restarted.keys() == uninterrupted.keys()
     for name, tensor in uninterrupted.items():
         assert torch.equal(restarted[name], tensor), name
+
+
+def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without its model the run's server died after the last checkpoint, before its clients heard
+    the end: the next one tells the clients that come back to stop and writes the model. With it,
+    the server returns at once."""
+    from test_settled_state import FAST_GRPC, grpc_clients
+
+    from conftest import free_port, small_config
+    from fedweave import rundir
+
+    port = free_port()
+    config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{port}", "clients=2", "grpc.join_timeout=5")
+    with grpc_clients(config, f"127.0.0.1:{port}"):
+        node.serve(config, tmp_path)
+    model, metrics = rundir.load_model(tmp_path), (tmp_path / rundir.METRICS_FILE).read_text()
+    (tmp_path / rundir.MODEL_FILE).unlink()
+    caplog.clear()
+    with caplog.at_level("INFO"), grpc_clients(config, f"127.0.0.1:{port}"):
+        again = node.serve(config, tmp_path)
+        assert caplog.text.count("the server ended the run") == 2  # both clients told, before they are stopped
+    assert again.first_round == 4 and (tmp_path / rundir.METRICS_FILE).read_text() == metrics
+    restored = rundir.load_model(tmp_path)
+    assert restored.keys() == model.keys() and all(torch.equal(restored[k], model[k]) for k in model)
+    began = time.monotonic()
+    with caplog.at_level("INFO"):
+        node.serve(config, tmp_path)
+    assert time.monotonic() - began < config.grpc.join_timeout  # nobody to wait for
+    assert f"the run in {tmp_path} already finished all 3 rounds" in caplog.text
