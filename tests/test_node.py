@@ -56,8 +56,10 @@ def test_a_server_killed_mid_round_and_started_again_ends_as_an_uninterrupted_ru
 
     hold = tmp_path / "hold"
     hold.touch()
+    slow = {"client_send": [{"name": "slowlink:SlowLink", "seconds": 1.0, "hold_file": str(hold)}]}
     config = write_config(
-        tmp_path / "restart.yaml", hold, rounds=3, clients=2, strategy={"name": strategy}, checkpoint={"every": 1}
+        tmp_path / "restart.yaml", hold, rounds=3, clients=2, strategy={"name": strategy}, checkpoint={"every": 1},
+        plugins=slow,
     )
     run_dir = tmp_path / "run"
     server = ["server", str(config), "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{free_port()}", "-q"]
@@ -68,7 +70,7 @@ def test_a_server_killed_mid_round_and_started_again_ends_as_an_uninterrupted_ru
         procs[cid] = start(["client", str(config), "--id", cid, "--address", address], logs[cid])
     try:
         wait_for(lambda: len(records(run_dir)) >= 1, 120, "round 1")
-        time.sleep(0.3)  # round 2 is under way: its clients trained and wait on the slow link
+        time.sleep(0.5)  # round 2 is under way: its clients trained and wait 1 s on the slow link
         procs["server"].send_signal(signal.SIGKILL)
         procs["server"].wait(5)
         assert [r["round"] for r in records(run_dir)] == [1], "the kill must land in round 2"
