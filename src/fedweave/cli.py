@@ -504,6 +504,10 @@ def _serve_node(args: argparse.Namespace) -> int:
             raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
         config = config_mod.load(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(config)
+        if not args.run_dir:
+            logging.getLogger("fedweave.node").info(
+                "the run goes to %s; a server started again resumes it only with --run-dir %s", run_dir, run_dir
+            )
         node.serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
         return 0
     except KeyboardInterrupt:
