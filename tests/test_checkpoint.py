@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,23 @@ def test_a_failed_background_write_is_raised_and_keeps_the_previous_checkpoint(
     writer.close()  # reported once
     assert (tmp_path / CHECKPOINT).read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]
+
+
+def test_a_foreground_writer_returns_with_the_checkpoint_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = checkpoint.CheckpointWriter._write
+
+    def slow_write(self: checkpoint.CheckpointWriter, buffer: Any, rnd: int) -> None:
+        time.sleep(0.3)  # a slow disk
+        write(self, buffer, rnd)
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "_write", slow_write)
+    for background in (True, False):
+        folder = tmp_path / str(background)
+        folder.mkdir()
+        writer = checkpoint.CheckpointWriter(folder, background=background)
+        writer.save(state(4))
+        assert (folder / CHECKPOINT).is_file() is not background  # in flight only in the background
+        writer.close()
+        assert load_checkpoint(folder)["round"] == 4

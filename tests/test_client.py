@@ -100,6 +100,24 @@ def test_a_staged_state_is_committed_only_for_the_accepted_round() -> None:
     assert store.get(2)["x"].item() == 7.0
 
 
+def test_a_server_rolled_back_past_a_committed_state_is_warned_of_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A gRPC server restarted from a checkpoint older than the client's committed state (checkpoint.every
+    > 1): the state cannot be rolled back, so the client says the run is no longer the uninterrupted one."""
+    store = ClientStateStore()
+    store.stage(1, 3, {"x": torch.tensor([3.0])})
+    store.settle(1, 3, training=True)
+    with caplog.at_level("WARNING"):
+        store.settle(1, 3, training=True)  # the server applied up to round 3, as the client has: nothing to say
+        assert not caplog.records
+        store.settle(1, 2, training=True)
+        store.settle(1, 2, training=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "client 1: its state is of round 3, but the server applied its updates only up to round 2 (a server "
+        "restarted from an older checkpoint: checkpoint.every > 1); the run goes on with the newer state, so it "
+        "is not the same as an uninterrupted run"
+    ]
+    assert store.get(1)["x"].item() == 3.0
+
 def test_pending_states_round_trip() -> None:
     store = ClientStateStore()
     store.stage(3, 2, {"x": torch.tensor([1.5])})

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedweave import config as config_mod
 from fedweave import node
@@ -39,3 +41,85 @@ def test_fedweave_client_on_a_simulation_config_prints_one_line_not_a_60_s_retry
         "fedweave: error: config key 'transport': `fedweave client` connects to a server over gRPC, but this "
         "config's transport is 'inmemory' (its clients run inside `fedweave run`); set transport: grpc"
     ]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
+def test_a_server_killed_mid_round_and_started_again_ends_as_an_uninterrupted_run(
+    strategy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13 item 3: kill -9 the server in round 2, start it with the same command; the clients
+    retry, register again and drop what they trained in round 2, and the model is the same tensors."""
+    from launchers.test_process import HERE, records, start, wait_for, write_config
+
+    from conftest import free_port
+    from fedweave import rundir, runner
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    slow = {"client_send": [{"name": "slowlink:SlowLink", "seconds": 1.0, "hold_file": str(hold)}]}
+    config = write_config(
+        tmp_path / "restart.yaml", hold, rounds=3, clients=2, strategy={"name": strategy}, checkpoint={"every": 1},
+        plugins=slow,
+    )
+    run_dir = tmp_path / "run"
+    server = ["server", str(config), "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{free_port()}", "-q"]
+    logs = {name: tmp_path / f"{name}.log" for name in ("server", "server-again", "0", "1")}
+    procs = {"server": start(server, logs["server"])}
+    address = server[server.index("--listen") + 1]
+    for cid in ("0", "1"):
+        procs[cid] = start(["client", str(config), "--id", cid, "--address", address], logs[cid])
+    try:
+        wait_for(lambda: len(records(run_dir)) >= 1, 120, "round 1")
+        time.sleep(0.5)  # round 2 is under way: its clients trained and wait 1 s on the slow link
+        procs["server"].send_signal(signal.SIGKILL)
+        procs["server"].wait(5)
+        assert [r["round"] for r in records(run_dir)] == [1], "the kill must land in round 2"
+        hold.unlink()
+        procs["server-again"] = start(server, logs["server-again"])
+        for name in ("server-again", "0", "1"):
+            assert procs[name].wait(120) == 0, logs[name].read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    assert [r["round"] for r in records(run_dir)] == [1, 2, 3]
+    assert "resuming" in logs["server-again"].read_text()
+    if strategy == "scaffold":  # each client's control variate of the lost round 2 was dropped
+        for cid in ("0", "1"):
+            assert f"client {cid}: the server did not apply its round 2 update" in logs[cid].read_text()
+    monkeypatch.syspath_prepend(str(HERE))  # the slow-link plugin, idle without its hold file
+    uninterrupted = runner.run_config(config_mod.load(config, ["transport=inmemory"]), tmp_path / "reference").params
+    restarted = rundir.load_model(run_dir)
+    assert restarted.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(restarted[name], tensor), name
+
+
+def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without its model the run's server died after the last checkpoint, before its clients heard
+    the end: the next one tells the clients that come back to stop and writes the model. With it,
+    the server returns at once."""
+    from test_settled_state import FAST_GRPC, grpc_clients
+
+    from conftest import free_port, small_config
+    from fedweave import rundir
+
+    port = free_port()
+    config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{port}", "clients=2", "grpc.join_timeout=5")
+    with grpc_clients(config, f"127.0.0.1:{port}"):
+        node.serve(config, tmp_path)
+    model, metrics = rundir.load_model(tmp_path), (tmp_path / rundir.METRICS_FILE).read_text()
+    (tmp_path / rundir.MODEL_FILE).unlink()
+    caplog.clear()
+    with caplog.at_level("INFO"), grpc_clients(config, f"127.0.0.1:{port}"):
+        again = node.serve(config, tmp_path)
+        assert caplog.text.count("the server ended the run") == 2  # both clients told, before they are stopped
+    assert again.first_round == 4 and (tmp_path / rundir.METRICS_FILE).read_text() == metrics
+    restored = rundir.load_model(tmp_path)
+    assert restored.keys() == model.keys() and all(torch.equal(restored[k], model[k]) for k in model)
+    began = time.monotonic()
+    with caplog.at_level("INFO"):
+        node.serve(config, tmp_path)
+    assert time.monotonic() - began < config.grpc.join_timeout  # nobody to wait for
+    assert f"the run in {tmp_path} already finished all 3 rounds" in caplog.text

@@ -211,3 +211,37 @@ def test_new_run_directories_are_named_and_unique(tmp_path: Path, monkeypatch: p
     assert rundir.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405"
     assert rundir.new_run_dir(config) == tmp_path / "runs" / "demo-20260102-030405-2"
     assert runner.prepare(config).run_dir == tmp_path / "runs" / "demo-20260102-030405-3"
+
+
+def test_reopen_begins_resumes_or_refuses_by_what_the_directory_holds(tmp_path: Path) -> None:
+    """What a server started again with the same arguments finds (issue 13 item 3)."""
+    fresh = runner.reopen(small_config(), tmp_path / "new")
+    assert fresh.first_round == 1 and (tmp_path / "new" / "config.yaml").is_file()
+
+    params, records = run_to_end(tmp_path / "done")
+    finished = runner.reopen(small_config(), tmp_path / "done")
+    assert finished.first_round == 4 and comparable(finished.records) == comparable(records)
+    assert_same_params(finished.params, params)
+
+    with pytest.raises(ConfigError, match=r"^run directory '.*' holds a run of another config \(key 'rounds' differs\)"):
+        runner.reopen(small_config("rounds=5"), tmp_path / "done")
+    with pytest.raises(ConfigError, match=r"\(key 'local\.lr' differs\)"):
+        runner.reopen(small_config("local.lr=0.5"), tmp_path / "done")
+
+
+def test_reopen_of_a_run_without_a_checkpoint_begins_it_again(tmp_path: Path) -> None:
+    overrides = ("checkpoint.every=0",)
+    whole, whole_records = run_to_end(tmp_path / "whole", *overrides)
+    r = runner.prepare(small_config(*overrides), tmp_path / "again")
+
+    def stop_after_two(record: dict[str, Any]) -> None:
+        if record["round"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, stop_after_two)
+    again = runner.reopen(small_config(*overrides), tmp_path / "again")
+    assert again.first_round == 1 and again.records == []
+    records = runner.execute(again)
+    assert_same_params(again.params, whole)
+    assert comparable(read_lines(tmp_path / "again" / "metrics.jsonl")) == comparable(whole_records) == comparable(records)

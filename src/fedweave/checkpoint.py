@@ -52,11 +52,13 @@ class CheckpointWriter:
     while the disk catches up; at most one write is in flight (the next ``save`` waits
     for it). ``close`` waits for the last one, stops the thread and raises the error of a
     failed write. A crash before a write lands leaves the previous checkpoint, from which
-    a resumed run redoes the later rounds exactly.
+    a resumed run redoes the later rounds exactly. ``background=False``: ``save`` returns
+    once the checkpoint is on disk.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, background: bool = True):
         self.path = Path(run_dir) / CHECKPOINT
+        self.background = background
         self._thread: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
 
@@ -67,6 +69,8 @@ class CheckpointWriter:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending = self._thread.submit(self._write, buffer, state["round"])
+        if not self.background:
+            self._wait()
 
     def close(self) -> None:
         try:

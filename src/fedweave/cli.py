@@ -112,11 +112,15 @@ def _node_parsers(sub: Any) -> None:
         "server",
         help="run the server node of a config (transport grpc); clients connect to it",
         description="Listen on grpc.address (or --listen), wait for the clients, run every round, "
-        "then tell the clients to stop. Writes the run directory as `fedweave run` does.",
+        "then tell the clients to stop. Writes the run directory as `fedweave run` does; started again "
+        "with the same --run-dir, it resumes the run after its checkpoint (or exits 0 if it finished).",
     )
     server.add_argument("config", nargs="?", help="YAML config file")
     server.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpc.tls=mtls")
-    server.add_argument("--run-dir", metavar="DIR", help="write the run here instead of <output_dir>/<name>-<time>")
+    server.add_argument(
+        "--run-dir", metavar="DIR",
+        help="the run's directory instead of <output_dir>/<name>-<time>; a run already there is continued",
+    )
     server.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR after its last checkpoint")
     server.add_argument("--listen", metavar="HOST:PORT", help="bind here instead of grpc.listen / grpc.address")
     server.add_argument("--address-file", metavar="PATH", help="write the bound host:port here (for port 0)")
@@ -529,6 +533,10 @@ def _serve_node(args: argparse.Namespace) -> int:
             raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
         config = config_mod.load(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(config)
+        if not args.run_dir:
+            logging.getLogger("fedweave.node").info(
+                "the run goes to %s; a server started again resumes it only with --run-dir %s", run_dir, run_dir
+            )
         node.serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
         return 0
     except KeyboardInterrupt:

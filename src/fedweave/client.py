@@ -90,6 +90,7 @@ class ClientStateStore:
     def __init__(self) -> None:
         self._states: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, tuple[int, dict[str, Any]]] = {}  # client id -> (round, state)
+        self._committed_round: dict[int, int] = {}  # client id -> the round of its committed state, in this process
 
     def get(self, client_id: int) -> dict[str, Any]:
         """A copy of the client's committed state."""
@@ -112,12 +113,21 @@ class ClientStateStore:
     def settle(self, client_id: int, accepted_round: int | None, training: bool) -> None:
         """Commit the pending state if its round is ``accepted_round`` (None: commit in any case);
         otherwise drop it before ``training``, or keep it waiting."""
+        committed = self._committed_round.get(client_id, 0)
+        if accepted_round is not None and accepted_round < committed:
+            log.warning(
+                "client %d: its state is of round %d, but the server applied its updates only up to round %d "
+                "(a server restarted from an older checkpoint: checkpoint.every > 1); the run goes on with "
+                "the newer state, so it is not the same as an uninterrupted run", client_id, committed, accepted_round,
+            )
+            self._committed_round[client_id] = accepted_round  # warned once
         if client_id not in self._pending:
             return
         rnd, state = self._pending[client_id]
         if accepted_round is None or rnd == accepted_round:
             del self._pending[client_id]
             self.put(client_id, state)
+            self._committed_round[client_id] = rnd
         elif training:
             del self._pending[client_id]
             log.info("client %d: the server did not apply its round %d update; that round's state is dropped",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedweave import runner
+from fedweave import rundir, runner
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
@@ -59,6 +59,11 @@ def serve(
 ) -> runner.Run:
     """Run the server node: listen, build the run in ``run_dir``, serve every round, stop the clients.
 
+    A server restarted with the same arguments carries on (:func:`fedweave.runner.reopen`): it
+    resumes after the checkpoint in ``run_dir`` and reruns the interrupted round, whose clients
+    register again and drop what they trained in it (the accepted-round mechanism of
+    :mod:`fedweave.client`). On a run that already finished it serves no round: it tells the
+    clients to stop if its predecessor died before it could, writes the model, and returns.
     ``address_file`` receives the address actually bound (``listen`` may ask for port 0).
     """
     topology = server_topology(config, listen)
@@ -66,12 +71,28 @@ def serve(
         if address_file is not None:
             atomic_write_text(topology.transport.address + "\n", address_file)
         run_dir = Path(run_dir)
-        r = runner.resume(run_dir, topology=topology) if resume else runner.prepare(config, run_dir, topology=topology)
+        r = runner.resume(run_dir, topology=topology) if resume else runner.reopen(config, run_dir, topology=topology)
         if r.first_round <= r.config.rounds:
             runner.run_rounds(r, on_record)
+        else:
+            _finished(r, topology)
         return r
     finally:
         topology.close()
+
+
+def _finished(r: runner.Run, topology: Star | SiteBatches) -> None:
+    """A run that ended before this server started. Without its model, its server died between the
+    last checkpoint and telling the clients to stop: wait for them (``grpc.join_timeout``) and tell
+    them now, then write the model from the checkpoint."""
+    model = r.run_dir / rundir.MODEL_FILE
+    if not model.is_file():
+        transport = topology.transport
+        log.info("the run ended without its model: telling the %ss that reconnect to stop", transport.role)
+        transport.wait_for_clients(transport.num_nodes, r.config.grpc.join_timeout)
+        topology.close()
+        rundir.save_model(r.params, r.run_dir)
+    log.info("the run in %s already finished all %d rounds; its model is %s", r.run_dir, r.config.rounds, model)
 
 
 def run_client(config: Config, client_id: int, *, address: str | None = None, token: str | None = None) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from fedweave import config as config_mod
 from fedweave.checkpoint import CHECKPOINT, atomic_save
@@ -59,6 +60,32 @@ def create(config: Config, run_dir: Path | None = None) -> tuple[Path, bool]:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(config_mod.to_yaml(config), run_dir / CONFIG_FILE)
     return run_dir, fresh
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is the directory of a run begun before (its config is saved in it)."""
+    return (run_dir / CONFIG_FILE).is_file()
+
+
+def check_same_config(config: Config, run_dir: Path) -> None:
+    """Refuse to continue the run in ``run_dir`` with a config other than the one it was begun with,
+    naming the first key that differs."""
+    saved = yaml.safe_load(config_mod.to_yaml(saved_config(run_dir)))
+    given = yaml.safe_load(config_mod.to_yaml(config))
+    if saved != given:
+        key = _first_difference(saved, given)
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} holds a run of another config (key {key!r} differs); start the "
+            "server with the config it was begun with, or choose another directory"
+        )
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+    return prefix.rstrip(".")
 
 
 def saved_config(run_dir: Path) -> Config:

@@ -32,7 +32,7 @@ from fedweave.build import (
     initial_params,
     update_checks,
 )
-from fedweave.checkpoint import CheckpointWriter, check_params, load_checkpoint
+from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, check_params, load_checkpoint
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config, emulates_clients
@@ -110,6 +110,22 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     return r
 
 
+def reopen(config: Config, run_dir: Path, topology: Topology | None = None) -> Run:
+    """The run of ``config`` in ``run_dir``, whatever a restart finds there: a new run in a directory
+    without one; the run resumed after its checkpoint; begun again when it never wrote one (its
+    metrics lines, which the new run writes again, are dropped). A run of another config is refused.
+    """
+    run_dir = Path(run_dir)
+    if not rundir.holds_run(run_dir):
+        return prepare(config, run_dir, topology)
+    rundir.check_same_config(config, run_dir)
+    if (run_dir / CHECKPOINT).is_file():
+        return resume(run_dir, topology)
+    log.info("%s holds no checkpoint of its run: beginning it again", run_dir)
+    (run_dir / rundir.METRICS_FILE).unlink(missing_ok=True)
+    return prepare(config, run_dir, topology)
+
+
 def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """Run the remaining rounds where the config's launcher puts the nodes."""
     if r.config.launcher.kind == "process":
@@ -124,7 +140,10 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     cfg = r.config
     metrics = MetricsWriter(r.run_dir / rundir.METRICS_FILE)
     loggers = open_loggers(cfg, r.run_dir, r.parts.topology)  # observe: TensorBoard, MLflow, Prometheus
-    checkpoints = CheckpointWriter(r.run_dir)
+    # In simulation the clients live and die with the server, so a checkpoint may land while the
+    # next round trains. Deployed clients keep the state the next round's instruction accepts:
+    # that instruction must not leave before the checkpoint it follows is on disk.
+    checkpoints = CheckpointWriter(r.run_dir, background=cfg.transport.kind == "inmemory")
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         metrics.append(record)

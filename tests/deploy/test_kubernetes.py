@@ -66,7 +66,7 @@ def test_every_overlay_builds_and_validates_strictly(rendered: dict[str, k8s.Ren
         ("data_parallel", "base"), ("data_parallel", "gpu"), ("data_parallel", "pytorchjob"),
     }
     assert built["star", "base"] == {
-        "ConfigMap", "Secret", "PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy", "Job",
+        "ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "NetworkPolicy", "Job",
     }
     assert built["hierarchical", "base"] == built["star", "base"] | {"Namespace"}
     assert built["data_parallel", "base"] == {"ConfigMap", "Service", "Job"}
@@ -75,8 +75,8 @@ def test_every_overlay_builds_and_validates_strictly(rendered: dict[str, k8s.Ren
 
 def test_strict_validation_and_the_crd_schema_refuse_a_wrong_field(rendered: dict[str, k8s.Rendered]) -> None:
     """The checks are live: one unknown field, one value outside an enum, each fails."""
-    deployment = next(iter(by_kind(kustomize(rendered["star"].out / "base"), "Deployment").values()))
-    bad = copy.deepcopy(deployment)
+    server = by_kind(kustomize(rendered["star"].out / "base"), "Job")[f"{rendered['star'].name}-server"]
+    bad = copy.deepcopy(server)
     bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 8081
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(bad)
@@ -101,11 +101,14 @@ def test_the_star_deployment(rendered: dict[str, k8s.Rendered]) -> None:
     assert (g.tls, g.tokens, g.credentials) == ("mtls", True, k8s.CREDENTIALS_DIR)
     assert (g.address, g.listen, g.health_listen) == (f"{name}-server:50051", "0.0.0.0:50051", "0.0.0.0:8081")
     assert config.rounds == 10 and config.clients == 3  # the user's settings are kept
+    assert g.connect_timeout == k8s.CLIENT_PATIENCE  # the clients outwait a restarting server pod
 
-    (server,) = by_kind(objects, "Deployment").values()
+    server = by_kind(objects, "Job")[f"{name}-server"]
     spec = server["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    assert "completions" not in spec and "parallelism" not in spec  # one pod
+    assert spec["podReplacementPolicy"] == "Failed"  # a new pod once the last one ended: one writer of the run
     pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "OnFailure"  # a crash restarts it (it resumes); a finished run completes
     (c,) = pod["containers"]
     assert c["image"] == "registry.example/fedweave:0.1.0"
     assert c["args"] == ["server", k8s.CONFIG_PATH, "--run-dir", k8s.RUN_DIR]
@@ -119,18 +122,19 @@ def test_the_star_deployment(rendered: dict[str, k8s.Rendered]) -> None:
     assert f"{name}-run" in by_kind(objects, "PersistentVolumeClaim")
 
     service = by_kind(objects, "Service")[f"{name}-server"]
-    assert service["spec"]["selector"] == server["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "server"
     assert service["spec"]["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP"}]
 
     (policy,) = by_kind(objects, "NetworkPolicy").values()
-    assert policy["spec"]["podSelector"]["matchLabels"] == server["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
     (peer,) = rule["from"]
     assert peer["podSelector"]["matchExpressions"][0]["values"] == ["client", "site-leader"]
 
     jobs = by_kind(objects, "Job")
-    assert sorted(jobs) == [f"{name}-client-{i}" for i in range(3)]
+    assert sorted(jobs) == [*(f"{name}-client-{i}" for i in range(3)), f"{name}-server"]
     for i in range(3):
         job_pod = jobs[f"{name}-client-{i}"]["spec"]["template"]
         assert job_pod["metadata"]["labels"]["app.kubernetes.io/component"] == "client"  # admitted by the policy
@@ -181,7 +185,7 @@ def test_the_hierarchical_deployment_has_a_group_of_pods_per_site(rendered: dict
             member = jobs[f"{site}-member-{rank}"]["spec"]["template"]["spec"]
             assert member["containers"][0]["args"][5:] == [str(rank), "--port", str(port), f"torchdist.address={site}"]
             assert "credentials" not in {v["name"] for v in member["volumes"]}  # members never talk to the server
-    assert len(jobs) == 2 * 5
+    assert len(jobs) == 2 * 5 + 1  # and the server
     assert sorted(by_kind(objects, "Secret")) == [f"{r.name}-server", f"{r.name}-site-0", f"{r.name}-site-1"]
 
 
@@ -211,11 +215,12 @@ def test_data_parallel_torchrun_pods_and_the_pytorchjob(rendered: dict[str, k8s.
 
 def test_the_gpu_overlay_gives_each_training_pod_a_gpu_and_the_cuda_image(rendered: dict[str, k8s.Rendered]) -> None:
     objects = kustomize(rendered["star"].out / "overlays" / "gpu")
-    for job in by_kind(objects, "Job").values():
+    jobs = by_kind(objects, "Job")
+    server = jobs.pop(f"{rendered['star'].name}-server")
+    for job in jobs.values():
         (c,) = job["spec"]["template"]["spec"]["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert c["image"] == "registry.example/fedweave:0.1.0-cuda"
-    (server,) = by_kind(objects, "Deployment").values()
     assert "nvidia.com/gpu" not in server["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 
@@ -286,3 +291,13 @@ def test_the_checked_in_deploy_k8s_is_a_fresh_render_of_the_grpc_example(tmp_pat
     assert kept - {Path("README.md")} == fresh
     for path in fresh:
         assert (checked_in / path).read_text() == (tmp_path / path).read_text(), path
+
+
+def test_the_clients_patience_with_a_restarting_server_is_the_configs_when_it_sets_one(tmp_path: Path) -> None:
+    data = yaml.safe_load(STAR.read_text())
+    data["grpc"]["connect_timeout"] = 30
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(data))
+    k8s.render(tmp_path / "own.yaml", tmp_path / "own")
+    assert config_mod.from_dict(yaml.safe_load((tmp_path / "own" / "base" / "config.yaml").read_text())).grpc.connect_timeout == 30
+    k8s.render(STAR, tmp_path / "star", k8s.Options(overrides=("grpc.connect_timeout=45",)))
+    assert config_mod.from_dict(yaml.safe_load((tmp_path / "star" / "base" / "config.yaml").read_text())).grpc.connect_timeout == 45

@@ -11,8 +11,9 @@ Writes a kustomize base and its overlays (``kubectl apply -k DIR/base`` or an ov
                                 elasticPolicy in place of the Indexed Job
 ==============================  ==========================================================
 
-The workloads follow the config: a federated star is the server (Deployment, Service,
-PersistentVolumeClaim of its run directory, NetworkPolicy) and one Job per client; a
+The workloads follow the config: a federated star is the server (a Job restarted on failure,
+which resumes from its run directory, a Service, the PersistentVolumeClaim of that run
+directory, a NetworkPolicy) and one Job per client; a
 hierarchical gRPC deployment has the same server and, per top-level site, a leader Job, a
 headless Service for the site's torch.distributed rendezvous and one Job per member;
 ``mode: data_parallel`` is an Indexed Job of torchrun pods and the headless Service of its
@@ -22,7 +23,8 @@ pod of its own can hold a key that no other client can read.
 
 The deployed config is the user's with the deployment's settings on top: the server's
 Service name as ``grpc.address``, credentials at their mount path, mutual TLS and tokens on
-(unless the command's own overrides say otherwise), and the plaintext health port
+(unless the command's own overrides say otherwise), clients that wait ten minutes for a
+restarted server (unless the config sets ``grpc.connect_timeout``), and the plaintext health port
 (``grpc.health_listen``) the kubelet's ``grpc`` probes ask, since they cannot present a
 client certificate. Credentials already in ``DIR/base/credentials`` are kept, so rendering
 again does not change any key.
@@ -59,6 +61,9 @@ CREDENTIALS_DIR = "/etc/fedweave/credentials"
 DATA_DIR = "/var/lib/fedweave"
 RUN_DIR = f"{DATA_DIR}/run"
 HEALTH_PORT = 8081
+CLIENT_PATIENCE = 600
+"""Seconds a deployed client keeps retrying an unreachable server (``grpc.connect_timeout``, unless the
+config sets it): a restarted server pod may take minutes (the kubelet's back-off, a reschedule)."""
 RENDEZVOUS_PORT = 29500
 TRAINERS = ("client", "site-member", "worker")  # the pods that train: a GPU each in the gpu overlay
 PYTORCHJOB_API = "kubeflow.org/v1"
@@ -124,6 +129,8 @@ def deployed_config(path: str | Path, options: Options) -> tuple[dict[str, Any],
         data = config_mod.apply_overrides(data, list(options.overrides))
         return data, config_mod.from_dict(copy.deepcopy(data)), name
     defaults = ["transport=grpc", "grpc.tls=mtls", "grpc.tokens=true"]
+    if "connect_timeout" not in (data.get("grpc") or {}):  # clients outwait a server pod's restart
+        defaults.append(f"grpc.connect_timeout={CLIENT_PATIENCE}")
     if user.topology.kind == "hierarchical":
         defaults.append("topology.inner=torchdist")  # a site's pods reach each other over torch.distributed
     port = _port(user.grpc.address)
@@ -383,20 +390,10 @@ class _Manifests:
                 "metadata": self.meta(f"{n}-run", "server"),
                 "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": self.options.storage}}},
             },
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": self.meta(f"{n}-server", "server"),
-                "spec": {
-                    "replicas": 1,
-                    "strategy": {"type": "Recreate"},  # one writer of the run directory at a time
-                    "selector": {"matchLabels": selector},
-                    "template": {
-                        "metadata": {"labels": selector},
-                        "spec": self.pod_spec(container, [volume, pvc], "Always"),
-                    },
-                },
-            },
+            # A Job, not a Deployment: a crashed server is restarted with the same arguments and resumes
+            # from its run directory's checkpoint, and a finished one completes instead of being restarted
+            # forever. A replacement pod starts only once the previous one has ended: one writer at a time.
+            self.job(f"{n}-server", "server", container, [volume, pvc], podReplacementPolicy="Failed"),
             {
                 "apiVersion": "v1",
                 "kind": "Service",
