@@ -287,8 +287,8 @@ def test_override_values_are_parsed_as_yaml() -> None:
 
 
 def test_list_values() -> None:
-    config = config_mod.load(None, ["plugins.client_send=[identity, {name: identity}]"])
-    assert [s.name for s in config.plugins.client_send] == ["identity", "identity"]
+    config = config_mod.load(None, ["plugins.client_send=[clip, {name: identity}]"])
+    assert [s.name for s in config.plugins.client_send] == ["clip", "identity"]
 
 
 def test_shorthand_overrides() -> None:
@@ -377,7 +377,7 @@ def test_to_yaml_then_load_gives_the_same_config(tmp_path: Path) -> None:
             "task.partition={scheme: shards, shards_per_client: 3}",
             f"strategy={{name: '{PROXIMAL}', mu: 0.25}}",
             f"plugins.server_send=[{{name: '{SCALE}', factor: 2}}]",
-            "plugins.client_send=[identity, identity]",
+            "plugins.client_send=[clip, identity]",
             "eval.federated_every=2",
         ],
     )
