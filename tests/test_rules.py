@@ -12,7 +12,7 @@ import pytest
 from fedweave import rules, runner
 from fedweave.errors import ConfigError
 from fedweave.types import UpdateKind
-from tests.conftest import small_config
+from conftest import small_config
 
 HERE = __name__
 

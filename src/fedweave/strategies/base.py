@@ -28,6 +28,9 @@ A strategy also declares, for the config validator:
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
   encryption) can be used with it;
+- ``metrics() -> dict[str, float]`` (:class:`~fedweave.plugins.contracts.ReportsMetrics`),
+  optional: numbers of the round just aggregated (a server step's norm), recorded in
+  metrics.jsonl as ``strategy_<key>``;
 - ``update_schema(model, hp)`` (:class:`DeclaresUpdate`), a static method, when its
   clients send other than every entry of the model's state dict without extras: the
   tensors and ``extras`` its updates hold. The server rejects any update that does not
