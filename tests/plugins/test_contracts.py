@@ -13,7 +13,7 @@ from conftest import small_config
 from fedweave import runner
 from fedweave.errors import ConfigError
 from fedweave.plugins.chain import Chain, Chains
-from fedweave.plugins.contracts import Binds, Combines, Plugin, ReportsMetrics, RunsProtocol, Stateful
+from fedweave.plugins.contracts import Answers, Binds, Combines, Plugin, ReportsMetrics, RunsProtocol, Stateful
 from fedweave.strategies.fedavg import FedAvg
 from fedweave.types import Update, UpdateKind
 
@@ -98,7 +98,7 @@ def path(cls: type) -> str:
     [
         ("client_send", NoDecode, "lacks decode of the Plugin protocol"),
         ("client_send", CombinesWithoutCombine, "declares combines_encoded = True but lacks combine(updates, ctx)"),
-        ("client_send", HalfProtocol, "has setup, combine but lacks answer of the RunsProtocol protocol"),
+        ("client_send", HalfProtocol, "has setup, combine but lacks answer of the RunsProtocol and Answers protocols"),
         ("client_send", SaveOnly, "has state_dict but lacks load_state_dict of the Stateful protocol"),
         ("client_send", SetupNotCombining, "has setup(), which runs only for a plugin that combines updates"),
         ("server_send", UplinkCompressor, "belongs in plugins.client_send: its class declares points = ('client_send',)"),
@@ -124,7 +124,7 @@ def test_the_protocols_recognise_the_built_in_plugins() -> None:
     from fedweave.plugins.secure.secagg import SecAgg
 
     assert isinstance(TopK, Plugin) and isinstance(TopK, Stateful) and isinstance(TopK, Binds)
-    assert isinstance(SecAgg, RunsProtocol)
+    assert isinstance(SecAgg, RunsProtocol) and isinstance(SecAgg, Answers)
     assert isinstance(HE, Combines) and not isinstance(HE, RunsProtocol)
     assert isinstance(DPCentral, ReportsMetrics) and not isinstance(TopK, ReportsMetrics)
 

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fedweave.plugins.contracts import (
+    Answers,
     BeginsRound,
     Binds,
     Combines,
@@ -187,7 +188,7 @@ class Chains:
         """Client side: the answer of the plugin ``control`` is addressed to."""
         for point in POINTS:
             for plugin in getattr(self, point).plugins:
-                if plugin.name == control.plugin and isinstance(plugin, RunsProtocol):
+                if plugin.name == control.plugin and isinstance(plugin, Answers):
                     return plugin.answer(control, ctx)
         raise ValueError(f"no plugin of this client answers control messages of {control.plugin!r}")
 

@@ -11,8 +11,9 @@ capability or declares one it lacks, with one line naming what is missing.
 protocol            methods                                         when it is called
 ==================  ==============================================  ==========================
 :class:`Combines`   ``combine(updates, ctx) -> Update``             a ``combines_encoded`` plugin
-:class:`RunsProtocol`  ``setup``, ``combine(..., exchange)``,       a combining plugin with its own
-                    ``answer``                                      control messages (SecAgg)
+:class:`RunsProtocol`  ``setup``, ``combine(..., exchange)``       a combining plugin with its own
+                                                                    control messages (SecAgg), server
+:class:`Answers`    ``answer(control, ctx) -> Control``             its client half
 :class:`Stateful`   ``state_dict()``, ``load_state_dict(state)``    checkpoints (error feedback)
 :class:`Binds`      ``bind(config)``                                once, when the run is built
 :class:`BeginsRound`  ``begin_round(rnd, client_ids)``              before each round's set-up
@@ -55,11 +56,17 @@ class Combines(Protocol):
 
 @runtime_checkable
 class RunsProtocol(Protocol):
-    """A combining plugin with its own control messages (secure aggregation's set-up and unmasking)."""
+    """The server half of a combining plugin with its own control messages (secure aggregation's
+    set-up and unmasking)."""
 
     def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]: ...
 
     def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update: ...
+
+
+@runtime_checkable
+class Answers(Protocol):
+    """The client half of such a plugin: its answer to each control message addressed to it."""
 
     def answer(self, control: Control, ctx: PluginContext) -> Control: ...
 
@@ -101,7 +108,7 @@ class ReportsMetrics(Protocol):
 
 
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("RunsProtocol", ("setup", "combine", "answer")),
+    ("RunsProtocol and Answers", ("setup", "combine", "answer")),
     ("Stateful", ("state_dict", "load_state_dict")),
 )
 """Capabilities of several methods: a plugin with some of them must have all."""
@@ -124,12 +131,12 @@ def check_plugin_class(cls: Any, key: str) -> None:
         raise ConfigError(f"{what}: accepts must be a set of fedweave.types.UpdateKind, got {cls.accepts!r}")
     for protocol, methods in PARTS:
         present = [m for m in methods if _has(cls, m)]
-        if protocol == "RunsProtocol" and present == ["combine"]:
+        if protocol == "RunsProtocol and Answers" and present == ["combine"]:
             continue  # Combines, without a protocol of its own
         if present and len(present) < len(methods):
             missing = ", ".join(m for m in methods if m not in present)
             raise ConfigError(
-                f"{what} has {', '.join(present)} but lacks {missing} of the {protocol} protocol (see docs/extending.md)"
+                f"{what} has {', '.join(present)} but lacks {missing} of the {protocol} protocols (see docs/extending.md)"
             )
     if cls.combines_encoded and not _has(cls, "combine"):
         raise ConfigError(f"{what} declares combines_encoded = True but lacks combine(updates, ctx) (Combines protocol)")
