@@ -148,7 +148,7 @@ def test_strategy_and_plugin_settings_are_parsed_and_checked() -> None:
             "config key 'task.partition.scheme': 'dirichlett' is not allowed; expected one of "
             "'iid', 'dirichlet', 'shards', 'quantity' (did you mean 'dirichlet'?)",
         ),
-        (["task.loss=mse"], "config key 'task.loss': 'mse' is not allowed; expected one of 'cross_entropy', 'nll'"),
+        (["task.loss=mse"], "config key 'task.loss': 'mse' is not a loss; valid: cross_entropy, nll, bce or package.module:function"),
         (["strategy=[fedavg]"], "config key 'strategy': expected a name or a mapping, got ['fedavg']"),
         (["plugins=[identity]"], "config key 'plugins': expected a mapping of attachment points, got ['identity']"),
         (

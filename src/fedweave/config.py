@@ -39,16 +39,35 @@ class PartitionConfig:
 class TaskConfig:
     dataset: str = opt(
         "digits",
-        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | package.module:function",
+        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | package.module:function "
+        "called f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y) whose "
+        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels",
     )
     dataset_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the dataset")
     data_root: str | None = opt(None, help="local folder of torchvision datasets")
-    model: str = opt("mlp", help="mlp | cnn | package.module:function")
+    model: str = opt(
+        "mlp",
+        help="mlp | cnn | package.module:function called f(**model_options, input_shape=(...), "
+        "num_classes=N) returning a torch.nn.Module whose output is (batch, num_classes) logits",
+    )
     model_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the model")
-    loss: Literal["cross_entropy", "nll"] = opt("cross_entropy", help="training loss")
+    loss: str = opt(
+        "cross_entropy",
+        help="training loss: cross_entropy | nll | bce (binary cross-entropy of each logit against the one-hot "
+        "label) | package.module:function called f(outputs, labels) returning the batch's mean loss",
+    )
     test_fraction: float = opt(0.2, gt=0, lt=1, help="share of the data held out as the global test set")
     local_test_fraction: float = opt(0.2, ge=0, lt=1, help="share of each client's data kept as its local test split")
     partition: PartitionConfig = opt(factory=PartitionConfig)
+
+    def validate(self, prefix: str) -> None:
+        from fedweave.task.models import LOSSES
+
+        if self.loss not in LOSSES and ":" not in self.loss:
+            raise ConfigError(
+                f"config key '{prefix}.loss': {self.loss!r} is not a loss; valid: {', '.join(LOSSES)} "
+                "or package.module:function"
+            )
 
 
 @dataclass
