@@ -607,3 +607,41 @@ def test_attacks_and_claim_caps_load() -> None:
     assert config.attacks.kinds == ["label_flip", "inflate_examples"] and config.attacks.clients == [0, 3]
     assert (config.aggregation.max_examples, config.aggregation.max_weight_share) == (500, 0.25)
     assert config_mod.load(None, []).attacks.kinds == []
+
+
+# --------------------------------------------------------------------------- switching a choice by override
+
+
+def test_switching_the_strategy_drops_the_previous_ones_settings_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
+    data = {"strategy": {"name": "fedprox", "mu": 0.3}}
+    with caplog.at_level("WARNING", logger="fedweave.config"):
+        config = config_mod.from_dict(config_mod.apply_overrides(data, ["strategy.name=fedavg"]))
+    assert config.strategy.name == "fedavg"
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "dropped strategy.mu, settings of 'fedprox' that 'fedavg' does not have" in notes[0]
+    assert data == {"strategy": {"name": "fedprox", "mu": 0.3}}  # the caller's data is untouched
+
+
+def test_switching_keeps_the_settings_the_new_choice_declares_and_those_set_by_overrides() -> None:
+    data = {"strategy": {"name": "fedadam", "server_lr": 0.5, "beta1": 0.8}}
+    yogi = config_mod.from_dict(config_mod.apply_overrides(data, ["strategy.name=fedyogi"]))
+    assert (yogi.strategy.name, yogi.strategy.params.server_lr, yogi.strategy.params.beta1) == ("fedyogi", 0.5, 0.8)
+    start = {"strategy": {"name": "fedavg"}}
+    before = config_mod.from_dict(config_mod.apply_overrides(start, ["strategy.mu=0.2", "strategy.name=fedprox"]))
+    after = config_mod.from_dict(config_mod.apply_overrides(start, ["strategy.name=fedprox", "strategy.mu=0.2"]))
+    assert before.strategy.params.mu == after.strategy.params.mu == 0.2
+
+
+def test_switching_a_plugin_by_name_drops_its_settings(caplog: pytest.LogCaptureFixture) -> None:
+    data = {"plugins": {"client_send": [{"name": "clip", "max_norm": 2.0}]}}
+    with caplog.at_level("WARNING", logger="fedweave.config"):
+        config = config_mod.from_dict(config_mod.apply_overrides(data, ["plugins.client_send.0.name=identity"]))
+    assert [s.name for s in config.plugins.client_send] == ["identity"]
+    assert "dropped plugins.client_send.0.max_norm" in caplog.text
+
+
+def test_an_unknown_new_name_is_refused_as_before() -> None:
+    with pytest.raises(ConfigError, match="config key 'strategy.name': unknown strategy 'fedavgg'"):
+        config_mod.from_dict(
+            config_mod.apply_overrides({"strategy": {"name": "fedprox", "mu": 0.3}}, ["strategy.name=fedavgg"])
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import re
 import typing
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import yaml
 from fedweave import rules
 from fedweave.errors import ConfigError
 from fedweave.schema import opt, parse, to_dict, unknown_key
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -846,6 +849,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``dotted.key=value`` overrides (values parsed as YAML) to a copy of ``data``."""
     data = copy.deepcopy(data)
+    touched: set[str] = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -876,8 +880,43 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if isinstance(node, list):
             node[_list_index(node, last, item, key)] = value
         else:
+            if last == "name" and _names_a_choice(parts[:-1]):
+                _drop_settings_of_previous_choice(node, value, ".".join(parts[:-1]), touched, item)
             node[last] = value
+        touched.add(key)
     return data
+
+
+def _names_a_choice(section: list[str]) -> bool:
+    """Whether ``section`` is one whose ``name`` chooses what its other keys configure."""
+    return section == ["strategy"] or (len(section) == 3 and section[0] == "plugins" and section[2].isdigit())
+
+
+def _drop_settings_of_previous_choice(
+    node: dict[str, Any], name: Any, section: str, touched: set[str], override: str
+) -> None:
+    """Switching a strategy or a plugin by ``section.name=...``: drop the settings of the previous
+    choice (those not set by an override in the same list) that the new one does not declare,
+    with a one-line note, so the new choice is not refused for keys it never had."""
+    from fedweave.plugins import PLUGINS
+    from fedweave.strategies import STRATEGIES
+
+    previous = node.get("name", "fedavg" if section == "strategy" else None)
+    if not isinstance(name, str) or name == previous:
+        return
+    registry = STRATEGIES if section == "strategy" else PLUGINS
+    try:
+        declared = {f.name for f in dataclasses.fields(registry.get(name, f"{section}.name").Params)}
+    except (ConfigError, AttributeError, TypeError):
+        return  # the new name is checked, with its one line, when the config is parsed
+    dropped = [k for k in node if k != "name" and k not in declared and f"{section}.{k}" not in touched]
+    for k in dropped:
+        del node[k]
+    if dropped:
+        log.warning(
+            "override %r: dropped %s, settings of %r that %r does not have (set them after the name to keep them)",
+            override, ", ".join(f"{section}.{k}" for k in dropped), previous, name,
+        )
 
 
 def _list_index(items: list[Any], part: str, override: str, path: str) -> int:
