@@ -1,4 +1,4 @@
-"""Composition rules of plugin chains, checked when the config is loaded.
+"""Composition rules of plugin chains, checked when the config is loaded (by :mod:`fedweave.rules`).
 
 Plugins declare, as class attributes, what the rules need:
 
