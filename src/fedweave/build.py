@@ -22,6 +22,7 @@ from fedweave.config import Config
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
+from fedweave.plugins.contracts import check_plugin_class
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
 from fedweave.strategies.base import DeclaresUpdate, StrategyContext
@@ -122,13 +123,17 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
 
 
 def build_chains(config: Config) -> Chains:
-    """The four plugin chains named in ``config.plugins``, bound to the run (seed, clients)."""
+    """The four plugin chains named in ``config.plugins``, each plugin checked against its
+    contracts (:mod:`fedweave.plugins.contracts`), bound to the run (seed, clients)."""
     chains = Chains(
         **{
             point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])
             for point in POINTS
         }
     )
+    for point in POINTS:
+        for i, plugin in enumerate(getattr(chains, point).plugins):
+            check_plugin_class(plugin, f"plugins.{point}[{i}]")
     chains.bind(config)
     return chains
 

@@ -171,3 +171,14 @@ def test_a_strategy_metrics_land_in_metrics_jsonl(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rounds = [line for line in lines if "round" in line and "strategy_updates" in line]
     assert [(x["round"], x["strategy_round"], x["strategy_updates"]) for x in rounds] == [(1, 1.0, 3.0), (2, 2.0, 3.0)]
+
+
+def test_building_the_chains_checks_each_plugin_too() -> None:
+    """A config assembled without loading (no rules run) still meets the contracts at build."""
+    from fedweave.build import build_chains
+    from fedweave.config import PluginSpec
+
+    config = small_config()
+    config.plugins.client_send = [PluginSpec(name=path(SaveOnly), params=Base.Params())]
+    with pytest.raises(ConfigError, match="has state_dict but lacks load_state_dict"):
+        build_chains(config)
