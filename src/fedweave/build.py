@@ -25,7 +25,7 @@ from fedweave.plugins.chain import POINTS, Chain, Chains
 from fedweave.plugins.contracts import check_plugin_class
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
-from fedweave.strategies.base import DeclaresUpdate, StrategyContext
+from fedweave.strategies.base import ChecksModel, DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
@@ -95,9 +95,9 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
     ``check_model`` (if it has one) accepted the model."""
     torch.manual_seed(derive_seed(config.seed, "init"))
     model = task.make_model()
-    check_model = getattr(strategy_class(config), "check_model", None)
-    if check_model is not None:  # e.g. MOON needs a representation, FedPer its personal layers
-        check_model(model, config.strategy.params)
+    strategy = strategy_class(config)
+    if isinstance(strategy, ChecksModel):  # e.g. MOON needs a representation, FedPer its personal layers
+        strategy.check_model(model, config.strategy.params)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -106,9 +106,11 @@ def emulation_topology(config: Any) -> None:
 
 def strategy_settings(config: Any) -> None:
     """The strategy's own ``check_config``: settings of other sections it cannot work with."""
-    check_strategy = getattr(_strategy(config), "check_config", None)
-    if check_strategy is not None:
-        check_strategy(config)
+    from fedweave.strategies.base import ChecksConfig
+
+    strategy = _strategy(config)
+    if isinstance(strategy, ChecksConfig):
+        strategy.check_config(config)
 
 
 def krum_cohort(config: Any) -> None:

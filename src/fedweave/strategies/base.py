@@ -103,3 +103,23 @@ class DeclaresUpdate(Protocol):
     def update_schema(model: nn.Module, hp: Any) -> UpdateSchema:
         """The tensors and extras each client update of this strategy holds."""
         ...
+
+
+@runtime_checkable
+class ChecksConfig(Protocol):
+    """A strategy that refuses settings of other sections when the config loads (FedNova: SGD only)."""
+
+    @staticmethod
+    def check_config(config: Any) -> None:
+        """Raise a one-line ConfigError naming the key for a setting this strategy cannot work with."""
+        ...
+
+
+@runtime_checkable
+class ChecksModel(Protocol):
+    """A strategy that refuses a model it cannot train, before round 1 (MOON needs ``features``/``head``)."""
+
+    @staticmethod
+    def check_model(model: nn.Module, hp: Any) -> None:
+        """Raise a one-line error naming what the model lacks."""
+        ...
