@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import yaml
 
-from fedweave import rules
 from fedweave.errors import ConfigError
 from fedweave.schema import opt, parse, to_dict, unknown_key
 
@@ -842,6 +841,8 @@ def from_dict(data: dict[str, Any]) -> Config:
     config = parse(Config, data)
     config.strategy = strategy
     config.plugins = plugins
+    from fedweave import rules  # imports the plugin and strategy protocols (torch): not for `fedweave --help`
+
     rules.check(config)
     return config
 
