@@ -52,6 +52,14 @@ def test_schema_lists_keys_with_type_default_and_meaning(capsys: pytest.CaptureF
     assert local and all(line.startswith("local.") for line in local)
 
 
+def test_schema_task_gives_the_dataset_model_and_loss_signatures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema", "task"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[:-1]}
+    assert "f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y)" in rows["task.dataset"]
+    assert "f(**model_options, input_shape=(...), num_classes=N) returning a torch.nn.Module" in rows["task.model"]
+    assert "bce" in rows["task.loss"] and "f(outputs, labels)" in rows["task.loss"]
+
+
 def test_list_names_the_built_ins(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list"]) == 0
     out = capsys.readouterr().out

@@ -148,7 +148,7 @@ def test_strategy_and_plugin_settings_are_parsed_and_checked() -> None:
             "config key 'task.partition.scheme': 'dirichlett' is not allowed; expected one of "
             "'iid', 'dirichlet', 'shards', 'quantity' (did you mean 'dirichlet'?)",
         ),
-        (["task.loss=mse"], "config key 'task.loss': 'mse' is not allowed; expected one of 'cross_entropy', 'nll'"),
+        (["task.loss=mse"], "config key 'task.loss': 'mse' is not a loss; valid: cross_entropy, nll, bce or package.module:function"),
         (["strategy=[fedavg]"], "config key 'strategy': expected a name or a mapping, got ['fedavg']"),
         (["plugins=[identity]"], "config key 'plugins': expected a mapping of attachment points, got ['identity']"),
         (
@@ -287,8 +287,8 @@ def test_override_values_are_parsed_as_yaml() -> None:
 
 
 def test_list_values() -> None:
-    config = config_mod.load(None, ["plugins.client_send=[identity, {name: identity}]"])
-    assert [s.name for s in config.plugins.client_send] == ["identity", "identity"]
+    config = config_mod.load(None, ["plugins.client_send=[clip, {name: identity}]"])
+    assert [s.name for s in config.plugins.client_send] == ["clip", "identity"]
 
 
 def test_shorthand_overrides() -> None:
@@ -377,7 +377,7 @@ def test_to_yaml_then_load_gives_the_same_config(tmp_path: Path) -> None:
             "task.partition={scheme: shards, shards_per_client: 3}",
             f"strategy={{name: '{PROXIMAL}', mu: 0.25}}",
             f"plugins.server_send=[{{name: '{SCALE}', factor: 2}}]",
-            "plugins.client_send=[identity, identity]",
+            "plugins.client_send=[clip, identity]",
             "eval.federated_every=2",
         ],
     )
@@ -607,3 +607,41 @@ def test_attacks_and_claim_caps_load() -> None:
     assert config.attacks.kinds == ["label_flip", "inflate_examples"] and config.attacks.clients == [0, 3]
     assert (config.aggregation.max_examples, config.aggregation.max_weight_share) == (500, 0.25)
     assert config_mod.load(None, []).attacks.kinds == []
+
+
+# --------------------------------------------------------------------------- switching a choice by override
+
+
+def test_switching_the_strategy_drops_the_previous_ones_settings_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
+    data = {"strategy": {"name": "fedprox", "mu": 0.3}}
+    with caplog.at_level("WARNING", logger="fedweave.config"):
+        config = config_mod.from_dict(config_mod.apply_overrides(data, ["strategy.name=fedavg"]))
+    assert config.strategy.name == "fedavg"
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "dropped strategy.mu, settings of 'fedprox' that 'fedavg' does not have" in notes[0]
+    assert data == {"strategy": {"name": "fedprox", "mu": 0.3}}  # the caller's data is untouched
+
+
+def test_switching_keeps_the_settings_the_new_choice_declares_and_those_set_by_overrides() -> None:
+    data = {"strategy": {"name": "fedadam", "server_lr": 0.5, "beta1": 0.8}}
+    yogi = config_mod.from_dict(config_mod.apply_overrides(data, ["strategy.name=fedyogi"]))
+    assert (yogi.strategy.name, yogi.strategy.params.server_lr, yogi.strategy.params.beta1) == ("fedyogi", 0.5, 0.8)
+    start = {"strategy": {"name": "fedavg"}}
+    before = config_mod.from_dict(config_mod.apply_overrides(start, ["strategy.mu=0.2", "strategy.name=fedprox"]))
+    after = config_mod.from_dict(config_mod.apply_overrides(start, ["strategy.name=fedprox", "strategy.mu=0.2"]))
+    assert before.strategy.params.mu == after.strategy.params.mu == 0.2
+
+
+def test_switching_a_plugin_by_name_drops_its_settings(caplog: pytest.LogCaptureFixture) -> None:
+    data = {"plugins": {"client_send": [{"name": "clip", "max_norm": 2.0}]}}
+    with caplog.at_level("WARNING", logger="fedweave.config"):
+        config = config_mod.from_dict(config_mod.apply_overrides(data, ["plugins.client_send.0.name=identity"]))
+    assert [s.name for s in config.plugins.client_send] == ["identity"]
+    assert "dropped plugins.client_send.0.max_norm" in caplog.text
+
+
+def test_an_unknown_new_name_is_refused_as_before() -> None:
+    with pytest.raises(ConfigError, match="config key 'strategy.name': unknown strategy 'fedavgg'"):
+        config_mod.from_dict(
+            config_mod.apply_overrides({"strategy": {"name": "fedprox", "mu": 0.3}}, ["strategy.name=fedavgg"])
+        )

@@ -1,7 +1,22 @@
-"""fedweave: federated learning and heterogeneity-aware data-parallel training."""
+"""fedweave: federated learning and heterogeneity-aware data-parallel training.
+
+The Python API (:mod:`fedweave.api`): ``fedweave.load_config``, ``fedweave.run``,
+``fedweave.resume``, imported when first used so that ``import fedweave`` stays light.
+"""
 
 import logging
+from typing import Any
 
 __version__ = "0.1.0"
 
+__all__ = ["load_config", "resume", "run"]
+
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from fedweave import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fedweave' has no attribute {name!r}")

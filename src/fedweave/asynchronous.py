@@ -61,6 +61,7 @@ from fedweave.loop import (
     encode_instructions,
     evaluate_round,
     stand_for,
+    strategy_metrics,
     weighted_metric,
 )
 from fedweave.seeding import numpy_rng
@@ -307,6 +308,7 @@ def run_buffered(
             continue
         params, record = server.step(parts, params)
         record.update(parts.chains.metrics())
+        record.update(strategy_metrics(parts.strategy))
         record.update(evaluate_round(parts, server.version, params, last_round))
         record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
         record["bytes_received"] += record.pop("eval_bytes_received", 0)

@@ -23,9 +23,10 @@ from fedweave.config import Config
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
+from fedweave.plugins.contracts import check_plugin_class
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
-from fedweave.strategies.base import DeclaresUpdate, StrategyContext
+from fedweave.strategies.base import ChecksModel, DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
@@ -117,9 +118,9 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
     ``check_model`` (if it has one) accepted the model."""
     torch.manual_seed(derive_seed(config.seed, "init"))
     model = task.make_model()
-    check_model = getattr(strategy_class(config), "check_model", None)
-    if check_model is not None:  # e.g. MOON needs a representation, FedPer its personal layers
-        check_model(model, config.strategy.params)
+    strategy = strategy_class(config)
+    if isinstance(strategy, ChecksModel):  # e.g. MOON needs a representation, FedPer its personal layers
+        strategy.check_model(model, config.strategy.params)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -143,13 +144,17 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
 
 
 def build_chains(config: Config) -> Chains:
-    """The four plugin chains named in ``config.plugins``, bound to the run (seed, clients)."""
+    """The four plugin chains named in ``config.plugins``, each plugin checked against its
+    contracts (:mod:`fedweave.plugins.contracts`), bound to the run (seed, clients)."""
     chains = Chains(
         **{
             point: Chain([PLUGINS.get(s.name, f"plugins.{point}")(s.params) for s in getattr(config.plugins, point)])
             for point in POINTS
         }
     )
+    for point in POINTS:
+        for i, plugin in enumerate(getattr(chains, point).plugins):
+            check_plugin_class(plugin, f"plugins.{point}[{i}]")
     chains.bind(config)
     return chains
 

@@ -466,6 +466,7 @@ def _list() -> int:
             print(f"  {name:<12} {_first_paragraph(cls.__doc__)}  [{settings}]")
     print("datasets:   digits, mnist5k, synthetic, torchvision:mnist, torchvision:cifar10, package.module:function")
     print("models:     mlp, cnn, package.module:function")
+    print("losses:     cross_entropy, nll, bce, package.module:function")
     print("partitions: iid, dirichlet (alpha), shards (shards_per_client), quantity (alpha)")
     return 0
 

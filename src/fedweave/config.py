@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import re
 import typing
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import yaml
 
 from fedweave.errors import ConfigError
 from fedweave.schema import opt, parse, to_dict, unknown_key
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,16 +41,35 @@ class PartitionConfig:
 class TaskConfig:
     dataset: str = opt(
         "digits",
-        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | package.module:function",
+        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | package.module:function "
+        "called f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y) whose "
+        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels",
     )
     dataset_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the dataset")
     data_root: str | None = opt(None, help="local folder of torchvision datasets")
-    model: str = opt("mlp", help="mlp | cnn | package.module:function")
+    model: str = opt(
+        "mlp",
+        help="mlp | cnn | package.module:function called f(**model_options, input_shape=(...), "
+        "num_classes=N) returning a torch.nn.Module whose output is (batch, num_classes) logits",
+    )
     model_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the model")
-    loss: Literal["cross_entropy", "nll"] = opt("cross_entropy", help="training loss")
+    loss: str = opt(
+        "cross_entropy",
+        help="training loss: cross_entropy | nll | bce (binary cross-entropy of each logit against the one-hot "
+        "label) | package.module:function called f(outputs, labels) returning the batch's mean loss",
+    )
     test_fraction: float = opt(0.2, gt=0, lt=1, help="share of the data held out as the global test set")
     local_test_fraction: float = opt(0.2, ge=0, lt=1, help="share of each client's data kept as its local test split")
     partition: PartitionConfig = opt(factory=PartitionConfig)
+
+    def validate(self, prefix: str) -> None:
+        from fedweave.task.models import LOSSES
+
+        if self.loss not in LOSSES and ":" not in self.loss:
+            raise ConfigError(
+                f"config key '{prefix}.loss': {self.loss!r} is not a loss; valid: {', '.join(LOSSES)} "
+                "or package.module:function"
+            )
 
 
 @dataclass
@@ -579,37 +601,10 @@ class Config:
                 "config key 'eval.federated_every': federated evaluation needs clients' local test "
                 "splits, but task.local_test_fraction is 0; set it above 0 or eval.federated_every to 0"
             )
-        if self.mode == "federated" and self.launcher.kind == "process" and self.transport.kind != "grpc":
-            raise ConfigError(
-                f"config key 'launcher': 'process' runs every node as its own process, which needs a "
-                f"network transport; set transport: grpc (got {self.transport.kind!r})"
-            )
-        if self.mode == "federated" and self.launcher.kind == "ray" and (
-            self.transport.kind != "inmemory" or emulates_clients(self)
-        ):
-            raise ConfigError(
-                "config key 'launcher': 'ray' carries the clients' work to Ray actors itself and runs them at "
-                "their real speed; it needs transport inmemory and no heterogeneity emulation"
-            )
         if self.mode == "data_parallel":
             _check_data_parallel(self)
         if self.topology.kind == "hierarchical":
             _check_sites(self)
-        if self.topology.kind == "ring" and self.transport.kind != "inmemory":
-            raise ConfigError(
-                "config key 'topology.kind': ring gossip runs in simulation (transport: inmemory); "
-                f"got transport {self.transport.kind!r}"
-            )
-        if self.topology.kind == "hierarchical" and self.transport.kind == "grpc" and self.topology.inner != "torchdist":
-            raise ConfigError(
-                "config key 'topology.inner': a hierarchy deployed over gRPC reaches each site's members over "
-                "torch.distributed; set topology.inner: torchdist (inmemory links exist only in simulation)"
-            )
-        if self.topology.outer is not None and self.topology.outer != self.transport.kind:
-            raise ConfigError(
-                f"config key 'topology.outer': {self.topology.outer!r} is the server's link, which is "
-                f"transport: {self.transport.kind!r}; set transport: {self.topology.outer} (or leave outer unset)"
-            )
         _check_heterogeneity_aware(self)
         if self.attacks.kinds:
             _check_attacks(self)
@@ -703,11 +698,6 @@ def _check_heterogeneity_aware(config: Config) -> None:
                 f"config key 'heterogeneity.schedule[{i}].worker': {change.worker} is not a client (0..{n - 1}); "
                 "in federated mode worker is a client id and step a round"
             )
-    if emulates_clients(config) and (config.transport.kind != "inmemory" or config.topology.kind != "star"):
-        raise ConfigError(
-            "config key 'heterogeneity': emulated client speeds need the in-process simulation (transport "
-            "inmemory, topology star); clients on real machines need no emulation"
-        )
     target = ctl.target_round_time
     timeout = config.round_timeout
     if ctl.kind == "adaptive" and target is not None and timeout is not None and target >= timeout:
@@ -872,85 +862,16 @@ def from_dict(data: dict[str, Any]) -> Config:
     config = parse(Config, data)
     config.strategy = strategy
     config.plugins = plugins
-    check_composition(config)
+    from fedweave import rules  # imports the plugin and strategy protocols (torch): not for `fedweave --help`
+
+    rules.check(config)
     return config
-
-
-def check_composition(config: Config) -> None:
-    """Reject plugin chains the strategy cannot work with, saying why."""
-    from fedweave.plugins import PLUGINS
-    from fedweave.plugins.compose import check_chains
-    from fedweave.strategies import STRATEGIES
-
-    strategy = STRATEGIES.get(config.strategy.name, "strategy.name")
-    check_strategy = getattr(strategy, "check_config", None)
-    if check_strategy is not None:
-        check_strategy(config)
-    rule = config.aggregation.rule
-    if rule in ("krum", "multi_krum") and config.clients_per_round <= 2 * config.aggregation.byzantine + 2:
-        raise ConfigError(
-            f"config key 'aggregation.byzantine': {rule} with f={config.aggregation.byzantine} needs more than "
-            f"2f + 2 = {2 * config.aggregation.byzantine + 2} clients per round, the config samples "
-            f"{config.clients_per_round}"
-        )
-    for point in ("server_send", "client_receive", "server_receive"):
-        for i, spec in enumerate(getattr(config.plugins, point)):
-            if PLUGINS.get(spec.name, f"plugins.{point}[{i}].name").combines_encoded:
-                raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} combines client updates "
-                    "while encoded, so it belongs in plugins.client_send"
-                )
-    for point in ("client_send", "server_receive"):
-        for i, spec in enumerate(getattr(config.plugins, point)):
-            plugin = PLUGINS.get(spec.name, f"plugins.{point}[{i}].name")
-            if strategy.update_kind not in plugin.accepts:
-                kinds = ", ".join(sorted(k.value for k in plugin.accepts))
-                raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} accepts {kinds} updates, "
-                    f"but strategy {config.strategy.name!r} sends {strategy.update_kind.value}"
-                )
-            if plugin.combines_encoded and config.aggregation.rule != "mean":
-                raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} makes the server combine "
-                    f"updates while encoded, so it only sees their sum; aggregation.rule "
-                    f"{config.aggregation.rule!r} needs each update in the clear"
-                )
-            if plugin.combines_encoded and config.aggregation.max_weight_share is not None:
-                raise ConfigError(
-                    f"config key 'aggregation.max_weight_share': plugin {spec.name!r} combines updates while "
-                    "encoded, with each weight inside its encoding, so the server cannot lower one; leave it unset"
-                )
-            if plugin.combines_encoded and not strategy.weighted_sum:
-                raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} makes the server combine "
-                    f"updates while encoded, which needs a weighted-sum server step; strategy "
-                    f"{config.strategy.name!r} does not aggregate by a weighted sum"
-                )
-    check_chains(config, PLUGINS)
-    if config.asynchronous.enabled:
-        _check_asynchronous(config, strategy, PLUGINS)
-
-
-def _check_asynchronous(config: Config, strategy: Any, plugins: Any) -> None:
-    """Asynchronous aggregation scales each delta by its staleness and has no rounds to set up."""
-    if strategy.update_kind.value != "delta":
-        raise ConfigError(
-            f"config key 'asynchronous.enabled': a stale update is scaled down, which needs delta updates; "
-            f"strategy {config.strategy.name!r} sends {strategy.update_kind.value}"
-        )
-    for point in ("server_send", "client_receive", "client_send", "server_receive"):
-        for i, spec in enumerate(getattr(config.plugins, point)):
-            plugin = plugins.get(spec.name, f"plugins.{point}[{i}].name")
-            if plugin.combines_encoded or hasattr(plugin, "begin_round"):
-                raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} works per synchronous round "
-                    "(a cohort set up or accounted per round); asynchronous.enabled has no such rounds"
-                )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``dotted.key=value`` overrides (values parsed as YAML) to a copy of ``data``."""
     data = copy.deepcopy(data)
+    touched: set[str] = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -981,8 +902,43 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if isinstance(node, list):
             node[_list_index(node, last, item, key)] = value
         else:
+            if last == "name" and _names_a_choice(parts[:-1]):
+                _drop_settings_of_previous_choice(node, value, ".".join(parts[:-1]), touched, item)
             node[last] = value
+        touched.add(key)
     return data
+
+
+def _names_a_choice(section: list[str]) -> bool:
+    """Whether ``section`` is one whose ``name`` chooses what its other keys configure."""
+    return section == ["strategy"] or (len(section) == 3 and section[0] == "plugins" and section[2].isdigit())
+
+
+def _drop_settings_of_previous_choice(
+    node: dict[str, Any], name: Any, section: str, touched: set[str], override: str
+) -> None:
+    """Switching a strategy or a plugin by ``section.name=...``: drop the settings of the previous
+    choice (those not set by an override in the same list) that the new one does not declare,
+    with a one-line note, so the new choice is not refused for keys it never had."""
+    from fedweave.plugins import PLUGINS
+    from fedweave.strategies import STRATEGIES
+
+    previous = node.get("name", "fedavg" if section == "strategy" else None)
+    if not isinstance(name, str) or name == previous:
+        return
+    registry = STRATEGIES if section == "strategy" else PLUGINS
+    try:
+        declared = {f.name for f in dataclasses.fields(registry.get(name, f"{section}.name").Params)}
+    except (ConfigError, AttributeError, TypeError):
+        return  # the new name is checked, with its one line, when the config is parsed
+    dropped = [k for k in node if k != "name" and k not in declared and f"{section}.{k}" not in touched]
+    for k in dropped:
+        del node[k]
+    if dropped:
+        log.warning(
+            "override %r: dropped %s, settings of %r that %r does not have (set them after the name to keep them)",
+            override, ", ".join(f"{section}.{k}" for k in dropped), previous, name,
+        )
 
 
 def _list_index(items: list[Any], part: str, override: str, path: str) -> int:

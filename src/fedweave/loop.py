@@ -9,7 +9,7 @@
           or [chains.combine(updates, control)]  (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
     accepted.applied(r, kept updates)            (each client hears it in its next instruction)
-    controller.observe(r, updates); evaluate; on_round(record + client timings + chains.metrics())
+    controller.observe(r, updates); evaluate; on_round(record + client timings + plugins' and strategy's metrics())
 
 ``control`` sends a plugin's control messages through the round's topology with the
 round's timeout; their bytes count in the round's. Too few answers, too few survivors
@@ -34,6 +34,7 @@ from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
+from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Relaying, Topology
@@ -153,6 +154,7 @@ def run(
             log.warning("run stopped before round %d: %s", rnd, exc)
             break
         trained.update(parts.chains.metrics())
+        trained.update(strategy_metrics(parts.strategy))
         record = {**dict.fromkeys(RECORD_KEYS), **trained, **evaluate_round(parts, rnd, params, last_round)}
         # Traffic of a federated evaluation counts in the round's bytes.
         record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
@@ -160,6 +162,13 @@ def run(
         record["wall_time"] = time.perf_counter() - start
         on_round(rnd, params, record)
     return params
+
+
+def strategy_metrics(strategy: Strategy) -> Record:
+    """The strategy's own numbers of the round (its optional ``metrics()``), as ``strategy_<key>``."""
+    if not isinstance(strategy, ReportsMetrics):
+        return {}
+    return {f"strategy_{key}": float(value) for key, value in strategy.metrics().items()}
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:

@@ -161,7 +161,7 @@ def test_bad_user_factories_give_one_line_errors(user_module: Callable[[str], st
         "no_such_module_xyz:make": "cannot import module 'no_such_module_xyz'",
         f"{name}:missing": f"module '{name}' has no callable 'missing'",
         f"{name}:not_callable": "has no callable 'not_callable'",
-        f"{name}:wrong_type": "must return a Dataset or \\(x_train, y_train, x_test, y_test\\), got list",
+        f"{name}:wrong_type": "must return a Dataset, \\(x_train, y_train, x_test, y_test\\) or \\(x, y\\), got list",
         f"{name}:no_seed": "does not accept seed=",
     }
     for spec, pattern in cases.items():
@@ -248,3 +248,46 @@ def test_torchvision_arrays_become_nchw_unit_floats(tmp_path: Path) -> None:
     assert float(cifar.x_train[0, 2, 0, 0]) == pytest.approx(2 / 255)
     assert float(cifar.x_train[0, 0, 0, 1]) == pytest.approx(3 / 255)
     assert 0.0 <= float(cifar.x_train.min()) and float(cifar.x_train.max()) <= 1.0
+
+
+def test_user_factory_without_a_test_split_gets_one_carved_by_test_fraction(user_module: Callable[[str], str]) -> None:
+    name = user_module(
+        """
+        import numpy as np
+
+        def make(seed):
+            x = np.arange(40, dtype=np.float32).reshape(20, 2)
+            return x, np.arange(20) % 2
+        """
+    )
+    d = load_dataset(f"{name}:make", seed=3, test_fraction=0.25)
+    assert (len(d.y_train), len(d.y_test)) == (15, 5)  # round(0.25 * 20)
+    assert sorted(torch.cat([d.x_train, d.x_test])[:, 0].tolist()) == list(range(0, 40, 2))  # a split, no copies
+    assert torch.equal(load_dataset(f"{name}:make", seed=3, test_fraction=0.25).x_test, d.x_test)  # seeded
+    other = load_dataset(f"{name}:make", seed=4, test_fraction=0.25)
+    assert not torch.equal(other.x_test, d.x_test)
+    assert set(d.y_test.tolist()) == {0, 1}  # stratified: 10 per class -> 2 or 3 of each
+
+
+def test_user_factory_labels_must_be_whole_numbers(user_module: Callable[[str], str]) -> None:
+    name = user_module(
+        """
+        import numpy as np
+
+        def fractional(seed):
+            return np.zeros((4, 2)), np.array([0.0, 1.0, 0.5, 1.0])
+
+        def whole(seed):
+            return np.zeros((4, 2)), np.array([0.0, 1.0, 2.0, 1.0])
+
+        def strings(seed):
+            return np.zeros((4, 2)), np.array(["a", "b", "a", "b"])
+        """
+    )
+    with pytest.raises(TaskError) as err:
+        load_dataset(f"{name}:fractional", seed=0, test_fraction=0.5)
+    assert "labels must be integer class ids, got 0.5" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(TaskError, match="labels must be integer class ids, got an array of <U1"):
+        load_dataset(f"{name}:strings", seed=0, test_fraction=0.5)
+    whole = load_dataset(f"{name}:whole", seed=0, test_fraction=0.5)
+    assert sorted(torch.cat([whole.y_train, whole.y_test]).tolist()) == [0, 1, 1, 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -167,8 +168,38 @@ def test_make_loss() -> None:
     assert float(ce) == pytest.approx(float(nll))
     manual = -(torch.log_softmax(logits, 1)[0, 1] + torch.log_softmax(logits, 1)[1, 2]) / 2
     assert float(ce) == pytest.approx(float(manual))
-    with pytest.raises(TaskError, match="unknown loss 'mse'; valid: cross_entropy, nll"):
+    with pytest.raises(TaskError, match="unknown loss 'mse'; valid: cross_entropy, nll, bce or package.module:function"):
         make_loss("mse")
+
+
+def test_bce_is_each_logit_against_the_one_hot_label() -> None:
+    logits = torch.tensor([[2.0, -1.0], [0.0, 3.0]])
+    target = torch.tensor([1, 1])
+    sig = torch.sigmoid(logits)
+    # one-hot targets [[0, 1], [0, 1]]: -mean of log(1 - p) where the target is 0, log(p) where it is 1
+    manual = -(torch.log(1 - sig[0, 0]) + torch.log(sig[0, 1]) + torch.log(1 - sig[1, 0]) + torch.log(sig[1, 1])) / 4
+    assert float(make_loss("bce")(logits, target)) == pytest.approx(float(manual))
+
+
+def test_a_loss_by_import_path_trains(user_module: Callable[[str], str], tmp_path: Path) -> None:
+    """Half the cross-entropy at twice the learning rate takes SGD's very steps: same model, half the loss."""
+    from conftest import run_to_end
+
+    name = user_module(
+        """
+        from torch.nn import functional as F
+
+        def half_ce(outputs, labels):
+            return 0.5 * F.cross_entropy(outputs, labels)
+        """
+    )
+    params, records = run_to_end(tmp_path / "ce", "rounds=2", "local.lr=0.05")
+    half_params, half_records = run_to_end(tmp_path / "half", "rounds=2", "local.lr=0.1", f"task.loss={name}:half_ce")
+    for key in params:
+        torch.testing.assert_close(half_params[key], params[key], rtol=1e-5, atol=1e-6)
+    for full, half in zip(records, half_records):
+        assert half["train_loss"] == pytest.approx(full["train_loss"] / 2, rel=1e-4)
+        assert half["test_accuracy"] == full["test_accuracy"]
 
 
 @pytest.fixture

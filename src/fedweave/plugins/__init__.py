@@ -1,8 +1,9 @@
 """Transforms of payloads on the wire: privacy, secure aggregation, encryption, compression.
 
 Plugins are named in the config under one of four attachment points (see
-:mod:`fedweave.plugins.chain`) by built-in name or ``package.module:Class``; the rules
-of their order are in :mod:`fedweave.plugins.compose`.
+:mod:`fedweave.plugins.chain`) by built-in name or ``package.module:Class``; what a
+plugin must have is in :mod:`fedweave.plugins.contracts`, the rules of their order in
+:mod:`fedweave.plugins.compose`, run with every other composition rule by :mod:`fedweave.rules`.
 """
 
 from fedweave.registry import Registry

@@ -40,7 +40,9 @@ On the client, ``ctx.state`` is that client's private plugin state, kept by its
 runtime in its own process (keys, shares); on the server it is None, so a server half
 cannot reach a client's secrets even in a simulation that runs both in one process.
 
-Optional hooks, each called on every plugin of the four chains that has it:
+Optional hooks, each called on every plugin of the four chains that has it (each
+capability is a typed protocol of :mod:`fedweave.plugins.contracts`, checked when the
+config loads):
 
 - ``bind(config)``: once, when the run is built (the run seed, the number of clients);
 - ``begin_round(rnd, client_ids)``: before a round's set-up and broadcast, with its
@@ -60,13 +62,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from fedweave.types import Control, Instruction, Update, UpdateKind
+from fedweave.plugins.contracts import (
+    Answers,
+    BeginsRound,
+    Binds,
+    Combines,
+    Instructs,
+    Observes,
+    Plugin,
+    ReportsMetrics,
+    RunsProtocol,
+    Stateful,
+)
+from fedweave.types import Control, Instruction, Update
 
 POINTS = ("server_send", "client_receive", "client_send", "server_receive")
 
 Payload = TypeVar("Payload", Instruction, Update)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,16 +97,6 @@ class PluginContext:
 
 ControlExchange = Callable[[dict[int, Control]], dict[int, Control]]
 """Send each client id its control message; the answers of the clients that answered."""
-
-
-class Plugin(Protocol):
-    name: ClassVar[str]
-    accepts: ClassVar[frozenset[UpdateKind]]
-    combines_encoded: ClassVar[bool]
-
-    def encode(self, payload: Payload, ctx: PluginContext) -> Payload: ...
-
-    def decode(self, payload: Payload, ctx: PluginContext) -> Payload: ...
 
 
 @dataclass
@@ -164,62 +169,69 @@ class Chains:
         combiner = self.client_send.combiner
         if combiner is None:
             raise ValueError("no combining plugin in client_send")
-        if hasattr(combiner, "setup"):
-            combined = combiner.combine(updates, ctx, exchange)  # type: ignore[attr-defined]
+        if isinstance(combiner, RunsProtocol):
+            combined = combiner.combine(updates, ctx, exchange)
+        elif isinstance(combiner, Combines):
+            combined = combiner.combine(updates, ctx)
         else:
-            combined = combiner.combine(updates, ctx)  # type: ignore[attr-defined]
+            raise ValueError(f"plugin {combiner.name!r} declares combines_encoded but has no combine()")
         return self.server_receive.filter(self.client_send.decode(combined, ctx), ctx)
 
     def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
         """The combining plugin's set-up steps, if it runs a protocol; the clients ready to train."""
         combiner = self.client_send.combiner
-        if combiner is None or not hasattr(combiner, "setup"):
+        if not isinstance(combiner, RunsProtocol):
             return cohort
-        return combiner.setup(rnd, cohort, exchange)  # type: ignore[attr-defined]
+        return combiner.setup(rnd, cohort, exchange)
 
     def answer(self, control: Control, ctx: PluginContext) -> Control:
         """Client side: the answer of the plugin ``control`` is addressed to."""
         for point in POINTS:
             for plugin in getattr(self, point).plugins:
-                if plugin.name == control.plugin and hasattr(plugin, "answer"):
-                    return plugin.answer(control, ctx)  # type: ignore[attr-defined]
+                if plugin.name == control.plugin and isinstance(plugin, Answers):
+                    return plugin.answer(control, ctx)
         raise ValueError(f"no plugin of this client answers control messages of {control.plugin!r}")
 
-    def _hooked(self, hook: str) -> list[tuple[str, Any]]:
-        """``(point[index], bound hook)`` of every plugin that has ``hook``, in chain order."""
+    def _having(self, protocol: type[T]) -> list[tuple[str, T]]:
+        """``(point[index], plugin)`` of every plugin that follows ``protocol``, in chain order."""
         return [
-            (f"{point}[{i}]", getattr(plugin, hook))
+            (f"{point}[{i}]", plugin)
             for point in POINTS
             for i, plugin in enumerate(getattr(self, point).plugins)
-            if hasattr(plugin, hook)
+            if isinstance(plugin, protocol)
         ]
 
     def bind(self, config: Any) -> None:
-        for _, hook in self._hooked("bind"):
-            hook(config)
+        for _, plugin in self._having(Binds):
+            plugin.bind(config)
 
     def begin_round(self, rnd: int, client_ids: list[int]) -> None:
-        for _, hook in self._hooked("begin_round"):
-            hook(rnd, client_ids)
+        for _, plugin in self._having(BeginsRound):
+            plugin.begin_round(rnd, client_ids)
 
     def instruct(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
         """Server side: the instruction with its plugins' per-client settings in ``config``."""
-        hooks = self._hooked("instruct")
-        if not hooks:
+        instructing = self._having(Instructs)
+        if not instructing:
             return instruction
         config = dict(instruction.config)
-        for _, hook in hooks:
-            config.update(hook(ctx))
+        for _, plugin in instructing:
+            config.update(plugin.instruct(ctx))
         return replace(instruction, config=config)
 
     def observe(self, updates: list[Update]) -> None:
-        for _, hook in self._hooked("observe"):
-            hook(updates)
+        for _, plugin in self._having(Observes):
+            plugin.observe(updates)
 
     def metrics(self) -> dict[str, float]:
         """Every plugin's metrics; a name two plugins report (both DP plugins' ``epsilon``)
         becomes ``<plugin>.<name>`` for each, so neither hides the other."""
-        reports = [(hook.__self__.name, hook()) for _, hook in self._hooked("metrics")]
+        reports = [
+            (plugin.name, plugin.metrics())
+            for point in POINTS
+            for plugin in getattr(self, point).plugins
+            if isinstance(plugin, ReportsMetrics)
+        ]
         seen: dict[str, int] = {}
         for _, report in reports:
             for key in report:
@@ -231,9 +243,9 @@ class Chains:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {where: hook() for where, hook in self._hooked("state_dict")}
+        return {where: plugin.state_dict() for where, plugin in self._having(Stateful)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for where, hook in self._hooked("load_state_dict"):
+        for where, plugin in self._having(Stateful):
             if where in state:
-                hook(state[where])
+                plugin.load_state_dict(state[where])

@@ -1,4 +1,4 @@
-"""Composition rules of plugin chains, checked when the config is loaded.
+"""Composition rules of plugin chains, checked when the config is loaded (by :mod:`fedweave.rules`).
 
 Plugins declare, as class attributes, what the rules need:
 
@@ -62,7 +62,10 @@ def check_chains(config: Any, registry: Any) -> None:
             points = getattr(cls, "points", None)
             if points is not None and point not in points:
                 where = " or ".join(f"plugins.{p}" for p in points)
-                why = WHY_POINT.get(getattr(cls, "stage", ""), "it declares it works only there")
+                why = f"its class declares points = {tuple(points)!r}"
+                stage = getattr(cls, "stage", "")
+                if stage in WHY_POINT and (stage != "compress" or point in ("client_receive", "server_receive")):
+                    why = WHY_POINT[stage]
                 raise ConfigError(f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} belongs in {where}: {why}")
             reason = getattr(cls, "one_process", None)
             reason = reason(spec.params) if callable(reason) else reason

@@ -28,6 +28,9 @@ A strategy also declares, for the config validator:
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
   encryption) can be used with it;
+- ``metrics() -> dict[str, float]`` (:class:`~fedweave.plugins.contracts.ReportsMetrics`),
+  optional: numbers of the round just aggregated (a server step's norm), recorded in
+  metrics.jsonl as ``strategy_<key>``;
 - ``update_schema(model, hp)`` (:class:`DeclaresUpdate`), a static method, when its
   clients send other than every entry of the model's state dict without extras: the
   tensors and ``extras`` its updates hold. The server rejects any update that does not
@@ -99,4 +102,24 @@ class DeclaresUpdate(Protocol):
     @staticmethod
     def update_schema(model: nn.Module, hp: Any) -> UpdateSchema:
         """The tensors and extras each client update of this strategy holds."""
+        ...
+
+
+@runtime_checkable
+class ChecksConfig(Protocol):
+    """A strategy that refuses settings of other sections when the config loads (FedNova: SGD only)."""
+
+    @staticmethod
+    def check_config(config: Any) -> None:
+        """Raise a one-line ConfigError naming the key for a setting this strategy cannot work with."""
+        ...
+
+
+@runtime_checkable
+class ChecksModel(Protocol):
+    """A strategy that refuses a model it cannot train, before round 1 (MOON needs ``features``/``head``)."""
+
+    @staticmethod
+    def check_model(model: nn.Module, hp: Any) -> None:
+        """Raise a one-line error naming what the model lacks."""
         ...

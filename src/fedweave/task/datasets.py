@@ -71,7 +71,8 @@ def load_dataset(
     """Load the dataset named by ``spec`` (see ``DATASETS``, or ``package.module:function``).
 
     For digits, mnist5k and synthetic the test set is a stratified holdout of ``test_fraction``
-    drawn from ``seed``; torchvision datasets use their own test split, user factories their own.
+    drawn from ``seed``; torchvision datasets use their own test split, user factories their own
+    or, when they return ``(x, y)`` only, the same seeded holdout.
     """
     options = dict(options or {})
     if spec in ("digits", "mnist5k", "synthetic"):
@@ -91,7 +92,7 @@ def load_dataset(
         _no_options(spec, options)
         dataset = _torchvision(spec, root)
     elif ":" in spec:
-        dataset = _user_factory(spec, seed, options)
+        dataset = _user_factory(spec, seed, options, test_fraction)
     else:
         raise TaskError(f"unknown dataset '{spec}'; valid: {', '.join(DATASETS)} or package.module:function")
     logger.info(
@@ -273,8 +274,13 @@ def _torchvision_tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return images.float().div(255.0).contiguous(), labels
 
 
-def _user_factory(spec: str, seed: int, options: dict[str, Any]) -> Dataset:
-    """Call ``package.module:function`` with ``seed`` and the options; wrap its result."""
+def _user_factory(spec: str, seed: int, options: dict[str, Any], test_fraction: float) -> Dataset:
+    """Call ``package.module:function`` with ``seed`` and the options; wrap its result.
+
+    It returns a :class:`Dataset`, ``(x_train, y_train, x_test, y_test)``, or ``(x, y)``, whose
+    stratified test set of ``test_fraction`` is drawn from ``seed``. Labels must be integers
+    (float arrays of whole numbers are taken as such): a fractional label is refused, not truncated.
+    """
     factory = load_callable(spec, "dataset")
     try:
         inspect.signature(factory).bind(seed=seed, **options)
@@ -287,28 +293,48 @@ def _user_factory(spec: str, seed: int, options: dict[str, Any]) -> Dataset:
     result = factory(seed=seed, **options)
     if isinstance(result, Dataset):
         return result
-    if not isinstance(result, tuple) or len(result) != 4:
+    if not isinstance(result, tuple) or len(result) not in (2, 4):
         raise TaskError(
-            f"dataset '{spec}': the factory must return a Dataset or (x_train, y_train, x_test, y_test), "
+            f"dataset '{spec}': the factory must return a Dataset, (x_train, y_train, x_test, y_test) or (x, y), "
             f"got {type(result).__name__}"
         )
     try:
-        x_train, x_test = (torch.as_tensor(a, dtype=torch.float32) for a in result[0::2])
-        y_train, y_test = (torch.as_tensor(a).to(torch.int64) for a in result[1::2])
+        xs = [torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in result[0::2]]
+        ys = [_integer_labels(spec, np.asarray(a)) for a in result[1::2]]
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TaskError(f"dataset '{spec}': the factory's arrays cannot become tensors: {exc}") from exc
-    labels = torch.cat([y_train.reshape(-1), y_test.reshape(-1)])
+    labels = torch.cat([y.reshape(-1) for y in ys])
     if labels.numel() == 0:
         raise TaskError(f"dataset '{spec}': the factory returned no labels")
+    if len(result) == 2:
+        if xs[0].shape[0] != ys[0].shape[0]:
+            raise TaskError(f"dataset '{spec}': {xs[0].shape[0]} samples but {ys[0].shape[0]} labels")
+        return _holdout(spec, xs[0].numpy(), ys[0].numpy(), test_fraction, np.random.default_rng(seed))
     return Dataset(
         name=spec,
-        x_train=x_train,
-        y_train=y_train,
-        x_test=x_test,
-        y_test=y_test,
+        x_train=xs[0],
+        y_train=ys[0],
+        x_test=xs[1],
+        y_test=ys[1],
         num_classes=int(labels.max()) + 1,
-        input_shape=tuple(x_train.shape[1:]),
+        input_shape=tuple(xs[0].shape[1:]),
     )
+
+
+def _integer_labels(spec: str, y: np.ndarray) -> torch.Tensor:
+    """``y`` as int64 class labels; a TaskError when a label is not a whole number."""
+    if y.dtype.kind in "iub":
+        return torch.from_numpy(y.astype(np.int64))
+    if y.dtype.kind != "f":
+        raise TaskError(f"dataset '{spec}': labels must be integer class ids, got an array of {y.dtype}")
+    whole = np.isfinite(y) & (y == np.round(y))
+    if not whole.all():
+        bad = float(y[~whole].reshape(-1)[0])
+        raise TaskError(
+            f"dataset '{spec}': labels must be integer class ids, got {bad!r} (a {y.dtype} label); "
+            "a regression target needs a task of its own, and class ids must not be rounded silently"
+        )
+    return torch.from_numpy(y.astype(np.int64))
 
 
 def load_callable(spec: str, what: str) -> Callable[..., Any]:

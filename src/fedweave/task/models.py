@@ -21,7 +21,7 @@ from fedweave.task.datasets import load_callable
 MODELS = ("mlp", "cnn")
 """The built-in model specs; any other ``package.module:function`` is a user factory."""
 
-LOSSES = ("cross_entropy", "nll")
+LOSSES = ("cross_entropy", "nll", "bce")
 
 
 def _positive_ints(name: str, value: Any) -> tuple[int, ...]:
@@ -182,12 +182,24 @@ def _build(spec: str, input_shape: tuple[int, ...], num_classes: int, options: d
 
 
 def make_loss(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The mean-reduced loss ``name``: ``cross_entropy`` (on logits) or ``nll`` (on log-probabilities)."""
+    """The mean-reduced loss ``name``: ``cross_entropy`` (on logits), ``nll`` (on log-probabilities),
+    ``bce`` (each logit against the one-hot label), or a user's ``package.module:function``
+    called ``f(outputs, labels)`` that returns the batch's mean loss."""
     if name == "cross_entropy":
         return nn.CrossEntropyLoss()
     if name == "nll":
         return nn.NLLLoss()
-    raise TaskError(f"unknown loss '{name}'; valid: {', '.join(LOSSES)}")
+    if name == "bce":
+        return one_hot_bce
+    if ":" in name:
+        return load_callable(name, "loss")
+    raise TaskError(f"unknown loss '{name}'; valid: {', '.join(LOSSES)} or package.module:function")
+
+
+def one_hot_bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of every logit against the one-hot encoding of ``labels``, averaged."""
+    targets = nn.functional.one_hot(labels, logits.shape[-1]).to(logits.dtype)
+    return nn.functional.binary_cross_entropy_with_logits(logits, targets)
 
 
 def evaluate(

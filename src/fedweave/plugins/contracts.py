@@ -1,0 +1,147 @@
+"""What a plugin is, and each optional capability it may have, as small typed protocols.
+
+Every plugin is a :class:`Plugin` (a name, the update kinds it accepts, whether the
+server combines its payloads while encoded, ``encode`` and ``decode``). Beyond that a
+plugin has a capability exactly when it has the methods of its protocol; the chains
+(:mod:`fedweave.plugins.chain`) call it through the protocol, never by a looked-up
+name, and :func:`check_plugin_class` refuses at load a class that has part of a
+capability or declares one it lacks, with one line naming what is missing.
+
+==================  ==============================================  ==========================
+protocol            methods                                         when it is called
+==================  ==============================================  ==========================
+:class:`Combines`   ``combine(updates, ctx) -> Update``             a ``combines_encoded`` plugin
+:class:`RunsProtocol`  ``setup``, ``combine(..., exchange)``       a combining plugin with its own
+                                                                    control messages (SecAgg), server
+:class:`Answers`    ``answer(control, ctx) -> Control``             its client half
+:class:`Stateful`   ``state_dict()``, ``load_state_dict(state)``    checkpoints (error feedback)
+:class:`Binds`      ``bind(config)``                                once, when the run is built
+:class:`BeginsRound`  ``begin_round(rnd, client_ids)``              before each round's set-up
+:class:`Instructs`  ``instruct(ctx) -> dict``                       server, per instruction
+:class:`Observes`   ``observe(updates)``                            server, on every update received
+:class:`ReportsMetrics`  ``metrics() -> dict[str, float]``          after each round (also strategies)
+==================  ==============================================  ==========================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from fedweave.errors import ConfigError
+from fedweave.types import Control, Update, UpdateKind
+
+if TYPE_CHECKING:
+    from fedweave.plugins.chain import ControlExchange, Payload, PluginContext
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    """Every plugin: a transform of a payload on the wire and its inverse."""
+
+    name: ClassVar[str]
+    accepts: ClassVar[frozenset[UpdateKind]]
+    combines_encoded: ClassVar[bool]
+
+    def encode(self, payload: Payload, ctx: PluginContext) -> Payload: ...
+
+    def decode(self, payload: Payload, ctx: PluginContext) -> Payload: ...
+
+
+@runtime_checkable
+class Combines(Protocol):
+    """A combining plugin: the example-weighted mean of still-encoded updates, still encoded."""
+
+    def combine(self, updates: list[Update], ctx: PluginContext) -> Update: ...
+
+
+@runtime_checkable
+class RunsProtocol(Protocol):
+    """The server half of a combining plugin with its own control messages (secure aggregation's
+    set-up and unmasking)."""
+
+    def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]: ...
+
+    def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update: ...
+
+
+@runtime_checkable
+class Answers(Protocol):
+    """The client half of such a plugin: its answer to each control message addressed to it."""
+
+    def answer(self, control: Control, ctx: PluginContext) -> Control: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """State kept in checkpoints (error-feedback residuals, privacy ledgers)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Binds(Protocol):
+    def bind(self, config: Any) -> None: ...
+
+
+@runtime_checkable
+class BeginsRound(Protocol):
+    def begin_round(self, rnd: int, client_ids: list[int]) -> None: ...
+
+
+@runtime_checkable
+class Instructs(Protocol):
+    def instruct(self, ctx: PluginContext) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Observes(Protocol):
+    def observe(self, updates: list[Update]) -> None: ...
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """Numbers for the round's record (a plugin's ``epsilon``; a strategy's, as ``strategy_<key>``)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("RunsProtocol and Answers", ("setup", "combine", "answer")),
+    ("Stateful", ("state_dict", "load_state_dict")),
+)
+"""Capabilities of several methods: a plugin with some of them must have all."""
+
+
+def _has(obj: Any, method: str) -> bool:
+    return callable(getattr(obj, method, None))
+
+
+def check_plugin_class(cls: Any, key: str) -> None:
+    """Refuse a plugin (class or instance) that breaks its contracts; ``key`` names the config key."""
+    what = f"config key '{key}': plugin {getattr(cls, '__qualname__', type(cls).__qualname__)}"
+    lacking = [m for m in ("encode", "decode") if not _has(cls, m)]
+    lacking += [a for a in ("name", "accepts", "combines_encoded") if not hasattr(cls, a)]
+    if lacking:
+        raise ConfigError(f"{what} lacks {', '.join(lacking)} of the Plugin protocol (see docs/extending.md)")
+    if not isinstance(cls.name, str) or not cls.name:
+        raise ConfigError(f"{what}: its name must be a non-empty string, got {cls.name!r}")
+    if not all(isinstance(k, UpdateKind) for k in cls.accepts):
+        raise ConfigError(f"{what}: accepts must be a set of fedweave.types.UpdateKind, got {cls.accepts!r}")
+    for protocol, methods in PARTS:
+        present = [m for m in methods if _has(cls, m)]
+        if protocol == "RunsProtocol and Answers" and present == ["combine"]:
+            continue  # Combines, without a protocol of its own
+        if present and len(present) < len(methods):
+            missing = ", ".join(m for m in methods if m not in present)
+            raise ConfigError(
+                f"{what} has {', '.join(present)} but lacks {missing} of the {protocol} protocols (see docs/extending.md)"
+            )
+    if cls.combines_encoded and not _has(cls, "combine"):
+        raise ConfigError(f"{what} declares combines_encoded = True but lacks combine(updates, ctx) (Combines protocol)")
+    if _has(cls, "setup") and not cls.combines_encoded:
+        raise ConfigError(
+            f"{what} has setup(), which runs only for a plugin that combines updates while encoded; "
+            "set combines_encoded = True or drop setup"
+        )

@@ -1,0 +1,241 @@
+"""Every composition rule of a run, in one place, checked when the config loads.
+
+A rule relates two or more families of a run: strategy, aggregation rule, plugins,
+topology, transport, launcher. Each section of the config checks its own keys (see
+:mod:`fedweave.config`); what one section allows that another then forbids is a rule
+here, so that a config that loads, runs. :func:`check` runs every rule of
+:data:`RULES` in order and the first broken one raises a one-line
+:class:`~fedweave.errors.ConfigError` that names the key and says what is allowed.
+
+Two families declare part of their own rules, which the rules here call:
+
+- a strategy may have ``check_config(config)`` (a static method): settings it refuses,
+  such as FedNova with a local optimiser other than SGD (:func:`strategy_settings`);
+- a plugin declares where it may stand and in what order (``points``, ``stage``,
+  ``summable``, ``one_process``), read by :mod:`fedweave.plugins.compose`
+  (:func:`plugin_order`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fedweave.errors import ConfigError
+from fedweave.plugins.chain import POINTS
+from fedweave.plugins.contracts import BeginsRound, check_plugin_class
+
+RING_OBSERVERS = ("fedavg", "fedprox")
+"""Strategies whose server step is the plain example-weighted mean: a ring's observer."""
+
+
+def _strategy(config: Any) -> Any:
+    from fedweave.strategies import STRATEGIES
+
+    return STRATEGIES.get(config.strategy.name, "strategy.name")
+
+
+def _plugins(config: Any) -> list[tuple[str, int, Any, Any]]:
+    """``(point, index, spec, class)`` of every configured plugin, in chain order."""
+    from fedweave.plugins import PLUGINS
+
+    return [
+        (point, i, spec, PLUGINS.get(spec.name, f"plugins.{point}[{i}].name"))
+        for point in POINTS
+        for i, spec in enumerate(getattr(config.plugins, point))
+    ]
+
+
+def launcher_transport(config: Any) -> None:
+    """The process launcher runs every node as its own process, which needs a network transport."""
+    if config.mode == "federated" and config.launcher.kind == "process" and config.transport.kind != "grpc":
+        raise ConfigError(
+            f"config key 'launcher': 'process' runs every node as its own process, which needs a "
+            f"network transport; set transport: grpc (got {config.transport.kind!r})"
+        )
+
+
+def ray_launcher(config: Any) -> None:
+    """The Ray launcher carries the clients' work to its actors itself, at their real speed."""
+    from fedweave.config import emulates_clients
+
+    if config.mode == "federated" and config.launcher.kind == "ray" and (
+        config.transport.kind != "inmemory" or emulates_clients(config)
+    ):
+        raise ConfigError(
+            "config key 'launcher': 'ray' carries the clients' work to Ray actors itself and runs them at "
+            "their real speed; it needs transport inmemory and no heterogeneity emulation"
+        )
+
+
+def ring_transport(config: Any) -> None:
+    """Ring gossip is simulated in one process."""
+    if config.topology.kind == "ring" and config.transport.kind != "inmemory":
+        raise ConfigError(
+            "config key 'topology.kind': ring gossip runs in simulation (transport: inmemory); "
+            f"got transport {config.transport.kind!r}"
+        )
+
+
+def ring_strategy(config: Any) -> None:
+    """A ring has no server step: only a plain weighted mean can observe the nodes' consensus."""
+    if config.topology.kind != "ring":
+        return
+    if config.strategy.name not in RING_OBSERVERS or config.aggregation.rule != "mean":
+        raise ConfigError(
+            "config key 'topology.kind': ring gossip needs a plain weighted-mean server to observe the "
+            f"nodes' consensus ({', '.join(RING_OBSERVERS)} with aggregation.rule mean); got strategy "
+            f"{config.strategy.name!r} with aggregation.rule {config.aggregation.rule!r}"
+        )
+
+
+def hierarchy_transport(config: Any) -> None:
+    """A deployed hierarchy reaches site members over torch.distributed; ``outer`` is the server's link."""
+    topo = config.topology
+    if topo.kind == "hierarchical" and config.transport.kind == "grpc" and topo.inner != "torchdist":
+        raise ConfigError(
+            "config key 'topology.inner': a hierarchy deployed over gRPC reaches each site's members over "
+            "torch.distributed; set topology.inner: torchdist (inmemory links exist only in simulation)"
+        )
+    if topo.outer is not None and topo.outer != config.transport.kind:
+        raise ConfigError(
+            f"config key 'topology.outer': {topo.outer!r} is the server's link, which is "
+            f"transport: {config.transport.kind!r}; set transport: {topo.outer} (or leave outer unset)"
+        )
+
+
+def emulation_topology(config: Any) -> None:
+    """Emulated client speeds exist only in the in-process star simulation."""
+    from fedweave.config import emulates_clients
+
+    if config.mode != "federated" or not emulates_clients(config):
+        return
+    if config.transport.kind != "inmemory" or config.topology.kind != "star":
+        raise ConfigError(
+            "config key 'heterogeneity': emulated client speeds need the in-process simulation (transport "
+            "inmemory, topology star); clients on real machines need no emulation"
+        )
+
+
+def strategy_settings(config: Any) -> None:
+    """The strategy's own ``check_config``: settings of other sections it cannot work with."""
+    from fedweave.strategies.base import ChecksConfig
+
+    strategy = _strategy(config)
+    if isinstance(strategy, ChecksConfig):
+        strategy.check_config(config)
+
+
+def krum_cohort(config: Any) -> None:
+    """Krum tolerates f Byzantine clients among more than 2f + 2."""
+    rule, f = config.aggregation.rule, config.aggregation.byzantine
+    if rule in ("krum", "multi_krum") and config.clients_per_round <= 2 * f + 2:
+        raise ConfigError(
+            f"config key 'aggregation.byzantine': {rule} with f={f} needs more than "
+            f"2f + 2 = {2 * f + 2} clients per round, the config samples {config.clients_per_round}"
+        )
+
+
+def plugin_contracts(config: Any) -> None:
+    """Each plugin class has the methods of what it declares; names are unique in a chain."""
+    names: dict[tuple[str, str], int] = {}
+    for point, i, spec, cls in _plugins(config):
+        check_plugin_class(cls, f"plugins.{point}[{i}]")
+        name = getattr(cls, "name", spec.name)
+        if (point, name) in names:
+            raise ConfigError(
+                f"config key 'plugins.{point}[{i}]': plugin name {name!r} is already plugins.{point}"
+                f"[{names[point, name]}]; a chain decodes by name, so each plugin in it needs its own"
+            )
+        names[point, name] = i
+
+
+def combining_plugins(config: Any) -> None:
+    """A plugin that combines updates while encoded: client_send only, with a weighted-sum strategy."""
+    strategy = _strategy(config)
+    for point, i, spec, plugin in _plugins(config):
+        key = f"config key 'plugins.{point}[{i}]'"
+        if not plugin.combines_encoded:
+            continue
+        if point != "client_send":
+            raise ConfigError(
+                f"{key}: plugin {spec.name!r} combines client updates while encoded, so it belongs in "
+                "plugins.client_send"
+            )
+        if config.aggregation.rule != "mean":
+            raise ConfigError(
+                f"{key}: plugin {spec.name!r} makes the server combine updates while encoded, so it only sees "
+                f"their sum; aggregation.rule {config.aggregation.rule!r} needs each update in the clear"
+            )
+        if config.aggregation.max_weight_share is not None:
+            raise ConfigError(
+                f"config key 'aggregation.max_weight_share': plugin {spec.name!r} combines updates while "
+                "encoded, with each weight inside its encoding, so the server cannot lower one; leave it unset"
+            )
+        if not strategy.weighted_sum:
+            raise ConfigError(
+                f"{key}: plugin {spec.name!r} makes the server combine updates while encoded, which needs a "
+                f"weighted-sum server step; strategy {config.strategy.name!r} does not aggregate by a weighted sum"
+            )
+
+
+def update_kinds(config: Any) -> None:
+    """Plugins on the uplink accept the kind of update the strategy sends."""
+    strategy = _strategy(config)
+    for point, i, spec, plugin in _plugins(config):
+        if point in ("client_send", "server_receive") and strategy.update_kind not in plugin.accepts:
+            kinds = ", ".join(sorted(k.value for k in plugin.accepts))
+            raise ConfigError(
+                f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} accepts {kinds} updates, "
+                f"but strategy {config.strategy.name!r} sends {strategy.update_kind.value}"
+            )
+
+
+def plugin_order(config: Any) -> None:
+    """Where each plugin may stand and in what order (:mod:`fedweave.plugins.compose`)."""
+    from fedweave.plugins import PLUGINS
+    from fedweave.plugins.compose import check_chains
+
+    check_chains(config, PLUGINS)
+
+
+def asynchronous_aggregation(config: Any) -> None:
+    """Asynchronous aggregation scales each delta by its staleness and has no rounds to set up."""
+    if not config.asynchronous.enabled:
+        return
+    strategy = _strategy(config)
+    if strategy.update_kind.value != "delta":
+        raise ConfigError(
+            f"config key 'asynchronous.enabled': a stale update is scaled down, which needs delta updates; "
+            f"strategy {config.strategy.name!r} sends {strategy.update_kind.value}"
+        )
+    for point, i, spec, plugin in _plugins(config):
+        if plugin.combines_encoded or isinstance(plugin, BeginsRound):
+            raise ConfigError(
+                f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} works per synchronous round "
+                "(a cohort set up or accounted per round); asynchronous.enabled has no such rounds"
+            )
+
+
+RULES: tuple[Callable[[Any], None], ...] = (
+    launcher_transport,
+    ray_launcher,
+    ring_transport,
+    hierarchy_transport,
+    emulation_topology,
+    plugin_contracts,
+    strategy_settings,
+    krum_cohort,
+    ring_strategy,
+    combining_plugins,
+    update_kinds,
+    plugin_order,
+    asynchronous_aggregation,
+)
+"""The rules, in the order they are checked (plugin classes first: later rules read them)."""
+
+
+def check(config: Any) -> None:
+    """Run every rule of :data:`RULES`; the first broken one raises its one-line ConfigError."""
+    for rule in RULES:
+        rule(config)
