@@ -767,7 +767,7 @@ def check_composition(config: Config) -> None:
                     f"updates while encoded, which needs a weighted-sum server step; strategy "
                     f"{config.strategy.name!r} does not aggregate by a weighted sum"
                 )
-    check_chains(config, PLUGINS)
+    check_chains(config, PLUGINS, strategy)
     if config.asynchronous.enabled:
         _check_asynchronous(config, strategy, PLUGINS)
 
