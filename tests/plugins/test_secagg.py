@@ -554,3 +554,41 @@ def test_in_a_run_a_client_failing_the_set_up_does_not_train(tmp_path: Path) -> 
     records = runner.execute(r)
     assert trained == [0, 1, 3, 4]
     assert records[0]["clients_completed"] == 4 and not records[0]["skipped"]
+
+
+def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_removed() -> None:
+    """Bonawitz et al.'s reason for b_u: client 0's masked update arrives too late, so the
+    round treats it as dropped and the survivors reveal its record key; the server opens its
+    seed record and strips every pairwise mask from the late y_0. What is left must still be
+    uniform, independent of n_0·x_0: only the self mask PRG(b_0), whose shares it never gets
+    (each client reveals one secret per owner), hides it."""
+    from fedweave.plugins.secure.secagg import _aad, _chunks, _nonce, _open, _recover
+
+    plugin, fed, plain, masked = masked_round(6, bits=32)
+    late = masked[0]
+    answers: dict[int, Control] = {}
+
+    def spying(bodies: dict[int, Control]) -> dict[int, Control]:
+        out = fed.exchange(bodies)
+        answers.update(out)
+        return out
+
+    server = ctx(1, -1, "server")
+    result = plugin.decode(plugin.combine(masked[1:], server, spying), server).tensors
+    assert_mean_within_quantization(result, plain[1:], plugin)  # the round went on without client 0
+    setup = plugin.round
+    alive = set(range(1, 6))
+    asked = {v: [w for w in setup.neighbours[v] if w in alive] for v in alive}
+    gone = {v: [w for w in setup.neighbours[v] if w == 0] for v in alive}
+    seeds, keys = plugin._collect(1, answers, asked, gone)
+    assert 0 not in seeds  # nobody revealed a share of b_0
+    record = _open(_recover(0, keys[0], setup.threshold[0], True), _nonce(0), setup.records[0], _aad("seeds", 1, 0, 0), "record")
+    stripped = plugin.field.from_wire(late.tensors[MASKED]).copy()
+    with plugin.field.workspace(stripped.size) as (stream, _):
+        for v, seed in zip(setup.neighbours[0], _chunks(record)):
+            plugin.field.add_mask(stripped, seed, stream, subtract=v > 0)  # client 0 added PRG(s_0v) for v > 0
+    values = plugin.field.reduce(stripped).astype(np.float64) / 2**32
+    x = torch.cat([t.reshape(-1) for t in plain[0].tensors.values() if t.is_floating_point()]).numpy()
+    counts = np.histogram(values, bins=16, range=(0, 1))[0]
+    assert ((counts - len(values) / 16) ** 2 / (len(values) / 16)).sum() < 37.7  # χ², 15 degrees of freedom, p = 0.001
+    assert abs(np.corrcoef(values, x)[0, 1]) < 4 / np.sqrt(len(x))
