@@ -94,7 +94,7 @@ def test_adaptive_clipping_tracks_the_target_quantile() -> None:
 def test_adaptive_clipping_refuses_a_count_noise_that_spends_the_budget() -> None:
     from fedweave.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="count_noise σ_b > noise_multiplier / 2"):
+    with pytest.raises(ConfigError, match=r"count_noise σ_b > noise_multiplier / 2 \(σ_b = 0.5, z = 1\).*raise count_noise or sample more clients per round$"):
         make("dp_central", noise_multiplier=1.0, adaptive=True, clients=10)  # σ_b = 10 / 20 = 0.5
 
 
@@ -200,9 +200,46 @@ def test_a_dpsgd_run_trains_and_reports_per_client_epsilon(tmp_path: Path) -> No
 def test_private_plugins_keep_payloads_intact() -> None:
     tensors = model_tensors()
     for name in ("clip", "dp_local", "dp_central"):
-        out = make(name).encode(update(tensors), ctx())
+        plugin = make(name)
+        out = plugin.encode(update(tensors), ctx())
         assert out.tensors is not tensors and set(tensors) <= set(out.tensors)
         assert torch.equal(out.tensors["bn.num_batches_tracked"], tensors["bn.num_batches_tracked"])
+        received = plugin.decode(out, ctx(side="server"))  # nothing to undo on the server: the same update
+        assert received is not out and received.tensors == out.tensors and received.num_examples == out.num_examples
+
+
+def test_private_plugins_state_survives_a_checkpoint() -> None:
+    """The adaptive clip norm and the DP-SGD ledger go through state_dict / load_state_dict unchanged."""
+    central = make("dp_central", clip=1.0, noise_multiplier=0.5, adaptive=True, count_noise=1.0)
+    central.clip_norm = 0.37
+    assert central.state_dict() == {"clip_norm": 0.37}
+    restored = make("dp_central", clip=1.0, noise_multiplier=0.5, adaptive=True, count_noise=1.0)
+    restored.load_state_dict(central.state_dict())
+    assert restored.clip_norm == 0.37 and restored.metrics() == {"clip_norm": 0.37}
+    fixed = make("dp_central", clip=0.8)
+    assert fixed.instruct(ctx(side="server")) == {}  # a fixed C needs no instruction: the client's copy is the server's
+    assert restored.instruct(ctx(side="server")) == {"dp_central.clip": 0.37}
+    dpsgd = make("dpsgd", noise_multiplier=1.1)
+    dpsgd.observe([dataclasses.replace(update({}, client_id=2), metrics={"dpsgd_rate": 0.25, "dpsgd_steps": 4.0})])
+    eps = dpsgd.metrics()["epsilon"]
+    again = make("dpsgd", noise_multiplier=1.1)
+    again.load_state_dict({"ledger": {"2": [(1.1, 0.25, 4)]}})  # a checkpoint's keys may come back as strings
+    assert again.ledger == {2: [(1.1, 0.25, 4)]} and again.metrics()["epsilon"] == eps
+    again.observe([dataclasses.replace(update({}, client_id=2), metrics={"dpsgd_rate": 0.25, "dpsgd_steps": 4.0})])
+    assert again.metrics()["epsilon"] > eps  # the cache of ε follows the ledger
+    assert make("dpsgd").encode(update({"w": torch.ones(2)}), ctx()).tensors["w"].tolist() == [1.0, 1.0]
+
+
+def test_seeded_noise_repeats_the_run_seeds_streams() -> None:
+    from fedweave.plugins.privacy.noise import SeededNoise, noise_source
+    from fedweave.seeding import torch_generator
+
+    a = SeededNoise(3, "dpsgd", 2, 1)
+    u, n = a.uniform((6,)), a.normal((2, 3))
+    gen = torch_generator(3, "dpsgd", 2, 1)
+    assert torch.equal(u, torch.rand(6, generator=gen, dtype=torch.float64))
+    assert torch.equal(n, torch.randn((2, 3), generator=gen, dtype=torch.float64))
+    assert isinstance(noise_source(True, 3, "x"), SeededNoise) and not isinstance(noise_source(False, 3, "x"), SeededNoise)
 
 
 def test_dpsgd_ledger_counts_each_report_it_receives_and_skips_malformed_ones(caplog: pytest.LogCaptureFixture) -> None:
@@ -334,19 +371,19 @@ def test_a_seeded_dp_run_repeats_bit_for_bit_and_a_secure_one_does_not(tmp_path:
 
 
 def test_adaptive_clipping_splits_the_noise_between_the_count_and_the_update() -> None:
-    """z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) by hand: z = 1, σ_b = 0.6 → (1 − 1/1.44)^(−1/2) = 1.8091, not z."""
+    """z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) by hand: z = 2, σ_b = 1.5 → (1/4 − 1/9)^(−1/2) = 2.6833, not z."""
     from fedweave.plugins.privacy.dp import split_noise
 
-    assert split_noise(1.0, 0.6) == pytest.approx((1 - 1 / 1.44) ** -0.5) == pytest.approx(1.80907, abs=1e-5)
+    assert split_noise(2.0, 1.5) == pytest.approx((1 / 4 - 1 / 9) ** -0.5) == pytest.approx(2.68328, abs=1e-5)
     assert split_noise(0.0, 0.6) == 0.0
-    plugin = make("dp_central", clip=1.0, noise_multiplier=1.0, adaptive=True, count_noise=0.6, seeded_noise=True)
-    assert plugin.update_noise == pytest.approx(1.80907, abs=1e-5)
-    fixed = make("dp_central", clip=1.0, noise_multiplier=1.0, seeded_noise=True)
-    assert fixed.update_noise == 1.0  # no count to release: all of the budget goes to the update
+    plugin = make("dp_central", clip=0.5, noise_multiplier=2.0, adaptive=True, count_noise=1.5, seeded_noise=True)
+    assert plugin.update_noise == pytest.approx(2.68328, abs=1e-5)
+    fixed = make("dp_central", clip=0.5, noise_multiplier=2.0, seeded_noise=True)
+    assert fixed.update_noise == 2.0  # no count to release: all of the budget goes to the update
     zeros = {"w": torch.zeros(50_000, dtype=torch.float64)}
     encoded = [plugin.encode(update(zeros, client_id=i), ctx(1, i)) for i in range(2)]
     out = plugin.combine(encoded, ctx(1, -1, "server")).tensors["w"]
-    assert (out * 2).std().item() == pytest.approx(1.80907, rel=0.02)  # the sum's noise: z_Δ·C, not z·C
+    assert (out * 2).std().item() == pytest.approx(2.68328 * 0.5, rel=0.02)  # the sum's noise: z_Δ·C, not z·C
 
 
 def test_dpsgd_samples_at_the_rate_it_reports() -> None:
