@@ -409,3 +409,27 @@ def test_dpsgd_samples_at_the_rate_it_reports() -> None:
     assert q == batch / n and len(sizes) == steps
     seen, expected = sum(sizes), q * n * steps  # 3,000 examples, standard deviation √(n·steps·q(1−q)) = 75.5
     assert abs(seen - expected) < 5 * math.sqrt(n * steps * q * (1 - q))
+
+
+def test_dpsgd_stops_before_a_round_its_worst_client_would_take_past_the_target() -> None:
+    """The prediction: each client repeats its last round; the largest predicted ε decides."""
+    from fedweave.errors import BudgetSpent
+    from fedweave.plugins.privacy.accountant import epsilon
+
+    history = {1: [(1.1, 0.25, 4)], 2: [(1.1, 0.5, 4)]}
+    low = epsilon([(1.1, 0.25, 8)], DELTA)  # client 1 after one more such round
+    high = epsilon([(1.1, 0.5, 8)], DELTA)  # client 2: the worst
+    assert low < high
+    for target, stops in [((low + high) / 2, True), (high * 1.001, False)]:
+        plugin = make("dpsgd", noise_multiplier=1.1, target_epsilon=target)
+        plugin.begin_round(1, [1, 2])  # an empty ledger spends nothing
+        plugin.ledger = {k: list(v) for k, v in history.items()}
+        if stops:
+            with pytest.raises(BudgetSpent, match=rf"plugin 'dpsgd': round 2 would raise ε to {high:.3f}, past the target"):
+                plugin.begin_round(2, [1, 2])
+        else:
+            plugin.begin_round(2, [1, 2])
+    unbounded = make("dpsgd", noise_multiplier=1.1)
+    unbounded.ledger = {k: list(v) for k, v in history.items()}
+    unbounded.begin_round(2, [1, 2])
+    make("dpsgd", target_epsilon=1e-3).begin_round(1, [1, 2])  # nothing released yet: ε is 0, under any target
