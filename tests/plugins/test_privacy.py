@@ -433,3 +433,24 @@ def test_dpsgd_stops_before_a_round_its_worst_client_would_take_past_the_target(
     unbounded.ledger = {k: list(v) for k, v in history.items()}
     unbounded.begin_round(2, [1, 2])
     make("dpsgd", target_epsilon=1e-3).begin_round(1, [1, 2])  # nothing released yet: ε is 0, under any target
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("seeded", [False, True])
+def test_dpsgd_noise_and_batches_are_not_drawn_from_the_config(seeded: bool) -> None:
+    """The same client, round, data, model and job generator: secure noise trains another model each
+    time (nothing the server reads in the config repeats it); seeded_noise repeats it exactly."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 4, generator=g), torch.randint(0, 2, (48,), generator=g)
+    plugin = make("dpsgd", noise_multiplier=1.0, max_grad_norm=1.0, seeded_noise=seeded)
+    start = nn.Linear(4, 2).state_dict()
+    trained = []
+    for _ in range(2):
+        model = nn.Linear(4, 2)
+        model.load_state_dict(start)
+        ins = plugin.decode(Instruction(2, TaskKind.TRAIN, Work(0, batch_size=8, local_steps=3), start), ctx(2, 5))
+        settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+        job = ClientJob(5, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
+        train_local(job)
+        trained.append(model.weight.detach().clone())
+    assert torch.equal(trained[0], trained[1]) == seeded
