@@ -454,3 +454,24 @@ def test_dpsgd_noise_and_batches_are_not_drawn_from_the_config(seeded: bool) -> 
         train_local(job)
         trained.append(model.weight.detach().clone())
     assert torch.equal(trained[0], trained[1]) == seeded
+
+
+def test_central_noise_of_a_seeded_simulation_is_the_run_seeds_stream() -> None:
+    """seeded_noise: the server's noise is N(0, (z·C)²) from the stream (seed, 'dp_central', round), so a
+    simulation repeats it; one update alone is its own mean plus noise / 1; dtypes are kept."""
+    from fedweave.seeding import torch_generator
+
+    tensors = {"a": torch.full((6,), 0.1), "b": torch.full((2, 2), -0.2, dtype=torch.float64)}
+    for rnd in (1, 2):
+        plugin = make("dp_central", clip=2.0, noise_multiplier=0.5, seed=3, seeded_noise=True)
+        one = [plugin.encode(update(tensors), ctx(rnd, 0))]
+        out = plugin.combine(one, ctx(rnd, -1, "server")).tensors
+        gen = torch_generator(3, "dp_central", rnd)
+        for k, v in tensors.items():
+            expected = v.double() + 0.5 * 2.0 * torch.randn(v.shape, generator=gen, dtype=torch.float64)
+            assert out[k].dtype == v.dtype
+            torch.testing.assert_close(out[k], expected.to(v.dtype), rtol=0, atol=1e-7)
+    secure = make("dp_central", clip=2.0, noise_multiplier=0.5, seed=3)
+    encoded = [secure.encode(update(tensors), ctx(1, 0))]
+    assert not torch.equal(secure.combine(encoded, ctx(1, -1, "server")).tensors["a"],
+                           secure.combine(encoded, ctx(1, -1, "server")).tensors["a"])
