@@ -330,11 +330,11 @@ def test_secure_noise_is_standard_normal_and_uniform() -> None:
     assert normal.shape == (300, 401) and normal.dtype == torch.float64
     assert normal.mean().item() == pytest.approx(0.0, abs=5 / math.sqrt(normal.numel()))
     assert normal.std().item() == pytest.approx(1.0, abs=5 / math.sqrt(2 * normal.numel()))
-    assert (normal.abs() > 1.96).double().mean().item() == pytest.approx(0.05, abs=0.003)  # a Gaussian tail
+    assert (normal.abs() > 1.96).double().mean().item() == pytest.approx(0.05, abs=0.0035)  # a Gaussian tail, 5.6 σ
     uniform = source.uniform((100_000,))
     assert 0 <= uniform.min().item() and uniform.max().item() < 1
     counts = torch.histc(uniform, bins=10, min=0, max=1)
-    assert ((counts - 10_000) ** 2 / 10_000).sum().item() < 27.9  # χ², 9 degrees of freedom, p = 0.001
+    assert ((counts - 10_000) ** 2 / 10_000).sum().item() < 44.8  # χ², 9 degrees of freedom, p = 1e-6
     assert not torch.equal(source.normal((8,)), source.normal((8,)))
 
 
