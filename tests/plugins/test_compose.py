@@ -31,6 +31,7 @@ REFUSED = [
     (chain("client_send", "{name: secagg}") + " && aggregation.rule=median", r"'plugins.client_send\[0\]': plugin 'secagg' makes the server combine updates while encoded, so it only sees their sum; aggregation.rule 'median'"),
     (chain("client_send", "{name: he}") + " && strategy=scaffold", r"'plugins.client_send\[0\]': plugin 'he' makes the server combine updates while encoded, which needs a weighted-sum server step; strategy 'scaffold'"),
     (chain("client_send", "{name: secagg, bits: 20, max_examples: 100000}"), r"'plugins.client_send\[0\].max_examples': 100000 leaves fewer than 8 bits of precision"),
+    (chain("client_send", "{name: secagg, bits: 24, max_examples: 65537}"), r"'plugins.client_send\[0\].max_examples': 65537 leaves fewer than 8 bits of precision"),
     (chain("client_send", "{name: he}") + " && transport=grpc", r"plugin 'he' needs the server and the clients in one process \(without keys each process would make its own CKKS context"),
     (chain("client_send", "{name: topk, ratio: 0}"), r"'plugins.client_send\[0\].ratio': must be > 0"),
     (chain("client_send", "{name: he, poly_degree: 1000}"), r"'plugins.client_send\[0\].poly_degree': 1000 is not allowed"),
@@ -66,6 +67,7 @@ ALLOWED = [
     chain("client_send", "{name: clip}") + " && strategy={name: scaffold, option: I}",  # clip alone promises no privacy
     chain("client_send", "{name: dp_local}") + " && strategy=fednova",  # a_i restates the step count
     chain("client_send", "{name: dp_local, seeded_noise: true}", "{name: secagg}"),
+    chain("client_send", "{name: secagg, bits: 24, max_examples: 65536}"),  # exactly 8 bits of precision left
 ]
 
 

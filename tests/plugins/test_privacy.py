@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +43,9 @@ def test_clip_bounds_the_norm_and_keeps_the_direction() -> None:
         factor = min(1.0, 1.5 / norm)
         torch.testing.assert_close(out["a"], tensors["a"] * factor)
         assert torch.equal(out["n"], tensors["n"])
+    small = make("clip", max_norm=0.5)  # norms below 1 are clipped too
+    out = small.encode(update({"w": torch.tensor([0.48, 0.64])}), ctx()).tensors  # norm 0.8
+    torch.testing.assert_close(out["w"], torch.tensor([0.3, 0.4]))
 
 
 def test_local_noise_has_the_configured_std_after_clipping() -> None:
@@ -242,22 +246,51 @@ def test_seeded_noise_repeats_the_run_seeds_streams() -> None:
     assert isinstance(noise_source(True, 3, "x"), SeededNoise) and not isinstance(noise_source(False, 3, "x"), SeededNoise)
 
 
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")  # client 11: no step, ε of nothing
 def test_dpsgd_ledger_counts_each_report_it_receives_and_skips_malformed_ones(caplog: pytest.LogCaptureFixture) -> None:
     """The server's ledger: one (z, q, steps) entry per report, per client; a bad report is logged, not counted."""
     from fedweave.plugins.privacy.accountant import epsilon
 
     plugin = make("dpsgd", noise_multiplier=1.1)
     good = {"dpsgd_rate": 0.25, "dpsgd_steps": 4.0}
+
+    def report(client: int, **metrics: float) -> Any:
+        return dataclasses.replace(update({}, client_id=client), metrics=metrics)
+
     reports = [
-        dataclasses.replace(update({}, client_id=3), metrics={**good, "train_loss": 0.5}),
-        dataclasses.replace(update({}, client_id=5), metrics={"dpsgd_rate": 1.5, "dpsgd_steps": 4.0}),
-        dataclasses.replace(update({}, client_id=6), metrics={"train_loss": 0.5}),  # no private training
+        report(6, train_loss=0.5),  # no private training: nothing to count, nothing to warn about
+        report(5, dpsgd_rate=1.5, dpsgd_steps=4.0),
+        report(7, dpsgd_rate=0.0, dpsgd_steps=4.0),  # a rate of 0 samples nothing: not a private training
+        report(8, dpsgd_rate=0.5),  # half a report
+        report(9, dpsgd_steps=2.0),
+        report(10, dpsgd_rate=0.5, dpsgd_steps=2.5),
+        report(3, **good, train_loss=0.5),
+        report(11, dpsgd_rate=1.0, dpsgd_steps=0.0),  # full batches, no step: allowed, spends nothing
     ]
     plugin.observe(reports)
-    plugin.observe(reports[:1])
-    assert plugin.ledger == {3: [(1.1, 0.25, 4), (1.1, 0.25, 4)]}
+    plugin.observe([reports[6]])
+    assert plugin.ledger == {3: [(1.1, 0.25, 4), (1.1, 0.25, 4)], 11: [(1.1, 1.0, 0)]}
     assert plugin.metrics()["epsilon"] == pytest.approx(epsilon([(1.1, 0.25, 8)], DELTA))
-    assert "client 5 reported rate 1.5" in caplog.text
+    assert "plugin 'dpsgd': client 5 reported rate 1.5 and steps 4.0, not a private training; not counted" in caplog.text
+    assert "client 8 reported rate 0.5 and steps nan" in caplog.text and "client 9 reported rate nan and steps 2.0" in caplog.text
+    assert "client 7 reported rate 0.0" in caplog.text and "client 10 reported rate 0.5 and steps 2.5" in caplog.text
+    assert "client 6" not in caplog.text
+
+
+def test_dpsgd_computes_each_clients_epsilon_once_per_ledger_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """metrics() runs every round for every client that reported: ε is recomputed only when a ledger grows."""
+    from fedweave.plugins.privacy import dpsgd
+
+    calls: list[int] = []
+    real = dpsgd.epsilon
+    monkeypatch.setattr(dpsgd, "epsilon", lambda history, delta: calls.append(len(history)) or real(history, delta))
+    plugin = make("dpsgd", noise_multiplier=1.1)
+    for client in (1, 2):
+        plugin.observe([dataclasses.replace(update({}, client_id=client), metrics={"dpsgd_rate": 0.5, "dpsgd_steps": 2.0})])
+    first = plugin.metrics()["epsilon"]
+    assert plugin.metrics()["epsilon"] == first and calls == [1, 1]
+    plugin.observe([dataclasses.replace(update({}, client_id=2), metrics={"dpsgd_rate": 0.5, "dpsgd_steps": 2.0})])
+    assert plugin.metrics()["epsilon"] > first and calls == [1, 1, 2]
 
 
 def test_adaptive_dp_central_sends_its_clip_norm_with_each_instruction() -> None:
@@ -275,8 +308,11 @@ def test_adaptive_dp_central_sends_its_clip_norm_with_each_instruction() -> None
     out = client.encode(update(tensors), dataclasses.replace(ctx(), config=ins.config))
     assert l2_norm({"w": out.tensors["w"]}) == pytest.approx(0.25)
     assert out.tensors["__dp_unclipped"].item() == 0
-    with pytest.raises(ValueError, match="clip norm nan is not a positive number"):
-        client.encode(update(tensors), dataclasses.replace(ctx(), config={"dp_central.clip": float("nan")}))
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match=f"clip norm {bad!r} is not a positive number"):
+            client.encode(update(tensors), dataclasses.replace(ctx(), config={"dp_central.clip": bad}))
+    at_the_norm = client.encode(update({"w": torch.tensor([3.0, 4.0])}), dataclasses.replace(ctx(), config={"dp_central.clip": 5.0}))
+    assert at_the_norm.tensors["__dp_unclipped"].item() == 1  # ‖Δ‖ ≤ C counts as unclipped
 
 
 # --------------------------------------------------------------------------- where the noise comes from
@@ -475,3 +511,43 @@ def test_central_noise_of_a_seeded_simulation_is_the_run_seeds_stream() -> None:
     encoded = [secure.encode(update(tensors), ctx(1, 0))]
     assert not torch.equal(secure.combine(encoded, ctx(1, -1, "server")).tensors["a"],
                            secure.combine(encoded, ctx(1, -1, "server")).tensors["a"])
+
+
+def test_a_client_level_budget_stops_past_its_target_and_not_at_it() -> None:
+    """dp_local's ε is the Gaussian mechanism of multiplier z/2 for every round; a round that would
+    take ε past the target is refused, one that reaches it exactly is not; without noise, no ε."""
+    from fedweave.errors import BudgetSpent
+    from fedweave.plugins.privacy.clip import clip_tensors
+
+    eps2, eps3 = opacus_epsilon(1.5, 1.0, 2), opacus_epsilon(1.5, 1.0, 3)
+    local = make("dp_local", noise_multiplier=3.0, target_epsilon=eps2)
+    local.begin_round(1, [0])
+    local.begin_round(2, [0])
+    with pytest.raises(BudgetSpent, match=rf"^plugin 'dp_local': round 3 would raise ε to {eps3:.3f}, past the target"):
+        local.begin_round(3, [0])
+    quiet = make("dp_local", clip=0.5, noise_multiplier=0.0, target_epsilon=0.01)
+    for rnd in (1, 2, 3):
+        quiet.begin_round(rnd, [0])  # no noise, no finite ε: nothing to stop
+    assert quiet.metrics() == {}
+    tensors = random_update(torch.Generator().manual_seed(7), 2.0)
+    out = quiet.encode(update(tensors), ctx()).tensors
+    assert all(torch.equal(out[k], v) for k, v in clip_tensors(tensors, 0.5)[0].items())
+
+
+def test_adaptive_clipping_moves_the_clip_norm_by_hand() -> None:
+    """One round with seeded noise, redrawn here: the update's noise first, then the count's;
+    b̃ = (Σ b_k + σ_b·N) / m, C ← C·exp(−η(b̃ − γ))."""
+    from fedweave.seeding import torch_generator
+    from fedweave.types import UpdateKind
+
+    plugin = make("dp_central", clip=1.0, noise_multiplier=0.5, adaptive=True, count_noise=1.0, seed=4, seeded_noise=True)
+    sent = [update({"w": torch.tensor([0.3, 0.4, 0.0])}, client_id=0), update({"w": torch.tensor([3.0, 0.0, 0.0])}, client_id=1)]
+    encoded = [dataclasses.replace(plugin.encode(u, ctx(1, u.client_id)), applied=["clip", "dp_central"]) for u in sent]
+    assert [e.tensors["__dp_unclipped"].item() for e in encoded] == [1, 0]
+    out = plugin.combine(encoded, ctx(1, -1, "server"))
+    gen = torch_generator(4, "dp_central", 1)
+    noise = torch.randn(3, generator=gen, dtype=torch.float64) * (0.5**-2 - 2.0**-2) ** -0.5  # z_Δ·C, C = 1
+    count = float(torch.randn((), generator=gen, dtype=torch.float64))
+    torch.testing.assert_close(out.tensors["w"], ((torch.tensor([0.3, 0.4, 0.0]) + torch.tensor([1.0, 0.0, 0.0])).double() + noise).float() / 2)
+    assert plugin.clip_norm == pytest.approx(math.exp(-0.2 * ((1 + count) / 2 - 0.5)), rel=1e-12)
+    assert out.kind is UpdateKind.DELTA and out.applied == ["clip", "dp_central"] and "__dp_unclipped" not in out.tensors
