@@ -6,6 +6,7 @@ import dataclasses
 
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -551,3 +552,36 @@ def test_adaptive_clipping_moves_the_clip_norm_by_hand() -> None:
     torch.testing.assert_close(out.tensors["w"], ((torch.tensor([0.3, 0.4, 0.0]) + torch.tensor([1.0, 0.0, 0.0])).double() + noise).float() / 2)
     assert plugin.clip_norm == pytest.approx(math.exp(-0.2 * ((1 + count) / 2 - 0.5)), rel=1e-12)
     assert out.kind is UpdateKind.DELTA and out.applied == ["clip", "dp_central"] and "__dp_unclipped" not in out.tensors
+
+
+def test_dpsgd_marks_training_instructions_only_with_its_seeded_stream() -> None:
+    from fedweave.plugins.privacy.noise import SecureNoise
+    from fedweave.seeding import torch_generator
+
+    plugin = make("dpsgd", seed=6, seeded_noise=True)
+    train = plugin.decode(Instruction(2, TaskKind.TRAIN, Work(0, batch_size=8), {}), ctx(2, 5))
+    stream = torch_generator(6, "dpsgd", 2, 5)  # the run seed's stream of this client and round
+    assert torch.equal(train.config["privacy"].noise.uniform((4,)), torch.rand(4, generator=stream, dtype=torch.float64))
+    assert isinstance(make("dpsgd").decode(Instruction(2, TaskKind.TRAIN, Work(0, 8), {}), ctx(2, 5)).config["privacy"].noise, SecureNoise)
+    evaluate = Instruction(2, TaskKind.EVALUATE, Work(0, batch_size=8), {})
+    assert "privacy" not in plugin.decode(evaluate, ctx(2, 5)).config
+    sent = update({"w": torch.ones(2)})
+    assert plugin.decode(sent, ctx(2, 5)) == sent
+
+
+def test_the_norm_of_an_update_without_floating_tensors_is_zero() -> None:
+    counters = {"n": torch.tensor(3), "m": torch.tensor([1, 2])}
+    assert l2_norm(counters) == 0.0
+    out = make("clip", max_norm=0.5).encode(update(counters), ctx()).tensors
+    assert all(torch.equal(out[k], v) for k, v in counters.items())
+
+
+@pytest.mark.parametrize("module", ["opacus.grad_sample", "opacus.accountants"])
+def test_without_opacus_the_error_names_the_extra(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedweave.plugins.privacy import accountant, dpsgd
+
+    monkeypatch.setitem(sys.modules, module, None)  # as if Opacus were not installed
+    load = dpsgd._opacus if module == "opacus.grad_sample" else accountant._opacus_rdp
+    what = "plugin 'dpsgd' needs" if module == "opacus.grad_sample" else "privacy accounting needs"
+    with pytest.raises(ImportError, match=rf"^{what} Opacus: pip install 'fedweave\[privacy\]'$"):
+        load()
