@@ -585,3 +585,29 @@ def test_without_opacus_the_error_names_the_extra(module: str, monkeypatch: pyte
     what = "plugin 'dpsgd' needs" if module == "opacus.grad_sample" else "privacy accounting needs"
     with pytest.raises(ImportError, match=rf"^{what} Opacus: pip install 'fedweave\[privacy\]'$"):
         load()
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_dpsgd_trains_the_model_it_is_given_and_nothing_without_data() -> None:
+    """A strategy may hand its own model (Ditto's personal one); a client without data trains nothing and reports nothing."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randint(0, 2, (12,), generator=g)
+    plugin = make("dpsgd", noise_multiplier=0.5, max_grad_norm=1.0)
+
+    def private_job(xs: torch.Tensor, ys: torch.Tensor) -> ClientJob:
+        ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=4, local_steps=2), nn.Linear(4, 2).state_dict()), ctx(1, 0))
+        settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+        return ClientJob(0, ins, nn.Linear(4, 2), xs, ys, xs[:0], ys[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
+
+    job = private_job(x, y)
+    private = job.settings.privacy
+    assert private.report() == {}  # nothing spent before it trains
+    own = nn.Linear(4, 2)
+    before, untouched = own.weight.detach().clone(), job.model.weight.detach().clone()
+    result = private.train_local(job, model=own)
+    assert result.steps == 2 and not torch.equal(own.weight, before) and torch.equal(job.model.weight, untouched)
+    empty = private_job(x[:0], y[:0])
+    assert empty.settings.privacy.train_local(empty).steps == 0 and empty.settings.privacy.report() == {}
+    single = private_job(x[:1], y[:1])
+    assert single.settings.privacy.train_local(single).steps == 2  # one example is data: q = 1
+    assert single.settings.privacy.report() == {"dpsgd_rate": 1.0, "dpsgd_steps": 2.0}
