@@ -19,7 +19,7 @@ from fedweave import runner
 from fedweave.observe.progress import run_summary
 from fedweave.plugins.privacy.clip import l2_norm
 from fedweave.plugins.privacy.dp import UNCLIPPED
-from fedweave.strategies.training import ClientJob, LocalSettings, train_local
+from fedweave.strategies.training import ClientJob, LocalOptimizer, LocalSettings, train_local
 from fedweave.types import Instruction, TaskKind, Work
 
 from .helpers import ctx, make, model_tensors, update
@@ -611,3 +611,77 @@ def test_dpsgd_trains_the_model_it_is_given_and_nothing_without_data() -> None:
     single = private_job(x[:1], y[:1])
     assert single.settings.privacy.train_local(single).steps == 2  # one example is data: q = 1
     assert single.settings.privacy.report() == {"dpsgd_rate": 1.0, "dpsgd_steps": 2.0}
+
+
+def test_one_dpsgd_step_by_hand() -> None:
+    """Seeded, so the batch and the noise are drawn again here: each sampled example's gradient
+    clipped to C (all parameters together), summed, plus N(0, (z·C)²), divided by the expected
+    batch size B, then one SGD step; Opacus's hook warning is the plugin's to silence."""
+    import warnings
+
+    from fedweave.plugins.privacy.noise import SeededNoise
+
+    g = torch.Generator().manual_seed(3)
+    n, batch, clip, z, lr = 10, 4, 0.3, 0.7, 0.5
+    x, y = torch.randn(n, 3, generator=g), torch.randint(0, 2, (n,), generator=g)
+    model = nn.Linear(3, 2)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    plugin = make("dpsgd", noise_multiplier=z, max_grad_norm=clip, seed=1, seeded_noise=True)
+    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=batch, epochs=1), start), ctx(1, 2))
+    settings = LocalSettings("sgd", lr=lr, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+    job = ClientJob(2, ins, model, x[:batch], y[:batch], x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    job.x_train, job.y_train = x, y
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = train_local(job)
+    assert result.steps == 3  # one epoch: ⌈n / B⌉ steps
+    stream = SeededNoise(1, "dpsgd", 1, 2)
+    w, b = start["weight"].double(), start["bias"].double()
+    for _ in range(3):
+        chosen = (stream.uniform((n,)) < batch / n).nonzero().squeeze(1).tolist()
+        total = [torch.zeros_like(w), torch.zeros_like(b)]
+        for i in chosen:
+            leaves = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+            loss = nn.functional.cross_entropy(x[i : i + 1].double() @ leaves[0].T + leaves[1], y[i : i + 1])
+            grads = torch.autograd.grad(loss, leaves)
+            norm = math.sqrt(sum(float(gr.pow(2).sum()) for gr in grads))
+            total = [t + gr * min(1.0, clip / norm) for t, gr in zip(total, grads)]
+        noisy = [(t + z * clip * stream.normal(tuple(t.shape))) / batch for t in total]
+        w, b = w - lr * noisy[0], b - lr * noisy[1]
+    torch.testing.assert_close(model.weight.detach().double(), w, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.bias.detach().double(), b, rtol=0, atol=1e-5)
+
+
+def test_dpsgd_uses_the_optimiser_and_loss_a_strategy_hands_it() -> None:
+    """The strategy's optimiser steps (lr 0 here: nothing moves) and its reported loss is averaged over
+    the examples of every step (a constant 2.0 averages to 2.0); after_backward sees the model trained."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 4, generator=g), torch.randint(0, 2, (20,), generator=g)
+    plugin = make("dpsgd", noise_multiplier=0.5, max_grad_norm=1.0, seeded_noise=True)
+    model = nn.Linear(4, 2)
+    before = model.weight.detach().clone()
+    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=5, local_steps=6), model.state_dict()), ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    seen: list[nn.Module] = []
+
+    def loss(module: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.cross_entropy(module(xb), yb), torch.tensor(2.0)
+
+    result = ins.config["privacy"].train_local(
+        job, optimizer=LocalOptimizer(model.parameters(), dataclasses.replace(settings, lr=0.0)), loss=loss,
+        after_backward=seen.append,
+    )
+    assert torch.equal(model.weight, before) and result.mean_loss == 2.0
+    assert len(seen) == 6 and all(m is model for m in seen)
+
+
+def test_dpsgd_refuses_a_model_without_per_example_gradients() -> None:
+    plugin = make("dpsgd")
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=4, local_steps=1), model.state_dict()), ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+    x = torch.randn(8, 4)
+    job = ClientJob(0, ins, model, x, torch.zeros(8, dtype=torch.long), x[:0], x[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    with pytest.raises(ValueError, match=r"^plugin 'dpsgd' cannot train this model privately: .*BatchNorm"):
+        train_local(job)
