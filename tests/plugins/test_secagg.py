@@ -3,6 +3,7 @@ masking, drop-outs at every step, and the secrets each side holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -592,3 +593,78 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     counts = np.histogram(values, bins=16, range=(0, 1))[0]
     assert ((counts - len(values) / 16) ** 2 / (len(values) / 16)).sum() < 56.5  # χ², 15 degrees of freedom, p = 1e-6
     assert abs(np.corrcoef(values, x)[0, 1]) < 4 / np.sqrt(len(x))
+
+
+# --------------------------------------------------------------------------- what mutmut showed the tests missed
+
+
+def test_the_server_combines_only_distinct_members_and_up_to_max_examples_inclusive() -> None:
+    plugin, fed, plain, masked = masked_round(3, max_examples=51)  # exactly 10 + 17 + 24 examples: allowed
+    for bad in ([masked[0], masked[0], masked[1]], [masked[0], dataclasses.replace(masked[1], client_id=7)]):
+        with pytest.raises(RoundError, match=r"^secagg: round 1's updates do not come from distinct members of its cohort$"):
+            plugin.combine(bad, ctx(1, -1, "server"), fed.exchange)
+    combined = plugin.combine(masked, ctx(1, -1, "server"), fed.exchange)
+    assert combined.kind is plain[0].kind and combined.num_examples == 51
+    assert_mean_within_quantization(plugin.decode(combined, ctx(1, -1, "server")).tensors, plain, plugin)
+    with pytest.raises(ValueError, match=r"^secagg decodes only the server's combined sum, never one client's masked update$"):
+        plugin.decode(masked[0], ctx(1, -1, "server"))
+
+
+def test_four_of_ten_drop_after_masking_each_survivor_holds_exactly_the_threshold() -> None:
+    """n = 10, t = 6: each of the 6 survivors and its 5 surviving neighbours make exactly 6 holders."""
+    plugin, fed, plain, masked = masked_round(10, threshold=0.6)
+    survivors = [m for m in masked if m.client_id not in (1, 4, 6, 8)]
+    result = unmask(plugin, fed, survivors)
+    assert_mean_within_quantization(result, [u for u in plain if u.client_id not in (1, 4, 6, 8)], plugin)
+
+
+def test_a_dropped_clients_record_key_short_of_holders_is_named() -> None:
+    from fedweave.plugins.secure.secagg import _enough, _recover
+
+    with pytest.raises(RoundError, match=r"^secagg: only 2 of client 4's share holders survived, its record key needs 3 \(threshold\); the sum cannot be unmasked$"):
+        _enough(4, 2, 3, True, "survived")
+    with pytest.raises(RoundError, match=r"^secagg: only 1 of client 2's share holders answered, its self-mask seed needs 3"):
+        _recover(2, [(1, np.zeros(8, np.int32))], 3, False)
+    with pytest.raises(RoundError, match=r"^secagg: only 0 of client 5's share holders answered, its record key needs 1"):
+        _recover(5, None, 1, True)
+
+
+def test_a_malformed_unmasking_answer_is_logged_and_the_others_still_unmask(caplog: pytest.LogCaptureFixture) -> None:
+    plugin, fed, plain, masked = masked_round(6, threshold=0.5)
+
+    def garbled(bodies: dict[int, Control]) -> dict[int, Control]:
+        answers = fed.exchange(bodies)
+        if next(iter(bodies.values())).step == "unmask":
+            answers[0] = Control("secagg", "unmask", {"seed": torch.zeros(1, dtype=torch.int32)})
+        return answers
+
+    server = ctx(1, -1, "server")
+    with caplog.at_level(logging.WARNING):
+        result = plugin.decode(plugin.combine(masked, server, garbled), server).tensors
+    assert_mean_within_quantization(result, plain, plugin)  # the lowest id was refused: the next answers are read
+    assert "round 1: client 0's unmasking answer refused: secagg unmask: expected seed of torch.int32" in caplog.text
+
+
+def test_inconsistent_or_forged_shares_skip_the_round_naming_the_client() -> None:
+    plugin, fed, _, masked = masked_round(4, lost={"train": {3}})
+
+    def forged(bodies: dict[int, Control]) -> dict[int, Control]:
+        answers = fed.exchange(bodies)
+        if next(iter(bodies.values())).step == "unmask":
+            for u, a in answers.items():
+                key = a.tensors["key"].clone()
+                key[:, 0] = (key[:, 0] + 12345) % 65536  # a wrong share of client 3's record key
+                answers[u] = Control("secagg", "unmask", {"seed": a.tensors["seed"], "key": key})
+        return answers
+
+    with pytest.raises(RoundError, match=r"^secagg: (client 3's shares are inconsistent \(.+\)|.*client 3's seed record.* with its rebuilt key)$"):
+        plugin.combine(masked, ctx(1, -1, "server"), forged)
+
+
+def test_a_client_answers_only_about_its_neighbours() -> None:
+    plugin, fed, _, masked = masked_round(8, neighbours=4)
+    u = masked[0].client_id
+    strangers = [v for v in range(8) if v != u and v not in plugin.round.neighbours[u]]
+    request = Control("secagg", "unmask", {"survivors": torch.tensor(strangers[:3], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="survivors is not a sorted list of distinct expected client ids"):
+        plugin.answer(request, fed.ctx(u))
