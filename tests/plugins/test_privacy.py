@@ -685,3 +685,30 @@ def test_dpsgd_refuses_a_model_without_per_example_gradients() -> None:
     job = ClientJob(0, ins, model, x, torch.zeros(8, dtype=torch.long), x[:0], x[:0], nn.functional.cross_entropy, settings, torch.Generator())
     with pytest.raises(ValueError, match=r"^plugin 'dpsgd' cannot train this model privately: .*BatchNorm"):
         train_local(job)
+
+
+def test_epsilon_of_nothing_is_zero_and_a_huge_one_is_reported_quietly() -> None:
+    import warnings
+
+    from fedweave.plugins.privacy.accountant import epsilon
+
+    assert epsilon([], DELTA) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = opacus_epsilon(0.05, 1.0, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Opacus's "optimal order is the smallest alpha": ε is still a bound
+        assert epsilon([(0.05, 1.0, 100)], DELTA) == pytest.approx(reference, rel=1e-9)
+
+
+def test_a_dpsgd_round_whose_batches_all_came_out_empty_reports_no_loss() -> None:
+    """Poisson sampling at q = 1/50 may pick nobody: the round still took its (noisy) step, and its mean loss is nan."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(50, 4, generator=g), torch.randint(0, 2, (50,), generator=g)
+    plugin = make("dpsgd", noise_multiplier=1.0, max_grad_norm=1.0, seeded_noise=True)  # seed 0: the one step's batch is empty
+    model = nn.Linear(4, 2)
+    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=1, local_steps=1), model.state_dict()), ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    result = train_local(job)
+    assert result.steps == 1 and result.num_examples == 50 and math.isnan(result.mean_loss)
