@@ -668,3 +668,69 @@ def test_a_client_answers_only_about_its_neighbours() -> None:
     request = Control("secagg", "unmask", {"survivors": torch.tensor(strangers[:3], dtype=torch.int32)})
     with pytest.raises(ValueError, match="survivors is not a sorted list of distinct expected client ids"):
         plugin.answer(request, fed.ctx(u))
+
+
+@pytest.mark.parametrize(("clip", "levels", "width"), [(2.0, 2**16 - 1, 32), (0.5, 2**28 - 1, 32)])
+def test_quantization_by_hand(clip: float, levels: int, width: int) -> None:
+    """q = ⌊(⌊t·2^f + ½⌋ + (noise >> (8 − f))) / 2^f⌋ with t = (clip(x) + R)·L / 2R, in exact arithmetic,
+    for 8 fraction bits (float32) and for 4 (L = 2^28 − 1 leaves 4 bits of a 32-bit field)."""
+    from fractions import Fraction
+
+    quantize = Quantizer.of(clip, levels, width)
+    f = quantize.fraction_bits
+    assert f == (8 if levels < 2**20 else 4)
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-clip, clip, 300), [-clip, clip, -3 * clip, 3 * clip, 0.0]]).astype(quantize.real)
+    noise = np.concatenate([rng.integers(0, 256, 300), [0, 0, 255, 0, 255]]).astype(np.uint8)
+    out, spare = np.empty(x.size, np.uint32), np.empty(x.size, np.uint32)
+    quantize(x, noise, np.empty(x.size, quantize.real), spare, out)
+    for xi, ni, qi in zip(x.tolist(), noise.tolist(), out.tolist()):
+        t = (Fraction(min(max(xi, -clip), clip)) + Fraction(clip)) * levels / (2 * Fraction(clip))
+        fine = int(t * 2**f + Fraction(1, 2))  # to the nearest multiple of 2^-f
+        assert abs(qi - (fine + (ni >> (8 - f))) // 2**f) <= (1 if quantize.real is np.float32 else 0), (xi, ni)
+    assert out[-5] == 0 and out[-4] == levels and out[-3] == 0 and out[-2] == levels  # the ends, clipped or not
+    fine_step = 2 * clip / (levels * (1 << f))
+    margin = 2 * fine_step
+    assert quantize.inside(-clip + margin, clip - margin)  # the margin itself is inside
+    assert not quantize.inside(-clip + 1.5 * fine_step, 0.0) and not quantize.inside(0.0, clip - 1.5 * fine_step)
+
+
+def test_a_client_warns_when_more_than_one_percent_of_its_update_is_clipped(caplog: pytest.LogCaptureFixture) -> None:
+    plugin = make("secagg", clients=3, clip_range=1.0)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1, 2], fed.exchange)
+
+    def send(u: int, values: list[float]) -> None:
+        w = torch.zeros(200)
+        w[: len(values)] = torch.tensor(values)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            plugin.encode(update({"w": w}, client_id=u), fed.ctx(u))
+
+    send(0, [-1.5, -2.0, -7.0])  # 3 of 200 below −R: 1.5 %
+    assert "secagg: client 0 clipped 3 of 200 entries to ±1 (raise clip_range)" in caplog.text
+    send(1, [1.5, -2.0, 1.0, -1.0, 1.0])  # 2 beyond ±R (the entries at ±R are not clipped): 1 %, no warning
+    assert caplog.text == ""
+    with pytest.raises(ValueError, match=r"^client 2 holds 65537 examples, more than secagg's max_examples=65536$"):
+        plugin.encode(update({"w": torch.zeros(200)}, num_examples=65537, client_id=2), fed.ctx(2))
+    plugin.encode(update({"w": torch.zeros(200)}, num_examples=65536, client_id=2), fed.ctx(2))  # at the bound: sent
+
+
+@pytest.mark.parametrize(("bits", "dtype", "max_examples"), [(24, torch.int32, 256), (33, torch.int64, 256), (40, torch.int64, 2**16)])
+def test_other_field_sizes_sum_exactly_and_travel_as_their_width(bits: int, dtype: torch.dtype, max_examples: int) -> None:
+    plugin, fed, plain, masked = masked_round(4, bits=bits, max_examples=max_examples)
+    for m in masked:
+        assert m.tensors[MASKED].dtype == dtype and m.tensors[MASKED].numel() == 32 * 20 + 32 + 4 * 32 + 4
+        values = plugin.field.from_wire(m.tensors[MASKED])
+        assert int(values.max()) < 2**bits  # reduced into the field
+    assert_mean_within_quantization(unmask(plugin, fed, masked), plain, plugin)
+
+
+def test_an_update_without_floating_tensors_is_masked_and_summed() -> None:
+    plugin = make("secagg", clients=3)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1, 2], fed.exchange)
+    counters = [update({"n": torch.tensor(3 + u)}, client_id=u) for u in range(3)]
+    masked = [plugin.encode(u, fed.ctx(u.client_id)) for u in counters]
+    server = ctx(1, -1, "server")
+    assert plugin.decode(plugin.combine(masked, server, fed.exchange), server).tensors["n"].item() == 5
