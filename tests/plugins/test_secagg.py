@@ -240,7 +240,7 @@ def test_a_client_whose_neighbours_did_not_share_leaves_before_anyone_masks_with
         plugin, fed, plain, masked = masked_round(10, lost={"share": lost}, neighbours=4)
     trained = [m.client_id for m in masked]
     assert lonely not in trained and not lost & set(trained) and len(trained) >= 2
-    assert f"clients [{lonely}" in caplog.text and "too few neighbours shared" in caplog.text
+    assert f"round 1: clients [{lonely}" in caplog.text and "] leave secure aggregation: too few neighbours shared" in caplog.text
     assert_mean_within_quantization(unmask(plugin, fed, masked), [plain[u] for u in trained], plugin)
 
 
@@ -734,3 +734,23 @@ def test_an_update_without_floating_tensors_is_masked_and_summed() -> None:
     masked = [plugin.encode(u, fed.ctx(u.client_id)) for u in counters]
     server = ctx(1, -1, "server")
     assert plugin.decode(plugin.combine(masked, server, fed.exchange), server).tensors["n"].item() == 5
+
+
+def test_a_round_needs_two_clients_to_advertise_and_two_is_enough(caplog: pytest.LogCaptureFixture) -> None:
+    plugin, fed, plain, masked = masked_round(2)  # the smallest secure aggregation
+    assert_mean_within_quantization(unmask(plugin, fed, masked), plain, plugin)
+    lonely = make("secagg", clients=3)
+    with pytest.raises(RoundError, match=r"^secagg: 1 client\(s\) advertised keys; secure aggregation needs 2$"):
+        lonely.setup(1, [0, 1, 2], Federation(lonely, lost={"advertise": {1, 2}}).exchange)
+    bad = make("secagg", clients=3)
+    clients = Federation(bad)
+
+    def malformed_share(bodies: dict[int, Control]) -> dict[int, Control]:
+        answers = clients.exchange(bodies)
+        if next(iter(bodies.values())).step == "share":
+            answers[2] = Control("secagg", "share", {})
+        return answers
+
+    with caplog.at_level(logging.WARNING):
+        assert bad.setup(4, [0, 1, 2], malformed_share) == [0, 1]
+    assert "round 4: client 2 leaves secure aggregation: secagg share: expected shares of torch.uint8" in caplog.text
