@@ -754,3 +754,52 @@ def test_a_round_needs_two_clients_to_advertise_and_two_is_enough(caplog: pytest
     with caplog.at_level(logging.WARNING):
         assert bad.setup(4, [0, 1, 2], malformed_share) == [0, 1]
     assert "round 4: client 2 leaves secure aggregation: secagg share: expected shares of torch.uint8" in caplog.text
+
+
+def test_malformed_set_up_messages_are_refused_with_what_was_expected() -> None:
+    plugin = make("secagg", clients=4)
+    state: dict[str, Any] = {}
+    plugin.answer(Control("secagg", "advertise"), PluginContext(1, 0, "client", state))
+    cohort = torch.tensor([0, 1], dtype=torch.int32)
+    cases = [
+        ({"cohort": cohort, "keys": torch.zeros(1, 32, dtype=torch.int32)}, r"expected keys of torch.uint8 \(1, 32\), got torch.int32 \(1, 32\)"),
+        ({"cohort": cohort}, r"expected keys of torch.uint8 \(1, 32\), got nothing$"),
+        ({"cohort": torch.tensor([0, 1], dtype=torch.int64)}, r"^secagg share: expected cohort as a 1-d int32 tensor$"),
+    ]
+    for tensors, error in cases:
+        with pytest.raises(ValueError, match=error):
+            plugin.answer(Control("secagg", "share", tensors), PluginContext(1, 0, "client", state))
+    other = make("secagg", clients=4)
+    twins: dict[str, Any] = {}
+    key = other.answer(Control("secagg", "advertise"), PluginContext(1, 1, "client", twins)).tensors["key"]
+    three = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^secagg share: the neighbours' public keys are not distinct$"):
+        plugin.answer(Control("secagg", "share", {"cohort": three, "keys": torch.cat([key, key])}), PluginContext(1, 0, "client", state))
+
+
+def test_a_client_takes_shares_only_from_its_neighbours_and_only_enough_of_them(caplog: pytest.LogCaptureFixture) -> None:
+    """Forwarding: senders must be neighbours of the receiver, and at least t − 1 of them."""
+    plugin = make("secagg", clients=8, neighbours=4)  # t = 3 of 5
+    fed = Federation(plugin)
+    seen: dict[int, Control] = {}
+
+    def keep(bodies: dict[int, Control]) -> dict[int, Control]:
+        if next(iter(bodies.values())).step == "forward":
+            seen.update(bodies)
+            return {}
+        return fed.exchange(bodies)
+
+    with pytest.raises(RoundError, match=r"^secagg: 0 client\(s\) completed the key set-up; secure aggregation needs 2$"):
+        plugin.setup(1, list(range(8)), keep)
+    graph = plugin.round.neighbours
+    body = seen[0]
+    senders = body.tensors["senders"].tolist()
+    stranger = next(v for v in range(1, 8) if v not in graph[0])
+    wrong = dict(body.tensors, senders=torch.tensor(sorted([*senders[1:], stranger]), dtype=torch.int32))
+    with pytest.raises(ValueError, match="senders is not a sorted list of distinct expected client ids"):
+        plugin.answer(Control("secagg", "forward", wrong), fed.ctx(0))
+    two = dict(body.tensors, senders=body.tensors["senders"][:2], shares=body.tensors["shares"][:2])
+    assert plugin.answer(Control("secagg", "forward", two), fed.ctx(0)).step == "forward"  # 2 + itself = t: enough
+    one = dict(seen[1].tensors, senders=seen[1].tensors["senders"][:1], shares=seen[1].tensors["shares"][:1])
+    with pytest.raises(ValueError, match=r"^secagg forward: only 1 neighbours completed the set-up, fewer than the threshold 3 of this client's neighbourhood$"):
+        plugin.answer(Control("secagg", "forward", one), fed.ctx(1))
