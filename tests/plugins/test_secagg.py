@@ -321,6 +321,8 @@ def test_an_update_without_set_up_or_from_outside_the_cohort_is_refused() -> Non
         plugin.encode(update(model_tensors(), client_id=7), fed.ctx(7))
     with pytest.raises(ValueError, match="no secure-aggregation set-up for round 2"):
         plugin.encode(plain[0], PluginContext(2, 0, "client", fed.states[0]))
+    with pytest.raises(ValueError, match="client 0 has no secure-aggregation set-up for round 1"):
+        plugin.encode(plain[0], ctx(1, 0))  # no private state at all
     fresh = make("secagg", clients=3)
     clients = Federation(fresh)
     fresh.setup(1, [0, 1, 2], clients.exchange)
