@@ -712,3 +712,13 @@ def test_a_dpsgd_round_whose_batches_all_came_out_empty_reports_no_loss() -> Non
     job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
     result = train_local(job)
     assert result.steps == 1 and result.num_examples == 50 and math.isnan(result.mean_loss)
+
+
+@pytest.mark.parametrize(("byte", "expected"), [(0x00, 2.0**-53), (0xFF, 1.0)])
+def test_secure_uniforms_stay_in_the_open_closed_unit_interval(byte: int, expected: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(k + 1)·2^−53 for 53-bit k: never 0 (Box–Muller takes its log), at most 1."""
+    from fedweave.plugins.privacy import noise
+
+    monkeypatch.setattr(noise.os, "urandom", lambda n: bytes([byte]) * n)
+    assert noise._secure_uniform(3).tolist() == [expected] * 3
+    assert torch.isfinite(noise.SecureNoise().normal((4,))).all()

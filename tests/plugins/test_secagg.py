@@ -330,8 +330,10 @@ def test_an_update_without_set_up_or_from_outside_the_cohort_is_refused() -> Non
         bad = update({"w": torch.tensor([0.5, value])}, client_id=1)
         with pytest.raises(ValueError, match="client 1's update holds NaN or infinite values; it is not masked"):
             fresh.encode(bad, clients.ctx(1))
-    with pytest.raises(ValueError, match="needs the client's private state"):
+    with pytest.raises(ValueError, match=r"^secagg's client half needs the client's private state \(ctx.state\)$"):
         plugin.answer(Control("secagg", "advertise"), ctx(1, 0))
+    with pytest.raises(RoundError, match="no key set-up for round 1"):
+        make("secagg", clients=3).combine([], ctx(1, -1, "server"), fed.exchange)  # never set up
     with pytest.raises(RoundError, match="no key set-up for round 2"):
         plugin.combine([], ctx(2, -1, "server"), fed.exchange)
 
@@ -805,3 +807,20 @@ def test_a_client_takes_shares_only_from_its_neighbours_and_only_enough_of_them(
     one = dict(seen[1].tensors, senders=seen[1].tensors["senders"][:1], shares=seen[1].tensors["shares"][:1])
     with pytest.raises(ValueError, match=r"^secagg forward: only 1 neighbours completed the set-up, fewer than the threshold 3 of this client's neighbourhood$"):
         plugin.answer(Control("secagg", "forward", one), fed.ctx(1))
+
+
+def test_fraction_bits_follow_the_real_type_and_the_field() -> None:
+    """f = min(8, mantissa − used bits, width − used bits), at least 0: the rounding never overflows."""
+    assert Quantizer.of(1.0, 2**16 - 1, 32).real is np.float32 and Quantizer.of(1.0, 2**17 - 1, 32).real is np.float64
+    assert Quantizer.of(1.0, 2**32 - 1, 32).fraction_bits == 0  # max_examples 1: no room left in the field
+    assert Quantizer.of(1.0, 2**48 - 1, 64).fraction_bits == 5  # float64's 53 bits bind before the field's 64
+
+
+def test_a_full_round_at_the_range_ends_does_not_wrap_the_field() -> None:
+    """max_examples examples, every entry at ±R (level L or 0): Σ n·L = max_examples·L < 2^bits, exactly."""
+    plugin = make("secagg", clients=2, max_examples=64)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1], fed.exchange)
+    ends = [update({"w": torch.tensor([4.0, -4.0, 9.0])}, num_examples=32, client_id=u) for u in range(2)]
+    result = unmask(plugin, fed, [plugin.encode(u, fed.ctx(u.client_id)) for u in ends])["w"]
+    assert result.tolist() == [4.0, -4.0, 4.0]
