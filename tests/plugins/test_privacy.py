@@ -230,6 +230,9 @@ def test_private_plugins_state_survives_a_checkpoint() -> None:
     again = make("dpsgd", noise_multiplier=1.1)
     again.load_state_dict({"ledger": {"2": [(1.1, 0.25, 4)]}})  # a checkpoint's keys may come back as strings
     assert again.ledger == {2: [(1.1, 0.25, 4)]} and again.metrics()["epsilon"] == eps
+    copy = make("dpsgd", noise_multiplier=1.1)
+    copy.load_state_dict(dpsgd.state_dict())  # what a checkpoint holds
+    assert copy.ledger == dpsgd.ledger and copy.metrics() == dpsgd.metrics()
     again.observe([dataclasses.replace(update({}, client_id=2), metrics={"dpsgd_rate": 0.25, "dpsgd_steps": 4.0})])
     assert again.metrics()["epsilon"] > eps  # the cache of ε follows the ledger
     assert make("dpsgd").encode(update({"w": torch.ones(2)}), ctx()).tensors["w"].tolist() == [1.0, 1.0]
