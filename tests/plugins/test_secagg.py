@@ -263,6 +263,9 @@ def test_a_client_reveals_one_secret_per_owner_and_only_once() -> None:
     too_few = Control("secagg", "unmask", {"survivors": torch.tensor([0], dtype=torch.int32)})
     with pytest.raises(ValueError, match="only 1 neighbours survived, fewer than the threshold 4"):
         plugin.answer(too_few, fed.ctx(1))
+    two = Control("secagg", "unmask", {"survivors": torch.tensor([0, 3], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="only 2 neighbours survived, fewer than the threshold 4"):  # 2 + itself < t
+        plugin.answer(two, fed.ctx(2))
 
 
 def test_a_tampered_share_does_not_authenticate_and_its_receiver_leaves() -> None:
@@ -649,7 +652,9 @@ def test_a_malformed_unmasking_answer_is_logged_and_the_others_still_unmask(capl
     with caplog.at_level(logging.WARNING):
         result = plugin.decode(plugin.combine(masked, server, garbled), server).tensors
     assert_mean_within_quantization(result, plain, plugin)  # the lowest id was refused: the next answers are read
-    assert "round 1: client 0's unmasking answer refused: secagg unmask: expected seed of torch.int32" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        "round 1: client 0's unmasking answer refused: secagg unmask: expected seed of torch.int32 (6, 8), got torch.int32 (1,)"
+    ]
 
 
 def test_inconsistent_or_forged_shares_skip_the_round_naming_the_client() -> None:
@@ -715,7 +720,7 @@ def test_a_client_warns_when_more_than_one_percent_of_its_update_is_clipped(capl
             plugin.encode(update({"w": w}, client_id=u), fed.ctx(u))
 
     send(0, [-1.5, -2.0, -7.0])  # 3 of 200 below −R: 1.5 %
-    assert "secagg: client 0 clipped 3 of 200 entries to ±1 (raise clip_range)" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == ["secagg: client 0 clipped 3 of 200 entries to ±1 (raise clip_range)"]
     send(1, [1.5, -2.0, 1.0, -1.0, 1.0])  # 2 beyond ±R (the entries at ±R are not clipped): 1 %, no warning
     assert caplog.text == ""
     with pytest.raises(ValueError, match=r"^client 2 holds 65537 examples, more than secagg's max_examples=65536$"):
@@ -723,7 +728,7 @@ def test_a_client_warns_when_more_than_one_percent_of_its_update_is_clipped(capl
     plugin.encode(update({"w": torch.zeros(200)}, num_examples=65536, client_id=2), fed.ctx(2))  # at the bound: sent
 
 
-@pytest.mark.parametrize(("bits", "dtype", "max_examples"), [(24, torch.int32, 256), (33, torch.int64, 256), (40, torch.int64, 2**16)])
+@pytest.mark.parametrize(("bits", "dtype", "max_examples"), [(24, torch.int32, 256), (32, torch.int32, 2**16), (33, torch.int64, 256), (40, torch.int64, 2**16)])
 def test_other_field_sizes_sum_exactly_and_travel_as_their_width(bits: int, dtype: torch.dtype, max_examples: int) -> None:
     plugin, fed, plain, masked = masked_round(4, bits=bits, max_examples=max_examples)
     for m in masked:
@@ -821,9 +826,10 @@ def test_fraction_bits_follow_the_real_type_and_the_field() -> None:
     assert Quantizer.of(1.0, 2**48 - 1, 64).fraction_bits == 5  # float64's 53 bits bind before the field's 64
 
 
-def test_a_full_round_at_the_range_ends_does_not_wrap_the_field() -> None:
+@pytest.mark.parametrize("bits", [32, 24])
+def test_a_full_round_at_the_range_ends_does_not_wrap_the_field(bits: int) -> None:
     """max_examples examples, every entry at ±R (level L or 0): Σ n·L = max_examples·L < 2^bits, exactly."""
-    plugin = make("secagg", clients=2, max_examples=64)
+    plugin = make("secagg", clients=2, max_examples=64, bits=bits)
     fed = Federation(plugin)
     plugin.setup(1, [0, 1], fed.exchange)
     ends = [update({"w": torch.tensor([4.0, -4.0, 9.0])}, num_examples=32, client_id=u) for u in range(2)]
