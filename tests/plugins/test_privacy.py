@@ -209,6 +209,7 @@ def test_private_plugins_keep_payloads_intact() -> None:
         out = plugin.encode(update(tensors), ctx())
         assert out.tensors is not tensors and set(tensors) <= set(out.tensors)
         assert torch.equal(out.tensors["bn.num_batches_tracked"], tensors["bn.num_batches_tracked"])
+        assert all(out.tensors[k].dtype == v.dtype for k, v in tensors.items())  # noise drawn in float64, sent as sent
         received = plugin.decode(out, ctx(side="server"))  # nothing to undo on the server: the same update
         assert received is not out and received.tensors == out.tensors and received.num_examples == out.num_examples
 
@@ -275,7 +276,7 @@ def test_dpsgd_ledger_counts_each_report_it_receives_and_skips_malformed_ones(ca
     plugin.observe([reports[6]])
     assert plugin.ledger == {3: [(1.1, 0.25, 4), (1.1, 0.25, 4)], 11: [(1.1, 1.0, 0)]}
     assert plugin.metrics()["epsilon"] == pytest.approx(epsilon([(1.1, 0.25, 8)], DELTA))
-    assert "plugin 'dpsgd': client 5 reported rate 1.5 and steps 4.0, not a private training; not counted" in caplog.text
+    assert caplog.records[0].getMessage() == "plugin 'dpsgd': client 5 reported rate 1.5 and steps 4.0, not a private training; not counted"
     assert "client 8 reported rate 0.5 and steps nan" in caplog.text and "client 9 reported rate nan and steps 2.0" in caplog.text
     assert "client 7 reported rate 0.0" in caplog.text and "client 10 reported rate 0.5 and steps 2.5" in caplog.text
     assert "client 6" not in caplog.text
@@ -529,6 +530,9 @@ def test_a_client_level_budget_stops_past_its_target_and_not_at_it() -> None:
     local.begin_round(2, [0])
     with pytest.raises(BudgetSpent, match=rf"^plugin 'dp_local': round 3 would raise ε to {eps3:.3f}, past the target"):
         local.begin_round(3, [0])
+    central = make("dp_central", noise_multiplier=1.0, target_epsilon=0.5)
+    with pytest.raises(BudgetSpent, match=r"^plugin 'dp_central': round 1 would raise ε to"):
+        central.begin_round(1, [0])
     quiet = make("dp_local", clip=0.5, noise_multiplier=0.0, target_epsilon=0.01)
     for rnd in (1, 2, 3):
         quiet.begin_round(rnd, [0])  # no noise, no finite ε: nothing to stop
@@ -610,7 +614,8 @@ def test_dpsgd_trains_the_model_it_is_given_and_nothing_without_data() -> None:
     result = private.train_local(job, model=own)
     assert result.steps == 2 and not torch.equal(own.weight, before) and torch.equal(job.model.weight, untouched)
     empty = private_job(x[:0], y[:0])
-    assert empty.settings.privacy.train_local(empty).steps == 0 and empty.settings.privacy.report() == {}
+    nothing = empty.settings.privacy.train_local(empty)
+    assert (nothing.steps, nothing.num_examples) == (0, 0) and math.isnan(nothing.mean_loss) and empty.settings.privacy.report() == {}
     single = private_job(x[:1], y[:1])
     assert single.settings.privacy.train_local(single).steps == 2  # one example is data: q = 1
     assert single.settings.privacy.report() == {"dpsgd_rate": 1.0, "dpsgd_steps": 2.0}
