@@ -20,6 +20,7 @@ mutant's diff.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -36,8 +37,13 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
           37: "caught by type check", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
 
 
+def quoted(items: list[str]) -> str:
+    """A TOML array of strings."""
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
 def settings() -> str:
-    quoted = lambda items: "[" + ", ".join(json.dumps(i) for i in items) + "]"  # noqa: E731
+    """mutmut's settings, in the copy's own pyproject.toml."""
     return (
         "[tool.mutmut]\n"
         'source_paths = ["src"]\n'
@@ -78,6 +84,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=[], help="mutant names or globs, e.g. 'fedweave.plugins.privacy.dp.*'")
     parser.add_argument("--diffs", action="store_true", help="print each surviving mutant's diff")
     args = parser.parse_args()
+    if importlib.util.find_spec("mutmut") is None:
+        print("benchmarks/mutation.py needs mutmut: pip install 'fedweave[mutation]'")
+        return 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fedweave-mutation-"))
     prepare(workdir)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/src first itself
