@@ -192,11 +192,12 @@ def update_kinds(config: Any) -> None:
 
 
 def plugin_order(config: Any) -> None:
-    """Where each plugin may stand and in what order (:mod:`fedweave.plugins.compose`)."""
+    """Where each plugin may stand and in what order, and the privacy rules: seeded noise only in
+    simulation, no extras that bypass the privacy plugins (:mod:`fedweave.plugins.compose`)."""
     from fedweave.plugins import PLUGINS
     from fedweave.plugins.compose import check_chains
 
-    check_chains(config, PLUGINS)
+    check_chains(config, PLUGINS, _strategy(config))
 
 
 def asynchronous_aggregation(config: Any) -> None:

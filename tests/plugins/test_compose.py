@@ -31,9 +31,14 @@ REFUSED = [
     (chain("client_send", "{name: secagg}") + " && aggregation.rule=median", r"'plugins.client_send\[0\]': plugin 'secagg' makes the server combine updates while encoded, so it only sees their sum; aggregation.rule 'median'"),
     (chain("client_send", "{name: he}") + " && strategy=scaffold", r"'plugins.client_send\[0\]': plugin 'he' makes the server combine updates while encoded, which needs a weighted-sum server step; strategy 'scaffold'"),
     (chain("client_send", "{name: secagg, bits: 20, max_examples: 100000}"), r"'plugins.client_send\[0\].max_examples': 100000 leaves fewer than 8 bits of precision"),
+    (chain("client_send", "{name: secagg, bits: 24, max_examples: 65537}"), r"'plugins.client_send\[0\].max_examples': 65537 leaves fewer than 8 bits of precision"),
     (chain("client_send", "{name: he}") + " && transport=grpc", r"plugin 'he' needs the server and the clients in one process \(without keys each process would make its own CKKS context"),
     (chain("client_send", "{name: topk, ratio: 0}"), r"'plugins.client_send\[0\].ratio': must be > 0"),
     (chain("client_send", "{name: he, poly_degree: 1000}"), r"'plugins.client_send\[0\].poly_degree': 1000 is not allowed"),
+    (chain("client_send", "{name: dp_local}") + " && strategy=scaffold", r"^config key 'plugins.client_send\[0\]': plugin 'dp_local' cannot protect what strategy 'scaffold' sends in its extras: Δc_i = −c − Δy_i/\(K·η_l\).*\(strategy.option II\), computed before client_send"),
+    (chain("client_send", "{name: clip}", "{name: dp_local}") + " && strategy={name: scaffold, option: I}", r"'plugins.client_send\[1\]': plugin 'dp_local' cannot protect .*the exact gradient of its whole training set \(strategy.option I\), computed from the raw data"),
+    (chain("client_receive", "{name: dpsgd}") + " && strategy={name: scaffold, option: I}", r"'plugins.client_receive\[0\]': plugin 'dpsgd' cannot protect .*\(strategy.option I\), computed from the raw data, outside any private training"),
+    (chain("client_send", "{name: dp_local, seeded_noise: true}") + " && transport=grpc", r"'plugins.client_send\[0\].seeded_noise': plugin 'dp_local' would draw its noise from the run seed.*transport 'grpc' runs the nodes apart"),
 ]
 
 
@@ -58,6 +63,11 @@ ALLOWED = [
     chain("client_send", "{name: secagg}") + " && topology={kind: hierarchical, sites: 2}",
     chain("client_send", "{name: secagg}") + " && topology={kind: hierarchical, sites: 2, inner: torchdist} && transport=grpc",
     chain("client_send", "{name: secagg}") + " && topology={kind: hierarchical, sites: 2, inner: torchdist}",
+    chain("client_receive", "{name: dpsgd}") + " && strategy=scaffold",  # option II: Δc is post-processing of DP-SGD
+    chain("client_send", "{name: clip}") + " && strategy={name: scaffold, option: I}",  # clip alone promises no privacy
+    chain("client_send", "{name: dp_local}") + " && strategy=fednova",  # a_i restates the step count
+    chain("client_send", "{name: dp_local, seeded_noise: true}", "{name: secagg}"),
+    chain("client_send", "{name: secagg, bits: 24, max_examples: 65536}"),  # exactly 8 bits of precision left
 ]
 
 

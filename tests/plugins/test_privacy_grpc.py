@@ -1,7 +1,7 @@
 """Differential privacy across processes: ``fedweave server`` and ``fedweave client`` nodes over
 gRPC (launcher: process). Adaptive central DP's clip norm travels with the instructions and
 DP-SGD's ledger is the server's, so a deployment reports the ε of the simulation and stops at
-the same target."""
+the same target; its noise comes from each process's secure source, so the model differs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import assert_same_params, small_config
+from conftest import small_config
 from fedweave import runner
 
 GRPC = [
@@ -43,5 +43,8 @@ def test_a_deployment_clips_adaptively_and_stops_at_the_target_epsilon_like_the_
     assert [r["round"] for r in records] == [r["round"] for r in sim_records] == [1, 2]
     assert [r["dpsgd.epsilon"] for r in records] == eps[:2]  # the server's ledger, from the clients' reports
     clip = [r["clip_norm"] for r in records]
-    assert clip == [r["clip_norm"] for r in sim_records] and clip[0] != 0.05  # adapted, then sent to the clients
-    assert_same_params(deployed, simulated, atol=1e-5)
+    assert len(set(clip)) == 2 and 0.05 not in clip  # adapted each round, then sent to the clients
+    # the noise (and DP-SGD's sampling) comes from each process's secure source, not from the
+    # config both runs read: the same config gives another model, and another noisy clip norm
+    assert clip != [r["clip_norm"] for r in sim_records]
+    assert all(not torch.equal(deployed[k], simulated[k]) for k in deployed if deployed[k].is_floating_point())

@@ -3,10 +3,12 @@ masking, drop-outs at every step, and the secrets each side holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 import math
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -239,7 +241,9 @@ def test_a_client_whose_neighbours_did_not_share_leaves_before_anyone_masks_with
         plugin, fed, plain, masked = masked_round(10, lost={"share": lost}, neighbours=4)
     trained = [m.client_id for m in masked]
     assert lonely not in trained and not lost & set(trained) and len(trained) >= 2
-    assert f"clients [{lonely}" in caplog.text and "too few neighbours shared" in caplog.text
+    thinned = [r.getMessage() for r in caplog.records if "too few neighbours shared" in r.getMessage()]
+    assert thinned and all(re.fullmatch(r"round 1: clients \[\d+(, \d+)*\] leave secure aggregation: too few neighbours shared", m) for m in thinned)
+    assert thinned[0].startswith(f"round 1: clients [{lonely}")
     assert_mean_within_quantization(unmask(plugin, fed, masked), [plain[u] for u in trained], plugin)
 
 
@@ -259,6 +263,9 @@ def test_a_client_reveals_one_secret_per_owner_and_only_once() -> None:
     too_few = Control("secagg", "unmask", {"survivors": torch.tensor([0], dtype=torch.int32)})
     with pytest.raises(ValueError, match="only 1 neighbours survived, fewer than the threshold 4"):
         plugin.answer(too_few, fed.ctx(1))
+    two = Control("secagg", "unmask", {"survivors": torch.tensor([0, 3], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="only 2 neighbours survived, fewer than the threshold 4"):  # 2 + itself < t
+        plugin.answer(two, fed.ctx(2))
 
 
 def test_a_tampered_share_does_not_authenticate_and_its_receiver_leaves() -> None:
@@ -320,6 +327,8 @@ def test_an_update_without_set_up_or_from_outside_the_cohort_is_refused() -> Non
         plugin.encode(update(model_tensors(), client_id=7), fed.ctx(7))
     with pytest.raises(ValueError, match="no secure-aggregation set-up for round 2"):
         plugin.encode(plain[0], PluginContext(2, 0, "client", fed.states[0]))
+    with pytest.raises(ValueError, match="client 0 has no secure-aggregation set-up for round 1"):
+        plugin.encode(plain[0], ctx(1, 0))  # no private state at all
     fresh = make("secagg", clients=3)
     clients = Federation(fresh)
     fresh.setup(1, [0, 1, 2], clients.exchange)
@@ -327,8 +336,10 @@ def test_an_update_without_set_up_or_from_outside_the_cohort_is_refused() -> Non
         bad = update({"w": torch.tensor([0.5, value])}, client_id=1)
         with pytest.raises(ValueError, match="client 1's update holds NaN or infinite values; it is not masked"):
             fresh.encode(bad, clients.ctx(1))
-    with pytest.raises(ValueError, match="needs the client's private state"):
+    with pytest.raises(ValueError, match=r"^secagg's client half needs the client's private state \(ctx.state\)$"):
         plugin.answer(Control("secagg", "advertise"), ctx(1, 0))
+    with pytest.raises(RoundError, match="no key set-up for round 1"):
+        make("secagg", clients=3).combine([], ctx(1, -1, "server"), fed.exchange)  # never set up
     with pytest.raises(RoundError, match="no key set-up for round 2"):
         plugin.combine([], ctx(2, -1, "server"), fed.exchange)
 
@@ -554,3 +565,273 @@ def test_in_a_run_a_client_failing_the_set_up_does_not_train(tmp_path: Path) -> 
     records = runner.execute(r)
     assert trained == [0, 1, 3, 4]
     assert records[0]["clients_completed"] == 4 and not records[0]["skipped"]
+
+
+def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_removed() -> None:
+    """Bonawitz et al.'s reason for b_u: client 0's masked update arrives too late, so the
+    round treats it as dropped and the survivors reveal its record key; the server opens its
+    seed record and strips every pairwise mask from the late y_0. What is left must still be
+    uniform, independent of n_0·x_0: only the self mask PRG(b_0), whose shares it never gets
+    (each client reveals one secret per owner), hides it."""
+    from fedweave.plugins.secure.secagg import _aad, _chunks, _nonce, _open, _recover
+
+    plugin, fed, plain, masked = masked_round(6, bits=32)
+    late = masked[0]
+    answers: dict[int, Control] = {}
+
+    def spying(bodies: dict[int, Control]) -> dict[int, Control]:
+        out = fed.exchange(bodies)
+        answers.update(out)
+        return out
+
+    server = ctx(1, -1, "server")
+    result = plugin.decode(plugin.combine(masked[1:], server, spying), server).tensors
+    assert_mean_within_quantization(result, plain[1:], plugin)  # the round went on without client 0
+    setup = plugin.round
+    alive = set(range(1, 6))
+    asked = {v: [w for w in setup.neighbours[v] if w in alive] for v in alive}
+    gone = {v: [w for w in setup.neighbours[v] if w == 0] for v in alive}
+    seeds, keys = plugin._collect(1, answers, asked, gone)
+    assert 0 not in seeds  # nobody revealed a share of b_0
+    record = _open(_recover(0, keys[0], setup.threshold[0], True), _nonce(0), setup.records[0], _aad("seeds", 1, 0, 0), "record")
+    stripped = plugin.field.from_wire(late.tensors[MASKED]).copy()
+    with plugin.field.workspace(stripped.size) as (stream, _):
+        for v, seed in zip(setup.neighbours[0], _chunks(record)):
+            plugin.field.add_mask(stripped, seed, stream, subtract=v > 0)  # client 0 added PRG(s_0v) for v > 0
+    values = plugin.field.reduce(stripped).astype(np.float64) / 2**32
+    x = torch.cat([t.reshape(-1) for t in plain[0].tensors.values() if t.is_floating_point()]).numpy()
+    counts = np.histogram(values, bins=16, range=(0, 1))[0]
+    assert ((counts - len(values) / 16) ** 2 / (len(values) / 16)).sum() < 56.5  # χ², 15 degrees of freedom, p = 1e-6
+    assert abs(np.corrcoef(values, x)[0, 1]) < 4 / np.sqrt(len(x))
+
+
+# --------------------------------------------------------------------------- what mutmut showed the tests missed
+
+
+def test_the_server_combines_only_distinct_members_and_up_to_max_examples_inclusive() -> None:
+    plugin, fed, plain, masked = masked_round(3, max_examples=51)  # exactly 10 + 17 + 24 examples: allowed
+    for bad in ([masked[0], masked[0], masked[1]], [masked[0], dataclasses.replace(masked[1], client_id=7)]):
+        with pytest.raises(RoundError, match=r"^secagg: round 1's updates do not come from distinct members of its cohort$"):
+            plugin.combine(bad, ctx(1, -1, "server"), fed.exchange)
+    combined = plugin.combine(masked, ctx(1, -1, "server"), fed.exchange)
+    assert combined.kind is plain[0].kind and combined.num_examples == 51
+    assert_mean_within_quantization(plugin.decode(combined, ctx(1, -1, "server")).tensors, plain, plugin)
+    with pytest.raises(ValueError, match=r"^secagg decodes only the server's combined sum, never one client's masked update$"):
+        plugin.decode(masked[0], ctx(1, -1, "server"))
+
+
+def test_four_of_ten_drop_after_masking_each_survivor_holds_exactly_the_threshold() -> None:
+    """n = 10, t = 6: each of the 6 survivors and its 5 surviving neighbours make exactly 6 holders."""
+    plugin, fed, plain, masked = masked_round(10, threshold=0.6)
+    survivors = [m for m in masked if m.client_id not in (1, 4, 6, 8)]
+    result = unmask(plugin, fed, survivors)
+    assert_mean_within_quantization(result, [u for u in plain if u.client_id not in (1, 4, 6, 8)], plugin)
+
+
+def test_a_dropped_clients_record_key_short_of_holders_is_named() -> None:
+    from fedweave.plugins.secure.secagg import _enough, _recover
+
+    with pytest.raises(RoundError, match=r"^secagg: only 2 of client 4's share holders survived, its record key needs 3 \(threshold\); the sum cannot be unmasked$"):
+        _enough(4, 2, 3, True, "survived")
+    with pytest.raises(RoundError, match=r"^secagg: only 1 of client 2's share holders answered, its self-mask seed needs 3"):
+        _recover(2, [(1, np.zeros(8, np.int32))], 3, False)
+    with pytest.raises(RoundError, match=r"^secagg: only 0 of client 5's share holders answered, its record key needs 1"):
+        _recover(5, None, 1, True)
+
+
+def test_a_malformed_unmasking_answer_is_logged_and_the_others_still_unmask(caplog: pytest.LogCaptureFixture) -> None:
+    plugin, fed, plain, masked = masked_round(6, threshold=0.5)
+
+    def garbled(bodies: dict[int, Control]) -> dict[int, Control]:
+        answers = fed.exchange(bodies)
+        if next(iter(bodies.values())).step == "unmask":
+            answers[0] = Control("secagg", "unmask", {"seed": torch.zeros(1, dtype=torch.int32)})
+        return answers
+
+    server = ctx(1, -1, "server")
+    with caplog.at_level(logging.WARNING):
+        result = plugin.decode(plugin.combine(masked, server, garbled), server).tensors
+    assert_mean_within_quantization(result, plain, plugin)  # the lowest id was refused: the next answers are read
+    assert [r.getMessage() for r in caplog.records] == [
+        "round 1: client 0's unmasking answer refused: secagg unmask: expected seed of torch.int32 (6, 8), got torch.int32 (1,)"
+    ]
+
+
+def test_inconsistent_or_forged_shares_skip_the_round_naming_the_client() -> None:
+    plugin, fed, _, masked = masked_round(4, lost={"train": {3}})
+
+    def forged(bodies: dict[int, Control]) -> dict[int, Control]:
+        answers = fed.exchange(bodies)
+        if next(iter(bodies.values())).step == "unmask":
+            for u, a in answers.items():
+                key = a.tensors["key"].clone()
+                key[:, 0] = (key[:, 0] + 12345) % 65536  # a wrong share of client 3's record key
+                answers[u] = Control("secagg", "unmask", {"seed": a.tensors["seed"], "key": key})
+        return answers
+
+    with pytest.raises(RoundError, match=r"^secagg: (client 3's shares are inconsistent \(.+\)|.*client 3's seed record.* with its rebuilt key)$"):
+        plugin.combine(masked, ctx(1, -1, "server"), forged)
+
+
+def test_a_client_answers_only_about_its_neighbours() -> None:
+    plugin, fed, _, masked = masked_round(8, neighbours=4)
+    u = masked[0].client_id
+    strangers = [v for v in range(8) if v != u and v not in plugin.round.neighbours[u]]
+    request = Control("secagg", "unmask", {"survivors": torch.tensor(strangers[:3], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="survivors is not a sorted list of distinct expected client ids"):
+        plugin.answer(request, fed.ctx(u))
+
+
+@pytest.mark.parametrize(("clip", "levels", "width"), [(2.0, 2**16 - 1, 32), (0.5, 2**28 - 1, 32)])
+def test_quantization_by_hand(clip: float, levels: int, width: int) -> None:
+    """q = ⌊(⌊t·2^f + ½⌋ + (noise >> (8 − f))) / 2^f⌋ with t = (clip(x) + R)·L / 2R, in exact arithmetic,
+    for 8 fraction bits (float32) and for 4 (L = 2^28 − 1 leaves 4 bits of a 32-bit field)."""
+    from fractions import Fraction
+
+    quantize = Quantizer.of(clip, levels, width)
+    f = quantize.fraction_bits
+    assert f == (8 if levels < 2**20 else 4)
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-clip, clip, 300), [-clip, clip, -3 * clip, 3 * clip, 0.0]]).astype(quantize.real)
+    noise = np.concatenate([rng.integers(0, 256, 300), [0, 0, 255, 0, 255]]).astype(np.uint8)
+    out, spare = np.empty(x.size, np.uint32), np.empty(x.size, np.uint32)
+    quantize(x, noise, np.empty(x.size, quantize.real), spare, out)
+    for xi, ni, qi in zip(x.tolist(), noise.tolist(), out.tolist()):
+        t = (Fraction(min(max(xi, -clip), clip)) + Fraction(clip)) * levels / (2 * Fraction(clip))
+        fine = int(t * 2**f + Fraction(1, 2))  # to the nearest multiple of 2^-f
+        assert abs(qi - (fine + (ni >> (8 - f))) // 2**f) <= (1 if quantize.real is np.float32 else 0), (xi, ni)
+    assert out[-5] == 0 and out[-4] == levels and out[-3] == 0 and out[-2] == levels  # the ends, clipped or not
+    fine_step = 2 * clip / (levels * (1 << f))
+    margin = 2 * fine_step
+    assert quantize.inside(-clip + margin, clip - margin)  # the margin itself is inside
+    assert not quantize.inside(-clip + 1.5 * fine_step, 0.0) and not quantize.inside(0.0, clip - 1.5 * fine_step)
+
+
+def test_a_client_warns_when_more_than_one_percent_of_its_update_is_clipped(caplog: pytest.LogCaptureFixture) -> None:
+    plugin = make("secagg", clients=3, clip_range=1.0)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1, 2], fed.exchange)
+
+    def send(u: int, values: list[float]) -> None:
+        w = torch.zeros(200)
+        w[: len(values)] = torch.tensor(values)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            plugin.encode(update({"w": w}, client_id=u), fed.ctx(u))
+
+    send(0, [-1.5, -2.0, -7.0])  # 3 of 200 below −R: 1.5 %
+    assert [r.getMessage() for r in caplog.records] == ["secagg: client 0 clipped 3 of 200 entries to ±1 (raise clip_range)"]
+    send(1, [1.5, -2.0, 1.0, -1.0, 1.0])  # 2 beyond ±R (the entries at ±R are not clipped): 1 %, no warning
+    assert caplog.text == ""
+    with pytest.raises(ValueError, match=r"^client 2 holds 65537 examples, more than secagg's max_examples=65536$"):
+        plugin.encode(update({"w": torch.zeros(200)}, num_examples=65537, client_id=2), fed.ctx(2))
+    plugin.encode(update({"w": torch.zeros(200)}, num_examples=65536, client_id=2), fed.ctx(2))  # at the bound: sent
+
+
+@pytest.mark.parametrize(("bits", "dtype", "max_examples"), [(24, torch.int32, 256), (32, torch.int32, 2**16), (33, torch.int64, 256), (40, torch.int64, 2**16)])
+def test_other_field_sizes_sum_exactly_and_travel_as_their_width(bits: int, dtype: torch.dtype, max_examples: int) -> None:
+    plugin, fed, plain, masked = masked_round(4, bits=bits, max_examples=max_examples)
+    for m in masked:
+        assert m.tensors[MASKED].dtype == dtype and m.tensors[MASKED].numel() == 32 * 20 + 32 + 4 * 32 + 4
+        values = plugin.field.from_wire(m.tensors[MASKED])
+        assert int(values.max()) < 2**bits  # reduced into the field
+    assert_mean_within_quantization(unmask(plugin, fed, masked), plain, plugin)
+
+
+def test_an_update_without_floating_tensors_is_masked_and_summed() -> None:
+    plugin = make("secagg", clients=3)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1, 2], fed.exchange)
+    counters = [update({"n": torch.tensor(3 + u)}, client_id=u) for u in range(3)]
+    masked = [plugin.encode(u, fed.ctx(u.client_id)) for u in counters]
+    server = ctx(1, -1, "server")
+    assert plugin.decode(plugin.combine(masked, server, fed.exchange), server).tensors["n"].item() == 5
+
+
+def test_a_round_needs_two_clients_to_advertise_and_two_is_enough(caplog: pytest.LogCaptureFixture) -> None:
+    plugin, fed, plain, masked = masked_round(2)  # the smallest secure aggregation
+    assert_mean_within_quantization(unmask(plugin, fed, masked), plain, plugin)
+    lonely = make("secagg", clients=3)
+    with pytest.raises(RoundError, match=r"^secagg: 1 client\(s\) advertised keys; secure aggregation needs 2$"):
+        lonely.setup(1, [0, 1, 2], Federation(lonely, lost={"advertise": {1, 2}}).exchange)
+    bad = make("secagg", clients=3)
+    clients = Federation(bad)
+
+    def malformed_share(bodies: dict[int, Control]) -> dict[int, Control]:
+        answers = clients.exchange(bodies)
+        if next(iter(bodies.values())).step == "share":
+            answers[2] = Control("secagg", "share", {})
+        return answers
+
+    with caplog.at_level(logging.WARNING):
+        assert bad.setup(4, [0, 1, 2], malformed_share) == [0, 1]
+    assert [r.getMessage() for r in caplog.records] == [
+        "round 4: client 2 leaves secure aggregation: secagg share: expected shares of torch.uint8 (2, 80), got nothing"
+    ]
+
+
+def test_malformed_set_up_messages_are_refused_with_what_was_expected() -> None:
+    plugin = make("secagg", clients=4)
+    state: dict[str, Any] = {}
+    plugin.answer(Control("secagg", "advertise"), PluginContext(1, 0, "client", state))
+    cohort = torch.tensor([0, 1], dtype=torch.int32)
+    cases = [
+        ({"cohort": cohort, "keys": torch.zeros(1, 32, dtype=torch.int32)}, r"expected keys of torch.uint8 \(1, 32\), got torch.int32 \(1, 32\)"),
+        ({"cohort": cohort}, r"expected keys of torch.uint8 \(1, 32\), got nothing$"),
+        ({"cohort": torch.tensor([0, 1], dtype=torch.int64)}, r"^secagg share: expected cohort as a 1-d int32 tensor$"),
+    ]
+    for tensors, error in cases:
+        with pytest.raises(ValueError, match=error):
+            plugin.answer(Control("secagg", "share", tensors), PluginContext(1, 0, "client", state))
+    other = make("secagg", clients=4)
+    twins: dict[str, Any] = {}
+    key = other.answer(Control("secagg", "advertise"), PluginContext(1, 1, "client", twins)).tensors["key"]
+    three = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^secagg share: the neighbours' public keys are not distinct$"):
+        plugin.answer(Control("secagg", "share", {"cohort": three, "keys": torch.cat([key, key])}), PluginContext(1, 0, "client", state))
+
+
+def test_a_client_takes_shares_only_from_its_neighbours_and_only_enough_of_them(caplog: pytest.LogCaptureFixture) -> None:
+    """Forwarding: senders must be neighbours of the receiver, and at least t − 1 of them."""
+    plugin = make("secagg", clients=8, neighbours=4)  # t = 3 of 5
+    fed = Federation(plugin)
+    seen: dict[int, Control] = {}
+
+    def keep(bodies: dict[int, Control]) -> dict[int, Control]:
+        if next(iter(bodies.values())).step == "forward":
+            seen.update(bodies)
+            return {}
+        return fed.exchange(bodies)
+
+    with pytest.raises(RoundError, match=r"^secagg: 0 client\(s\) completed the key set-up; secure aggregation needs 2$"):
+        plugin.setup(1, list(range(8)), keep)
+    graph = plugin.round.neighbours
+    body = seen[0]
+    senders = body.tensors["senders"].tolist()
+    stranger = next(v for v in range(1, 8) if v not in graph[0])
+    wrong = dict(body.tensors, senders=torch.tensor(sorted([*senders[1:], stranger]), dtype=torch.int32))
+    with pytest.raises(ValueError, match="senders is not a sorted list of distinct expected client ids"):
+        plugin.answer(Control("secagg", "forward", wrong), fed.ctx(0))
+    two = dict(body.tensors, senders=body.tensors["senders"][:2], shares=body.tensors["shares"][:2])
+    assert plugin.answer(Control("secagg", "forward", two), fed.ctx(0)).step == "forward"  # 2 + itself = t: enough
+    one = dict(seen[1].tensors, senders=seen[1].tensors["senders"][:1], shares=seen[1].tensors["shares"][:1])
+    with pytest.raises(ValueError, match=r"^secagg forward: only 1 neighbours completed the set-up, fewer than the threshold 3 of this client's neighbourhood$"):
+        plugin.answer(Control("secagg", "forward", one), fed.ctx(1))
+
+
+def test_fraction_bits_follow_the_real_type_and_the_field() -> None:
+    """f = min(8, mantissa − used bits, width − used bits), at least 0: the rounding never overflows."""
+    assert Quantizer.of(1.0, 2**16 - 1, 32).real is np.float32 and Quantizer.of(1.0, 2**17 - 1, 32).real is np.float64
+    assert Quantizer.of(1.0, 2**32 - 1, 32).fraction_bits == 0  # max_examples 1: no room left in the field
+    assert Quantizer.of(1.0, 2**48 - 1, 64).fraction_bits == 5  # float64's 53 bits bind before the field's 64
+
+
+@pytest.mark.parametrize("bits", [32, 24])
+def test_a_full_round_at_the_range_ends_does_not_wrap_the_field(bits: int) -> None:
+    """max_examples examples, every entry at ±R (level L or 0): Σ n·L = max_examples·L < 2^bits, exactly."""
+    plugin = make("secagg", clients=2, max_examples=64, bits=bits)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1], fed.exchange)
+    ends = [update({"w": torch.tensor([4.0, -4.0, 9.0])}, num_examples=32, client_id=u) for u in range(2)]
+    result = unmask(plugin, fed, [plugin.encode(u, fed.ctx(u.client_id)) for u in ends])["w"]
+    assert result.tolist() == [4.0, -4.0, 4.0]

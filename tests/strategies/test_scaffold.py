@@ -193,3 +193,16 @@ def test_krum_keeps_the_same_client_for_model_and_control_deltas() -> None:
         torch.testing.assert_close(
             strategy.state_dict()["control"][k], (1 / 5) * updates[chosen].extras[k], rtol=0, atol=1e-12
         )
+
+
+def test_option_two_extras_give_back_the_raw_delta_so_client_level_dp_is_refused() -> None:
+    """Issue 14's leak: Δc_i = −c − Δy_i/(K·η_l), so the server rebuilds the un-noised Δy_i from
+    the extras, whatever noise dp_local adds to the tensors; such a config is refused at load."""
+    j = job()
+    update = ScaffoldClient(ScaffoldParams(option="II")).train(j)
+    rebuilt = {k: -(update.extras[k] + C[k]) * STEPS * LR for k in X}
+    assert_same_params(rebuilt, update.tensors, atol=1e-12)
+    with pytest.raises(ConfigError, match="'plugins.client_send\\[0\\]': plugin 'dp_local' cannot protect"):
+        small_config("strategy.name=scaffold", "plugins.client_send=[{name: dp_local}]")
+    # with DP-SGD, Δy_i is the output of private training and Δc_i a function of it and of c
+    assert small_config("strategy.name=scaffold", "plugins.client_receive=[dpsgd]").strategy.params.option == "II"

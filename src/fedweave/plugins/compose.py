@@ -15,6 +15,18 @@ Plugins declare, as class attributes, what the rules need:
   messages, see :mod:`fedweave.plugins.chain`) yet. Such a plugin is refused with a
   transport other than ``inmemory``.
 
+Privacy rules, for the plugins that declare ``protects`` (``"update"``: the update
+that leaves a client is clipped and noised, ``dp_local``, ``dp_central``;
+``"training"``: local training itself is private, ``dpsgd``):
+
+- a plugin option ``seeded_noise: true`` draws the noise from the run seed, which every
+  node reads in the config: refused unless every node runs in this one process;
+- a strategy whose clients send tensors in ``extras`` computed from their data declares
+  it (``private_extras(hp)``: ``("data", what)`` when computed from the raw data,
+  ``("update", what)`` when computed from the trained model, which sample-level DP-SGD
+  makes private but client_send's noise does not reach). Extras do not pass the
+  ``client_send`` chain, so such a strategy is refused with the plugins they bypass.
+
 Control messages of a plugin's own protocol (secure aggregation's key set-up and
 unmasking) need no rule: every topology and transport carries them.
 
@@ -53,7 +65,16 @@ def summable(cls: Any, params: Any) -> bool:
     return bool(value(params) if callable(value) else value)
 
 
-def check_chains(config: Any, registry: Any) -> None:
+def deployed(config: Any) -> str | None:
+    """What runs this federation's nodes in processes of their own (each reading the config), or None."""
+    if config.transport.kind != "inmemory":
+        return f"transport {config.transport.kind!r}"
+    if config.topology.kind == "hierarchical" and config.topology.inner != "inmemory":
+        return f"topology.inner {config.topology.inner!r}"
+    return None
+
+
+def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
     """Raise a ConfigError for the first plugin placed or ordered against the rules."""
     plugins = config.plugins
     for point in ("server_send", "client_receive", "client_send", "server_receive"):
@@ -74,6 +95,7 @@ def check_chains(config: Any, registry: Any) -> None:
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
                     f"one process ({reason}); transport {config.transport.kind!r} runs them apart"
                 )
+            _check_privacy(config, f"plugins.{point}[{i}]", spec, cls, strategy)
     _check_client_send(plugins.client_send, registry)
 
 
@@ -119,3 +141,30 @@ def _check_client_send(specs: list[Any], registry: Any) -> None:
                         f"summed entry by entry (each has its own positions or scales); {hint}"
                     )
         seen.append((j, spec.name, cls))
+
+
+def _check_privacy(config: Any, key: str, spec: Any, cls: Any, strategy: Any) -> None:
+    where = deployed(config)
+    if getattr(spec.params, "seeded_noise", False) and where is not None:
+        raise ConfigError(
+            f"config key '{key}.seeded_noise': plugin {spec.name!r} would draw its noise from the run seed, which "
+            f"every node reads in the config, so the noise could be drawn again and subtracted; reproducible "
+            f"noise is for simulation only, and {where} runs the nodes apart (remove seeded_noise)"
+        )
+    protects = getattr(cls, "protects", None)
+    declare = getattr(strategy, "private_extras", None)
+    leak = declare(config.strategy.params) if protects and declare is not None else None
+    if leak is None:
+        return
+    source, what = leak
+    if source == "data" or protects == "update":
+        how = (
+            "computed from the raw data, outside any private training"
+            if source == "data"
+            else "computed before client_send, so neither its clipping nor its noise reaches them; sample-level "
+            "DP-SGD (dpsgd in plugins.client_receive) makes them post-processing of private training"
+        )
+        raise ConfigError(
+            f"config key '{key}': plugin {spec.name!r} cannot protect what strategy {config.strategy.name!r} sends "
+            f"in its extras: {what}, {how}"
+        )

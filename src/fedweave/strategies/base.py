@@ -25,6 +25,13 @@ A strategy also declares, for the config validator:
   settings when the config loads (e.g. FedNova with a local optimiser other than SGD),
   and ``check_model(model, hp)``, which refuses a model it cannot train before round 1
   (MOON needs ``features``/``head``, FedPer patterns that match parameters);
+- optionally ``private_extras(hp)``, a static method saying what the tensors its clients
+  send in ``extras`` are computed from, when that is their data: ``("data", what)``
+  (from the raw data, as SCAFFOLD option I's full gradient) or ``("update", what)``
+  (from the trained model, as SCAFFOLD option II's Δc). Extras bypass the ``client_send``
+  chain, so the privacy plugins they would escape are refused at load
+  (:mod:`fedweave.plugins.compose`); extras that only restate what every update reports
+  in the clear (FedNova's a_i, from the step count) need no declaration;
 - ``weighted_sum``: whether its server step only needs the weighted sum of the
   updates, so plugins that aggregate while encoded (secure aggregation, homomorphic
   encryption) can be used with it;

@@ -146,6 +146,14 @@ class Scaffold(FedAvg):
         trainable = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
         return UpdateSchema(specs_of(model.state_dict()), specs_of(trainable))
 
+    @staticmethod
+    def private_extras(hp: ScaffoldParams) -> tuple[str, str]:
+        """What Δc_i in ``extras`` is computed from, for the privacy rules at load
+        (:mod:`fedweave.plugins.compose`): it never passes the client_send chain."""
+        if hp.option == "I":
+            return "data", "Δc_i = ∇f_i(x) − c_i, the exact gradient of its whole training set (strategy.option I)"
+        return "update", "Δc_i = −c − Δy_i/(K·η_l), from which the un-noised Δy_i comes back (strategy.option II)"
+
     def __init__(self, hp: ScaffoldParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.control: Params = {}

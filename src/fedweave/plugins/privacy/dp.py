@@ -35,9 +35,11 @@ quantile γ: C ← C · exp(−η (b̃ − γ)). The update noise is z_Δ = (z�
 so that both releases together cost what one Gaussian mechanism of multiplier z costs
 (Andrew et al., Theorem 1); σ_b defaults to m / 20 as in the paper.
 
-The noise is drawn from generators seeded by the run seed, round and client, so runs
-are reproducible; a deployment that needs cryptographically strong noise must replace
-them. The server sends the current clip norm with each instruction (``instruct``, the
+The noise comes from the operating system's secure source (:mod:`.noise`): every node
+reads the same config, so noise seeded from it could be drawn again by the server (for
+``dp_local``) or by any client (for ``dp_central``) and subtracted. ``seeded_noise: true``
+draws it from the run seed, round and client instead, so a simulation repeats bit for
+bit; a deployment refuses that at load. The server sends the current clip norm with each instruction (``instruct``, the
 instruction's ``config``), so the clients clip to the same C in simulation and in a
 deployment.
 """
@@ -55,14 +57,15 @@ from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.packing import combine_plain
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.plugins.privacy.clip import clip_tensors
+from fedweave.plugins.privacy.noise import NoiseSource, noise_source
 from fedweave.schema import opt
-from fedweave.seeding import torch_generator
 from fedweave.types import Params, Update, UpdateKind
 
 UNCLIPPED = "__dp_unclipped"
 """The adaptive-clipping bit b_k a client sends with its update (int8, never compressed)."""
 CLIP = "dp_central.clip"
 """Instruction config: the clip norm C the client clips to this round (adaptive clipping)."""
+SEEDED_HELP = "draw the noise from the run seed (reproducible; simulation only: anyone with the config can redraw it)"
 
 
 @dataclass
@@ -71,6 +74,7 @@ class DPLocalParams:
     noise_multiplier: float = opt(1.0, ge=0, help="z: each client adds N(0, (z·C)²) to every entry")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
     target_epsilon: float | None = opt(None, gt=0, help="stop the run before a round that would pass this ε")
+    seeded_noise: bool = opt(False, help=SEEDED_HELP)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class DPCentralParams:
     target_quantile: float = opt(0.5, gt=0, lt=1, help="adaptive: share of updates that should be left unclipped")
     clip_lr: float = opt(0.2, gt=0, help="adaptive: learning rate η of the geometric update of C")
     count_noise: float | None = opt(None, gt=0, help="adaptive: σ_b of the noisy unclipped count (none: clients per round / 20)")
+    seeded_noise: bool = opt(False, help=SEEDED_HELP)
 
 
 class _Budget:
@@ -123,6 +128,7 @@ class DPLocal:
     stage = "noise"
     points = ("client_send",)
     summable = True
+    protects = "update"
 
     def __init__(self, hp: DPLocalParams):
         self.hp = hp
@@ -141,8 +147,8 @@ class DPLocal:
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
         clipped, _ = clip_tensors(payload.tensors, self.hp.clip)
-        gen = torch_generator(self.seed, self.name, ctx.round, ctx.client_id)
-        return replace(payload, tensors=add_noise(clipped, self.hp.noise_multiplier * self.hp.clip, gen))
+        source = noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round, ctx.client_id)
+        return replace(payload, tensors=add_noise(clipped, self.hp.noise_multiplier * self.hp.clip, source))
 
     def decode(self, payload: Update, ctx: PluginContext) -> Update:
         return replace(payload)
@@ -157,6 +163,7 @@ class DPCentral:
     combines_encoded = True
     stage = "noise"
     points = ("client_send",)
+    protects = "update"
 
     def __init__(self, hp: DPCentralParams):
         self.hp = hp
@@ -200,12 +207,12 @@ class DPCentral:
         floating = [{k: v for k, v in u.tensors.items() if v.is_floating_point()} for u in updates]
         plain = [{k: v for k, v in u.tensors.items() if not v.is_floating_point() and k != UNCLIPPED} for u in updates]
         total = {k: sum(f[k].double() for f in floating) for k in floating[0]}
-        gen = torch_generator(self.seed, self.name, ctx.round)
-        noisy = add_noise(total, self.update_noise * self.clip_norm, gen)
+        source = noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round)
+        noisy = add_noise(total, self.update_noise * self.clip_norm, source)
         mean = {k: (v / m).to(floating[0][k].dtype) for k, v in noisy.items()}
         if self.hp.adaptive:
             unclipped = sum(float(u.tensors[UNCLIPPED].item()) for u in updates)
-            fraction = (unclipped + self.count_noise * float(torch.randn((), generator=gen, dtype=torch.float64))) / m
+            fraction = (unclipped + self.count_noise * float(source.normal(()))) / m
             self.clip_norm *= math.exp(-self.hp.clip_lr * (fraction - self.hp.target_quantile))
         tensors = {**mean, **combine_plain(plain)} if plain[0] else mean
         order = [k for k in updates[0].tensors if k != UNCLIPPED]
@@ -226,12 +233,12 @@ class DPCentral:
         self.clip_norm = state["clip_norm"]
 
 
-def add_noise(tensors: Params, std: float, gen: torch.Generator) -> Params:
-    """Each floating tensor plus independent N(0, std²) entries (drawn in float64)."""
+def add_noise(tensors: Params, std: float, source: NoiseSource) -> Params:
+    """Each floating tensor plus independent N(0, std²) entries (drawn in float64 from ``source``)."""
     if std == 0:
         return dict(tensors)
     return {
-        k: (v.double() + std * torch.randn(v.shape, generator=gen, dtype=torch.float64)).to(v.dtype)
+        k: (v.double() + std * source.normal(tuple(v.shape))).to(v.dtype)
         if v.is_floating_point()
         else v
         for k, v in tensors.items()

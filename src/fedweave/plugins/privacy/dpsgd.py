@@ -14,6 +14,14 @@ instruction with the round's private-training settings, and
 probability q = batch_size / n per step), the sampling Opacus's RDP accountant
 assumes; a round runs as many steps as the non-private loop would.
 
+Both the noise and the sampling come from the operating system's secure source
+(:mod:`.noise`): noise seeded from the config could be drawn again by the server and
+subtracted, and the amplification by sampling holds only while nobody else knows which
+examples a step used. So Opacus adds no noise itself (its multiplier is set to 0); the
+plugin adds N(0, (z·max_grad_norm)²) to the clipped sum, scaled as Opacus scales it.
+``seeded_noise: true`` draws both from the run seed, round and client instead
+(reproducible; refused in deployments).
+
 ε is per client (a guarantee about each example of that client's data): each client's
 history of (z, q, steps) goes to Opacus's RDP accountant, and the metrics report the
 largest ε over clients. The history is the server's: a client reports the sampling
@@ -42,7 +50,7 @@ from torch import nn
 from fedweave.plugins.chain import Payload, PluginContext
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.schema import opt
-from fedweave.seeding import torch_generator
+from fedweave.plugins.privacy.noise import NoiseSource, noise_source
 from fedweave.types import Instruction, TaskKind, Update, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,9 @@ class DPSGDParams:
     max_grad_norm: float = opt(1.0, gt=0, help="L2 norm each example's gradient is clipped to")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
     target_epsilon: float | None = opt(None, gt=0, help="stop the run before a round that would pass this ε")
+    seeded_noise: bool = opt(
+        False, help="draw noise and batches from the run seed (reproducible; simulation only: anyone with the config can redraw them)"
+    )
 
 
 def _opacus() -> tuple[Any, Any, Any]:
@@ -80,6 +91,7 @@ class DPSGD:
     combines_encoded = False
     stage = "train"
     points = ("client_receive",)
+    protects = "training"
 
     def __init__(self, hp: DPSGDParams):
         self.hp = hp
@@ -140,14 +152,14 @@ class DPSGD:
             self._cache[client_id] = cached
         return cached[1]
 
-    def _noise_seed(self, ctx: PluginContext) -> torch.Generator:
-        return torch_generator(self.seed, self.name, ctx.round, ctx.client_id)
+    def _noise_seed(self, ctx: PluginContext) -> NoiseSource:
+        return noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round, ctx.client_id)
 
 
 class PrivateTraining:
     """One client's private local training for one round (see the module doc)."""
 
-    def __init__(self, hp: DPSGDParams, noise: torch.Generator):
+    def __init__(self, hp: DPSGDParams, noise: NoiseSource):
         self.hp = hp
         self.noise = noise
         self.spent: dict[str, float] = {}
@@ -181,21 +193,22 @@ class PrivateTraining:
         total_steps = work.local_steps if work.local_steps is not None else work.epochs * math.ceil(n / batch)
         opt = optimizer if optimizer is not None else LocalOptimizer(model.parameters(), job.settings)
         wrapped = GradSampleModule(model)
-        # Opacus clips and noises the gradients of the optimiser's parameters; ours then steps.
+        # Opacus clips the per-example gradients of the optimiser's parameters, sums them and
+        # divides by the expected batch size; the noise is ours (see the module doc); ours then steps.
         dp = DPOptimizer(
             torch.optim.SGD(opt.params, lr=0.0),
-            noise_multiplier=self.hp.noise_multiplier,
+            noise_multiplier=0.0,
             max_grad_norm=self.hp.max_grad_norm,
             expected_batch_size=batch,
-            generator=self.noise,
         )
+        std = self.hp.noise_multiplier * self.hp.max_grad_norm / batch
         model.train()
         loss_sum, seen = 0.0, 0
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 for _ in range(total_steps):
-                    idx = (torch.rand(n, generator=job.generator) < rate).nonzero().squeeze(1)
+                    idx = (self.noise.uniform((n,)) < rate).nonzero().squeeze(1)
                     x, y = job.x_train[idx], job.y_train[idx]
                     dp.zero_grad(set_to_none=True)
                     if loss is None:
@@ -203,7 +216,9 @@ class PrivateTraining:
                     else:
                         objective, reported = loss(wrapped, x, y)
                     objective.backward()
-                    dp.pre_step()
+                    if dp.pre_step():
+                        for p in dp.params:
+                            p.grad.add_((std * self.noise.normal(tuple(p.grad.shape))).to(p.grad.dtype))
                     if after_backward is not None:
                         after_backward(model)
                     opt.step()

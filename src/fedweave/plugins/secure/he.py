@@ -19,12 +19,18 @@ context (:class:`HEServer`: built only from the public context's bytes, it never
 the secret key) and adds them: Σ_k n_k x_k, still encrypted. No multiplication is
 needed, so one ciphertext modulus suffices.
 
-**Decoding (a key holder).** Decrypting needs the secret key, so the sum is decrypted
-by a key holder and divided by Σ n_k, giving the example-weighted mean. In simulation
-the plugin's client half (which holds the secret context) stands in for the key holder
-when the loop decodes the combined update; over a network this is one more exchange
-(server → a key-holding client → server) that the spine does not have yet. As with
-secure aggregation, the server learns the aggregate and never an individual update.
+**Decrypting (a key holder).** Decrypting needs the secret key, which the server never
+loads: the plugin runs one step of its own protocol (a :class:`~fedweave.types.Control`
+``decrypt``, through the round's topology like SecAgg's steps) that sends the encrypted
+sum to one client of the round, which decrypts it with ``secret.ctx`` and answers the
+plaintext Σ_k n_k x_k. The server asks the round's clients in id order until one
+answers, and divides by Σ n_k (``decode``): the example-weighted mean, which the strategy
+applies as usual, so the server keeps a plaintext global model and evaluates it. A client
+decrypts at most once per round, and only in a round it sent an encrypted update in. As
+with secure aggregation, the server learns the aggregate and never an individual update,
+against an honest-but-curious server: one that deviates could send a single client's
+ciphertext to be decrypted, since every client holds the same key (a threshold key, or
+keeping the aggregate encrypted in the broadcast, would close that; neither is built).
 
 Precision: CKKS is approximate; with the default scale 2^32 the mean is exact to about
 1e-6, and |Σ_k n_k x_k| must stay below about 2^(60 − scale_bits) (2.7e8 by default).
@@ -32,21 +38,29 @@ Precision: CKKS is approximate; with the default scale 2^32 the mean is exact to
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from fedweave.errors import RoundError
 from fedweave.files import atomic_write_bytes
-from fedweave.plugins.chain import PluginContext
-from fedweave.plugins.packing import combine_plain, flatten, unflatten
+from fedweave.plugins.chain import ControlExchange, PluginContext
+from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
-from fedweave.types import Update, UpdateKind
+from fedweave.types import Control, Update, UpdateKind
+
+log = logging.getLogger(__name__)
 
 SECRET_FILE = "secret.ctx"
 PUBLIC_FILE = "public.ctx"
 CHUNK = "__he_"
+SUM = "__hesum"
+"""The decrypted Σ_k n_k x_k (float64) the key holder answers and the combined update carries."""
+DECRYPT = "decrypt"
 COEFF_MOD_BITS = [60, 40]  # one 60-bit ciphertext modulus and the special prime: enough for additions
 
 
@@ -144,9 +158,15 @@ class HE:
                 self._server = HEServer(_read(Path(self.hp.keys) / PUBLIC_FILE, "the server"))
         return self._server
 
+    def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
+        """No set-up step: every client of the cohort trains (the keys were made before the run)."""
+        return cohort
+
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
         ts = tenseal()
         context = self._client_context()
+        if ctx.state is not None:
+            ctx.state[self.name] = ctx.round  # this client may decrypt this round's sum, once
         vector, rest = flatten(payload.tensors)
         values = (vector * payload.num_examples).numpy()
         slots = slot_count(context)
@@ -156,28 +176,59 @@ class HE:
         }
         return replace(payload, tensors={**chunks, **rest})
 
-    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
+    def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:
+        """Sum the ciphertexts with the public context, then have a key holder of the round decrypt the sum."""
         names = [k for k in updates[0].tensors if k.startswith(CHUNK)]
         sums = {k: _bytes_tensor(self.server.add([_tensor_bytes(u.tensors[k]) for u in updates])) for k in names}
         plain = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
+        size = sum(math.prod(read_layout(v)[1]) for k, v in plain.items() if k.endswith(SEP + FLAT))
+        total = self._decrypted(sorted(u.client_id for u in updates), sums, size, ctx.round, exchange)
         return Update(
             kind=updates[0].kind,
-            tensors={**sums, **plain},
+            tensors={SUM: total, **plain},
             num_examples=sum(u.num_examples for u in updates),
             applied=list(updates[0].applied),
         )
 
+    def _decrypted(
+        self, holders: list[int], sums: dict[str, torch.Tensor], size: int, rnd: int, exchange: ControlExchange
+    ) -> torch.Tensor:
+        for holder in holders:
+            answers = exchange({holder: Control(self.name, DECRYPT, sums)})
+            if holder not in answers:
+                continue
+            total = answers[holder].tensors.get(SUM)
+            if (
+                isinstance(total, torch.Tensor) and total.dtype == torch.float64 and total.shape == (size,)
+                and bool(torch.isfinite(total).all())
+            ):
+                return total
+            log.warning("round %d: client %d's decryption refused: not %d finite float64 values", rnd, holder, size)
+        raise RoundError(f"he: none of the round's clients {holders} decrypted its encrypted sum")
+
     def decode(self, payload: Update, ctx: PluginContext) -> Update:
-        """Decrypt the combined sum with the secret key (a key holder's step) and divide by Σ n_k."""
+        """Divide the key holder's decrypted sum by Σ n_k: the example-weighted mean."""
+        if SUM not in payload.tensors:
+            raise ValueError("he decodes only the decrypted sum of a round, never one client's ciphertexts")
+        mean = payload.tensors[SUM] / payload.num_examples
+        rest = {k: v for k, v in payload.tensors.items() if k != SUM}
+        return replace(payload, tensors=unflatten(mean, rest))
+
+    def answer(self, control: Control, ctx: PluginContext) -> Control:
+        """The key holder's step: decrypt the round's encrypted sum (once, in a round this client took part in)."""
+        if control.step != DECRYPT:
+            raise ValueError(f"he has no step {control.step!r}")
+        if ctx.state is None or ctx.state.pop(self.name, None) != ctx.round:
+            raise ValueError(f"he: client {ctx.client_id} sent no encrypted update in round {ctx.round}, or decrypted already")
+        names = sorted(control.tensors)
+        if not names or any(not k.startswith(CHUNK) or control.tensors[k].dtype != torch.uint8 for k in names):
+            raise ValueError("he decrypt: expected ciphertexts (uint8 tensors named __he_NNNNN)")
         ts = tenseal()
         context = self._client_context()
-        names = sorted(k for k in payload.tensors if k.startswith(CHUNK))
-        values = []
+        values: list[float] = []
         for k in names:
-            values.extend(ts.ckks_vector_from(context, _tensor_bytes(payload.tensors[k])).decrypt())
-        mean = torch.tensor(values, dtype=torch.float64) / payload.num_examples
-        rest = {k: v for k, v in payload.tensors.items() if not k.startswith(CHUNK)}
-        return replace(payload, tensors=unflatten(mean, rest))
+            values.extend(ts.ckks_vector_from(context, _tensor_bytes(control.tensors[k])).decrypt())
+        return Control(self.name, DECRYPT, {SUM: torch.tensor(values, dtype=torch.float64)})
 
     def _client_context(self) -> Any:
         if self._secret is None:

@@ -177,7 +177,6 @@ class Field:
     def __init__(self, bits: int):
         self.bits = bits
         self.dtype = np.uint32 if bits <= 32 else np.uint64
-        self.wire = torch.int32 if bits <= 32 else torch.int64
         self.width = np.dtype(self.dtype).itemsize * 8
         self.mask = self.dtype((1 << bits) - 1)
         self._stream = np.empty(0, dtype=np.uint8)
