@@ -23,7 +23,7 @@ from typing import Any
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.task import evaluate
 from fedweave.types import Evaluation, Instruction, Params, TaskKind, Update, UpdateKind, Work
 

@@ -11,7 +11,7 @@ from torch import nn
 from fedweave import runner
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedbn import FedBN, FedBNClient, FedBNParams, batch_norm_keys
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.task import build_model
 from fedweave.types import Params, TaskKind
 

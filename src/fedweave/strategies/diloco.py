@@ -16,7 +16,7 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import (
+from fedweave.training import (
     ClientJob,
     LocalOptimizer,
     LocalSettings,

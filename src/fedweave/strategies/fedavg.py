@@ -11,7 +11,7 @@ from typing import Any
 
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.task.models import evaluate
 from fedweave.types import (
     Evaluation,

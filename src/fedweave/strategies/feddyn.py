@@ -18,7 +18,7 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import kept_indices, plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.types import Params, Update, UpdateKind
 
 LINEAR = "linear"

@@ -24,7 +24,7 @@ from fedweave.strategies.aggregate import (
     with_selection,
 )
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.types import Params, Update, UpdateKind
 from fedweave.validation import TensorSpec, UpdateSchema, specs_of
 

@@ -23,7 +23,7 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import apply_delta, with_selection
 from fedweave.strategies.base import Average
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import (
+from fedweave.training import (
     ClientJob,
     TrainResult,
     model_delta,

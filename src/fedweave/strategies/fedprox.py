@@ -13,7 +13,7 @@ from torch import nn
 
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.types import Params, Update, UpdateKind
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from fedweave.errors import TaskError
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.types import Update, UpdateKind
 
 

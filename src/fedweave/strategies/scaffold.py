@@ -24,7 +24,7 @@ from fedweave.strategies.aggregate import (
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
-from fedweave.strategies.training import ClientJob, model_delta, train_local
+from fedweave.training import ClientJob, model_delta, train_local
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Work
 from fedweave.validation import UpdateSchema, specs_of
 

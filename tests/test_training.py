@@ -1,4 +1,4 @@
-"""Tests of fedweave.strategies.training: the optimiser matches torch.optim, the local loop's steps and batches."""
+"""Tests of fedweave.training: the optimiser matches torch.optim, the local loop's steps and batches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedweave.strategies.training import (
+from fedweave.training import (
     ClientJob,
     LocalOptimizer,
     LocalSettings,
@@ -16,7 +16,7 @@ from fedweave.strategies.training import (
     train_local,
 )
 
-from .conftest import Tiny, mse, tiny_data, tiny_job, tiny_params
+from strategies.conftest import Tiny, mse, tiny_data, tiny_job, tiny_params
 
 OPTIMISERS = [
     ("sgd", 0.0, 0.0),

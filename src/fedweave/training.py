@@ -1,4 +1,4 @@
-"""Local training shared by the client halves of strategies.
+"""Local training shared by the client halves of strategies, the data-parallel spine and DP-SGD.
 
 :func:`train_local` is the one SGD loop every algorithm reuses. Algorithms change
 it through two hooks instead of copying it:
