@@ -41,7 +41,7 @@ from typing import Any
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.batching.clients import client_speeds
+from fedweave.topologies.emulated import client_speeds
 
 CLIENTS = 10
 

@@ -23,8 +23,8 @@ from typing import Any
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.task import evaluate
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import Evaluation, Instruction, Params, TaskKind, Update, UpdateKind, Work
 
 
@@ -43,13 +43,7 @@ class DecayedFedAvgClient:
 
     def train(self, job: ClientJob) -> Update:
         result = train_local(job)  # the round's work (epochs or steps) with the config's `local` optimiser
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=model_delta(job.model, job.instruction.params),
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, model_delta(job.model, job.instruction.params))
 
     def evaluate(self, job: ClientJob) -> Evaluation:
         n = int(job.y_test.shape[0])

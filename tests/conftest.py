@@ -19,8 +19,8 @@ from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.batching.sampler import GlobalSampler
 from fedweave.seeding import derive_seed
-from fedweave.strategies.training import LocalOptimizer, LocalSettings
 from fedweave.task import build_model, evaluate, load_dataset, make_loss
+from fedweave.training import LocalOptimizer, LocalSettings
 from fedweave.types import Params
 
 SMALL = [

@@ -22,8 +22,8 @@ from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.plugins.chain import Chain, Chains, PluginContext
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob
 from fedweave.task.models import MLP
+from fedweave.training import ClientJob
 from fedweave.types import Control, Evaluation, Instruction, Message, Params, TaskKind, Update, UpdateKind, Work
 
 

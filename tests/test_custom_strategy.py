@@ -23,7 +23,7 @@ from fedweave.build import build_strategy
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
-from fedweave.strategies.training import ClientJob, LocalSettings
+from fedweave.training import ClientJob, LocalSettings
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Work
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -12,7 +12,7 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.batching.clients import client_speeds
+from fedweave.topologies.emulated import client_speeds
 from fedweave.errors import ConfigError
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config

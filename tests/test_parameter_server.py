@@ -25,7 +25,7 @@ from fedweave.batching.sampler import GlobalSampler
 from fedweave.config import Config, ConfigError, StalenessOptions
 from fedweave.data_parallel.asp import pack, unpack
 from fedweave.data_parallel.parameter_server import Assignment, ParameterServer, Ranges, update_weight
-from fedweave.strategies.training import LocalOptimizer, LocalSettings
+from fedweave.training import LocalOptimizer, LocalSettings
 
 DIGITS = 1438  # training samples of digits (test_fraction 0.2)
 

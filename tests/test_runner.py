@@ -19,7 +19,7 @@ from fedweave.errors import CheckpointError, ConfigError
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.types import Params, Update
 
 METRIC_KEYS = {

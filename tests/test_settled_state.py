@@ -23,7 +23,7 @@ from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.loop import AcceptedRounds
 from fedweave.strategies.feddyn import LINEAR, FedDynClient
 from fedweave.strategies.scaffold import CONTROL, ScaffoldClient
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.types import Update
 
 CLIENT = {"scaffold": ScaffoldClient, "feddyn": FedDynClient}

@@ -30,7 +30,7 @@ keeps the state it trained (SCAFFOLD's c_i) only when its update is applied in a
 that the client knows which state to train from, it is not dispatched again while its
 update waits in the buffer.
 
-The simulation runs on the virtual clock of :mod:`fedweave.batching.clients`
+The simulation runs on the virtual clock of :mod:`fedweave.topologies.emulated`
 (``heterogeneity.clock: virtual``): a client's compute time is a function of its work
 and speed, so the order of arrivals, and the whole run, is deterministic. Its state
 (the clock, the work in flight with its computed updates, the buffer, who trained
@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedweave.batching.clients import DEADLINE
+from fedweave.topologies.emulated import DEADLINE
 from fedweave.checkpoint import checkpoint_type
 from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError

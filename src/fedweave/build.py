@@ -28,10 +28,10 @@ from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
 from fedweave.strategies.base import ChecksModel, DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
-from fedweave.strategies.training import LocalSettings, LossFn
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
 from fedweave.task.datasets import synthetic_means, synthetic_options
 from fedweave.task.generated import GeneratedClients
+from fedweave.training import LocalSettings, LossFn
 from fedweave.types import Params
 from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema
 

@@ -237,7 +237,7 @@ def _report(exc: BaseException) -> int | None:
 
 def _check_node_flags(args: argparse.Namespace) -> None:
     """Addresses, ports and tokens given on the command line, checked before anything starts."""
-    from fedweave.certs import check_token
+    from fedweave.transports.grpc.certs import check_token
     from fedweave.config import parse_address
 
     for flag in ("listen", "address"):
@@ -480,7 +480,7 @@ def _first_paragraph(doc: str | None) -> str:
 def _node(args: argparse.Namespace) -> int:
     """``fedweave server`` / ``client`` / ``certs``."""
     if args.command == "certs":
-        from fedweave.certs import DEFAULT_HOSTS, make_credentials
+        from fedweave.transports.grpc.certs import DEFAULT_HOSTS, make_credentials
 
         out = make_credentials(args.out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites)
         sites = f" and {args.sites} site leaders" if args.sites else ""

@@ -40,7 +40,7 @@ from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm
-from fedweave.strategies.training import ClientJob, LocalSettings, LossFn
+from fedweave.training import ClientJob, LocalSettings, LossFn
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update
 
 log = logging.getLogger(__name__)

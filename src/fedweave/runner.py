@@ -20,7 +20,7 @@ from typing import Any
 
 from fedweave import rundir
 from fedweave.asynchronous import BufferedServer, run_buffered
-from fedweave.batching.clients import emulated_clients
+from fedweave.topologies.emulated import emulated_clients
 from fedweave.batching.selection import sample_clients
 from fedweave.build import (
     build_chains,

@@ -19,7 +19,7 @@ from fedweave import runner
 from fedweave.observe.progress import run_summary
 from fedweave.plugins.privacy.clip import l2_norm
 from fedweave.plugins.privacy.dp import UNCLIPPED
-from fedweave.strategies.training import ClientJob, LocalOptimizer, LocalSettings, train_local
+from fedweave.training import ClientJob, LocalOptimizer, LocalSettings, train_local
 from fedweave.types import Instruction, TaskKind, Work
 
 from .helpers import ctx, make, model_tensors, update

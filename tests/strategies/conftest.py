@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedweave.strategies.training import ClientJob, LocalSettings
+from fedweave.training import ClientJob, LocalSettings
 from fedweave.types import Instruction, Params, TaskKind, Work
 
 

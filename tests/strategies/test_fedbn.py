@@ -11,8 +11,8 @@ from torch import nn
 from fedweave import runner
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedbn import FedBN, FedBNClient, FedBNParams, batch_norm_keys
-from fedweave.strategies.training import ClientJob
 from fedweave.task import build_model
+from fedweave.training import ClientJob
 from fedweave.types import Params, TaskKind
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config

@@ -13,7 +13,7 @@ from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvgClient, FedAvgParams
 from fedweave.strategies.fedprox import FedProx, FedProxClient, FedProxParams
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.types import Params
 
 from .conftest import tiny_data, tiny_job, tiny_params

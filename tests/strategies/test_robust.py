@@ -21,7 +21,7 @@ from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import NORM
 from fedweave.strategies.robust import averager, coordinate_median, krum_scores, multi_krum, trimmed_mean
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.types import Params, Update, UpdateKind
 
 from conftest import assert_same_params, run_to_end

@@ -14,7 +14,7 @@ from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
 from fedweave.strategies.scaffold import CONTROL, Scaffold, ScaffoldClient, ScaffoldParams
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.types import Params, Update, UpdateKind, Work
 
 from .conftest import tiny_data, tiny_job, tiny_params

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from fedweave import config as config_mod
-from fedweave.certs import cert_file, client_name, key_file, make_credentials, token_file
+from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.topologies.deploy import SiteBatches

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedweave import config as config_mod
-from fedweave.certs import make_credentials
+from fedweave.transports.grpc.certs import make_credentials
 from fedweave.errors import ConfigError
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.health import Health, check

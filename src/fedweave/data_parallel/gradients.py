@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from fedweave.strategies.training import LossFn
+from fedweave.training import LossFn
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

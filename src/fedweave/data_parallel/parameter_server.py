@@ -59,7 +59,7 @@ from fedweave.batching.sampler import GlobalSampler
 from fedweave.config import StalenessOptions
 from fedweave.data_parallel.gradients import assign_gradient, copy_flat, float_buffers, trainable
 from fedweave.data_parallel.records import load_optimizer_state, optimizer_state
-from fedweave.strategies.training import LocalOptimizer
+from fedweave.training import LocalOptimizer
 
 
 def update_weight(batch: int, global_batch: int, staleness: int, settings: StalenessOptions) -> float:

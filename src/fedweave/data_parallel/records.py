@@ -15,7 +15,7 @@ from fedweave import rundir
 from fedweave.checkpoint import CHECKPOINT, atomic_save, checkpoint_type
 from fedweave.config import Config
 from fedweave.observe.metrics import read_metrics
-from fedweave.strategies.training import LocalOptimizer, LossFn
+from fedweave.training import LocalOptimizer, LossFn
 from fedweave.task import Dataset, evaluate
 
 PLOT_FILE = "workers.png"

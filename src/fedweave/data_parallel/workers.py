@@ -23,7 +23,7 @@ from fedweave.batching.heterogeneity import Emulator, worker_threads
 from fedweave.config import Config
 from fedweave.data_parallel.group import Stopped
 from fedweave.errors import ConfigError
-from fedweave.strategies.training import LocalOptimizer, LocalSettings
+from fedweave.training import LocalOptimizer, LocalSettings
 from fedweave.task import Dataset, build_model, load_dataset
 
 

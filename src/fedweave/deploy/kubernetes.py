@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from fedweave import __version__
-from fedweave import certs
+from fedweave.transports.grpc import certs
 from fedweave import config as config_mod
 from fedweave.config import Config
 from fedweave.errors import ConfigError

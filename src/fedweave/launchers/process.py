@@ -178,7 +178,7 @@ def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None
 
 def _credentials(cfg: Any, run_dir: Path) -> Path:
     """A CA, server, client (and site leader) certificates and tokens in the run directory."""
-    from fedweave.certs import make_credentials
+    from fedweave.transports.grpc.certs import make_credentials
     from fedweave.topologies.hierarchical import site_tree
 
     sites = len(site_tree(cfg.topology.sites, cfg.clients)) if cfg.topology.kind == "hierarchical" else 0

@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from torch import nn
 
 from fedweave.strategies.aggregate import weighted_average
-from fedweave.strategies.training import ClientJob
+from fedweave.training import ClientJob
 from fedweave.types import Evaluation, Instruction, Params, Update, UpdateKind, Work
 from fedweave.validation import UpdateSchema
 

@@ -16,14 +16,15 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import (
+from fedweave.training import (
     ClientJob,
     LocalOptimizer,
     LocalSettings,
+    delta_update,
     model_delta,
     train_local,
 )
-from fedweave.types import Params, Update, UpdateKind
+from fedweave.types import Params, Update
 
 
 @dataclass
@@ -98,13 +99,7 @@ class DiLoCoClient(FedAvgClient):
         result = train_local(job, optimizer=optimizer)
         if self.hp.keep_inner_state:
             job.state["inner"] = optimizer.saved()
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=model_delta(job.model, job.instruction.params),
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, model_delta(job.model, job.instruction.params))
 
 
 class DiLoCo(FedAvg):

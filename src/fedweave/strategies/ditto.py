@@ -15,8 +15,8 @@ from torch import nn
 
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
-from fedweave.types import Evaluation, Update, UpdateKind
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.types import Evaluation, Update
 
 
 @dataclass
@@ -51,13 +51,7 @@ class DittoClient(FedAvgClient):
 
         train_local(self._personal_job(job), model=personal, loss=loss)
         job.state["personal"] = {k: v.detach().clone() for k, v in personal.state_dict().items()}
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=delta,
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, delta)
 
     def evaluate(self, job: ClientJob) -> Evaluation:
         if "personal" in job.state:

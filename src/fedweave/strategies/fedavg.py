@@ -11,8 +11,8 @@ from typing import Any
 
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.training import ClientJob, model_delta, train_local
 from fedweave.task.models import evaluate
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import (
     Evaluation,
     Instruction,
@@ -37,13 +37,7 @@ class FedAvgClient:
 
     def train(self, job: ClientJob) -> Update:
         result = train_local(job)
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=model_delta(job.model, job.instruction.params),
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, model_delta(job.model, job.instruction.params))
 
     def evaluate(self, job: ClientJob) -> Evaluation:
         num_examples = int(job.y_test.shape[0])

@@ -18,8 +18,8 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import kept_indices, plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
-from fedweave.types import Params, Update, UpdateKind
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.types import Params, Update
 
 LINEAR = "linear"
 """The key of the client's ∇L_k(θ_k^{t-1}) in ``job.state``."""
@@ -76,13 +76,7 @@ class FedDynClient(FedAvgClient):
         result = train_local(job, loss=loss)
         delta = model_delta(job.model, anchor)
         job.state[LINEAR] = {name: g - alpha * delta[name] for name, g in linear.items()}
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=delta,
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, delta)
 
 
 class FedDyn(FedAvg):

@@ -24,8 +24,8 @@ from fedweave.strategies.aggregate import (
     with_selection,
 )
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
-from fedweave.types import Params, Update, UpdateKind
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.types import Params, Update
 from fedweave.validation import TensorSpec, UpdateSchema, specs_of
 
 NORM = "fednova.a"
@@ -74,14 +74,8 @@ class FedNovaClient(FedAvgClient):
             )
         result = train_local(job)
         a = normalizing_factor(result.steps, job.settings.momentum)
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=model_delta(job.model, job.instruction.params),
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            extras={NORM: torch.tensor(a, dtype=torch.float64)},
-            local_steps=result.steps,
-        )
+        delta = model_delta(job.model, job.instruction.params)
+        return delta_update(result, delta, {NORM: torch.tensor(a, dtype=torch.float64)})
 
 
 class FedNova(FedAvg):

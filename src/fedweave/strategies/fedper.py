@@ -23,13 +23,14 @@ from fedweave.schema import opt
 from fedweave.strategies.aggregate import apply_delta, with_selection
 from fedweave.strategies.base import Average
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import (
+from fedweave.training import (
     ClientJob,
     TrainResult,
+    delta_update,
     model_delta,
     train_local,
 )
-from fedweave.types import Evaluation, Params, Update, UpdateKind
+from fedweave.types import Evaluation, Params, Update
 from fedweave.validation import UpdateSchema, specs_of
 
 
@@ -53,13 +54,7 @@ def keep_local(job: ClientJob, keys: Collection[str], result: TrainResult) -> Up
     trained = job.model.state_dict()
     job.state["local"] = {k: trained[k].detach().clone() for k in keys}
     delta = model_delta(job.model, job.instruction.params)
-    return Update(
-        kind=UpdateKind.DELTA,
-        tensors={k: v for k, v in delta.items() if k not in keys},
-        num_examples=result.num_examples,
-        metrics={"train_loss": result.mean_loss},
-        local_steps=result.steps,
-    )
+    return delta_update(result, {k: v for k, v in delta.items() if k not in keys})
 
 
 def aggregate_shared(params: Params, updates: list[Update], average: Average) -> Params:

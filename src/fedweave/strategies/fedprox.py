@@ -13,8 +13,8 @@ from torch import nn
 
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
-from fedweave.types import Params, Update, UpdateKind
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.types import Params, Update
 
 
 @dataclass
@@ -40,13 +40,7 @@ class FedProxClient(FedAvgClient):
             return task + proximal_term(model, anchor, mu), task
 
         result = train_local(job, loss=loss)
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=model_delta(job.model, anchor),
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, model_delta(job.model, anchor))
 
 
 class FedProx(FedAvg):

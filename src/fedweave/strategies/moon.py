@@ -16,8 +16,8 @@ from torch import nn
 from fedweave.errors import TaskError
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.strategies.training import ClientJob, model_delta, train_local
-from fedweave.types import Update, UpdateKind
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.types import Update
 
 
 @dataclass
@@ -80,13 +80,7 @@ class MoonClient(FedAvgClient):
 
             result = train_local(job, loss=loss)
         job.state["previous"] = {k: v.detach().clone() for k, v in job.model.state_dict().items()}
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=model_delta(job.model, job.instruction.params),
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            local_steps=result.steps,
-        )
+        return delta_update(result, model_delta(job.model, job.instruction.params))
 
 
 class Moon(FedAvg):

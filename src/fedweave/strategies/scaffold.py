@@ -24,8 +24,8 @@ from fedweave.strategies.aggregate import (
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
-from fedweave.strategies.training import ClientJob, model_delta, train_local
-from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Work
+from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.types import Instruction, Params, TaskKind, Update, Work
 from fedweave.validation import UpdateSchema, specs_of
 
 CONTROL = "control"
@@ -100,14 +100,7 @@ class ScaffoldClient(FedAvgClient):
                 control, server_control, delta, normalizing_factor(result.steps, job.settings.momentum), job.settings.lr
             )
         job.state[CONTROL] = new_control
-        return Update(
-            kind=UpdateKind.DELTA,
-            tensors=delta,
-            num_examples=result.num_examples,
-            metrics={"train_loss": result.mean_loss},
-            extras={name: new_control[name] - control[name] for name in params},
-            local_steps=result.steps,
-        )
+        return delta_update(result, delta, {name: new_control[name] - control[name] for name in params})
 
 
 class Scaffold(FedAvg):

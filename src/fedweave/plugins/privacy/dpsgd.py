@@ -9,7 +9,7 @@ strategy's own optimiser then steps, so DP-SGD composes with every strategy.
 
 Selected per run as a ``client_receive`` plugin: on a client, it marks each training
 instruction with the round's private-training settings, and
-:func:`fedweave.strategies.training.train_local` hands the local loop to
+:func:`fedweave.training.train_local` hands the local loop to
 :meth:`PrivateTraining.train_local`. Batches are Poisson-sampled (each example with
 probability q = batch_size / n per step), the sampling Opacus's RDP accountant
 assumes; a round runs as many steps as the non-private loop would.
@@ -177,7 +177,7 @@ class PrivateTraining:
         loss: Any = None,
         after_backward: Callable[[nn.Module], None] | None = None,
     ) -> Any:
-        from fedweave.strategies.training import LocalOptimizer, TrainResult
+        from fedweave.training import LocalOptimizer, TrainResult
 
         GradSampleModule, DPOptimizer, ModuleValidator = _opacus()
         model = job.model if model is None else model

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedweave import certs
+from fedweave.transports.grpc import certs
 from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.seeding import derive_seed
 from fedweave.transports.serialization import FRAME, load_json
@@ -277,8 +277,8 @@ def node_token(settings: GrpcConfig, node: Node, token: str | None = None) -> st
 
 
 def token_hashes(settings: GrpcConfig) -> dict[str, str] | None:
-    """The server's SHA-256 of each node's token, by :func:`fedweave.certs.token_entry` (None when
-    tokens are not required)."""
+    """The server's SHA-256 of each node's token, by
+    :func:`fedweave.transports.grpc.certs.token_entry` (None when tokens are not required)."""
     if not settings.tokens:
         return None
     raw = _read(credentials_folder(settings), certs.TOKENS)

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fedweave.certs import hash_token, token_entry
+from fedweave.transports.grpc.certs import hash_token, token_entry
 from fedweave.errors import SerializationError, TransportError
 from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p

@@ -1,4 +1,4 @@
-"""Tests of fedweave.strategies.training: the optimiser matches torch.optim, the local loop's steps and batches."""
+"""Tests of fedweave.training: the optimiser matches torch.optim, the local loop's steps and batches."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import pytest
 import torch
 from torch import nn
 
-from fedweave.strategies.training import (
+from fedweave.training import (
     ClientJob,
     LocalOptimizer,
     LocalSettings,
     LossHook,
+    TrainResult,
+    delta_update,
     model_delta,
     train_local,
 )
+from fedweave.types import UpdateKind
 
-from .conftest import Tiny, mse, tiny_data, tiny_job, tiny_params
+from strategies.conftest import Tiny, mse, tiny_data, tiny_job, tiny_params
 
 OPTIMISERS = [
     ("sgd", 0.0, 0.0),
@@ -204,3 +207,19 @@ def test_model_delta() -> None:
     torch.testing.assert_close(delta["weight"], torch.tensor([0.5, -1.0]), rtol=0, atol=0)
     torch.testing.assert_close(delta["bias"], torch.zeros(2), rtol=0, atol=0)
     assert delta["num_batches_tracked"].item() == 3  # integer buffers travel as values
+
+
+def test_delta_update_sends_the_change_of_the_model_with_the_counts_of_its_training() -> None:
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        model.bias.fill_(0.5)
+    start = {"weight": torch.tensor([[0.25, 2.5]]), "bias": torch.tensor([1.0])}
+    control = {"c": torch.tensor([4.0])}
+    update = delta_update(TrainResult(steps=3, num_examples=12, mean_loss=0.75), model_delta(model, start), control)
+    assert update.kind is UpdateKind.DELTA
+    torch.testing.assert_close(update.tensors["weight"], torch.tensor([[0.75, -0.5]]), rtol=0, atol=0)
+    torch.testing.assert_close(update.tensors["bias"], torch.tensor([-0.5]), rtol=0, atol=0)
+    assert (update.num_examples, update.local_steps, update.metrics) == (12, 3, {"train_loss": 0.75})
+    assert list(update.extras) == ["c"] and update.extras["c"].item() == 4.0
+    assert delta_update(TrainResult(steps=0, num_examples=0, mean_loss=0.0), {}).extras == {}

@@ -1,14 +1,19 @@
-"""Tests of fedweave.certs: credentials written whole, private files owner-only."""
+"""Tests of fedweave.transports.grpc.certs: credentials written whole, private files owner-only."""
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from fedweave.certs import CA_KEY, SERVER_CERT, SERVER_KEY, TOKENS, check_token, make_credentials
 from fedweave.errors import ConfigError
+from fedweave.transports.grpc.certs import CA_KEY, SERVER_CERT, SERVER_KEY, TOKENS, check_token, make_credentials
+
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 
 @pytest.mark.usefixtures("umask_022")
@@ -58,3 +63,12 @@ def test_bad_days_and_hosts_are_refused_before_anything_is_written(
 def test_ip_addresses_and_wildcard_names_are_hosts(tmp_path: Path) -> None:
     make_credentials(tmp_path, 1, ["fl.example.org", "*.example.org", "10.0.0.1", "fe80::1"], 1)
     assert (tmp_path / SERVER_CERT).read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
+
+
+def test_the_certificate_code_loads_neither_torch_nor_grpc() -> None:
+    """``fedweave certs`` runs where neither is installed, and starts fast."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, fedweave.transports.grpc.certs; print(sorted({'torch', 'grpc'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Local training shared by the client halves of strategies.
+"""Local training shared by the client halves of strategies, the data-parallel spine and DP-SGD.
 
 :func:`train_local` is the one SGD loop every algorithm reuses. Algorithms change
 it through two hooks instead of copying it:
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fedweave.types import Instruction, Params
+from fedweave.types import Instruction, Params, Update, UpdateKind
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -176,3 +176,15 @@ def model_delta(model: nn.Module, start: Params) -> Params:
         out[k] = v - start[k] if v.is_floating_point() else v.clone()
     return out
 
+
+def delta_update(result: TrainResult, delta: Params, extras: Params | None = None) -> Update:
+    """The update of a client half that trained with :func:`train_local` and sends its change of
+    the model (``delta``, e.g. by :func:`model_delta`) and the extras of its algorithm."""
+    return Update(
+        kind=UpdateKind.DELTA,
+        tensors=delta,
+        num_examples=result.num_examples,
+        metrics={"train_loss": result.mean_loss},
+        extras=dict(extras or {}),
+        local_steps=result.steps,
+    )
