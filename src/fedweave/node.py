@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import rundir, runner
+from fedweave.batching.clients import emulated_handler
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
@@ -108,7 +109,8 @@ def run_client(config: Config, client_id: int, *, address: str | None = None, to
         raise ConfigError(f"--id {client_id} is not a client of this config (clients: 0..{config.clients - 1})")
     task = build_task(config)
     runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
-    client = GrpcClient(config.grpc, client_id, runtime.handle, address=address, token=token, seed=config.seed)
+    handler = emulated_handler(config, runtime.handle)  # sleeps to an emulated speed (heterogeneity), if any
+    client = GrpcClient(config.grpc, client_id, handler, address=address, token=token, seed=config.seed)
     samples = task.clients.train_size(client_id)
     log.info("client %d built (%d training samples); connecting to %s", client_id, samples, client.address)
     done = client.run()
