@@ -40,7 +40,7 @@ def slowed(handle: Callable[[Message], Message], seconds: float) -> Callable[[Me
 
 
 @contextmanager
-def client_threads(config: Any, address: str, seconds: dict[int, float]) -> Iterator[None]:
+def client_threads(config: Any, address: str, seconds: dict[int, float]) -> Iterator[list[threading.Thread]]:
     """A gRPC client thread for each id in ``seconds``, each sleeping that long before it trains."""
     from fedweave.transports.grpc.client import GrpcClient
 
@@ -53,7 +53,7 @@ def client_threads(config: Any, address: str, seconds: dict[int, float]) -> Iter
     for t in threads:
         t.start()
     try:
-        yield
+        yield threads
     finally:
         for node in nodes:
             node.stop()
@@ -142,7 +142,7 @@ def test_a_killed_server_started_again_resumes_at_its_last_server_step(tmp_path:
         metrics = run_dir / rundir.METRICS_FILE
         return [json.loads(line)["round"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
-    with client_threads(config, f"127.0.0.1:{port}", {0: 0.05, 1: 0.05, 2: 0.1}):
+    with client_threads(config, f"127.0.0.1:{port}", {0: 0.05, 1: 0.05, 2: 0.1}) as threads:
         with logs[0].open("wb") as out:
             first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
@@ -157,6 +157,9 @@ def test_a_killed_server_started_again_resumes_at_its_last_server_step(tmp_path:
         assert 3 <= len(done) < 40, logs[0].read_text()[-2000:]
         with logs[1].open("wb") as out:
             again = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=120)
+        for thread in threads:  # told the run ended while they trained, they leave on their own
+            thread.join(timeout=2.0)
+        assert not any(t.is_alive() for t in threads)
     assert again.returncode == 0, logs[1].read_text()[-3000:]
     assert steps() == list(range(1, 41))
     resumed = re.search(r"resuming .* after round (\d+)", logs[1].read_text())
