@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_settled_state import FAST_GRPC
 
 from conftest import free_port, small_config
@@ -40,15 +42,19 @@ def slowed(handle: Callable[[Message], Message], seconds: float) -> Callable[[Me
 
 
 @contextmanager
-def client_threads(config: Any, address: str, seconds: dict[int, float]) -> Iterator[list[threading.Thread]]:
-    """A gRPC client thread for each id in ``seconds``, each sleeping that long before it trains."""
+def client_threads(
+    config: Any, address: str, seconds: dict[int, float], wrap: dict[int, Callable[[Any], Any]] | None = None
+) -> Iterator[list[threading.Thread]]:
+    """A gRPC client thread for each id in ``seconds``, each sleeping that long before it trains
+    (its handler passed through ``wrap[id]`` if given)."""
     from fedweave.transports.grpc.client import GrpcClient
 
     task = build_task(config)
     nodes = []
     for cid, wait in seconds.items():
         runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
-        nodes.append(GrpcClient(config.grpc, cid, slowed(runtime.handle, wait), address=address))
+        handle = (wrap or {}).get(cid, lambda h: h)(runtime.handle)
+        nodes.append(GrpcClient(config.grpc, cid, slowed(handle, wait), address=address))
     threads = [threading.Thread(target=node.run, daemon=True) for node in nodes]
     for t in threads:
         t.start()
@@ -84,6 +90,34 @@ def test_an_update_past_max_staleness_is_dropped_and_its_client_told_nothing_cou
     assert 2 not in r.parts.accepted.rounds and {0, 1} <= set(r.parts.accepted.rounds)
     assert records[-1]["clock"] >= 1.0  # the real clock: 20 sleeps of 0.05 s at least per fast client
     assert sum(x["clients_sampled"] for x in records) > 40  # the dropped arrival counted in its step
+
+
+def test_every_asynchronous_reply_is_checked_and_a_bad_one_never_applied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client 2 sends NaN weights: each of its replies is rejected (non_finite) as in a synchronous
+    round, counted in the step's record, and the other two carry every step."""
+    config = small_config(*ASYNC, "clients=3", "rounds=10", "asynchronous.buffer_size=2")
+    r = deployed(config, tmp_path / "run")
+
+    def poisoned(handle: Callable[[Message], Message]) -> Callable[[Message], Message]:
+        def poison(msg: Message) -> Message:
+            reply = handle(msg)
+            tensors = {k: v * float("nan") for k, v in reply.body.tensors.items()}
+            return Message(reply.round, reply.client_id, dataclasses.replace(reply.body, tensors=tensors))
+
+        return poison
+
+    with caplog.at_level("INFO"), client_threads(
+        config, r.parts.topology.transport.address, {0: 0.05, 1: 0.05, 2: 0.02}, wrap={2: poisoned}
+    ):
+        records = runner.run_rounds(r)
+    assert [x["round"] for x in records] == list(range(1, 11))
+    assert sum(x["rejected"].get("non_finite", 0) for x in records) >= 2
+    assert all(c["id"] != 2 for x in records for c in x["clients"])
+    assert 2 not in r.parts.accepted.rounds
+    assert all(torch.isfinite(t).all() for t in r.params.values())
+    assert "update of client 2 rejected: " in caplog.text
 
 
 def test_a_client_killed_mid_training_does_not_stop_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
