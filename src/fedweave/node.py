@@ -3,7 +3,8 @@
 Both build their parts from the same config with :mod:`fedweave.build`, so every
 process derives the same data partition and the same initial model from the seed.
 The server runs :func:`fedweave.loop.run` unchanged over a
-:class:`~fedweave.transports.grpc.server.GrpcServerTransport`; a client serves its
+:class:`~fedweave.transports.grpc.server.GrpcServerTransport` (FedBuff:
+:func:`fedweave.asynchronous.run_deployed`, on the real clock); a client serves its
 own id with a :class:`~fedweave.client.ClientRuntime` and keeps its own
 :class:`~fedweave.client.ClientStateStore`, so stateful algorithms work across rounds.
 In a hierarchical deployment the server's nodes are the site leaders instead
