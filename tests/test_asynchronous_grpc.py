@@ -43,16 +43,21 @@ def slowed(handle: Callable[[Message], Message], seconds: float) -> Callable[[Me
 
 @contextmanager
 def client_threads(
-    config: Any, address: str, seconds: dict[int, float], wrap: dict[int, Callable[[Any], Any]] | None = None
+    config: Any,
+    address: str,
+    seconds: dict[int, float],
+    wrap: dict[int, Callable[[Any], Any]] | None = None,
+    stores: dict[int, ClientStateStore] | None = None,
 ) -> Iterator[list[threading.Thread]]:
     """A gRPC client thread for each id in ``seconds``, each sleeping that long before it trains
-    (its handler passed through ``wrap[id]`` if given)."""
+    (its handler passed through ``wrap[id]`` if given; its state in ``stores[id]``, made if absent)."""
+    stores = {} if stores is None else stores
     from fedweave.transports.grpc.client import GrpcClient
 
     task = build_task(config)
     nodes = []
     for cid, wait in seconds.items():
-        runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
+        runtime = build_client_runtime(config, task, build_chains(config), stores.setdefault(cid, ClientStateStore()))
         handle = (wrap or {}).get(cid, lambda h: h)(runtime.handle)
         nodes.append(GrpcClient(config.grpc, cid, slowed(handle, wait), address=address))
     threads = [threading.Thread(target=node.run, daemon=True) for node in nodes]
@@ -90,6 +95,21 @@ def test_an_update_past_max_staleness_is_dropped_and_its_client_told_nothing_cou
     assert 2 not in r.parts.accepted.rounds and {0, 1} <= set(r.parts.accepted.rounds)
     assert records[-1]["clock"] >= 1.0  # the real clock: 20 sleeps of 0.05 s at least per fast client
     assert sum(x["clients_sampled"] for x in records) > 40  # the dropped arrival counted in its step
+
+
+def test_a_client_keeps_only_the_state_of_an_update_the_server_applied(tmp_path: Path) -> None:
+    """SCAFFOLD: the fast clients commit the control variate of their last applied update; the slow
+    client's updates are all dropped as too stale, so it commits none."""
+    config = small_config(*ASYNC, "clients=3", "rounds=40", "asynchronous.buffer_size=1",
+                          "asynchronous.max_staleness=2", "strategy=scaffold")
+    r = deployed(config, tmp_path / "run")
+    stores: dict[int, ClientStateStore] = {}
+    with client_threads(config, r.parts.topology.transport.address, {0: 0.05, 1: 0.05, 2: 0.4}, stores=stores):
+        runner.run_rounds(r)
+    assert 2 not in r.parts.accepted.rounds and {0, 1} <= set(r.parts.accepted.rounds)
+    assert stores[2].get(2) == {}  # what it trained (at most pending still) was never committed
+    for cid in (0, 1):
+        assert stores[cid].get(cid), f"client {cid} committed no state"
 
 
 def test_every_asynchronous_reply_is_checked_and_a_bad_one_never_applied(
