@@ -81,7 +81,8 @@ def test_an_update_past_max_staleness_is_dropped_and_its_client_told_nothing_cou
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two fast clients drive a step per arrival (K = 1); the slow one's update, trained on
-    version 0, arrives after 0.4 s, about 16 steps later (40 steps take at least 1 s): past max_staleness, so it is dropped, never applied."""
+    version 0, arrives after 0.4 s, about 16 steps later (40 steps take at least 1 s): past
+    max_staleness, so it is dropped, never applied."""
     config = small_config(*ASYNC, "clients=3", "rounds=40", "asynchronous.buffer_size=1",
                           "asynchronous.max_staleness=2")
     r = deployed(config, tmp_path / "run")
