@@ -229,11 +229,11 @@ def test_fedweave_run_with_the_process_launcher_runs_fedbuff_on_client_processes
 ) -> None:
     """`launcher: process`: the server and two `fedweave client` processes at speeds 4 and 1; the
     slow client's reported compute time is the emulated one, about 4 times the fast client's."""
-    config = small_config(*ASYNC, "launcher=process", "clients=2", "rounds=6", "asynchronous.buffer_size=1",
+    config = small_config(*ASYNC, "launcher=process", "clients=2", "rounds=10", "asynchronous.buffer_size=1",
                           "heterogeneity.speeds=[4, 1]", "heterogeneity.slowdown=10", output=tmp_path)
     r = runner.prepare(config, tmp_path / "run")
     records = runner.execute(r)
-    assert [x["round"] for x in records] == list(range(1, 7))
+    assert [x["round"] for x in records] == list(range(1, 11))
     compute = {cid: [c["compute"] for x in records for c in x["clients"] if c["id"] == cid] for cid in (0, 1)}
     assert compute[0] and compute[1], compute
     assert min(compute[1]) > 2 * (sum(compute[0]) / len(compute[0]))
