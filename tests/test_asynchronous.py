@@ -113,7 +113,7 @@ def test_stragglers_and_stale_updates_are_dropped(tmp_path: Path) -> None:
         ([*ASYNC, "asynchronous.buffer_size=11"], "'asynchronous.buffer_size': 11 updates"),
         ([*ASYNC, "asynchronous.concurrency=11"], "'asynchronous.concurrency': 11 is more than clients=10"),
         ([*ASYNC, "plugins.client_send=[secagg]"], "works per synchronous round"),
-        ([*ASYNC, "asynchronous.enabled=true", "transport=grpc"], "in-process simulation"),
+        ([*ASYNC, "asynchronous.enabled=true", "transport=grpc"], "virtual is a simulation.s clock"),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:

@@ -105,7 +105,8 @@ def test_adaptive_resume_equals_uninterrupted(tmp_path: Path) -> None:
         (["heterogeneity.speeds=[1]", "clients=1", "heterogeneity.speed_range=[1, 2]"], "not both"),
         (["heterogeneity.crashes=[{step: 1, worker: 0}]"], "data_parallel only"),
         (["heterogeneity.schedule=[{step: 3, worker: 10, speed: 1}]"], "is not a client"),
-        (["heterogeneity.speeds=[1]", "clients=1", "transport=grpc"], "in-process simulation"),
+        (["heterogeneity.speeds=[1]", "clients=1", "transport=grpc", "heterogeneity.clock=virtual"],
+         "virtual is a simulation"),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:

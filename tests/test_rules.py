@@ -76,6 +76,10 @@ BROKEN: dict[str, tuple[list[str], str]] = {
         ["asynchronous.enabled=true", "heterogeneity.clock=virtual", "plugins.client_send=[secagg]"],
         "config key 'plugins.client_send[0]': plugin 'secagg' works per synchronous round",
     ),
+    "asynchronous_deployment": (
+        ["asynchronous.enabled=true", "transport=grpc", "eval.federated_every=1"],
+        "config key 'eval.federated_every': deployed asynchronous clients are always training",
+    ),
 }
 
 

@@ -38,6 +38,11 @@ which version) is checkpointed, so a resumed run continues exactly as an
 uninterrupted one. Each record also has ``clock`` (virtual seconds at the step),
 ``round_time`` (since the previous step) and per client in the buffer
 ``{id, steps, batch, compute, staleness}``.
+
+Deployed over gRPC (:func:`run_deployed`), the same server state runs on the real clock: a
+drawn client gets its job at once, its answer arrives when it comes (checked, as every
+update), and ``max_staleness``, the buffer and the accepted-round bookkeeping work as above.
+Clients emulate their speeds by sleeping (``heterogeneity.clock: real``).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from fedweave.loop import (
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
 from fedweave.strategies.base import Strategy
+from fedweave.transports.base import Exchange, PostsJobs
 from fedweave.types import Params, Update
 from fedweave.validation import cap_weight_share, rejection_counts
 
@@ -162,13 +168,9 @@ class BufferedServer:
     def dispatch(self, parts: RoundParts, params: Params) -> None:
         """Fill the free slots: each drawn client trains now on ``params``."""
         while len(self.flights) < self.concurrency:
-            busy = {f.client_id for f in self.flights} | {f.client_id for f in self.buffer}
-            idle = [c for c in range(self.num_clients) if c not in busy and self.trained_on.get(c) != self.version]
-            if not idle:
+            cid = self.draw()
+            if cid is None:
                 return
-            cid = idle[int(numpy_rng(self.seed, "async-sample", self.dispatches).integers(len(idle)))]
-            self.dispatches += 1
-            self.trained_on[cid] = self.version
             work = parts.controller.work(cid)
             instructions = parts.strategy.configure(self.version + 1, params, [work])
             exchange = parts.topology.exchange(
@@ -191,11 +193,27 @@ class BufferedServer:
                 Flight(finish, self.dispatches, cid, self.version, self.clock, work.batch_size, update, reason)
             )
 
+    def draw(self) -> int | None:
+        """The next client to train (seeded, uniform among the idle ones), counted as dispatched on
+        the current model version; None when no client is idle."""
+        busy = {f.client_id for f in self.flights} | {f.client_id for f in self.buffer}
+        idle = [c for c in range(self.num_clients) if c not in busy and self.trained_on.get(c) != self.version]
+        if not idle:
+            return None
+        cid = idle[int(numpy_rng(self.seed, "async-sample", self.dispatches).integers(len(idle)))]
+        self.dispatches += 1
+        self.trained_on[cid] = self.version
+        return cid
+
     def arrive(self) -> bool:
         """The next arrival advances the clock; True when it went into the buffer."""
         flight = min(self.flights, key=lambda f: (f.finish, f.seq))
         self.flights.remove(flight)
         self.clock = flight.finish
+        return self.land(flight)
+
+    def land(self, flight: Flight) -> bool:
+        """``flight`` has arrived (no longer in flight): True when it went into the buffer."""
         self.arrived += 1
         staleness = self.version - flight.version
         if flight.update is None:
@@ -255,6 +273,45 @@ class BufferedServer:
         parts.rejected.clear()
         return params, record
 
+    # ------------------------------------------------------------------ deployed: the real clock
+
+    def post(self, parts: RoundParts, params: Params, jobs: PostsJobs) -> None:
+        """Fill the free slots: each drawn client gets its job on ``params`` now; it arrives when it answers."""
+        while len(self.flights) < self.concurrency:
+            cid = self.draw()
+            if cid is None:
+                return
+            work = parts.controller.work(cid)
+            instructions = parts.strategy.configure(self.version + 1, params, [work])
+            jobs.post(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
+            self.flights.append(Flight(0.0, self.dispatches, cid, self.version, self.clock, work.batch_size, None))
+
+    def received(self, parts: RoundParts, params: Params, exchange: Exchange) -> list[Flight]:
+        """The flights that ``exchange`` ended, in order of dispatch, each with its checked update
+        (None: failed or rejected, with the reason); they are no longer in flight."""
+        self.bytes_sent += exchange.bytes_sent
+        self.bytes_received += exchange.bytes_received
+        ended = {m.client_id for m in exchange.replies} | set(exchange.failures)
+        landed = [f for f in self.flights if f.client_id in ended]
+        self.flights = [f for f in self.flights if f.client_id not in ended]
+        accepted = accept_updates(
+            parts.chains, exchange.replies, exchange.failures, params, parts.checks,
+            stand_for(parts.topology, ended), parts.rejected,
+        )
+        updates = {u.client_id: u for u in accepted}
+        for flight in landed:
+            flight.finish = self.clock
+            flight.update = updates.get(flight.client_id)
+            flight.reason = exchange.failures.get(flight.client_id, "")
+        return landed
+
+    def forget_flights(self) -> None:
+        """Work in flight under a previous server is lost: its clients are idle, free to train again."""
+        for flight in self.flights:
+            if self.trained_on.get(flight.client_id) == flight.version:
+                del self.trained_on[flight.client_id]
+        self.flights = []
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -306,13 +363,71 @@ def run_buffered(
             break
         if not server.arrive() or len(server.buffer) < server.buffer_size:
             continue
-        params, record = server.step(parts, params)
-        record.update(parts.chains.metrics())
-        record.update(strategy_metrics(parts.strategy))
-        record.update(evaluate_round(parts, server.version, params, last_round))
-        record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
-        record["bytes_received"] += record.pop("eval_bytes_received", 0)
-        record["wall_time"] = time.perf_counter() - started
-        on_round(server.version, params, record)
+        params = _step(parts, server, params, last_round, on_round, started)
         started = time.perf_counter()
+    return params
+
+
+def _step(
+    parts: RoundParts,
+    server: BufferedServer,
+    params: Params,
+    last_round: int,
+    on_round: Callable[[int, Params, Record], None],
+    started: float,
+) -> Params:
+    """A server step on the full buffer, evaluated, recorded with ``wall_time`` since ``started``."""
+    params, record = server.step(parts, params)
+    record.update(parts.chains.metrics())
+    record.update(strategy_metrics(parts.strategy))
+    record.update(evaluate_round(parts, server.version, params, last_round))
+    record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
+    record["bytes_received"] += record.pop("eval_bytes_received", 0)
+    record["wall_time"] = time.perf_counter() - started
+    on_round(server.version, params, record)
+    return params
+
+
+COLLECT_WAIT = 0.25
+"""Seconds a deployed server waits for an answer before it looks for idle clients again."""
+
+
+def run_deployed(
+    parts: RoundParts,
+    server: BufferedServer,
+    jobs: PostsJobs,
+    params: Params,
+    first_round: int,
+    last_round: int,
+    on_round: Callable[[int, Params, Record], None],
+) -> Params:
+    """Server steps ``first_round..last_round`` over a network, on the real clock.
+
+    Each idle client drawn as in simulation gets its job at once (``jobs.post``), the answers
+    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.loop.accept_updates`
+    (a rejected, failed, lost or late one is not buffered and its client may train the next
+    model version), and every K buffered updates the server steps as in simulation. ``clock``
+    is the real seconds since the run began, continued across a resume. Work in flight when a
+    previous server died is lost with it: its clients may train the same version again.
+    """
+    if server.version != first_round - 1:
+        raise ValueError(f"the asynchronous state has taken {server.version} server steps, not {first_round - 1}")
+    server.forget_flights()
+    origin = time.monotonic() - server.clock
+    started = time.perf_counter()
+    while server.version < last_round:
+        server.clock = time.monotonic() - origin
+        server.post(parts, params, jobs)
+        if not server.flights:
+            log.error(
+                "asynchronous run stopped after %d server steps: no client is left to train model version %d",
+                server.version, server.version,
+            )
+            break
+        exchange = jobs.collect(COLLECT_WAIT)
+        server.clock = time.monotonic() - origin
+        for flight in server.received(parts, params, exchange):
+            if server.land(flight) and len(server.buffer) >= server.buffer_size and server.version < last_round:
+                params = _step(parts, server, params, last_round, on_round, started)
+                started = time.perf_counter()
     return params

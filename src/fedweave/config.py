@@ -711,10 +711,10 @@ def _check_heterogeneity_aware(config: Config) -> None:
             "does not depend on its batch size"
         )
     if asy.enabled:
-        if het.clock != "virtual":
+        if het.clock != "virtual" and config.transport.kind == "inmemory":
             raise ConfigError(
                 "config key 'asynchronous.enabled': asynchronous aggregation is simulated on a virtual clock; "
-                "set heterogeneity.clock: virtual"
+                "set heterogeneity.clock: virtual (or deploy it: transport: grpc)"
             )
         if (asy.buffer_size or config.clients_per_round) > n:
             raise ConfigError(

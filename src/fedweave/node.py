@@ -3,7 +3,8 @@
 Both build their parts from the same config with :mod:`fedweave.build`, so every
 process derives the same data partition and the same initial model from the seed.
 The server runs :func:`fedweave.loop.run` unchanged over a
-:class:`~fedweave.transports.grpc.server.GrpcServerTransport`; a client serves its
+:class:`~fedweave.transports.grpc.server.GrpcServerTransport` (FedBuff:
+:func:`fedweave.asynchronous.run_deployed`, on the real clock); a client serves its
 own id with a :class:`~fedweave.client.ClientRuntime` and keeps its own
 :class:`~fedweave.client.ClientStateStore`, so stateful algorithms work across rounds.
 In a hierarchical deployment the server's nodes are the site leaders instead
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import rundir, runner
+from fedweave.topologies.emulated import emulated_handler
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
@@ -108,7 +110,8 @@ def run_client(config: Config, client_id: int, *, address: str | None = None, to
         raise ConfigError(f"--id {client_id} is not a client of this config (clients: 0..{config.clients - 1})")
     task = build_task(config)
     runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
-    client = GrpcClient(config.grpc, client_id, runtime.handle, address=address, token=token, seed=config.seed)
+    handler = emulated_handler(config, runtime.handle)  # sleeps to an emulated speed (heterogeneity), if any
+    client = GrpcClient(config.grpc, client_id, handler, address=address, token=token, seed=config.seed)
     samples = task.clients.train_size(client_id)
     log.info("client %d built (%d training samples); connecting to %s", client_id, samples, client.address)
     done = client.run()

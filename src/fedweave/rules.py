@@ -110,10 +110,17 @@ def emulation_topology(config: Any) -> None:
 
     if config.mode != "federated" or not emulates_clients(config):
         return
+    if config.transport.kind == "grpc" and config.topology.kind == "star":
+        if config.heterogeneity.clock == "virtual":
+            raise ConfigError(
+                "config key 'heterogeneity.clock': virtual is a simulation's clock; gRPC clients emulate their "
+                "speeds by sleeping on the real clock (clock: real)"
+            )
+        return  # each client process sleeps to its speed (fedweave.node.run_client)
     if config.transport.kind != "inmemory" or config.topology.kind != "star":
         raise ConfigError(
             "config key 'heterogeneity': emulated client speeds need the in-process simulation (transport "
-            "inmemory, topology star); clients on real machines need no emulation"
+            "inmemory, topology star) or gRPC clients of a star; clients on real machines need no emulation"
         )
 
 
@@ -218,6 +225,28 @@ def asynchronous_aggregation(config: Any) -> None:
             )
 
 
+def asynchronous_deployment(config: Any) -> None:
+    """Deployed asynchronous aggregation gives each client its own job: a star of gRPC clients whose
+    one job slot no federated evaluation may take in the middle of their training."""
+    if config.mode != "federated" or not config.asynchronous.enabled or config.transport.kind == "inmemory":
+        return
+    if config.topology.kind != "star":
+        raise ConfigError(
+            f"config key 'topology.kind': asynchronous.enabled over {config.transport.kind} serves each client its "
+            f"own job, which needs topology star (got {config.topology.kind!r})"
+        )
+    if config.launcher.kind not in ("local", "process"):
+        raise ConfigError(
+            f"config key 'launcher': asynchronous.enabled over gRPC runs with launcher local (fedweave server) or "
+            f"process, not {config.launcher.kind!r}"
+        )
+    if config.eval.federated_every:
+        raise ConfigError(
+            "config key 'eval.federated_every': deployed asynchronous clients are always training; evaluate the "
+            "global model on the server (eval.every) instead"
+        )
+
+
 RULES: tuple[Callable[[Any], None], ...] = (
     launcher_transport,
     ray_launcher,
@@ -232,6 +261,7 @@ RULES: tuple[Callable[[Any], None], ...] = (
     update_kinds,
     plugin_order,
     asynchronous_aggregation,
+    asynchronous_deployment,
 )
 """The rules, in the order they are checked (plugin classes first: later rules read them)."""
 

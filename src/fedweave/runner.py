@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import rundir
-from fedweave.asynchronous import BufferedServer, run_buffered
+from fedweave.asynchronous import BufferedServer, run_buffered, run_deployed
 from fedweave.topologies.emulated import emulated_clients
 from fedweave.batching.selection import sample_clients
 from fedweave.build import (
@@ -44,6 +44,8 @@ from fedweave.observe.metrics import MetricsWriter
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
 from fedweave.topologies.base import Topology
+from fedweave.topologies.star import Star
+from fedweave.transports.base import PostsJobs
 from fedweave.types import Params
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,8 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     try:
         if r.buffered is None:
             r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
+        elif (jobs := _posts_jobs(r.parts.topology)) is not None:  # deployed: the real clock
+            r.params = run_deployed(r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round)
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
     except BaseException:
@@ -186,6 +190,13 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         plot_clients(r.records, r.run_dir / CLIENTS_PLOT)
     loggers.close(r.run_dir)
     return r.records
+
+
+def _posts_jobs(topology: Topology) -> PostsJobs | None:
+    """The network transport of a deployed star that gives clients one job at a time, else None."""
+    if isinstance(topology, Star) and isinstance(topology.transport, PostsJobs):
+        return topology.transport
+    return None
 
 
 @dataclass

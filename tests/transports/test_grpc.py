@@ -1034,3 +1034,34 @@ def test_a_site_server_refuses_clients_and_foreign_sites(
         assert "site 1: its certificate belongs to ['client-0']" in caplog.text
         result = topology.exchange(jobs([0, 1], PARAMS), timeout=20)  # site 0 is served throughout
         assert result.failures == {} and result.replies[0].body.clients == 2
+
+
+def test_posted_jobs_are_collected_as_they_end_each_against_its_own_deadline() -> None:
+    """Asynchronous aggregation's use of the jobs: ``post`` returns at once, ``collect`` hands over
+    each job as it ends (the fast client first, the slow one later, one past its deadline failed),
+    and a node gets its next job while others still work."""
+    delays = {0: 0.0, 1: 0.3, 2: 1.2}
+
+    def delayed(msg: Message) -> Message:
+        time.sleep(delays[msg.client_id] if msg.round == 1 else 0.0)
+        return echo(msg)
+
+    with cluster(settings(), clients=3, start=0) as c:
+        for cid in delays:
+            c.start(cid, delayed)
+        began = time.monotonic()
+        c.server.post(jobs([0, 1, 2], PARAMS, 1), timeout=0.8)
+        assert time.monotonic() - began < 5  # the join wait only, no training
+        first = c.server.collect(5.0)
+        assert [r.client_id for r in first.replies] == [0] and first.failures == {}
+        c.server.post(jobs([0], PARAMS, 2), timeout=0.8)  # client 0 trains again; 1 and 2 still work
+        ended: dict[int, Any] = {}
+        while len(ended) < 3:
+            got = c.server.collect(5.0)
+            assert got.replies or got.failures
+            ended.update({(r.client_id, r.round): r for r in got.replies})
+            ended.update({(cid, None): why for cid, why in got.failures.items()})
+        assert set(ended) == {(0, 2), (1, 1), (2, None)}
+        assert ended[(2, None)] == "missed the round deadline (0.8 s)"
+        assert torch.equal(ended[(1, 1)].body.tensors["w"], PARAMS["w"] + 1)
+        assert c.server.collect(0.1).replies == [] and c.server._jobs == {}

@@ -16,6 +16,9 @@ uniformly and seeded) and, optionally, a ``schedule`` of changes (``step`` is a 
   work and the speed only, so a run is deterministic (the same config and seed give the
   same drops, the same plans and, asynchronously, the same order of arrivals).
 
+A deployed gRPC client (``fedweave client``) emulates its speed the same way on the real
+clock (:func:`emulated_handler`), so unlike clients can be reproduced as processes on one machine.
+
 The simulation trains clients one after another, but judges each by its own compute
 time, as if they ran in parallel: a client whose time exceeds the round's deadline
 (``round_timeout``) misses it and its reply is dropped. On the real clock its sleep
@@ -68,7 +71,7 @@ class EmulatedClients:
         self.handler = handler
         self.config = dataclasses.replace(config, speeds=[float(s) for s in speeds])
         self.threads = threads
-        self.transport = InMemoryTransport(self._handle)
+        self.transport = InMemoryTransport(self.handle)
         self._emulators: dict[int, Emulator] = {}
         self._timeout: float | None = None
 
@@ -106,7 +109,8 @@ class EmulatedClients:
         native = emulator.native_cost(samples, cpu_seconds) / emulator.threads
         return max(wall_seconds, emulator.factor(rnd) * native)
 
-    def _handle(self, msg: Message) -> Message:
+    def handle(self, msg: Message) -> Message:
+        """The handler's reply, its training slowed (clock real) or timed (virtual) to the client's speed."""
         cpu, wall = time.process_time(), time.perf_counter()
         reply = self.handler(msg)
         body, instruction = reply.body, msg.body
@@ -135,3 +139,12 @@ def emulated_clients(config: Config, handler: Callable[[Message], Message]) -> S
     more = f" ... ({len(speeds)} clients, {min(speeds):.2f} to {max(speeds):.2f})" if len(speeds) > LOGGED_SPEEDS else ""
     log.info("emulated client speeds (%s clock): %s%s", config.heterogeneity.clock, shown, more)
     return Star(EmulatedClients(handler, config.heterogeneity, speeds, config.threads or torch.get_num_threads()))
+
+
+def emulated_handler(config: Config, handler: Callable[[Message], Message]) -> Callable[[Message], Message]:
+    """A deployed client's ``handler``, sleeping to its emulated speed when the config emulates
+    client speeds (gRPC clients of a star, ``clock: real``), else ``handler`` itself."""
+    if not emulates_clients(config):
+        return handler
+    threads = config.threads or torch.get_num_threads()
+    return EmulatedClients(handler, config.heterogeneity, client_speeds(config), threads).handle

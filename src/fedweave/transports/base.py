@@ -8,7 +8,7 @@ on with the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fedweave.types import Message
 
@@ -30,3 +30,13 @@ class Transport(Protocol):
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PostsJobs(Protocol):
+    """A transport that also gives one node a job at a time and takes the answers as they come
+    (asynchronous aggregation over a network: :func:`fedweave.asynchronous.run_deployed`)."""
+
+    def post(self, messages: list[Message], timeout: float | None) -> None: ...
+
+    def collect(self, wait: float) -> Exchange: ...

@@ -170,14 +170,23 @@ class GrpcClient:
     def _heartbeats(self) -> None:
         """While the node works on a job (from its first frame to its reply delivered), a
         heartbeat every interval; a pull waiting for work is a sign of life of its own (the
-        server counts it), so an idle node sends none."""
+        server counts it), so an idle node sends none. A heartbeat answered ``closing`` stops
+        the node once its job's reply is pushed (or refused)."""
         while not self._stop.wait(self.settings.heartbeat_interval):
             if self._session is None or not self._working.is_set():
                 continue
             try:
-                self._heartbeat_rpc(b"{}", metadata=self._metadata(), timeout=self.settings.rpc_timeout)
+                reply = self._heartbeat_rpc(b"{}", metadata=self._metadata(), timeout=self.settings.rpc_timeout)
             except self._grpc.RpcError as exc:
                 log.debug("%s: heartbeat failed: %s", self.node, exc.code())
+                continue
+            try:
+                closing = p.decode_json(reply).get("closing") is True
+            except SerializationError:
+                closing = False
+            if closing:  # the run ended while this node worked (asynchronous runs end so): no more calls
+                log.info("%s: the server ended the run during its job", self.node)
+                self._stop.set()
 
     def _pull(self) -> _Job | _Shutdown | None:
         s = self.settings

@@ -1,7 +1,9 @@
 """The server side of the gRPC transport: a :class:`~fedweave.transports.base.Transport`.
 
 ``exchange`` posts one job per message and waits until each client has answered,
-failed, gone silent or missed the round's deadline. Clients pull their job
+failed, gone silent or missed the round's deadline. Asynchronous aggregation uses the same
+jobs one at a time: ``post`` gives a node its next job and returns, ``collect`` takes the
+jobs that ended, as they end. Clients pull their job
 (server-streaming, ~1 MiB frames) and push their reply (client-streaming, or one unary
 call when it is one frame); a client
 counts as lost when nothing (heartbeat, pull, push) has come from it for
@@ -61,6 +63,8 @@ class _Job:
     reason: str = ""
     bytes_sent: int = 0
     bytes_received: int = 0
+    deadline: float | None = None  # monotonic seconds
+    timeout: float | None = None
 
     @property
     def open(self) -> bool:
@@ -99,6 +103,7 @@ class GrpcServerTransport:
         self._wake: dict[int, threading.Condition] = {}
         self._clients: dict[int, _Client] = {}
         self._jobs: dict[int, _Job] = {}
+        self._posted: list[_Job] = []  # jobs posted one by one (asynchronous aggregation), not yet collected
         self._tokens = p.token_hashes(settings)
         self._closing = False
         self._closed = False
@@ -142,55 +147,95 @@ class GrpcServerTransport:
     # ------------------------------------------------------------------ Transport
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
-        result = Exchange()
         if not messages:
-            return result
+            return Exchange()
+        self._join()
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        with self._cond:
+            jobs = [self._new_job(msg, deadline, timeout) for msg in messages]
+            try:
+                while True:
+                    self._expire(jobs, time.monotonic())
+                    if not any(job.open for job in jobs):
+                        break
+                    wait = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+                    self._cond.wait(max(wait, 0.0))
+            finally:
+                self._release(jobs)
+        return self._result(jobs, time.monotonic() - start)
+
+    def post(self, messages: list[Message], timeout: float | None) -> None:
+        """Post each message as its node's job and return at once; :meth:`collect` takes the
+        answers as they come (asynchronous aggregation). Each job has its own ``timeout``."""
+        if not messages:
+            return
+        self._join()
+        now = time.monotonic()
+        with self._cond:
+            deadline = None if timeout is None else now + timeout
+            self._posted.extend(self._new_job(msg, deadline, timeout) for msg in messages)
+
+    def collect(self, wait: float) -> Exchange:
+        """The posted jobs that ended (answered, failed, lost, past their deadline), waiting up to
+        ``wait`` s for the first; the others stay posted."""
+        end = time.monotonic() + wait
+        with self._cond:
+            while True:
+                self._expire(self._posted, time.monotonic())
+                ended = [job for job in self._posted if not job.open]
+                remaining = end - time.monotonic()
+                if ended or remaining <= 0 or not self._posted:
+                    break
+                self._cond.wait(min(0.25, remaining))
+            self._posted = [job for job in self._posted if job.open]
+            self._release(ended)
+        return self._result(ended, None)
+
+    def _join(self) -> None:
+        """Before the first job: wait for the nodes to register (``grpc.join_timeout``)."""
         if not self._joined:
             self._joined = True
             joined = self.wait_for_clients(self.num_nodes, self.settings.join_timeout)
             log.info("%d of %d %ss registered before the first round", joined, self.num_nodes, self.role)
-        start = time.monotonic()
         if self._first_round is None:
-            self._first_round = start
-        deadline = None if timeout is None else start + timeout
+            self._first_round = time.monotonic()
+
+    def _new_job(self, msg: Message, deadline: float | None, timeout: float | None) -> _Job:
+        """Post ``msg`` as its node's job (the caller holds the lock); the node's pull wakes."""
+        self._count += 1
+        job_id = f"{self._epoch}-{self._count}"
+        job = _Job(job_id, msg.client_id, msg, _expected(msg), deadline=deadline, timeout=timeout)
+        self._jobs[msg.client_id] = job
+        self._wake_of(msg.client_id).notify_all()
+        return job
+
+    def _expire(self, jobs: list[_Job], now: float) -> None:
+        """Fail the open jobs whose node has gone silent or whose deadline has passed (lock held)."""
         lost_after = self.settings.heartbeat_timeout
-        with self._cond:
-            jobs = []
-            for msg in messages:
-                self._count += 1
-                job = _Job(f"{self._epoch}-{self._count}", msg.client_id, msg, _expected(msg))
-                self._jobs[msg.client_id] = job
-                jobs.append(job)
-                self._wake_of(msg.client_id).notify_all()
-            try:
-                while True:
-                    now = time.monotonic()
-                    for job in jobs:
-                        if not job.open:
-                            continue
-                        # silent since its last sign of life, which may be rounds ago: a node
-                        # lost in an earlier round fails at once until it is heard from again
-                        client = self._clients.get(job.client_id)
-                        seen = client.last_seen if client is not None else self._first_round
-                        if now - seen > lost_after:
-                            what = "registered" if client is None else "sent a heartbeat"
-                            self._close_job(job, failed=f"lost: it has not {what} for {now - seen:.1f} s")
-                    if not any(job.open for job in jobs):
-                        break
-                    if deadline is not None and now >= deadline:
-                        for job in jobs:
-                            if job.open:
-                                self._close_job(job, failed=f"missed the round deadline ({timeout:g} s)")
-                        break
-                    wait = 0.25 if deadline is None else min(0.25, deadline - now)
-                    self._cond.wait(max(wait, 0.0))
-            finally:
-                for job in jobs:
-                    if job.open:
-                        self._close_job(job, failed="the exchange was interrupted")
-                    if self._jobs.get(job.client_id) is job:
-                        del self._jobs[job.client_id]
-        result.waited = time.monotonic() - start
+        for job in jobs:
+            if not job.open:
+                continue
+            # silent since its last sign of life, which may be rounds ago: a node
+            # lost in an earlier round fails at once until it is heard from again
+            client = self._clients.get(job.client_id)
+            seen = client.last_seen if client is not None else self._first_round or now
+            if now - seen > lost_after:
+                what = "registered" if client is None else "sent a heartbeat"
+                self._close_job(job, failed=f"lost: it has not {what} for {now - seen:.1f} s")
+            elif job.deadline is not None and now >= job.deadline:
+                self._close_job(job, failed=f"missed the round deadline ({job.timeout:g} s)")
+
+    def _release(self, jobs: list[_Job]) -> None:
+        """Drop ended jobs (an open one fails as interrupted), so memory does not grow (lock held)."""
+        for job in jobs:
+            if job.open:
+                self._close_job(job, failed="the exchange was interrupted")
+            if self._jobs.get(job.client_id) is job:
+                del self._jobs[job.client_id]
+
+    def _result(self, jobs: list[_Job], waited: float | None) -> Exchange:
+        result = Exchange(waited=waited)
         for job in jobs:  # replies in the order of the messages, as in simulation
             result.bytes_sent += job.bytes_sent
             result.bytes_received += job.bytes_received

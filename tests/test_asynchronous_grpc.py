@@ -1,0 +1,291 @@
+"""Asynchronous aggregation deployed over gRPC (issue 16 item 1): FedBuff on the real clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_settled_state import FAST_GRPC
+
+from conftest import free_port, small_config
+from fedweave import config as config_mod
+from fedweave import rundir, runner
+from fedweave.topologies.emulated import emulated_handler
+from fedweave.build import build_chains, build_client_runtime, build_task
+from fedweave.client import ClientStateStore
+from fedweave.errors import ConfigError
+from fedweave.node import server_topology
+from fedweave.types import Message
+
+ASYNC = [*FAST_GRPC, "asynchronous.enabled=true", "checkpoint.every=1"]
+
+
+def slowed(handle: Callable[[Message], Message], seconds: float) -> Callable[[Message], Message]:
+    def slow(msg: Message) -> Message:
+        time.sleep(seconds)
+        return handle(msg)
+
+    return slow
+
+
+@contextmanager
+def client_threads(
+    config: Any,
+    address: str,
+    seconds: dict[int, float],
+    wrap: dict[int, Callable[[Any], Any]] | None = None,
+    stores: dict[int, ClientStateStore] | None = None,
+) -> Iterator[list[threading.Thread]]:
+    """A gRPC client thread for each id in ``seconds``, each sleeping that long before it trains
+    (its handler passed through ``wrap[id]`` if given; its state in ``stores[id]``, made if absent)."""
+    stores = {} if stores is None else stores
+    from fedweave.transports.grpc.client import GrpcClient
+
+    task = build_task(config)
+    nodes = []
+    for cid, wait in seconds.items():
+        runtime = build_client_runtime(config, task, build_chains(config), stores.setdefault(cid, ClientStateStore()))
+        handle = (wrap or {}).get(cid, lambda h: h)(runtime.handle)
+        nodes.append(GrpcClient(config.grpc, cid, slowed(handle, wait), address=address))
+    threads = [threading.Thread(target=node.run, daemon=True) for node in nodes]
+    for t in threads:
+        t.start()
+    try:
+        yield threads
+    finally:
+        for node in nodes:
+            node.stop()
+        for t in threads:
+            t.join(timeout=10)
+
+
+def deployed(config: Any, run_dir: Path) -> runner.Run:
+    topology = server_topology(config)
+    return runner.prepare(config, run_dir, topology=topology)
+
+
+def test_an_update_past_max_staleness_is_dropped_and_its_client_told_nothing_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two fast clients drive a step per arrival (K = 1); the slow one's update, trained on
+    version 0, arrives after 0.4 s, about 16 steps later (40 steps take at least 1 s): past
+    max_staleness, so it is dropped, never applied."""
+    config = small_config(*ASYNC, "clients=3", "rounds=40", "asynchronous.buffer_size=1",
+                          "asynchronous.max_staleness=2")
+    r = deployed(config, tmp_path / "run")
+    address = r.parts.topology.transport.address
+    with caplog.at_level("INFO"), client_threads(config, address, {0: 0.05, 1: 0.05, 2: 0.4}):
+        records = runner.run_rounds(r)
+    assert [x["round"] for x in records] == list(range(1, 41))
+    assert all(c["staleness"] <= 2 and c["id"] != 2 for x in records for c in x["clients"])
+    assert sum(x["clients_completed"] for x in records) == 40  # one update per step
+    assert "update of client 2 dropped" in caplog.text
+    assert 2 not in r.parts.accepted.rounds and {0, 1} <= set(r.parts.accepted.rounds)
+    assert records[-1]["clock"] >= 1.0  # the real clock: 20 sleeps of 0.05 s at least per fast client
+    assert sum(x["clients_sampled"] for x in records) > 40  # the dropped arrival counted in its step
+
+
+def test_a_client_keeps_only_the_state_of_an_update_the_server_applied(tmp_path: Path) -> None:
+    """SCAFFOLD: the fast clients commit the control variate of their last applied update; the slow
+    client's updates are all dropped as too stale, so it commits none."""
+    config = small_config(*ASYNC, "clients=3", "rounds=40", "asynchronous.buffer_size=1",
+                          "asynchronous.max_staleness=2", "strategy=scaffold")
+    r = deployed(config, tmp_path / "run")
+    stores: dict[int, ClientStateStore] = {}
+    with client_threads(config, r.parts.topology.transport.address, {0: 0.05, 1: 0.05, 2: 0.4}, stores=stores):
+        runner.run_rounds(r)
+    assert 2 not in r.parts.accepted.rounds and {0, 1} <= set(r.parts.accepted.rounds)
+    assert stores[2].get(2) == {}  # what it trained (at most pending still) was never committed
+    for cid in (0, 1):
+        assert stores[cid].get(cid), f"client {cid} committed no state"
+
+
+def test_every_asynchronous_reply_is_checked_and_a_bad_one_never_applied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client 2 sends NaN weights: each of its replies is rejected (non_finite) as in a synchronous
+    round, counted in the step's record, and the other two carry every step."""
+    config = small_config(*ASYNC, "clients=3", "rounds=10", "asynchronous.buffer_size=2")
+    r = deployed(config, tmp_path / "run")
+
+    def poisoned(handle: Callable[[Message], Message]) -> Callable[[Message], Message]:
+        def poison(msg: Message) -> Message:
+            reply = handle(msg)
+            tensors = {k: v * float("nan") for k, v in reply.body.tensors.items()}
+            return Message(reply.round, reply.client_id, dataclasses.replace(reply.body, tensors=tensors))
+
+        return poison
+
+    with caplog.at_level("INFO"), client_threads(
+        config, r.parts.topology.transport.address, {0: 0.05, 1: 0.05, 2: 0.02}, wrap={2: poisoned}
+    ):
+        records = runner.run_rounds(r)
+    assert [x["round"] for x in records] == list(range(1, 11))
+    assert sum(x["rejected"].get("non_finite", 0) for x in records) >= 2
+    assert all(c["id"] != 2 for x in records for c in x["clients"])
+    assert 2 not in r.parts.accepted.rounds
+    assert all(torch.isfinite(t).all() for t in r.params.values())
+    assert "update of client 2 rejected: " in caplog.text
+
+
+def test_a_client_killed_mid_training_does_not_stop_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Client 2 is a `fedweave client` process emulating a slow machine (it sleeps to speed 1 of 8);
+    killed while it trains, its job fails as lost and the two others carry the run to its end."""
+    port = free_port()
+    config = small_config(*ASYNC, "clients=3", "rounds=60", "asynchronous.buffer_size=2",
+                          "heterogeneity.speeds=[8, 8, 1]", "heterogeneity.slowdown=400",
+                          "grpc.heartbeat_timeout=1.0", f"grpc.listen=127.0.0.1:{port}")
+    path = tmp_path / "config.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    r = deployed(config, tmp_path / "run")
+    transport = r.parts.topology.transport
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedweave", "client", str(path), "--id", "2", "--address", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "FEDWEAVE_PARENT_PID": str(os.getpid())},
+    )
+
+    def kill_when_training() -> None:
+        deadline = time.monotonic() + 60
+        while transport.node_counts()[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # its job arrived at once; at speed 1 of 8 it trains for seconds
+        proc.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_training, daemon=True)
+    killer.start()
+    try:
+        with caplog.at_level("INFO"), client_threads(config, transport.address, {0: 0.05, 1: 0.05}):
+            records = runner.run_rounds(r)
+    finally:
+        killer.join(timeout=70)
+        proc.kill()
+        proc.wait(5)
+    assert proc.returncode == -signal.SIGKILL
+    assert [x["round"] for x in records] == list(range(1, 61))
+    assert "client 2 failed: lost" in caplog.text
+    assert set(r.parts.accepted.rounds) == {0, 1}
+
+
+def test_a_killed_server_started_again_resumes_at_its_last_server_step(tmp_path: Path) -> None:
+    """kill -9 the `fedweave server` after a few server steps and run the same command: it resumes
+    after the checkpoint, its clients register again, and the steps go on to the end, each once."""
+    port = free_port()
+    config = small_config(*ASYNC, "clients=3", "rounds=40", "asynchronous.buffer_size=2",
+                          f"grpc.listen=127.0.0.1:{port}")
+    path = tmp_path / "config.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "fedweave", "server", str(path), "--run-dir", str(run_dir)]
+    env = {**os.environ, "FEDWEAVE_PARENT_PID": str(os.getpid())}
+    logs = [tmp_path / "server.log", tmp_path / "server-again.log"]
+
+    def steps() -> list[int]:
+        metrics = run_dir / rundir.METRICS_FILE
+        return [json.loads(line)["round"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+    with client_threads(config, f"127.0.0.1:{port}", {0: 0.05, 1: 0.05, 2: 0.1}) as threads:
+        with logs[0].open("wb") as out:
+            first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while len(steps()) < 3 and time.monotonic() < deadline and first.poll() is None:
+                time.sleep(0.02)
+            first.send_signal(signal.SIGKILL)
+            first.wait(5)
+        finally:
+            first.kill()
+        done = steps()
+        assert 3 <= len(done) < 40, logs[0].read_text()[-2000:]
+        with logs[1].open("wb") as out:
+            again = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=120)
+        for thread in threads:  # told the run ended while they trained, they leave on their own
+            thread.join(timeout=2.0)
+        assert not any(t.is_alive() for t in threads)
+    assert again.returncode == 0, logs[1].read_text()[-3000:]
+    assert steps() == list(range(1, 41))
+    resumed = re.search(r"resuming .* after round (\d+)", logs[1].read_text())
+    assert resumed and int(resumed[1]) in (done[-1] - 1, done[-1])  # the kill may land before the checkpoint
+    clocks = [json.loads(line)["clock"] for line in (run_dir / rundir.METRICS_FILE).read_text().splitlines()]
+    assert clocks == sorted(clocks)  # the real clock goes on from the checkpoint's
+    assert (run_dir / rundir.MODEL_FILE).is_file()
+
+
+def test_fedweave_run_with_the_process_launcher_runs_fedbuff_on_client_processes_of_emulated_speeds(
+    tmp_path: Path,
+) -> None:
+    """`launcher: process`: the server and two `fedweave client` processes at speeds 4 and 1; the
+    slow client's reported compute time is the emulated one, about 4 times the fast client's."""
+    config = small_config(*ASYNC, "launcher=process", "clients=2", "rounds=10", "asynchronous.buffer_size=1",
+                          "heterogeneity.speeds=[4, 1]", "heterogeneity.slowdown=10", output=tmp_path)
+    r = runner.prepare(config, tmp_path / "run")
+    records = runner.execute(r)
+    assert [x["round"] for x in records] == list(range(1, 11))
+    compute = {cid: [c["compute"] for x in records for c in x["clients"] if c["id"] == cid] for cid in (0, 1)}
+    assert compute[0] and compute[1], compute
+    assert min(compute[1]) > 2 * (sum(compute[0]) / len(compute[0]))
+    assert (tmp_path / "run" / rundir.MODEL_FILE).is_file()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        (["topology={kind: hierarchical, sites: 2}", "topology.inner=torchdist"],
+         "config key 'topology.kind': asynchronous"),
+        (["eval.federated_every=1"], "config key 'eval.federated_every': deployed asynchronous clients"),
+        (["plugins.client_send=[secagg]"],
+         "config key 'plugins.client_send[0]': plugin 'secagg' works per synchronous"),
+        (["heterogeneity.clock=virtual"], "config key 'heterogeneity.clock': virtual is a simulation's clock"),
+    ],
+)
+def test_a_deployed_asynchronous_config_that_cannot_run_is_one_line(overrides: list[str], start: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        small_config(*ASYNC, *overrides)
+    assert str(err.value).startswith(start) and "\n" not in str(err.value)
+
+
+def test_a_deployed_client_sleeps_to_its_emulated_speed() -> None:
+    """Speeds [4, 1], slowdown 1: client 1 lasts 4 times its training's CPU time, client 0 no longer than it."""
+    config = small_config("transport=grpc", "clients=2", "heterogeneity.speeds=[4, 1]")
+    calls = []
+
+    def busy(msg: Message) -> Message:
+        began = time.process_time()
+        while time.process_time() - began < 0.05:
+            pass
+        calls.append(msg.client_id)
+        return Message(msg.round, msg.client_id, _update(msg.client_id))
+
+    for cid, least, most in ((0, 0.04, 0.15), (1, 0.19, 0.4)):
+        handle = emulated_handler(config, busy)
+        began = time.perf_counter()
+        reply = handle(Message(1, cid, _instruction(cid)))
+        took = time.perf_counter() - began
+        assert least <= took <= most, (cid, took)
+        assert reply.body.compute_time == pytest.approx(took, abs=0.03)
+    assert emulated_handler(small_config("transport=grpc"), busy) is busy
+
+
+def _instruction(cid: int) -> Any:
+    from fedweave.types import Instruction, TaskKind, Work
+
+    return Instruction(1, TaskKind.TRAIN, Work(cid, 16), {})
+
+
+def _update(cid: int) -> Any:
+    from fedweave.types import Update, UpdateKind
+
+    return Update(client_id=cid, kind=UpdateKind.DELTA, tensors={}, num_examples=16, local_steps=1)
