@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import rundir, runner
-from fedweave.topologies.emulated import emulated_handler
 from fedweave.build import build_chains, build_client_runtime, build_task
-from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config
 from fedweave.errors import ConfigError
+from fedweave.files import atomic_write_text
 from fedweave.topologies.deploy import SiteBatches
+from fedweave.topologies.emulated import emulated_handler
 from fedweave.topologies.hierarchical import site_tree
 from fedweave.topologies.star import Star
 
