@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fedweave import config as config_mod
 from fedweave import rundir
-from fedweave.checkpoint import load_checkpoint
+from fedweave.checkpoint import check_params, load_checkpoint
 from fedweave.files import atomic_write_text
 from fedweave.config import Config
 from fedweave.data_parallel import asp
@@ -31,7 +31,9 @@ from fedweave.data_parallel.bsp import Worker, worker_main
 from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise
 from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
 from fedweave.data_parallel.records import PLOT_FILE, DataParallelRun, Record
-from fedweave.data_parallel.workers import Shared, load_data, release_workers, resolve_backend, spawn_workers
+from fedweave.data_parallel.workers import (
+    Shared, load_data, make_model, release_workers, resolve_backend, spawn_workers,
+)
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail
 
@@ -49,13 +51,20 @@ def prepare(config: Config, run_dir: Path | None = None) -> DataParallelRun:
 
 
 def resume(run_dir: str | Path) -> DataParallelRun:
-    """Continue the data-parallel run in ``run_dir`` from its last checkpoint (an epoch's end)."""
+    """Continue the data-parallel run in ``run_dir`` from its last checkpoint (an epoch's end).
+
+    Raises :class:`CheckpointError` naming the first tensor whose shape differs between the
+    checkpoint and the model of the saved config (a config edited since), before any worker starts.
+    """
     run_dir = Path(run_dir)
     config = rundir.saved_config(run_dir)
     saved = load_checkpoint(run_dir)
     if saved.get("mode") != "data_parallel":
         raise CheckpointError(f"checkpoint in {str(run_dir)!r} is not of a data-parallel run")
     state = saved["state"]
+    model = state["server"]["model"] if state.get("sync") == "asp" else state.get("model")
+    expected = make_model(config, load_data(config)).state_dict()
+    check_params(model, expected, f"checkpoint in {str(run_dir)!r}")  # before any worker starts
     kept = rundir.records_until(run_dir, "step", state["step"])
     log.info("resuming %s after step %d", run_dir, state["step"])
     return DataParallelRun(config, run_dir, resume_state=state, records=kept)
