@@ -1,8 +1,11 @@
-"""Resuming a data-parallel run (:mod:`fedweave.data_parallel.launch`): a checkpoint that does not fit
-the saved config's model is one line naming the tensor and both shapes, before any worker starts."""
+"""Resuming and joining a data-parallel run (:mod:`fedweave.data_parallel.launch`): a checkpoint that
+does not fit the saved config's model is one line naming the tensor and both shapes, before any worker
+starts; a worker joined by hand that the run ends before admitting is done, not failed, when the run
+finished."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import yaml
 from fedweave import cli
 from fedweave import config as config_mod
 from fedweave import data_parallel
+from fedweave.data_parallel import elastic, group, launch
 from fedweave.errors import CheckpointError
 
 DP = [
@@ -60,3 +64,26 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_tensor_and_both_sh
         assert out == ""
     finally:
         edit(finished, [16], epochs=1)
+
+
+def ended_run_store(run: Path) -> object:
+    """The store of a launcher whose run has ended (``end`` set, two workers started), named in the
+    run's rendezvous file as a running launcher names it."""
+    store = group.launcher_store(10)
+    store.add(elastic.WORKER_IDS_KEY, 2)
+    store.set("end", "1")
+    (run / launch.RENDEZVOUS_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": store.port, "backend": "gloo"}))
+    return store
+
+
+def test_a_joiner_announced_after_the_last_step_of_a_finished_run_ends_cleanly(finished: Path) -> None:
+    store = ended_run_store(finished)
+    try:
+        assert data_parallel.join(finished) == launch.Joined(worker=2, trained=False)
+        assert store.get("join/1").decode() == "2,0"  # it did announce itself
+        edit(finished, [16], epochs=2)  # the same ending, but the checkpoint is not the run's end: a failure
+        with pytest.raises(data_parallel.DataParallelError, match="worker 3: the run ended before this worker was admitted"):
+            data_parallel.join(finished)
+    finally:
+        edit(finished, [16], epochs=1)
+        (finished / launch.RENDEZVOUS_FILE).unlink()
