@@ -29,7 +29,7 @@ from fedweave.files import atomic_write_text
 from fedweave.config import Config
 from fedweave.data_parallel import asp
 from fedweave.data_parallel.bsp import Worker, worker_main
-from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise
+from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise, turn_away
 from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
 from fedweave.data_parallel.records import PLOT_FILE, DataParallelRun, Record
 from fedweave.data_parallel.workers import (
@@ -121,6 +121,7 @@ def execute(
         for w in joins:
             if not store.check([f"admitted/{w}"]):
                 log.info("worker %d was never admitted: the run ended before step %d", w, joins[w])
+        turn_away(store)
         for p in procs.values():
             if p.is_alive():
                 p.kill()
