@@ -199,15 +199,30 @@ PROBE = """
 import sys, time
 import grpc
 from fedweave.transports.grpc.health import check
+print("asking", flush=True)
 deadline = time.monotonic() + float(sys.argv[2])
 status = None
 while status != "SERVING" and time.monotonic() < deadline:
     try:
         status = check(sys.argv[1], timeout=1.0)
     except grpc.RpcError:
-        time.sleep(0.2)
+        time.sleep(0.05)
 print(status)
 """
+
+
+def probing(command: list[str]) -> subprocess.Popen[str]:
+    """The probe, asking from before the pods start until SERVING (a small federation may end within a second)."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def probe_status(probe: subprocess.Popen[str], seconds: float) -> str:
+    try:
+        out, err = probe.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        out, err = probe.communicate()
+    return out.strip() or err[-500:]
 
 
 class Loopback:
@@ -220,10 +235,8 @@ class Loopback:
             pod.resolve.update({name: "127.0.0.1" for p in running for name in p.hostnames})
             pod.resolve["0.0.0.0"] = "127.0.0.1"
 
-    def probe(self, pod: Pod, port: int, seconds: float) -> str | None:
-        out = subprocess.run([sys.executable, "-c", PROBE, f"127.0.0.1:{port}", str(seconds)], capture_output=True,
-                             text=True, timeout=seconds + 30, check=False)
-        return out.stdout.strip() or out.stderr[-500:]
+    def probe(self, pod: Pod, port: int, seconds: float) -> subprocess.Popen[str]:
+        return probing([sys.executable, "-c", PROBE, f"127.0.0.1:{port}", str(seconds)])
 
     def close(self) -> None:
         """Nothing to release."""
@@ -271,22 +284,23 @@ class Namespaces(netns.NetworkNamespaces):
             own = f"{self.address[pod.name]} {socket.gethostname()}"
             (folder / "hosts").write_text("\n".join(["127.0.0.1 localhost", own, *hosts]) + "\n")
 
-    def probe(self, pod: Pod, port: int, seconds: float) -> str | None:
+    def probe(self, pod: Pod, port: int, seconds: float) -> subprocess.Popen[str]:
         command = ["ip", "netns", "exec", self.node, sys.executable, "-c", PROBE, f"{self.address[pod.name]}:{port}"]
-        out = subprocess.run([*command, str(seconds)], capture_output=True, text=True, timeout=seconds + 30, check=False)
-        return out.stdout.strip() or out.stderr[-500:]
+        return probing([*command, str(seconds)])
 
 
 
 def run_pods(running: list[Pod], objects: list[dict[str, Any]], network: Loopback | Namespaces,
-             ready: Callable[[], None] = lambda: None, seconds: float = 150) -> None:
-    """Start every pod, call ``ready``, and check each ends with status 0 within ``seconds``."""
+             ready: Callable[[], Callable[[], None]] | None = None, seconds: float = 150) -> None:
+    """Start every pod (``ready`` just before: what it returns is called after) and check each ends with
+    status 0 within ``seconds``."""
     try:
         network.attach(running, objects)
+        check = ready() if ready is not None else (lambda: None)
         for pod in running:
             pod.start()
         deadline = time.monotonic() + seconds
-        ready()
+        check()
         for pod in running:
             try:
                 code = pod.process.wait(timeout=max(deadline - time.monotonic(), 1.0))
@@ -316,9 +330,15 @@ def run(tmp_path: Path, config: Path, names: list[str], network: Loopback | Name
     probe = server.container["readinessProbe"]["grpc"]["port"]
     assert server.container["livenessProbe"]["grpc"]["port"] == probe
 
-    def serving() -> None:
-        status = network.probe(server, probe, 120)
-        assert status == "SERVING", f"{status}\n{server.tail()}"
+    def serving() -> Callable[[], None]:
+        asking = network.probe(server, probe, 120)
+        assert asking.stdout is not None and asking.stdout.readline() == "asking\n"  # its imports done
+
+        def answered() -> None:
+            status = probe_status(asking, 150)
+            assert status == "SERVING", f"{status}\n{server.tail()}"
+
+        return answered
 
     run_pods(running, objects, network, serving)
     run_dir = Path(server.rewrite(k8s.RUN_DIR))
