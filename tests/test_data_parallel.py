@@ -270,7 +270,10 @@ def test_a_joiner_that_never_arrives_is_dropped_within_the_timeouts(tmp_path: Pa
 
 def test_a_worker_started_by_hand_joins_the_running_job(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    config = dp_config("data_parallel.workers=2", "heterogeneity.speeds=[]", "data_parallel.epochs=4")
+    # the members are held (SIGSTOP) until the joiner has announced itself: the 40 steps take ~0.3 s, and a
+    # slow machine let the run end first (timeout 60: a collective held mid-way does not time out)
+    config = dp_config("data_parallel.workers=2", "heterogeneity.speeds=[]", "data_parallel.epochs=4",
+                       "data_parallel.timeout=60")
     r = data_parallel.prepare(config, run)
     joiner = subprocess.Popen(
         [sys.executable, "-m", "fedweave", "join", str(run), "--wait", "60", "-v"],
@@ -278,18 +281,28 @@ def test_a_worker_started_by_hand_joins_the_running_job(tmp_path: Path) -> None:
     )
     lines: list[str] = []
     ready = threading.Event()
+    announced = threading.Event()
 
     def read() -> None:
         for line in joiner.stderr:  # type: ignore[union-attr]
             lines.append(line)
             if "waiting up to" in line:
                 ready.set()
+            if "announced in slot" in line:
+                announced.set()
+
+    def hold(pids: dict[int, int]) -> None:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        announced.wait(30)  # else the asserts below say what the joiner did
+        for pid in pids.values():
+            os.kill(pid, signal.SIGCONT)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         assert ready.wait(60), "".join(lines)  # imports done: it joins within a poll and a step of the start
-        records = data_parallel.execute(r)
+        records = data_parallel.execute(r, on_start=hold)
         assert joiner.wait(30) == 0, "".join(lines)
         reader.join(10)  # its last lines
     finally:

@@ -400,8 +400,11 @@ def _join(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    worker = data_parallel.join(args.run_dir, wait=args.wait)
-    print(f"worker {worker} trained with the run in {args.run_dir} to its end", file=sys.stderr)
+    joined = data_parallel.join(args.run_dir, wait=args.wait)
+    if joined.trained:
+        print(f"worker {joined.worker} trained with the run in {args.run_dir} to its end", file=sys.stderr)
+    else:
+        print(f"worker {joined.worker}: the run in {args.run_dir} finished before it was admitted", file=sys.stderr)
     return 0
 
 

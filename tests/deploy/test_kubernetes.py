@@ -69,8 +69,8 @@ def test_every_overlay_builds_and_validates_strictly(rendered: dict[str, k8s.Ren
         "ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "NetworkPolicy", "Job",
     }
     assert built["hierarchical", "base"] == built["star", "base"] | {"Namespace"}
-    assert built["data_parallel", "base"] == {"ConfigMap", "Service", "Job"}
-    assert built["data_parallel", "pytorchjob"] == {"ConfigMap", "PyTorchJob"}
+    assert built["data_parallel", "base"] == {"ConfigMap", "PersistentVolumeClaim", "Service", "Job"}
+    assert built["data_parallel", "pytorchjob"] == {"ConfigMap", "PersistentVolumeClaim", "PyTorchJob"}
 
 
 def test_strict_validation_and_the_crd_schema_refuse_a_wrong_field(rendered: dict[str, k8s.Rendered]) -> None:
@@ -203,14 +203,22 @@ def test_data_parallel_torchrun_pods_and_the_pytorchjob(rendered: dict[str, k8s.
     assert c["args"] == [
         f"--nnodes={workers}", "--nproc-per-node=1", "--node-rank=$(JOB_COMPLETION_INDEX)",
         f"--master-addr={n}-0.{n}", "--master-port=29500", "-m", "fedweave.data_parallel", k8s.CONFIG_PATH,
+        "--run-dir", k8s.RUN_DIR,
     ]
+    claim = by_kind(objects, "PersistentVolumeClaim")[f"{r.name}-run"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every worker pod, on any node, sees the run directory
+    assert {"name": "run", "mountPath": k8s.DATA_DIR} in c["volumeMounts"]
+    assert {"name": "run", "persistentVolumeClaim": {"claimName": f"{r.name}-run"}} in pod["volumes"]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in c["env"]
     (pj,) = by_kind(kustomize(r.out / "overlays" / "pytorchjob"), "PyTorchJob").values()
     assert pj["spec"]["elasticPolicy"]["maxReplicas"] == workers
     worker = pj["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == workers
     (pc,) = worker["template"]["spec"]["containers"]
     assert pc["name"] == "pytorch" and pc["command"] == ["torchrun"]
-    assert pc["args"] == ["-m", "fedweave.data_parallel", k8s.CONFIG_PATH]
+    assert pc["args"] == ["-m", "fedweave.data_parallel", k8s.CONFIG_PATH, "--run-dir", k8s.RUN_DIR]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in pc["env"]  # elastic joins
+    assert {"name": "run", "persistentVolumeClaim": {"claimName": f"{r.name}-run"}} in worker["template"]["spec"]["volumes"]
 
 
 def test_the_gpu_overlay_gives_each_training_pod_a_gpu_and_the_cuda_image(rendered: dict[str, k8s.Rendered]) -> None:

@@ -15,6 +15,12 @@ comes from the bridge's side, as the kubelet's does. Elsewhere every pod shares 
 config picks free ports and each Service's name (and 0.0.0.0, a pod's own address) is rewritten to
 127.0.0.1 in what a pod reads.
 
+The data-parallel deployment (2 workers, synthetic data, 5 steps) runs the same way: each index of
+its Indexed Job a pod of its own with ``JOB_COMPLETION_INDEX`` set, the image's ``torchrun`` as
+this interpreter's ``torch.distributed.run``, pod 0's name under the headless Service resolving to
+index 0; the job must end, its run directory on the shared claim holding the metrics and the model
+one process trains on the same global batches.
+
 The test asks the server's readiness probe (its ``grpc`` port) until it answers SERVING, and checks
 every process ends with status 0, the server's run directory on its claim holds both rounds, and
 they equal the same config run in memory.
@@ -31,12 +37,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import netns
 import pytest
+import yaml
 from conftest import free_port
+from data_parallel.test_torchrun import assert_matches_reference
 
 from fedweave import config as config_mod
 from fedweave import runner
@@ -76,11 +85,23 @@ def entrypoint() -> list[str]:
 class Pod:
     """One pod of the manifests as a local process."""
 
-    def __init__(self, obj: dict[str, Any], objects: list[dict[str, Any]], root: Path, claims: Path):
+    def __init__(
+        self, obj: dict[str, Any], objects: list[dict[str, Any]], root: Path, claims: Path, index: int | None = None
+    ):
         self.name = obj["metadata"]["name"]
         template = obj["spec"]["template"]
         self.labels: dict[str, str] = template["metadata"]["labels"]
         spec = template["spec"]
+        self.env: dict[str, str] = {}  # what the kubelet adds (an Indexed Job's JOB_COMPLETION_INDEX)
+        self.hostnames: list[str] = []  # the names of this pod under its subdomain's headless Service
+        if index is not None:  # an Indexed Job's pod: hostname <job>-<index>
+            self.name = f"{self.name}-{index}"
+            self.env["JOB_COMPLETION_INDEX"] = str(index)
+            if "subdomain" in spec:
+                ns = obj["metadata"]["namespace"]
+                fqdn = f"{self.name}.{spec['subdomain']}.{ns}.svc"
+                self.hostnames = [f"{self.name}.{spec['subdomain']}", f"{self.name}.{spec['subdomain']}.{ns}", fqdn,
+                                  f"{fqdn}.cluster.local"]
         (self.container,) = spec["containers"]
         self.dir = root / self.name
         self.mounts: dict[str, Path] = {}
@@ -127,10 +148,11 @@ class Pod:
         for path, local in self.mounts.items():  # mounted config files name paths and hosts of the cluster
             for file in local.glob("*.yaml"):
                 file.write_text(self.rewrite(file.read_text()))
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         for item in c.get("env", []):
             env[item["name"]] = self.rewrite(item["value"])
         command = [self.rewrite(a) for a in c["command"]] if "command" in c else entrypoint()
+        command = IMAGE_COMMANDS.get(command[0], command[:1]) + command[1:]
         args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], self.rewrite(a)) for a in c.get("args", [])]
         cwd = self.dir / "cwd"
         cwd.mkdir()
@@ -144,29 +166,63 @@ class Pod:
         return (self.dir / "log").read_text(errors="replace")[-3000:]
 
 
+IMAGE_COMMANDS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+"""The image's executables other than ``fedweave``, as this interpreter runs them."""
+
+
 def pods(objects: list[dict[str, Any]], root: Path) -> list[Pod]:
+    """A Pod per Deployment or Job, one per completion index of an Indexed Job (all at once)."""
     out = []
     for obj in objects:
         if obj["kind"] in ("Deployment", "Job"):
             spec = obj["spec"]
+            if spec.get("completionMode") == "Indexed":
+                assert spec["parallelism"] == spec["completions"], "every index at once"
+                out.extend(Pod(obj, objects, root, root / "claims", i) for i in range(spec["completions"]))
+                continue
             assert spec.get("replicas", 1) == 1 and spec.get("completions", 1) == 1, "one pod per object here"
             out.append(Pod(obj, objects, root, root / "claims"))
     return out
+
+
+def service_target(service: dict[str, Any], running: list[Pod]) -> Pod:
+    """The pod a Service's name resolves to: the one it selects (a headless Service of an Indexed Job: index 0)."""
+    selector = service["spec"]["selector"].items()
+    selected = [p for p in running if selector <= p.labels.items()]
+    if len(selected) > 1 and service["spec"].get("clusterIP") == "None":
+        selected = [p for p in selected if p.env.get("JOB_COMPLETION_INDEX") == "0"]
+    (target,) = selected
+    return target
 
 
 PROBE = """
 import sys, time
 import grpc
 from fedweave.transports.grpc.health import check
+print("asking", flush=True)
 deadline = time.monotonic() + float(sys.argv[2])
 status = None
 while status != "SERVING" and time.monotonic() < deadline:
     try:
         status = check(sys.argv[1], timeout=1.0)
     except grpc.RpcError:
-        time.sleep(0.2)
+        time.sleep(0.05)
 print(status)
 """
+
+
+def probing(command: list[str]) -> subprocess.Popen[str]:
+    """The probe, asking from before the pods start until SERVING (a small federation may end within a second)."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def probe_status(probe: subprocess.Popen[str], seconds: float) -> str:
+    try:
+        out, err = probe.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        out, err = probe.communicate()
+    return out.strip() or err[-500:]
 
 
 class Loopback:
@@ -176,12 +232,11 @@ class Loopback:
     def attach(self, running: list[Pod], objects: list[dict[str, Any]]) -> None:
         for pod in running:
             pod.resolve = {o["metadata"]["name"]: "127.0.0.1" for o in objects if o["kind"] == "Service"}
+            pod.resolve.update({name: "127.0.0.1" for p in running for name in p.hostnames})
             pod.resolve["0.0.0.0"] = "127.0.0.1"
 
-    def probe(self, pod: Pod, port: int, seconds: float) -> str | None:
-        out = subprocess.run([sys.executable, "-c", PROBE, f"127.0.0.1:{port}", str(seconds)], capture_output=True,
-                             text=True, timeout=seconds + 30, check=False)
-        return out.stdout.strip() or out.stderr[-500:]
+    def probe(self, pod: Pod, port: int, seconds: float) -> subprocess.Popen[str]:
+        return probing([sys.executable, "-c", PROBE, f"127.0.0.1:{port}", str(seconds)])
 
     def close(self) -> None:
         """Nothing to release."""
@@ -217,10 +272,9 @@ class Namespaces(netns.NetworkNamespaces):
             self.ip("-n", ns, "link", "set", pod_end, "up")
             self.address[pod.name] = f"{self.SUBNET}.{10 + i}"
             pod.prefix = ["ip", "netns", "exec", ns]
-        hosts = []
+        hosts = [f"{self.address[p.name]} {' '.join(p.hostnames)}" for p in running if p.hostnames]
         for service in (o for o in objects if o["kind"] == "Service"):
-            selector = service["spec"]["selector"].items()
-            (target,) = [p for p in running if selector <= p.labels.items()]
+            target = service_target(service, running)
             meta = service["metadata"]
             svc = f"{meta['name']}.{meta['namespace']}.svc"
             hosts.append(f"{self.address[target.name]} {meta['name']} {meta['name']}.{meta['namespace']} {svc} {svc}.cluster.local")
@@ -230,30 +284,23 @@ class Namespaces(netns.NetworkNamespaces):
             own = f"{self.address[pod.name]} {socket.gethostname()}"
             (folder / "hosts").write_text("\n".join(["127.0.0.1 localhost", own, *hosts]) + "\n")
 
-    def probe(self, pod: Pod, port: int, seconds: float) -> str | None:
+    def probe(self, pod: Pod, port: int, seconds: float) -> subprocess.Popen[str]:
         command = ["ip", "netns", "exec", self.node, sys.executable, "-c", PROBE, f"{self.address[pod.name]}:{port}"]
-        out = subprocess.run([*command, str(seconds)], capture_output=True, text=True, timeout=seconds + 30, check=False)
-        return out.stdout.strip() or out.stderr[-500:]
+        return probing([*command, str(seconds)])
 
 
 
-def run(tmp_path: Path, config: Path, names: list[str], network: Loopback | Namespaces) -> tuple[Pod, list[dict[str, Any]]]:
-    """Render ``config``, start every pod of its base, wait for SERVING and for every pod to end;
-    return the server's pod and the records of its run directory."""
-    rendered = k8s.render(config, tmp_path / "manifests")
-    objects = kustomize(rendered.out / "base")
-    running = pods(objects, tmp_path / "pods")
-    assert sorted(p.name for p in running) == sorted(names)
-    (server,) = [p for p in running if p.name == f"{rendered.name}-server"]
-    probe = server.container["readinessProbe"]["grpc"]["port"]
-    assert server.container["livenessProbe"]["grpc"]["port"] == probe
+def run_pods(running: list[Pod], objects: list[dict[str, Any]], network: Loopback | Namespaces,
+             ready: Callable[[], Callable[[], None]] | None = None, seconds: float = 150) -> None:
+    """Start every pod (``ready`` just before: what it returns is called after) and check each ends with
+    status 0 within ``seconds``."""
     try:
         network.attach(running, objects)
+        check = ready() if ready is not None else (lambda: None)
         for pod in running:
             pod.start()
-        deadline = time.monotonic() + 150
-        status = network.probe(server, probe, 120)
-        assert status == "SERVING", f"{status}\n{server.tail()}"
+        deadline = time.monotonic() + seconds
+        check()
         for pod in running:
             try:
                 code = pod.process.wait(timeout=max(deadline - time.monotonic(), 1.0))
@@ -270,6 +317,30 @@ def run(tmp_path: Path, config: Path, names: list[str], network: Loopback | Name
                     pod.process.kill()
                     pod.process.wait()
         network.close()
+
+
+def run(tmp_path: Path, config: Path, names: list[str], network: Loopback | Namespaces) -> tuple[Pod, list[dict[str, Any]]]:
+    """Render ``config``, start every pod of its base, wait for SERVING and for every pod to end;
+    return the server's pod and the records of its run directory."""
+    rendered = k8s.render(config, tmp_path / "manifests")
+    objects = kustomize(rendered.out / "base")
+    running = pods(objects, tmp_path / "pods")
+    assert sorted(p.name for p in running) == sorted(names)
+    (server,) = [p for p in running if p.name == f"{rendered.name}-server"]
+    probe = server.container["readinessProbe"]["grpc"]["port"]
+    assert server.container["livenessProbe"]["grpc"]["port"] == probe
+
+    def serving() -> Callable[[], None]:
+        asking = network.probe(server, probe, 120)
+        assert asking.stdout is not None and asking.stdout.readline() == "asking\n"  # its imports done
+
+        def answered() -> None:
+            status = probe_status(asking, 150)
+            assert status == "SERVING", f"{status}\n{server.tail()}"
+
+        return answered
+
+    run_pods(running, objects, network, serving)
     run_dir = Path(server.rewrite(k8s.RUN_DIR))
     assert run_dir.parent == tmp_path / "pods" / "claims" / f"{rendered.name}-run"  # the server wrote onto its claim
     return server, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -325,3 +396,45 @@ def test_the_rendered_hierarchy_runs_as_local_processes(tmp_path: Path, network:
     log = (server.dir / "log").read_text()
     for s in range(2):
         assert f"site {s} registered from" in log
+
+
+DATA_PARALLEL = {
+    "name": "k8s-dp",
+    "seed": 0,
+    "mode": "data_parallel",
+    "task": {
+        "dataset": "synthetic",
+        "dataset_options": {"samples": 250, "features": 8, "classes": 4},
+        "model": "data_parallel.models:mlp64",  # float64: the model of one process to 1e-6
+        "model_options": {"hidden": [16]},
+    },
+    # 200 training samples, 47 a step: 4 steps of 47 and one of 12, split unequally between the two pods
+    "data_parallel": {"workers": 2, "global_batch": 47, "epochs": 1, "lr": 0.1, "momentum": 0.9, "log_every": 1,
+                      "timeout": 60},
+}
+
+
+def test_the_rendered_torchrun_job_runs_as_local_processes(
+    tmp_path: Path, network: Loopback | Namespaces, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each index of the Indexed Job a host of its own (JOB_COMPLETION_INDEX set as the kubelet sets it),
+    pod 0's name under the headless Service resolving to index 0; the job ends and its model is the one
+    process's."""
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'src'}:{ROOT / 'tests'}")  # the image holds the test's model
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = tmp_path / "k8s-dp.yaml"
+    config.write_text(yaml.safe_dump(DATA_PARALLEL))
+    rendered = k8s.render(config, tmp_path / "manifests")
+    objects = kustomize(rendered.out / "base")
+    running = pods(objects, tmp_path / "pods")
+    assert [p.name for p in running] == ["k8s-dp-workers-0", "k8s-dp-workers-1"]
+    assert [p.env["JOB_COMPLETION_INDEX"] for p in running] == ["0", "1"]
+    run_pods(running, objects, network)
+    run_dir = Path(running[0].rewrite(k8s.RUN_DIR))
+    assert run_dir == Path(running[1].rewrite(k8s.RUN_DIR))  # both pods mount the one claim
+    assert run_dir.parent == tmp_path / "pods" / "claims" / "k8s-dp-run"
+    written = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in written] == [1, 2, 3, 4, 5]
+    assert all(r["workers"] == [0, 1] for r in written)
+    assert sum(r["samples"] for r in written) == 200
+    assert_matches_reference(run_dir, config_mod.load(config))

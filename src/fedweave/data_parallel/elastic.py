@@ -16,7 +16,8 @@ seconds, not every step (one store round trip, ~0.1 ms on loopback), and carry w
 they read in the step's all-reduce, so all of them learn of the newcomer at the same
 step boundary (:class:`Joins`). They close the metrics window, name the newcomer to
 the launcher and report as after a failure; the launcher names the next generation,
-members and newcomer, and tells the newcomer which one (:func:`admission`). The
+members and newcomer, and tells the newcomer which one (:func:`admission`); a newcomer
+announced after the last step boundary is told the run has ended (:func:`turn_away`). The
 newcomer takes the state (model, optimiser, sampler position, controller) from the
 most advanced member, the controller replans with it counted as the mean throughput
 of the others until its first measured steps, and training goes on from the same
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 JOINS_KEY = "joins"  # store counter: joiners announced (slots join/1 .. join/<count> are filled)
 WORKER_IDS_KEY = "worker-ids"  # store counter: the next worker id (for workers joined by hand)
 MAX_JOIN_SLOTS = 100_000
+ENDED = "end"  # the value of ``admitted/<worker>`` for a joiner the run ended before admitting
 
 JOIN_POLL = 0.1
 """Seconds between two reads of the join counter by a worker (a joiner waits at most
@@ -111,12 +113,23 @@ def admission(store: dist.Store, worker: int, first_step: int) -> tuple[int, lis
         except Exception as exc:  # the wait timed out: look again (a vanished store fails the check)
             log.debug("worker %d: waiting to be admitted: %s", worker, exc)
     value = store.get(key).decode()
+    if value == ENDED:
+        raise Stopped("the run ended before this worker was admitted")
     if not value:
         raise Stopped("not admitted: the launcher dropped this worker")
     gen = int(value)
     members = member_ids(store.get(f"members/{gen}").decode())
     log.info("worker %d: admitted to generation %d with workers %s", worker, gen, members)
     return gen, members
+
+
+def turn_away(store: dist.Store) -> None:
+    """Tell every joiner announced but not admitted that the run has ended: one waiting in
+    :func:`admission` wakes at once and reads that, rather than finding the store gone."""
+    for i in range(1, int(store.add(JOINS_KEY, 0)) + 1):
+        worker, _ = _parse_announcement(store.get(f"join/{i}").decode())
+        if not store.check([f"admitted/{worker}"]):
+            store.set(f"admitted/{worker}", ENDED)
 
 
 def next_members(store: dist.Store, gen: int, worker: int, step: int, timeout: float) -> list[int]:

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,15 +24,17 @@ import torch.distributed as dist
 
 from fedweave import config as config_mod
 from fedweave import rundir
-from fedweave.checkpoint import load_checkpoint
+from fedweave.checkpoint import check_params, load_checkpoint
 from fedweave.files import atomic_write_text
 from fedweave.config import Config
 from fedweave.data_parallel import asp
 from fedweave.data_parallel.bsp import Worker, worker_main
-from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise
+from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise, turn_away
 from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
 from fedweave.data_parallel.records import PLOT_FILE, DataParallelRun, Record
-from fedweave.data_parallel.workers import Shared, load_data, release_workers, resolve_backend, spawn_workers
+from fedweave.data_parallel.workers import (
+    Shared, load_data, make_model, release_workers, resolve_backend, spawn_workers,
+)
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail
 
@@ -49,13 +52,20 @@ def prepare(config: Config, run_dir: Path | None = None) -> DataParallelRun:
 
 
 def resume(run_dir: str | Path) -> DataParallelRun:
-    """Continue the data-parallel run in ``run_dir`` from its last checkpoint (an epoch's end)."""
+    """Continue the data-parallel run in ``run_dir`` from its last checkpoint (an epoch's end).
+
+    Raises :class:`CheckpointError` naming the first tensor whose shape differs between the
+    checkpoint and the model of the saved config (a config edited since), before any worker starts.
+    """
     run_dir = Path(run_dir)
     config = rundir.saved_config(run_dir)
     saved = load_checkpoint(run_dir)
     if saved.get("mode") != "data_parallel":
         raise CheckpointError(f"checkpoint in {str(run_dir)!r} is not of a data-parallel run")
     state = saved["state"]
+    model = state["server"]["model"] if state.get("sync") == "asp" else state.get("model")
+    expected = make_model(config, load_data(config)).state_dict()
+    check_params(model, expected, f"checkpoint in {str(run_dir)!r}")  # before any worker starts
     kept = rundir.records_until(run_dir, "step", state["step"])
     log.info("resuming %s after step %d", run_dir, state["step"])
     return DataParallelRun(config, run_dir, resume_state=state, records=kept)
@@ -111,6 +121,7 @@ def execute(
         for w in joins:
             if not store.check([f"admitted/{w}"]):
                 log.info("worker %d was never admitted: the run ended before step %d", w, joins[w])
+        turn_away(store)
         for p in procs.values():
             if p.is_alive():
                 p.kill()
@@ -128,17 +139,37 @@ def execute(
     return r.records
 
 
-def join(run_dir: str | Path, wait: float = 0.0) -> int:
+@dataclass(frozen=True)
+class Joined:
+    """What a worker started by :func:`join` did: its id, and whether it was admitted and trained
+    (False: the run finished before the members reached a step boundary that admits it)."""
+
+    worker: int
+    trained: bool
+
+
+def finished(run_dir: Path, config: Config) -> bool:
+    """Whether the checkpoint in ``run_dir`` completed the run ``config`` configures."""
+    try:
+        state = load_checkpoint(run_dir)["state"]
+    except CheckpointError:
+        return False
+    return DataParallelRun(config, run_dir, resume_state=state).finished
+
+
+def join(run_dir: str | Path, wait: float = 0.0) -> Joined:
     """Add a worker, in this process, to the data-parallel run going on in ``run_dir``;
-    return its worker id once the run is done.
+    return what it did once the run is done.
 
     The run's launcher must be on this host (its store listens on 127.0.0.1; the
     address is in ``run_dir/rendezvous.json`` while the run goes on). The worker gets
     the next free id, announces itself, is admitted at the next step boundary the
     members notice it (within ``JOIN_POLL`` seconds and a step), and trains to the end.
     ``wait``: seconds to wait for the run to start (its rendezvous file to appear).
-    Raises :class:`DataParallelError` when no run is going on there or the worker was
-    not admitted or dropped out.
+    A worker announced too late (the run took its last step first, and its launcher, with
+    its store, is gone) is no failure: the run is done, and it returns ``trained=False``.
+    Raises :class:`DataParallelError` when no run is going on there, the launcher dropped
+    the worker, or the worker dropped out or lost the run before it finished.
     """
     run_dir = Path(run_dir)
     path = run_dir / RENDEZVOUS_FILE
@@ -167,11 +198,15 @@ def join(run_dir: str | Path, wait: float = 0.0) -> int:
         raise DataParallelError(f"worker {worker} needs GPU {worker} for nccl; this host has {gpus}")
     shared = Shared(config=config, run_dir=run_dir, members=list(range(dp.workers)), backend=backend)
     log.info("joining the run in %s as worker %d", run_dir, worker)
+    member = Worker(worker, shared)
     try:
-        Worker(worker, shared).run(address, join_step=0)
+        member.run(address, join_step=0)
     except (Stopped, dist.DistError) as exc:
+        if worker not in member.members and finished(run_dir, config):  # never admitted; the run is done
+            log.info("worker %d: the run finished before it was admitted (%s)", worker, first_line(exc))
+            return Joined(worker, trained=False)
         raise DataParallelError(f"worker {worker}: {first_line(exc)}") from None
-    return worker
+    return Joined(worker, trained=True)
 
 
 def run_config(config: Config, run_dir: Path | None = None) -> DataParallelRun:

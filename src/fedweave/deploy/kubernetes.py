@@ -16,8 +16,8 @@ which resumes from its run directory, a Service, the PersistentVolumeClaim of th
 directory, a NetworkPolicy) and one Job per client; a
 hierarchical gRPC deployment has the same server and, per top-level site, a leader Job, a
 headless Service for the site's torch.distributed rendezvous and one Job per member;
-``mode: data_parallel`` is an Indexed Job of torchrun pods and the headless Service of its
-rendezvous. Each client (and site leader) is a Job of its own rather than a pod of one
+``mode: data_parallel`` is an Indexed Job of torchrun pods, the headless Service of its
+rendezvous and the PersistentVolumeClaim (ReadWriteMany) of the run directory they share. Each client (and site leader) is a Job of its own rather than a pod of one
 StatefulSet or Indexed Job, because pods of one template mount the same volumes: only a
 pod of its own can hold a key that no other client can read.
 
@@ -482,13 +482,34 @@ class _Manifests:
     # ------------------------------------------------------------------ data-parallel
 
     def torchrun_args(self) -> list[str]:
-        return ["-m", "fedweave.data_parallel", CONFIG_PATH]
+        return ["-m", "fedweave.data_parallel", CONFIG_PATH, "--run-dir", RUN_DIR]
+
+    def torchrun_container(self, name: str, args: list[str], **extra: Any) -> dict[str, Any]:
+        """A torchrun container: the job's run directory on the shared claim, and the environment an
+        elastic join needs (torch 2.13's agents otherwise share a rendezvous store a joining host never reaches)."""
+        env = [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}]
+        mount = {"name": "run", "mountPath": DATA_DIR}
+        return self.container(name, [*args, *self.torchrun_args()], [mount], command=["torchrun"], env=env, **extra)
+
+    def run_volume(self) -> dict[str, Any]:
+        return {"name": "run", "persistentVolumeClaim": {"claimName": f"{self.name}-run"}}
+
+    def run_claim(self) -> dict[str, Any]:
+        """The run directory every worker pod sees (ReadWriteMany: pods on many nodes): the model, the metrics,
+        and the checkpoint restarted workers resume from."""
+        return {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": self.meta(f"{self.name}-run", "worker"),
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": self.options.storage}}},
+        }
 
     def workers(self) -> list[dict[str, Any]]:
-        """An Indexed Job of torchrun pods (node rank = completion index) and its headless Service."""
+        """An Indexed Job of torchrun pods (node rank = completion index), its headless Service and the claim
+        of its run directory."""
         n, workers = f"{self.name}-workers", self.config.data_parallel.workers
         rendezvous = f"{n}-0.{n}"  # pod 0's name under the headless Service
-        container = self.container(
+        container = self.torchrun_container(
             "worker",
             [
                 f"--nnodes={workers}",
@@ -496,14 +517,11 @@ class _Manifests:
                 "--node-rank=$(JOB_COMPLETION_INDEX)",
                 f"--master-addr={rendezvous}",
                 f"--master-port={RENDEZVOUS_PORT}",
-                *self.torchrun_args(),
             ],
-            [],
-            command=["torchrun"],
             ports=[{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}],
         )
         job = self.job(
-            n, "worker", container, [],
+            n, "worker", container, [self.run_volume()],
             completions=workers, parallelism=workers, completionMode="Indexed", backoffLimit=0,
         )
         job["spec"]["template"]["spec"]["subdomain"] = n
@@ -518,12 +536,12 @@ class _Manifests:
                 "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
             },
         }
-        return [job, service]
+        return [self.run_claim(), job, service]
 
     def pytorchjob(self) -> dict[str, Any]:
         """The Kubeflow training operator's PyTorchJob: elastic torchrun workers (the operator sets PET_* for torchrun)."""
         dp = self.config.data_parallel
-        container = self.container("pytorch", self.torchrun_args(), [], command=["torchrun"])
+        container = self.torchrun_container("pytorch", [])
         meta = self.meta(f"{self.name}-workers", "worker")
         return {
             "apiVersion": PYTORCHJOB_API,
@@ -544,7 +562,7 @@ class _Manifests:
                         "restartPolicy": "OnFailure",
                         "template": {
                             "metadata": {"labels": meta["labels"]},
-                            "spec": self.pod_spec(container, [], "OnFailure"),
+                            "spec": self.pod_spec(container, [self.run_volume()], "OnFailure"),
                         },
                     }
                 },
