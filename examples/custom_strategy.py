@@ -25,7 +25,7 @@ from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.task import evaluate
 from fedweave.training import ClientJob, delta_update, model_delta, train_local
-from fedweave.types import Evaluation, Instruction, Params, TaskKind, Update, UpdateKind, Work
+from fedweave.types import Evaluation, Instruction, TaskKind, Update, UpdateKind, Work
 
 
 @dataclass

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import torch
-
 from fedweave.errors import FedweaveError
 from fedweave.node import PARENT_ENV
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail, load_model

@@ -16,7 +16,6 @@ from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import (
     Evaluation,
     Instruction,
-    Params,
     TaskKind,
     Update,
     UpdateKind,

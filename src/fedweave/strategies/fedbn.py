@@ -15,7 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fedper import aggregate_shared, keep_local, restore_local, shared_schema
 from fedweave.training import ClientJob, train_local
-from fedweave.types import Evaluation, Params, Update
+from fedweave.types import Evaluation, Update
 from fedweave.validation import UpdateSchema
 
 log = logging.getLogger(__name__)
