@@ -125,7 +125,9 @@ def test_the_protocols_recognise_the_built_in_plugins() -> None:
 
     assert isinstance(TopK, Plugin) and isinstance(TopK, Stateful) and isinstance(TopK, Binds)
     assert isinstance(SecAgg, RunsProtocol) and isinstance(SecAgg, Answers)
-    assert isinstance(HE, Combines) and not isinstance(HE, RunsProtocol)
+    # HE combines while encoded and runs one control step of its own: a key holder decrypts the sum
+    assert isinstance(HE, Combines) and isinstance(HE, RunsProtocol) and isinstance(HE, Answers)
+    assert not isinstance(TopK, Combines) and not isinstance(TopK, RunsProtocol)
     assert isinstance(DPCentral, ReportsMetrics) and not isinstance(TopK, ReportsMetrics)
 
 
