@@ -1,0 +1,207 @@
+"""Config sections of what a run trains and how: task, local training, strategy, aggregation,
+attacks, plugins, evaluation, checkpoints, observation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fedweave.errors import ConfigError
+from fedweave.schema import opt
+
+
+@dataclass
+class PartitionConfig:
+    SHORTHAND = "scheme"
+    scheme: Literal["iid", "dirichlet", "shards", "quantity"] = opt(
+        "iid", help="how training data is split across clients"
+    )
+    alpha: float = opt(0.5, gt=0, help="Dirichlet concentration (dirichlet, quantity): lower is more skewed")
+    shards_per_client: int = opt(2, ge=1, help="label-sorted shards per client (shards)")
+    min_samples: int = opt(2, ge=1, help="fewest training samples any client may get")
+
+
+@dataclass
+class TaskConfig:
+    dataset: str = opt(
+        "digits",
+        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | package.module:function "
+        "called f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y) whose "
+        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels",
+    )
+    dataset_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the dataset")
+    data_root: str | None = opt(None, help="local folder of torchvision datasets")
+    model: str = opt(
+        "mlp",
+        help="mlp | cnn | package.module:function called f(**model_options, input_shape=(...), "
+        "num_classes=N) returning a torch.nn.Module whose output is (batch, num_classes) logits",
+    )
+    model_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the model")
+    loss: str = opt(
+        "cross_entropy",
+        help="training loss: cross_entropy | nll | bce (binary cross-entropy of each logit against the one-hot "
+        "label) | package.module:function called f(outputs, labels) returning the batch's mean loss",
+    )
+    test_fraction: float = opt(0.2, gt=0, lt=1, help="share of the data held out as the global test set")
+    local_test_fraction: float = opt(0.2, ge=0, lt=1, help="share of each client's data kept as its local test split")
+    partition: PartitionConfig = opt(factory=PartitionConfig)
+
+    def validate(self, prefix: str) -> None:
+        from fedweave.task.models import LOSSES
+
+        if self.loss not in LOSSES and ":" not in self.loss:
+            raise ConfigError(
+                f"config key '{prefix}.loss': {self.loss!r} is not a loss; valid: {', '.join(LOSSES)} "
+                "or package.module:function"
+            )
+
+
+@dataclass
+class LocalConfig:
+    epochs: int = opt(1, ge=1, help="local passes over the client's data per round")
+    steps: int | None = opt(None, ge=1, help="local steps per round; overrides epochs when set")
+    batch_size: int = opt(32, ge=1, help="local mini-batch size")
+    optimizer: Literal["sgd", "adam"] = opt("sgd", help="local optimiser")
+    lr: float = opt(0.05, gt=0, help="local learning rate")
+    momentum: float = opt(0.0, ge=0, lt=1, help="SGD momentum")
+    weight_decay: float = opt(0.0, ge=0, help="L2 weight decay")
+
+
+@dataclass
+class StrategyConfig:
+    """``name`` plus the hyper-parameters the named strategy declares in its ``Params``."""
+
+    SHORTHAND = "name"
+    name: str = opt("fedavg", help="fedavg | package.module:Class")
+    params: Any = None
+
+
+@dataclass
+class AggregationConfig:
+    """How the server combines the clients' tensors; the robust rules are in :mod:`fedweave.strategies.robust`."""
+
+    SHORTHAND = "rule"
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = opt(
+        "mean",
+        help="how client tensors are combined: mean (weighted by examples) | median | trimmed_mean "
+        "(both coordinate-wise, unweighted) | krum | multi_krum (Byzantine-robust selection)",
+    )
+    trim_fraction: float = opt(0.1, ge=0, lt=0.5, help="trimmed_mean: share of values dropped at each end")
+    byzantine: int = opt(1, ge=0, help="krum, multi_krum: assumed Byzantine clients f (needs > 2f + 2 updates)")
+    multi_krum_m: int | None = opt(None, ge=1, help="multi_krum: updates selected and averaged (none: n - f)")
+    max_examples: int | None = opt(
+        None,
+        ge=1,
+        help="most examples one client may claim; a larger claim counts as this many (an encoded one is "
+        "rejected). In-memory simulations also cap each claim at the client's true partition size",
+    )
+    max_weight_share: float | None = opt(
+        None,
+        gt=0,
+        le=1,
+        help="largest share of a round's total weight one update may carry; larger weights are lowered to "
+        "a common cap (none: no cap; needs updates in the clear)",
+    )
+
+    def validate(self, prefix: str) -> None:
+        if self.multi_krum_m is not None and self.rule != "multi_krum":
+            raise ConfigError(
+                f"config key '{prefix}.multi_krum_m': only rule 'multi_krum' uses it, but the rule is {self.rule!r}"
+            )
+
+
+AttackKind = Literal["none", "sign_flip", "scaling", "noise", "label_flip", "inflate_examples"]
+
+
+@dataclass
+class AttacksConfig:
+    """Simulated attackers, for measuring defences: see :mod:`fedweave.plugins.attacks.poison`."""
+
+    SHORTHAND = "kind"
+    kind: AttackKind | list[AttackKind] = opt(
+        "none",
+        help="what the attacking clients do, one or a list: none | sign_flip (send -scale x the update) | "
+        "scaling (scale x) | noise (add seeded N(0, std^2)) | label_flip (train on labels C-1-y) | "
+        "inflate_examples (claim examples)",
+    )
+    clients: list[int] = opt(factory=list, help="ids of the attacking clients")
+    scale: float = opt(1.0, gt=0, help="sign_flip, scaling: the factor applied to the update")
+    std: float = opt(1.0, gt=0, help="noise: standard deviation of the noise added to each entry")
+    examples: int = opt(1_000_000, ge=1, help="inflate_examples: the example count claimed")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The attacks, in the order they apply (none: empty)."""
+        kinds = self.kind if isinstance(self.kind, list) else [self.kind]
+        return [k for k in kinds if k != "none"]
+
+    def validate(self, prefix: str) -> None:
+        kinds = self.kind if isinstance(self.kind, list) else [self.kind]
+        if len(set(kinds)) != len(kinds) or ("none" in kinds and len(kinds) > 1):
+            raise ConfigError(f"config key '{prefix}.kind': {self.kind} names an attack twice or with none")
+        if (not self.kinds) != (not self.clients):
+            raise ConfigError(
+                f"config key '{prefix}.clients': an attack needs attacking clients and clients need an attack "
+                f"(kind {self.kind!r}, clients {self.clients})"
+            )
+        if len(set(self.clients)) != len(self.clients):
+            raise ConfigError(f"config key '{prefix}.clients': {self.clients} names a client twice")
+        if "scaling" in kinds and self.scale == 1:
+            raise ConfigError(f"config key '{prefix}.scale': scaling by 1 changes nothing; set another factor")
+
+
+@dataclass
+class PluginSpec:
+    name: str
+    params: Any = None
+
+
+@dataclass
+class PluginsConfig:
+    server_send: list[PluginSpec] = opt(factory=list, help="encode the broadcast on the server")
+    client_receive: list[PluginSpec] = opt(factory=list, help="filter instructions on the client")
+    client_send: list[PluginSpec] = opt(factory=list, help="encode updates on the client")
+    server_receive: list[PluginSpec] = opt(factory=list, help="filter updates on the server")
+
+
+@dataclass
+class EvalConfig:
+    every: int = opt(1, ge=0, help="evaluate the global model on the test set every N rounds (0: last round only)")
+    federated_every: int = opt(0, ge=0, help="evaluate on clients' local test splits every N rounds (0: never)")
+    federated_fraction: float = opt(1.0, gt=0, le=1, help="share of clients in a federated evaluation")
+    batch_size: int = opt(1024, ge=1, help="evaluation batch size")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(1, ge=0, help="write the server state every N rounds (0: never)")
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow tracking (extra ``mlflow``): see :mod:`fedweave.observe.mlflow`."""
+
+    enabled: bool | None = opt(None, help="log to MLflow (none: when tracking_uri or experiment is set)")
+    tracking_uri: str | None = opt(None, help="tracking URI (none: a local file: store, RUN_DIR/mlruns)")
+    experiment: str | None = opt(None, help="experiment name (none: the run's name)")
+
+    @property
+    def on(self) -> bool:
+        return self.enabled if self.enabled is not None else bool(self.tracking_uri or self.experiment)
+
+
+@dataclass
+class ObserveConfig:
+    """Where a run's metrics go besides metrics.jsonl (see :mod:`fedweave.observe.loggers`)."""
+
+    tensorboard: bool | str = opt(
+        False, help="TensorBoard event files (extra tensorboard): true for RUN_DIR/tensorboard, or a folder"
+    )
+    mlflow: MlflowConfig = opt(factory=MlflowConfig)
+    prometheus_port: int | None = opt(
+        None, ge=1, le=65535, help="serve Prometheus metrics on this port from the server (extra prometheus)"
+    )
+
+    def validate(self, prefix: str) -> None:
+        if self.tensorboard == "":
+            raise ConfigError(f"config key '{prefix}.tensorboard': expected true, false or a folder, got ''")
