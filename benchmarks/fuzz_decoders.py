@@ -116,7 +116,7 @@ def join(fields: tuple[Any, ...], meta: bytes, rest: bytes, data_len: int | None
     data = rest[len(rest) - old_data :] if old_data <= len(rest) else rest
     head = ser.HEADER.pack(magic, version, flags, len(meta), zlib.crc32(meta), old_data if data_len is None else data_len)
     head += meta
-    return head + bytes(ser._align(len(head)) - len(head)) + data
+    return head + bytes(ser.align(len(head)) - len(head)) + data
 
 
 def hostile(rng: random.Random) -> Any:

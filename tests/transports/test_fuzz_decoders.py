@@ -84,7 +84,7 @@ def with_meta(data: bytes, meta_text: bytes, data_len: int | None = None) -> byt
     tail = data[len(data) - old_data :] if old_data else b""
     head = ser.HEADER.pack(magic, version, flags, len(meta_text), zlib.crc32(meta_text),
                            old_data if data_len is None else data_len) + meta_text
-    return head + bytes(ser._align(len(head)) - len(head)) + tail
+    return head + bytes(ser.align(len(head)) - len(head)) + tail
 
 
 def meta_of(data: bytes) -> Any:
