@@ -188,6 +188,12 @@ def test_a_hung_worker_is_timed_out_and_dropped(tmp_path: Path) -> None:
     assert_matches_reference(tmp_path / "run", config)
 
 
+def repair_the_crash(run: Path) -> None:
+    """The failed machine is repaired: the run's saved config no longer crashes worker 0 at step 14."""
+    text = (run / "config.yaml").read_text().replace("crashes:\n  - step: 14\n    worker: 0\n", "crashes: []\n")
+    (run / "config.yaml").write_text(text)
+
+
 def test_too_few_survivors_stop_cleanly_and_the_run_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     config = dp_config("data_parallel.min_workers=3", "heterogeneity.crashes=[{step: 14, worker: 0}]")
@@ -199,8 +205,7 @@ def test_too_few_survivors_stop_cleanly_and_the_run_resumes(tmp_path: Path) -> N
     assert saved["state"]["step"] == 10  # the end of epoch 1, intact
     assert not (run / "model.pt").exists()
     # the failed machine is repaired: the same run, without the crash, continues from the checkpoint
-    text = (run / "config.yaml").read_text().replace("crashes:\n  - step: 14\n    worker: 0\n", "crashes: []\n")
-    (run / "config.yaml").write_text(text)
+    repair_the_crash(run)
     resumed = data_parallel.resume(run)
     assert resumed.start_step == 10 and [rec["step"] for rec in resumed.records] == [5, 10]
     records = data_parallel.execute(resumed)
@@ -216,8 +221,7 @@ def test_checkpoint_every_bounds_the_steps_a_stopped_run_loses(tmp_path: Path) -
     with pytest.raises(data_parallel.DataParallelError, match="min_workers is 3"):
         data_parallel.execute(data_parallel.prepare(config, run))
     assert torch.load(run / "checkpoint.pt", weights_only=False)["state"]["step"] == 12  # 4, 8, (10: epoch), 12
-    text = (run / "config.yaml").read_text().replace("crashes:\n  - step: 14\n    worker: 0\n", "crashes: []\n")
-    (run / "config.yaml").write_text(text)
+    repair_the_crash(run)
     resumed = data_parallel.resume(run)
     assert resumed.start_step == 12 and [rec["step"] for rec in resumed.records] == [5, 10]
     records = data_parallel.execute(resumed)

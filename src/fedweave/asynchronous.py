@@ -73,7 +73,7 @@ from fedweave.seeding import numpy_rng
 from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
 from fedweave.strategies.base import Strategy
 from fedweave.transports.base import Exchange, PostsJobs
-from fedweave.types import Params, Update
+from fedweave.types import Message, Params, Update, Work
 from fedweave.validation import cap_weight_share, rejection_counts
 
 log = logging.getLogger(__name__)
@@ -167,15 +167,9 @@ class BufferedServer:
 
     def dispatch(self, parts: RoundParts, params: Params) -> None:
         """Fill the free slots: each drawn client trains now on ``params``."""
-        while len(self.flights) < self.concurrency:
-            cid = self.draw()
-            if cid is None:
-                return
-            work = parts.controller.work(cid)
-            instructions = parts.strategy.configure(self.version + 1, params, [work])
-            exchange = parts.topology.exchange(
-                encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout
-            )
+        while (job := self.next_job(parts, params)) is not None:
+            cid, work, messages = job
+            exchange = parts.topology.exchange(messages, parts.timeout)
             self.bytes_sent += exchange.bytes_sent
             self.bytes_received += exchange.bytes_received
             accepted = accept_updates(
@@ -192,6 +186,18 @@ class BufferedServer:
             self.flights.append(
                 Flight(finish, self.dispatches, cid, self.version, self.clock, work.batch_size, update, reason)
             )
+
+    def next_job(self, parts: RoundParts, params: Params) -> tuple[int, Work, list[Message]] | None:
+        """A free slot's next job: the drawn client, its work and its encoded instruction on
+        ``params``; None when every slot is taken or no client is idle."""
+        if len(self.flights) >= self.concurrency:
+            return None
+        cid = self.draw()
+        if cid is None:
+            return None
+        work = parts.controller.work(cid)
+        instructions = parts.strategy.configure(self.version + 1, params, [work])
+        return cid, work, encode_instructions(parts.chains, instructions, parts.accepted)
 
     def draw(self) -> int | None:
         """The next client to train (seeded, uniform among the idle ones), counted as dispatched on
@@ -277,13 +283,9 @@ class BufferedServer:
 
     def post(self, parts: RoundParts, params: Params, jobs: PostsJobs) -> None:
         """Fill the free slots: each drawn client gets its job on ``params`` now; it arrives when it answers."""
-        while len(self.flights) < self.concurrency:
-            cid = self.draw()
-            if cid is None:
-                return
-            work = parts.controller.work(cid)
-            instructions = parts.strategy.configure(self.version + 1, params, [work])
-            jobs.post(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
+        while (job := self.next_job(parts, params)) is not None:
+            cid, work, messages = job
+            jobs.post(messages, parts.timeout)
             self.flights.append(Flight(0.0, self.dispatches, cid, self.version, self.clock, work.batch_size, None))
 
     def received(self, parts: RoundParts, params: Params, exchange: Exchange) -> list[Flight]:

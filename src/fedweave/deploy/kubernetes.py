@@ -58,6 +58,9 @@ CONFIG_DIR = "/etc/fedweave/config"
 CONFIG_FILE = "config.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 CREDENTIALS_DIR = "/etc/fedweave/credentials"
+SCRATCH = "/tmp"
+"""The container's only writable folder (an emptyDir; the root filesystem is read-only): HOME and
+matplotlib's cache live there."""
 DATA_DIR = "/var/lib/fedweave"
 RUN_DIR = f"{DATA_DIR}/run"
 HEALTH_PORT = 8081
@@ -301,8 +304,8 @@ class _Manifests:
         if ports:
             body["ports"] = ports
         body["env"] = [
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"},
+            {"name": "HOME", "value": SCRATCH},
+            {"name": "MPLCONFIGDIR", "value": f"{SCRATCH}/matplotlib"},
             *(env or []),
         ]
         body["resources"] = {
@@ -311,7 +314,7 @@ class _Manifests:
         }
         body["volumeMounts"] = [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "tmp", "mountPath": SCRATCH},
             *mounts,
         ]
         body["securityContext"] = {
