@@ -192,15 +192,20 @@ def test_heartbeats_flow_only_while_a_client_works() -> None:
     assert while_working >= 2  # 0.6 s of training at 0.1 s intervals
 
 
-def test_a_dead_client_fails_its_round_within_the_heartbeat_timeout() -> None:
-    release = threading.Event()
+def hangs_until(release: threading.Event) -> Handler:
+    """A client's handler stuck in its job until ``release`` is set (at most 10 s), then echoing."""
 
     def hang(msg: Message) -> Message:
         release.wait(10)
         return echo(msg)
 
+    return hang
+
+
+def test_a_dead_client_fails_its_round_within_the_heartbeat_timeout() -> None:
+    release = threading.Event()
     with cluster(settings("grpc.join_timeout=0"), clients=3, start=1) as c:
-        dying = c.start(1, hang)
+        dying = c.start(1, hangs_until(release))
         started = time.monotonic()
         threading.Timer(0.3, dying.stop).start()  # "killed" mid-round: its heartbeats stop
         result = c.server.exchange(jobs([0, 1, 2], PARAMS), timeout=30)
@@ -216,13 +221,8 @@ def test_a_dead_client_costs_the_heartbeat_timeout_once_not_every_round() -> Non
     """Issue 14 item 16: lost in round 1 (after heartbeat_timeout, 1 s here), a client fails every
     later round at once until it is heard from again, and each exchange reports its real wait."""
     release = threading.Event()
-
-    def hang(msg: Message) -> Message:
-        release.wait(10)
-        return echo(msg)
-
     with cluster(settings("grpc.join_timeout=0"), clients=3, start=1) as c:
-        dying = c.start(1, hang)
+        dying = c.start(1, hangs_until(release))
         threading.Timer(0.3, dying.stop).start()
         first = c.server.exchange(jobs([0, 1, 2], PARAMS, 1), timeout=30)
         assert sorted(first.failures) == [1, 2] and 1.0 < first.waited < 5
