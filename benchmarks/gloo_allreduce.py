@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fedweave.transports.torchdist import plan_buckets
+from fedweave.transports.torchdist.group import plan_buckets
 
 
 def model(layers: int, width: int) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
-"""torch.distributed transport: rendezvous, backend choice, bucketing, a gloo site exchange.
-
-The site tests run this process as the leader (rank 0) and members as subprocesses on
+"""The torch.distributed site exchange: this process as the leader (rank 0,
+:class:`~fedweave.transports.torchdist.leader.TorchDistLeader`) and members
+(:class:`~fedweave.transports.torchdist.member.TorchDistMember`) as subprocesses on
 127.0.0.1, every collective bounded by ``torchdist.timeout``.
 """
 
@@ -18,18 +18,12 @@ import torch
 from conftest import free_port
 
 from fedweave.config import TorchDistConfig
-from fedweave.errors import ConfigError, TransportError
-from fedweave.transports import serialization
-from fedweave.transports import torchdist
+from fedweave.errors import TransportError
 from fedweave.topologies.hierarchical import combine
-from fedweave.transports.torchdist import (
-    Rendezvous,
-    TorchDistLeader,
-    World,
-    choose_backend,
-    plan_buckets,
-    rendezvous,
-)
+from fedweave.transports import serialization
+from fedweave.transports.torchdist import leader as leader_mod
+from fedweave.transports.torchdist.leader import TorchDistLeader
+from fedweave.transports.torchdist.world import Rendezvous, World
 from fedweave.types import Control, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
 TENSORS = 40
@@ -251,7 +245,7 @@ def test_site_relays_each_members_control_steps_and_never_reduces_the_answers() 
 def test_a_member_past_the_timeout_fails_its_client_alone_and_a_stopped_one_fails_the_site_in_bounded_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(torchdist, "ANSWER_GRACE", 1.0)
+    monkeypatch.setattr(leader_mod, "ANSWER_GRACE", 1.0)
     site = Site(bucket_mb=25.0)
     try:
         p = params()
@@ -277,41 +271,3 @@ def test_a_member_past_the_timeout_fails_its_client_alone_and_a_stopped_one_fail
             proc.wait(timeout=10)
         site.world.close()
 
-
-def test_plan_buckets() -> None:
-    assert plan_buckets([4, 4, 4, 4], 8) == [(0, 2), (2, 4)]
-    assert plan_buckets([10, 1, 1], 8) == [(0, 1), (1, 3)]
-    assert plan_buckets([], 8) == []
-
-
-def test_rendezvous_from_torchrun_slurm_and_config() -> None:
-    cfg = TorchDistConfig()
-    torchrun = {
-        "MASTER_ADDR": "10.0.0.1",
-        "MASTER_PORT": "1234",
-        "RANK": "3",
-        "WORLD_SIZE": "4",
-        "LOCAL_RANK": "1",
-    }
-    assert rendezvous(cfg, torchrun) == Rendezvous("10.0.0.1", 1234, 3, 4, 1)
-    slurm = {
-        "SLURM_PROCID": "2",
-        "SLURM_NTASKS": "8",
-        "SLURM_LOCALID": "0",
-        "SLURM_LAUNCH_NODE_IPADDR": "10.1.1.1",
-    }
-    assert rendezvous(cfg, slurm) == Rendezvous("10.1.1.1", 29500, 2, 8, 0)
-    configured = TorchDistConfig(address="192.168.0.9", port=4321)
-    assert rendezvous(configured, torchrun) == Rendezvous("192.168.0.9", 4321, 3, 4, 1)
-    assert rendezvous(cfg, {}, rank=0, world_size=2).address == "127.0.0.1"
-    with pytest.raises(ConfigError, match="torchrun"):
-        rendezvous(cfg, {})
-    with pytest.raises(ConfigError, match="outside"):
-        rendezvous(cfg, {"RANK": "4", "WORLD_SIZE": "4"})
-
-
-def test_backend_choice() -> None:
-    assert choose_backend("auto", cuda=False) == "gloo"
-    assert choose_backend("gloo", cuda=True) == "gloo"
-    with pytest.raises(ConfigError, match="nccl"):
-        choose_backend("nccl", cuda=False)
