@@ -1,12 +1,13 @@
 """The Ray launcher against the in-process launcher on the same run.
 
-Starts a two-node Ray cluster on this machine (``ray start --head``, then ``ray start
---address`` for a second node, each with its own temp folder and ``--cpus`` CPUs), runs
-the same federated run (digits, FedAvg) in process and with ``launcher: ray`` (one actor
-per CPU of the cluster), and prints for each the start-up cost (``runner.prepare``: task,
-model, and for Ray joining the cluster and starting the actors, which build the task each)
-and the mean seconds per round, with the ratios Ray / in-process. It checks that both runs
-reach the same metrics. The cluster's own start is printed apart and stopped at the end.
+Starts a two-node Ray cluster on this machine (the tests' ``tests/ray_cluster.py``: ``ray
+start --head``, then ``ray start --address`` for a second node, each with its own temp folder
+and ``--cpus`` CPUs), runs the same federated run (digits, FedAvg) in process and with
+``launcher: ray`` (one actor per CPU of the cluster), and prints for each the start-up cost
+(``runner.prepare``: task, model, and for Ray joining the cluster and starting the actors,
+which build the task each) and the mean seconds per round, with the ratios Ray / in-process.
+It checks that both runs reach the same metrics. The cluster's own start is printed apart
+and stopped at the end.
 
     python benchmarks/ray_launcher.py [--clients 8] [--rounds 5] [--epochs 1] [--cpus 1]
 """
@@ -14,84 +15,18 @@ reach the same metrics. The cluster's own start is printed apart and stopped at 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import fedweave
 from fedweave import config as config_mod
 from fedweave import runner
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the Ray launcher tests' cluster
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-@contextmanager
-def two_node_cluster(cpus: int, timeout: float = 120.0) -> Iterator[str]:
-    """A head and a second node on 127.0.0.1, each its own process group; killed at the end."""
-    import ray
-
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # a cluster of this machine alone, the driver included
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(fedweave.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # 0 would forbid the second node
-    common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats"]
-    procs, temps = [], []
-    deadline = time.monotonic() + timeout
-    try:
-        for args in (["--head", f"--port={port}", "--include-dashboard=false"], [f"--address={address}"]):
-            temp = tempfile.mkdtemp(prefix="fwray-")
-            temps.append(temp)
-            procs.append(subprocess.Popen(
-                [str(Path(sys.executable).with_name("ray")), "start", *args, *common, f"--temp-dir={temp}"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            ))
-            if len(procs) == 1:
-                while not _listening(port):
-                    if time.monotonic() > deadline or procs[0].poll() is not None:
-                        raise RuntimeError("the Ray head did not start")
-                    time.sleep(0.5)
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-        try:
-            while len([n for n in ray.nodes() if n["Alive"]]) < 2:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the second Ray node did not join")
-                time.sleep(0.5)
-        finally:
-            ray.shutdown()
-        yield address
-    finally:
-        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
-            for p in procs:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + grace
-            while time.monotonic() < end and any(p.poll() is None for p in procs):
-                time.sleep(0.2)
-        for temp in temps:
-            shutil.rmtree(temp, ignore_errors=True)
+from ray_cluster import two_node_cluster  # noqa: E402
 
 
 def measure(overrides: list[str], out: Path) -> tuple[float, float, dict]:

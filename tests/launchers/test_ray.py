@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
+from ray_cluster import two_node_cluster
 
-import fedweave
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave import rundir
@@ -30,87 +26,12 @@ SAME = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each node's process group (raylet, GCS, workers), then SIGKILL what is left, bounded."""
-    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
-        for p in procs:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.2)
-    for p in procs:
-        p.wait(timeout=5.0)
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    """The address of a two-node Ray cluster on this machine, one CPU per node, each node with its
-    own temp folder; its workers import this checkout's fedweave."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'fedweave[ray]')")
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    src = str(Path(fedweave.__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "disabled",
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # 0 would forbid a second node
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
-    driver_auth = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver as the nodes, whatever token ~/.ray may hold
-    procs: list[subprocess.Popen[bytes]] = []
-    temps = [tempfile.mkdtemp(prefix="fwray-") for _ in range(2)]  # short: Ray's socket paths live here
-    logs = [open(Path(t, "start.log"), "wb") for t in temps]  # noqa: SIM115 (closed below)
-
-    def start(args: list[str], i: int) -> None:
-        procs.append(subprocess.Popen(
-            [ray_cli, "start", *args, *common, f"--temp-dir={temps[i]}"],
-            env=env, stdout=logs[i], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        ))
-
-    try:
-        start(["--head", f"--port={port}", "--include-dashboard=false"], 0)
-        deadline = time.monotonic() + START_TIMEOUT
-        while not _listening(port):
-            assert procs[0].poll() is None and time.monotonic() < deadline, "the Ray head did not start"
-            time.sleep(0.5)
-        start([f"--address={address}"], 1)
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-        try:
-            while len([n for n in ray.nodes() if n["Alive"]]) < 2:
-                assert procs[1].poll() is None and time.monotonic() < deadline, "the second Ray node did not join"
-                time.sleep(0.5)
-        finally:
-            ray.shutdown()
+    """The address of a two-node Ray cluster on this machine, one CPU per node (``ray_cluster``)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'fedweave[ray]')")
+    with two_node_cluster(cpus=1, timeout=START_TIMEOUT) as address:
         yield address
-    finally:
-        _stop(procs)
-        for f in logs:
-            f.close()
-        for t in temps:
-            shutil.rmtree(t, ignore_errors=True)
-        if driver_auth is None:
-            del os.environ["RAY_AUTH_MODE"]
-        else:
-            os.environ["RAY_AUTH_MODE"] = driver_auth
 
 
 def _config(tmp_path: Path, *overrides: str) -> config_mod.Config:
@@ -240,7 +161,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
 
 def test_an_unreachable_cluster_fails_at_once_with_one_line(tmp_path: Path) -> None:
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'fedweave[ray]')")
-    closed = f"127.0.0.1:{_free_port()}"
+    closed = f"127.0.0.1:{free_port()}"
     with pytest.raises(FedweaveError, match=f"cannot reach the Ray cluster at ray.address='{closed}'"):
         runner.prepare(_config(tmp_path, "launcher=ray", f"ray.address={closed}"), tmp_path / "r")
     assert not (tmp_path / "r").exists()  # a run that could not be built leaves no directory
