@@ -74,7 +74,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.errors import ConfigError
+from fedweave.errors import CheckpointError, ConfigError
 from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
@@ -209,7 +209,7 @@ class HEServer:
             vector = ts.ckks_vector_from(self.context, data)
             if vector.size() != size:
                 raise ValueError(f"it holds {vector.size()} values, expected {size}")
-            (vector + self._zero(size)) * 1.0
+            (vector + self._zero(size).copy()) * 1.0  # a copy: TenSEAL may switch an operand's level in place
         except Exception as exc:  # TenSEAL's parser and evaluator raise several types
             raise ValueError(_first_line(exc)) from None
 
@@ -350,7 +350,15 @@ class HE:
         return {"model": dict(self.model)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model = dict(state.get("model", {}))
+        """The encrypted model of a checkpoint; refused when it was made under fresh keys (no ``keys``),
+        which died with the process that made them."""
+        model = dict(state.get("model", {}))
+        if model and self.hp.keys is None:
+            raise CheckpointError(
+                "plugin 'he' made fresh CKKS keys in the process that wrote this checkpoint, and no key can decrypt "
+                "its encrypted model now; a run with he resumes only with keys from `fedweave keys` (plugin key 'keys')"
+            )
+        self.model = model
 
     def _client_context(self) -> Any:
         if self._secret is None:
