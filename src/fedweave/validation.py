@@ -19,6 +19,8 @@ reason, an update that
 An update still encoded for a plugin that combines updates while encoded (secure
 aggregation, homomorphic encryption) is checked as far as it can be: its claims and
 extras, not its encoded tensors; the combined update is checked in full once decoded.
+Ciphertexts are checked before any parser sees them (:func:`check_ciphertexts`: the
+expected names, uint8, bounded in size), in an update and in a broadcast alike.
 
 Claimed example counts are bounded (:class:`ExampleLimits`): a claim above what the
 server knows a client holds (in simulation, the partition's sizes) or above
