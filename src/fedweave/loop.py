@@ -2,7 +2,7 @@
 
     plan    = controller.plan(r); chains.begin_round(r, cohort)   (may end the run: BudgetSpent)
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
-    send    = chains.server_send.encode(strategy.configure(r, global, plan))
+    send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
     updates = cap_weight_share(updates)          (aggregation.max_weight_share)
