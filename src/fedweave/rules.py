@@ -212,6 +212,11 @@ def sealed_model(config: Any) -> None:
                 f"config key 'topology.kind': plugin {spec.name!r} keeps the global model encrypted on a server, "
                 "which a ring has not; use topology star or hierarchical"
             )
+        if config.plugins.server_send:
+            raise ConfigError(
+                f"config key 'plugins.server_send': plugin {spec.name!r} broadcasts the global model encrypted, "
+                "which no plugin can compress or transform; leave plugins.server_send empty"
+            )
 
 
 def update_kinds(config: Any) -> None:

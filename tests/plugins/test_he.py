@@ -235,6 +235,8 @@ def test_a_run_with_fresh_keys_cannot_resume_and_says_so_in_one_line(tmp_path: P
         ([HE, NO_SERVER_EVAL, "strategy=fedavgm"], "config key 'strategy.name': plugin 'he' keeps the global model "
                                                   "encrypted and steps it by the clients' mean delta"),
         ([HE, NO_SERVER_EVAL, "topology=ring"], "config key 'topology.kind': plugin 'he' keeps the global model"),
+        ([HE, NO_SERVER_EVAL, "plugins.server_send=[{name: quantize, dtype: float16}]"],
+         "config key 'plugins.server_send': plugin 'he' broadcasts the global model encrypted"),
         (["plugins.client_send=[{name: he, poly_degree: 4096}]", NO_SERVER_EVAL], "config key 'plugins.client_send[0]"),
     ],
 )

@@ -28,8 +28,9 @@ each round by the clients' example-weighted mean delta::
 
 (:meth:`HE.combine`: additions cost no level, the one product by 1/N_t one, taken
 from the fresh sum each round, so one level lasts the whole run). This is FedAvg's
-and FedProx's server step; other strategies, and a server-side evaluation
-(``eval.every``), are refused when the config loads (:mod:`fedweave.rules`). The
+and FedProx's server step; other strategies, a server-side evaluation
+(``eval.every``), a ring and ``server_send`` plugins (ciphertexts cannot be compressed)
+are refused when the config loads (:mod:`fedweave.rules`). The
 plaintext update the strategy applies is zero for every floating tensor, so the
 server's plaintext model stays w_0 (integer counters, which travel in the clear, are
 combined as usual); the encrypted model is server state, saved in checkpoints.
