@@ -210,7 +210,7 @@ class HEServer:
             vector = ts.ckks_vector_from(self.context, data)
             if vector.size() != size:
                 raise ValueError(f"it holds {vector.size()} values, expected {size}")
-            (vector + self._zero(size).copy()) * 1.0  # a copy: TenSEAL may switch an operand's level in place
+            (self._zero(size) + vector) * 1.0  # the zero on the left: TenSEAL may switch the right operand's level in place
         except Exception as exc:  # TenSEAL's parser and evaluator raise several types
             raise ValueError(_first_line(exc)) from None
 
