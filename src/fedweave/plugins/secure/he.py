@@ -119,7 +119,9 @@ def coeff_mod_bits(scale_bits: int) -> list[int]:
 def make_context(poly_degree: int, scale_bits: int) -> Any:
     """A fresh CKKS context with its secret key."""
     ts = tenseal()
-    context = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=poly_degree, coeff_mod_bit_sizes=coeff_mod_bits(scale_bits))
+    context = ts.context(
+        ts.SCHEME_TYPE.CKKS, poly_modulus_degree=poly_degree, coeff_mod_bit_sizes=coeff_mod_bits(scale_bits)
+    )
     context.global_scale = 2.0**scale_bits
     return context
 
@@ -210,7 +212,8 @@ class HEServer:
             vector = ts.ckks_vector_from(self.context, data)
             if vector.size() != size:
                 raise ValueError(f"it holds {vector.size()} values, expected {size}")
-            (self._zero(size) + vector) * 1.0  # the zero on the left: TenSEAL may switch the right operand's level in place
+            # the cached zero on the left: TenSEAL may switch the right operand's level in place
+            (self._zero(size) + vector) * 1.0
         except Exception as exc:  # TenSEAL's parser and evaluator raise several types
             raise ValueError(_first_line(exc)) from None
 
@@ -260,7 +263,8 @@ class HE:
         vector, clear = flatten(params)
         if not self.model:
             ciphertexts = self.server.encrypt(vector.numpy())
-            self.model = {name: _bytes_tensor(c) for name, c in zip(chunk_names(vector.numel(), slot_count(self.server.context)), ciphertexts)}
+            names = chunk_names(vector.numel(), slot_count(self.server.context))
+            self.model = {name: _bytes_tensor(c) for name, c in zip(names, ciphertexts)}
         self._clear = clear
         return {**self.model, **clear}
 
@@ -294,7 +298,9 @@ class HE:
         encrypted model), the integer tensors combined as in the clear."""
         total = sum(u.num_examples for u in updates)
         self.model = {
-            name: _bytes_tensor(self.server.step(_tensor_bytes(model), [_tensor_bytes(u.tensors[name]) for u in updates], 1.0 / total))
+            name: _bytes_tensor(
+                self.server.step(_tensor_bytes(model), [_tensor_bytes(u.tensors[name]) for u in updates], 1.0 / total)
+            )
             for name, model in self.model.items()
         }
         clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
