@@ -66,7 +66,6 @@ differs from the scale), and the model's values must stay below about
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -82,8 +81,6 @@ from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_lay
 from fedweave.schema import opt
 from fedweave.types import Params, Update, UpdateKind
 from fedweave.validation import check_ciphertexts
-
-log = logging.getLogger(__name__)
 
 SECRET_FILE = "secret.ctx"
 PUBLIC_FILE = "public.ctx"
