@@ -64,6 +64,10 @@ BROKEN: dict[str, tuple[list[str], str]] = {
         ["plugins.client_send=[secagg]", "aggregation=median"],
         "config key 'plugins.client_send[0]': plugin 'secagg' makes the server combine updates while encoded",
     ),
+    "sealed_model": (
+        ["plugins.client_send=[he]", "eval.every=0", "strategy=fedavgm"],
+        "config key 'strategy.name': plugin 'he' keeps the global model encrypted",
+    ),
     "update_kinds": (
         [f"plugins.client_send=[{{name: '{HERE}:GradientOnly'}}]"],
         f"config key 'plugins.client_send[0]': plugin '{HERE}:GradientOnly' accepts gradient updates",

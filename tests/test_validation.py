@@ -15,6 +15,7 @@ from fedweave.strategies.fedper import FedPer, FedPerParams
 from fedweave.strategies.scaffold import Scaffold, ScaffoldParams
 from fedweave.types import Evaluation, Update, UpdateKind
 from fedweave.validation import (
+    check_ciphertexts,
     ExampleLimits,
     Rejected,
     TensorSpec,
@@ -253,3 +254,22 @@ def test_finite_finds_one_bad_entry_anywhere(dtype: torch.dtype, bad: float, whe
     assert finite(w) and finite(torch.empty(0, dtype=dtype))
     w[where] = bad
     assert not finite(w.reshape(100, 1000))
+
+
+def test_ciphertexts_are_exactly_the_expected_names_of_bounded_uint8_bytes() -> None:
+    names = ["__he_00000", "__he_00001"]
+    good = {n: torch.zeros(10, dtype=torch.uint8) for n in names}
+    check_ciphertexts(good, names, max_bytes=10)
+    bad = [
+        ({names[0]: good[names[0]]}, "lacks \\['__he_00001'\\]"),
+        ({**good, "__he_00002": good[names[0]]}, "holds ciphertexts \\['__he_00002'\\]"),
+        ({**good, names[1]: torch.zeros(10)}, "'__he_00001' is not a 1-D uint8 tensor"),
+        ({**good, names[1]: torch.zeros(2, 5, dtype=torch.uint8)}, "not a 1-D uint8 tensor"),
+        ({**good, names[1]: [0] * 10}, "not a 1-D uint8 tensor"),
+        ({**good, names[1]: torch.zeros(11, dtype=torch.uint8)}, "has 11 bytes, not 1..10"),
+        ({**good, names[1]: torch.zeros(0, dtype=torch.uint8)}, "has 0 bytes"),
+    ]
+    for ciphertexts, reason in bad:
+        with pytest.raises(Rejected, match=reason) as err:
+            check_ciphertexts(ciphertexts, names, max_bytes=10)
+        assert err.value.reason == "malformed"

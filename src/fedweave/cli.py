@@ -72,8 +72,17 @@ def _parser() -> argparse.ArgumentParser:
         "DIR/public.ctx (for the server); name DIR in the 'he' plugin's keys setting.",
     )
     keys.add_argument("--out", required=True, metavar="DIR", help="folder to write secret.ctx and public.ctx into")
-    keys.add_argument("--poly-degree", type=int, default=8192, choices=(4096, 8192, 16384), help="CKKS ring degree")
-    keys.add_argument("--scale-bits", type=int, default=32, help="CKKS scale 2^bits (20..50)")
+    keys.add_argument("--poly-degree", type=int, default=8192, choices=(8192, 16384), help="CKKS ring degree")
+    keys.add_argument("--scale-bits", type=int, default=40, help="CKKS scale 2^bits (20..50)")
+
+    decrypt = sub.add_parser(
+        "decrypt",
+        help="decrypt the model a run with the 'he' plugin kept encrypted (RUN_DIR/model.he.pt -> model.pt)",
+        description="Where secret.ctx is (a client's machine), write RUN_DIR/model.pt, the plaintext global "
+        "model, from the encrypted one the server wrote (RUN_DIR/model.he.pt).",
+    )
+    decrypt.add_argument("run_dir", metavar="RUN_DIR", help="the server's run directory (or a copy of model.he.pt's)")
+    decrypt.add_argument("--keys", required=True, metavar="DIR", help="the folder of `fedweave keys` holding secret.ctx")
 
     join = sub.add_parser(
         "join",
@@ -200,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             return _status(args.run_dir)
         if args.command == "keys":
             return _keys(args)
+        if args.command == "decrypt":
+            return _decrypt(args.run_dir, args.keys)
         if args.command == "join":
             return _join(args)
         if args.command == "worker":
@@ -440,6 +451,32 @@ def _keys(args: argparse.Namespace) -> int:
         raise ConfigError(f"--scale-bits must lie in 20..50, got {args.scale_bits}")
     secret, public = write_keys(args.out, args.poly_degree, args.scale_bits)
     print(f"secret context (clients only): {secret}\npublic context (server): {public}")
+    return 0
+
+
+def _decrypt(run_dir: str, keys: str) -> int:
+    """``fedweave decrypt --keys DIR RUN_DIR``: RUN_DIR/model.pt from the encrypted model, with secret.ctx."""
+    import torch
+
+    from fedweave import rundir
+    from fedweave.plugins.secure.he import HE, HEParams
+    from fedweave.validation import Rejected
+
+    path = Path(run_dir) / rundir.SEALED_MODEL_FILE
+    if not path.is_file():
+        raise ConfigError(f"{str(path)!r} does not exist: a run with plugin 'he' writes its encrypted model there at its end")
+    try:
+        sealed = torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - torch.load raises many types for a file that is not its format
+        raise ConfigError(f"{str(path)!r} is not an encrypted model fedweave wrote") from None
+    if not isinstance(sealed, dict) or not all(isinstance(t, torch.Tensor) for t in sealed.values()):
+        raise ConfigError(f"{str(path)!r} is not an encrypted model fedweave wrote")
+    try:
+        plain = HE(HEParams(keys=keys)).unseal(sealed)
+    except (ValueError, Rejected) as exc:
+        raise ConfigError(f"{str(path)!r} cannot be decrypted with {keys}/secret.ctx: {exc}") from None
+    rundir.save_model(plain, Path(run_dir))
+    print(f"plaintext model: {Path(run_dir) / rundir.MODEL_FILE}")
     return 0
 
 

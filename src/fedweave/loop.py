@@ -2,7 +2,7 @@
 
     plan    = controller.plan(r); chains.begin_round(r, cohort)   (may end the run: BudgetSpent)
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
-    send    = chains.server_send.encode(strategy.configure(r, global, plan))
+    send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
     updates = cap_weight_share(updates)          (aggregation.max_weight_share)
@@ -305,11 +305,12 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
 
 
 def encode_instructions(chains: Chains, instructions: list[Instruction], accepted: AcceptedRounds) -> list[Message]:
-    """Each instruction told its client's last applied round, through the server_send chain."""
+    """Each instruction told its client's last applied round, through the server's side of the downlink
+    (:meth:`~fedweave.plugins.chain.Chains.to_clients`: the server_send chain, an encrypted model)."""
     out = []
     for ins in map(accepted.stamp, instructions):
         ctx = PluginContext(ins.round, ins.work.client_id, "server")
-        out.append(Message(ins.round, ctx.client_id, chains.server_send.encode(chains.instruct(ins, ctx), ctx)))
+        out.append(Message(ins.round, ctx.client_id, chains.to_clients(ins, ctx)))
     return out
 
 

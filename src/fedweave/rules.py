@@ -23,10 +23,14 @@ from typing import Any
 
 from fedweave.errors import ConfigError
 from fedweave.plugins.chain import POINTS
-from fedweave.plugins.contracts import BeginsRound, check_plugin_class
+from fedweave.plugins.contracts import BeginsRound, SealsModel, check_plugin_class
 
 RING_OBSERVERS = ("fedavg", "fedprox")
 """Strategies whose server step is the plain example-weighted mean: a ring's observer."""
+
+MEAN_DELTA_STEPS = ("fedavg", "fedprox")
+"""Strategies whose server step is w + the example-weighted mean delta: the step a server takes on an
+encrypted model (plugin he)."""
 
 
 def _strategy(config: Any) -> Any:
@@ -186,6 +190,35 @@ def combining_plugins(config: Any) -> None:
             )
 
 
+def sealed_model(config: Any) -> None:
+    """A plugin that keeps the global model encrypted on the server (he) leaves it nothing to evaluate
+    and no step but the clients' mean delta."""
+    for point, i, spec, plugin in _plugins(config):
+        if point != "client_send" or not isinstance(plugin, SealsModel):
+            continue
+        if config.eval.every:
+            raise ConfigError(
+                f"config key 'eval.every': plugin {spec.name!r} keeps the global model encrypted, so the server "
+                "cannot evaluate it; set eval.every: 0 and evaluate on the clients (eval.federated_every: N)"
+            )
+        if config.strategy.name not in MEAN_DELTA_STEPS:
+            raise ConfigError(
+                f"config key 'strategy.name': plugin {spec.name!r} keeps the global model encrypted and steps it by "
+                f"the clients' mean delta, the server step of {', '.join(MEAN_DELTA_STEPS)} only; got "
+                f"{config.strategy.name!r}"
+            )
+        if config.topology.kind == "ring":
+            raise ConfigError(
+                f"config key 'topology.kind': plugin {spec.name!r} keeps the global model encrypted on a server, "
+                "which a ring has not; use topology star or hierarchical"
+            )
+        if config.plugins.server_send:
+            raise ConfigError(
+                f"config key 'plugins.server_send': plugin {spec.name!r} broadcasts the global model encrypted, "
+                "which no plugin can compress or transform; leave plugins.server_send empty"
+            )
+
+
 def update_kinds(config: Any) -> None:
     """Plugins on the uplink accept the kind of update the strategy sends."""
     strategy = _strategy(config)
@@ -258,6 +291,7 @@ RULES: tuple[Callable[[Any], None], ...] = (
     krum_cohort,
     ring_strategy,
     combining_plugins,
+    sealed_model,
     update_kinds,
     plugin_order,
     asynchronous_aggregation,

@@ -30,6 +30,8 @@ from fedweave.observe.metrics import MetricsWriter, read_metrics
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 MODEL_FILE = "model.pt"
+SEALED_MODEL_FILE = "model.he.pt"
+"""The global model a run kept encrypted (plugin he), as its server holds it; `fedweave decrypt` makes model.pt."""
 
 
 def new_run_dir(config: Config) -> Path:
@@ -127,6 +129,11 @@ class MetricsTail:
 def save_model(params: Mapping[str, torch.Tensor], run_dir: Path) -> None:
     """The trained model's tensors in ``run_dir``."""
     atomic_save(params, run_dir / MODEL_FILE)
+
+
+def save_sealed_model(tensors: Mapping[str, torch.Tensor], run_dir: Path) -> None:
+    """The encrypted model's tensors (ciphertexts as uint8, layouts and integer tensors) in ``run_dir``."""
+    atomic_save(tensors, run_dir / SEALED_MODEL_FILE)
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
+from fedweave.plugins.contracts import SealsModel
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
 from fedweave.topologies.base import Topology
@@ -183,13 +184,31 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             r.parts.topology.close()
         finally:
             checkpoints.close()  # the last checkpoint is on disk when the run returns
-    rundir.save_model(r.params, r.run_dir)
+    if (sealer := r.parts.chains.sealer) is None:
+        rundir.save_model(r.params, r.run_dir)
+    else:
+        r.params = _save_sealed(sealer, r.params, r.run_dir, simulated=cfg.transport.kind == "inmemory")
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients
 
         plot_clients(r.records, r.run_dir / CLIENTS_PLOT)
     loggers.close(r.run_dir)
     return r.records
+
+
+def _save_sealed(sealer: SealsModel, params: Params, run_dir: Path, simulated: bool) -> Params:
+    """A global model kept encrypted (plugin he): its ciphertexts in model.he.pt. A simulation, whose
+    clients and their key live in this process, also has them decrypt it into model.pt, the run's
+    result; a deployed server cannot (it holds the public key only) and keeps its plaintext params."""
+    sealed = sealer.seal(params)
+    rundir.save_sealed_model(sealed, run_dir)
+    if not simulated:
+        log.info("the global model stays encrypted in %s; where secret.ctx is, `fedweave decrypt --keys DIR %s` "
+                 "writes model.pt", run_dir / rundir.SEALED_MODEL_FILE, run_dir)
+        return params
+    plain = sealer.unseal(sealed)
+    rundir.save_model(plain, run_dir)
+    return plain
 
 
 def _posts_jobs(topology: Topology) -> PostsJobs | None:
@@ -219,7 +238,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         chains=chains,
         min_clients=config.min_clients,
         timeout=config.round_timeout,
-        evaluate_global=global_evaluator(config, task),
+        evaluate_global=global_evaluator(config, task) if chains.sealer is None else _no_plaintext_model,
         eval_every=config.eval.every,
         federated_eval_every=config.eval.federated_every,
         federated_eval_clients=lambda rnd: sample_clients(
@@ -239,6 +258,11 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         buffered=BufferedServer.from_config(config) if config.asynchronous.enabled else None,
     )
     return _Built(run_, task.partition_summary)
+
+
+def _no_plaintext_model(params: Params) -> dict[str, float]:
+    """The server's evaluation of a model it keeps encrypted (plugin he): none (clients evaluate it)."""
+    return {}
 
 
 def _topology(config: Config, runtime: ClientRuntime) -> Topology:

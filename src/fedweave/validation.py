@@ -19,6 +19,8 @@ reason, an update that
 An update still encoded for a plugin that combines updates while encoded (secure
 aggregation, homomorphic encryption) is checked as far as it can be: its claims and
 extras, not its encoded tensors; the combined update is checked in full once decoded.
+Ciphertexts are checked before any parser sees them (:func:`check_ciphertexts`: the
+expected names, uint8, bounded in size), in an update and in a broadcast alike.
 
 Claimed example counts are bounded (:class:`ExampleLimits`): a claim above what the
 server knows a client holds (in simulation, the partition's sizes) or above
@@ -138,6 +140,22 @@ def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) ->
     if not encoded:
         check_tensors(update.tensors, schema.tensors, "tensor")
     check_tensors(update.extras, schema.extras, "extras tensor", reason="extras")
+
+
+def check_ciphertexts(ciphertexts: Mapping[str, object], names: Sequence[str], max_bytes: int) -> None:
+    """Raise :class:`Rejected` (``malformed``) unless ``ciphertexts`` are exactly ``names``, each a
+    1-D uint8 tensor of 1..``max_bytes`` bytes: what may be handed to a ciphertext parser (HE's,
+    in a client's update on the server and in the broadcast on a client)."""
+    if set(ciphertexts) != set(names):
+        missing, extra = sorted(set(names) - set(ciphertexts)), sorted(set(ciphertexts) - set(names))
+        raise Rejected("malformed", f"it holds ciphertexts {extra[:3]} and lacks {missing[:3]} "
+                                    f"(expected {len(names)} ciphertexts)")
+    for name in names:
+        tensor = ciphertexts[name]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise Rejected("malformed", f"ciphertext {name!r} is not a 1-D uint8 tensor")
+        if not 0 < tensor.numel() <= max_bytes:
+            raise Rejected("malformed", f"ciphertext {name!r} has {tensor.numel()} bytes, not 1..{max_bytes}")
 
 
 def is_metrics(metrics: object) -> bool:

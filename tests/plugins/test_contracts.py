@@ -13,7 +13,16 @@ from conftest import small_config
 from fedweave import runner
 from fedweave.errors import ConfigError
 from fedweave.plugins.chain import Chain, Chains
-from fedweave.plugins.contracts import Answers, Binds, Combines, Plugin, ReportsMetrics, RunsProtocol, Stateful
+from fedweave.plugins.contracts import (
+    Answers,
+    Binds,
+    Combines,
+    Plugin,
+    ReportsMetrics,
+    RunsProtocol,
+    SealsModel,
+    Stateful,
+)
 from fedweave.strategies.fedavg import FedAvg
 from fedweave.types import Update, UpdateKind
 
@@ -125,8 +134,9 @@ def test_the_protocols_recognise_the_built_in_plugins() -> None:
 
     assert isinstance(TopK, Plugin) and isinstance(TopK, Stateful) and isinstance(TopK, Binds)
     assert isinstance(SecAgg, RunsProtocol) and isinstance(SecAgg, Answers)
-    # HE combines while encoded and runs one control step of its own: a key holder decrypts the sum
-    assert isinstance(HE, Combines) and isinstance(HE, RunsProtocol) and isinstance(HE, Answers)
+    # HE combines while encoded into a global model it keeps encrypted, which clients decrypt: no step of its own
+    assert isinstance(HE, Combines) and isinstance(HE, SealsModel) and isinstance(HE, Stateful)
+    assert not isinstance(HE, RunsProtocol) and not isinstance(HE, Answers) and not isinstance(SecAgg, SealsModel)
     assert not isinstance(TopK, Combines) and not isinstance(TopK, RunsProtocol)
     assert isinstance(DPCentral, ReportsMetrics) and not isinstance(TopK, ReportsMetrics)
 

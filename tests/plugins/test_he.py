@@ -1,55 +1,55 @@
-"""Homomorphic encryption: the decrypted aggregate is FedAvg, the server never holds the secret key (a client of
-the round decrypts the sum, also over gRPC with the server given public.ctx alone), key set-up."""
+"""Homomorphic encryption: the server keeps the global model encrypted and steps it with the public
+context alone; clients decrypt the broadcast. After decryption the model is plaintext FedAvg's (in
+simulation, after a resume, and over gRPC with the server given public.ctx alone); the server's own
+params stay w_0 and it never decrypts; bad ciphertexts are refused on either side; key set-up and
+`fedweave decrypt`."""
 
 from __future__ import annotations
 
 import stat
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_same_params, run_to_end
+from conftest import assert_same_params, run_interrupted, run_to_end, small_config
+from fedweave import runner
+from fedweave.checkpoint import load_checkpoint
 from fedweave.cli import main
-from fedweave.errors import RoundError
-from fedweave.plugins.chain import PluginContext
-from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, SUM, slot_count
+from fedweave.client import ClientRuntime
+from fedweave.errors import CheckpointError, ConfigError
+from fedweave.loop import accept_updates
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, slot_count
+from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 from fedweave.strategies.aggregate import weighted_average
-from fedweave.types import Control
+from fedweave.types import Message
+from fedweave.validation import Rejected
 
 from .helpers import ctx, make, update
 
 SERVER = ctx(1, -1, "server")
+HE = "plugins.client_send=[{name: he}]"
+NO_SERVER_EVAL = "eval.every=0"
+FEDERATED_EVAL = "eval.federated_every=1"
+CKKS_ATOL = 1e-5
 
 
-def updates(n: int = 3, size: int = 5000) -> list:
-    """Updates larger than one ciphertext of a 4096-degree context (2,048 slots)."""
+def model(size: int = 9000) -> dict[str, torch.Tensor]:
+    """A model larger than two ciphertexts of an 8192-degree context (4,096 slots), with a counter."""
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(size // 50, 50, generator=g) * 0.3, "b": torch.randn(7, generator=g),
+            "n": torch.tensor(3)}
+
+
+def deltas(n: int = 3) -> list:
     g = torch.Generator().manual_seed(0)
     return [
-        update({"w": torch.randn(size // 50, 50, generator=g) * 0.1, "b": torch.randn(7, generator=g), "n": torch.tensor(i)},
+        update({"w": torch.randn(180, 50, generator=g) * 0.1, "b": torch.randn(7, generator=g), "n": torch.tensor(i)},
                num_examples=20 + 13 * i, client_id=i)
         for i in range(n)
     ]
-
-
-class KeyHolders:
-    """The round's clients, each with its own plugin state, answering the server's decrypt step;
-    ``lost``: clients that answer nothing; ``asked``: who was asked, in order."""
-
-    def __init__(self, plugin: object, lost: set[int] = frozenset()):
-        self.plugin, self.lost = plugin, lost
-        self.states: dict[int, dict] = {}
-        self.asked: list[int] = []
-
-    def ctx(self, u: int, rnd: int = 1) -> PluginContext:
-        return PluginContext(rnd, u, "client", self.states.setdefault(u, {}))
-
-    def encode(self, plain: list) -> list:
-        return [self.plugin.encode(u, self.ctx(u.client_id)) for u in plain]
-
-    def exchange(self, bodies: dict[int, Control]) -> dict[int, Control]:
-        self.asked += list(bodies)
-        return {u: self.plugin.answer(b, self.ctx(u)) for u, b in bodies.items() if u not in self.lost}
 
 
 def public_only(keys: Path, tmp_path: Path) -> Path:
@@ -63,7 +63,7 @@ def public_only(keys: Path, tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("keys")
-    assert main(["keys", "--out", str(out), "--poly-degree", "4096"]) == 0
+    assert main(["keys", "--out", str(out)]) == 0
     return out
 
 
@@ -74,97 +74,221 @@ def test_keys_command_writes_a_secret_and_a_public_context(keys: Path) -> None:
     public = ts.context_from((keys / PUBLIC_FILE).read_bytes())
     assert secret.is_private() and not public.is_private() and not public.has_secret_key()
     assert stat.S_IMODE((keys / SECRET_FILE).stat().st_mode) == 0o600
-    assert slot_count(public) == 2048
+    assert slot_count(public) == 4096
+    ts.ckks_vector(public, [1.0]) * 0.5  # one level for the product by 1/N (the chain is [60, 40, 60])
 
 
 def test_a_secret_context_that_existed_with_a_looser_mode_ends_owner_only(tmp_path: Path) -> None:
     (tmp_path / SECRET_FILE).write_bytes(b"stale")
     (tmp_path / SECRET_FILE).chmod(0o644)
-    assert main(["keys", "--out", str(tmp_path), "--poly-degree", "4096"]) == 0
+    assert main(["keys", "--out", str(tmp_path)]) == 0
     assert stat.S_IMODE((tmp_path / SECRET_FILE).stat().st_mode) == 0o600
     assert (tmp_path / SECRET_FILE).read_bytes() != b"stale"
 
 
-def test_decrypted_aggregate_equals_plaintext_fedavg_over_several_ciphertexts(keys: Path, tmp_path: Path) -> None:
-    clients = KeyHolders(make("he", keys=str(keys)))
-    plain = updates()
-    encrypted = clients.encode(plain)
-    assert sum(k.startswith(CHUNK) for k in encrypted[0].tensors) == 3  # 5,007 values in 2,048-slot ciphertexts
-    assert all(t.dtype == torch.uint8 for k, t in encrypted[0].tensors.items() if k.startswith(CHUNK))
-    server = make("he", keys=str(public_only(keys, tmp_path)))
-    result = server.decode(server.combine(encrypted, SERVER, clients.exchange), SERVER)
-    assert clients.asked == [0]  # one key holder decrypts the sum
-    expected = weighted_average([u.tensors for u in plain], [u.num_examples for u in plain])
-    assert result.num_examples == sum(u.num_examples for u in plain)
-    assert_same_params(result.tensors, expected, atol=1e-4)
-
-
-def test_the_server_half_never_holds_the_secret_key(keys: Path, tmp_path: Path) -> None:
+def test_the_encrypted_model_steps_by_the_mean_delta_and_clients_decrypt_it(keys: Path, tmp_path: Path) -> None:
     client = make("he", keys=str(keys))
-    clients = KeyHolders(client, lost={0})
-    plain = updates(3)
-    encrypted = clients.encode(plain)
     server = make("he", keys=str(public_only(keys, tmp_path)))  # a server process gets the public context only
-    combined = server.combine(encrypted, SERVER, clients.exchange)
-    assert clients.asked == [0, 1]  # client 0 is gone: the next client of the round decrypts
+    w0 = model()
+    sealed = server.seal(w0)
+    assert sorted(k for k in sealed if k.startswith(CHUNK)) == [f"{CHUNK}0000{i}" for i in range(3)]  # 9,007 values
+    assert all(t.dtype == torch.uint8 for k, t in sealed.items() if k.startswith(CHUNK))
+    assert not any(k in sealed for k in ("w", "b"))  # no plaintext weight leaves the server
+    assert_same_params(client.unseal(sealed), w0, atol=CKKS_ATOL)
+    plain = deltas()
+    encrypted = [client.encode(u, ctx(1, u.client_id)) for u in plain]
+    for u in encrypted:
+        server.check_encoded(u)
+    step = server.decode(server.combine(encrypted, SERVER), SERVER)
+    assert step.num_examples == sum(u.num_examples for u in plain)
+    assert torch.equal(step.tensors["w"], torch.zeros_like(w0["w"])) and torch.equal(step.tensors["b"], torch.zeros(7))
+    assert step.tensors["n"] == 2  # integer counters travel in the clear and take the maximum, as in plain FedAvg
+    mean = weighted_average([u.tensors for u in plain], [u.num_examples for u in plain])
+    expected = {k: w0[k] + mean[k] for k in ("w", "b")}
+    opened = client.unseal(server.seal(w0))
+    assert_same_params({k: opened[k] for k in ("w", "b")}, expected, atol=CKKS_ATOL)
     context = server.server.context
-    assert not context.is_private() and not context.has_secret_key()
-    assert server._secret is None  # combining and decoding never load a secret context
-    expected = weighted_average([u.tensors for u in plain], [u.num_examples for u in plain])
-    assert_same_params(server.decode(combined, SERVER).tensors, expected, atol=1e-4)
-    assert server._secret is None
+    assert not context.is_private() and not context.has_secret_key() and server._secret is None
     with pytest.raises(ValueError, match="never one client's ciphertexts"):
         server.decode(encrypted[1], SERVER)
-    # in one process (simulation) the object used in combine is still public-only
-    assert not client.server.context.is_private() and not client.server.context.has_secret_key()
-    assert client._secret.is_private()
 
 
-def test_a_client_decrypts_once_and_only_in_a_round_it_took_part_in(keys: Path, tmp_path: Path) -> None:
-    clients = KeyHolders(make("he", keys=str(keys)))
-    encrypted = clients.encode(updates(2))
-    sums = {k: v for k, v in encrypted[0].tensors.items() if k.startswith(CHUNK)}
-    ask = Control("he", "decrypt", sums)
-    with pytest.raises(ValueError, match="client 5 sent no encrypted update in round 1"):
-        clients.plugin.answer(ask, clients.ctx(5))
-    with pytest.raises(ValueError, match="client 0 sent no encrypted update in round 2"):
-        clients.plugin.answer(ask, clients.ctx(0, rnd=2))
-    assert clients.plugin.answer(ask, clients.ctx(1)).tensors[SUM].dtype == torch.float64
-    with pytest.raises(ValueError, match="or decrypted already"):
-        clients.plugin.answer(ask, clients.ctx(1))
+def test_the_server_refuses_encrypted_updates_it_could_not_add(keys: Path, tmp_path: Path) -> None:
+    import tenseal as ts
+
+    client = make("he", keys=str(keys))
     server = make("he", keys=str(public_only(keys, tmp_path)))
-    nobody = KeyHolders(clients.plugin, lost={0, 1})
-    with pytest.raises(RoundError, match=r"none of the round's clients \[0, 1\] decrypted"):
-        server.combine(encrypted, SERVER, nobody.exchange)
+    server.seal(model())
+    good = client.encode(deltas(1)[0], ctx())
+    first = f"{CHUNK}00000"
+    context = ts.context_from((keys / SECRET_FILE).read_bytes())
+    spent = (ts.ckks_vector(context, [0.1] * 4096) * 0.5).serialize()  # at the last level: no product left
+    bad = {
+        "names": ({k: v for k, v in good.tensors.items() if k != first}, "lacks"),
+        "dtype": ({**good.tensors, first: good.tensors[first].float()}, "not a 1-D uint8 tensor"),
+        "garbage": ({**good.tensors, first: torch.full((1000,), 7, dtype=torch.uint8)}, "cannot be added"),
+        "level": ({**good.tensors, first: torch.frombuffer(bytearray(spent), dtype=torch.uint8)}, "cannot be added"),
+        "layout": ({**good.tensors, "w.__flat": torch.tensor([0, 50, 180], dtype=torch.int32)}, "does not match"),
+    }
+    for case, (tensors, reason) in bad.items():
+        with pytest.raises((ValueError, Rejected), match=reason):
+            server.check_encoded(update(tensors))
+        # through the server's uplink: rejected with the reason, the others accepted
+        chains = Chains(client_send=Chain([server]))
+        failures: dict[int, str] = {}
+        replies = [Message(1, 0, update(tensors, client_id=0)), Message(1, 1, update(dict(good.tensors), client_id=1))]
+        for r in replies:
+            r.body.applied = ["he"]
+        kept = accept_updates(chains, replies, failures, model())
+        assert [u.client_id for u in kept] == [1] and reason in failures[0], case
 
 
-def test_a_wrong_decryption_answer_is_refused_and_the_next_client_asked(keys: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    clients = KeyHolders(make("he", keys=str(keys)))
-    plain = updates(2)
-    encrypted = clients.encode(plain)
-
-    def lying(bodies: dict[int, Control]) -> dict[int, Control]:
-        answers = clients.exchange(bodies)
-        return {u: Control("he", "decrypt", {SUM: torch.zeros(3, dtype=torch.float64)}) if u == 0 else a for u, a in answers.items()}
-
+def test_a_client_refuses_a_broadcast_that_is_not_the_model(keys: Path, tmp_path: Path) -> None:
+    client = make("he", keys=str(keys))
     server = make("he", keys=str(public_only(keys, tmp_path)))
-    result = server.decode(server.combine(encrypted, SERVER, lying), SERVER)
-    assert "client 0's decryption refused: not 5007 finite float64 values" in caplog.text
-    expected = weighted_average([u.tensors for u in plain], [u.num_examples for u in plain])
-    assert_same_params(result.tensors, expected, atol=1e-4)
+    sealed = server.seal(model())
+    first = f"{CHUNK}00000"
+    bad = {
+        "missing": ({k: v for k, v in sealed.items() if k != f"{CHUNK}00002"}, "lacks"),
+        "plaintext": ({**{k: v for k, v in sealed.items() if not k.startswith(CHUNK)}, **model()}, "lacks"),
+        "dtype": ({**sealed, first: sealed[first].to(torch.int32)}, "not a 1-D uint8 tensor"),
+        "garbage": ({**sealed, first: torch.full((64,), 3, dtype=torch.uint8)}, "cannot be decrypted"),
+        "layout": ({**sealed, "w.__flat": torch.tensor([99, 2], dtype=torch.int32)}, "layouts are malformed"),
+        "size": ({**sealed, "w.__flat": torch.tensor([0, 10, 50], dtype=torch.int32)}, "lacks|holds"),
+    }
+    for case, (tensors, reason) in bad.items():
+        with pytest.raises((ValueError, Rejected), match=reason):
+            client.unseal(tensors)
+    assert_same_params(client.unseal(sealed), model(), atol=CKKS_ATOL)  # the good one still opens
 
 
-def test_an_he_run_equals_plain_fedavg(tmp_path: Path) -> None:
-    plain, _ = run_to_end(tmp_path / "plain")
-    encrypted, records = run_to_end(tmp_path / "he", "plugins.client_send=[{name: he, poly_degree: 4096}]")
-    assert_same_params(plain, encrypted, atol=1e-4)
-    assert records[0]["bytes_received"] > 10 * run_to_end(tmp_path / "p2", "rounds=1")[1][0]["bytes_received"]
+def test_an_he_run_equals_plain_fedavg_and_the_server_never_decrypts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's plaintext params stay w_0 in every round; TenSEAL's decrypt is only ever called by
+    a client opening its instruction (or, once, by the simulation's clients decrypting the result)."""
+    import tenseal as ts
+
+    client_side = threading.local()
+    decrypt, open_, save_sealed = ts.CKKSVector.decrypt, ClientRuntime.open, runner._save_sealed
+    outside: list[str] = []
+
+    def guarded(self: object, *args: object, **kwargs: object) -> object:
+        if not getattr(client_side, "on", False):
+            outside.append("decrypt outside a client")
+        return decrypt(self, *args, **kwargs)
+
+    def as_client(fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            client_side.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                client_side.on = False
+        return wrapper
+
+    monkeypatch.setattr(ts.CKKSVector, "decrypt", guarded)
+    monkeypatch.setattr(ClientRuntime, "open", as_client(open_))
+    monkeypatch.setattr(runner, "_save_sealed", as_client(save_sealed))
+
+    plain, plain_records = run_to_end(tmp_path / "plain", NO_SERVER_EVAL, FEDERATED_EVAL)
+    r = runner.prepare(small_config(HE, NO_SERVER_EVAL, FEDERATED_EVAL), tmp_path / "he")
+    w0 = {k: v.clone() for k, v in r.params.items()}
+    stepped = []
+    aggregate = r.parts.strategy.aggregate
+    r.parts.strategy.aggregate = lambda rnd, params, updates: stepped.append(aggregate(rnd, params, updates)) or stepped[-1]
+    records = runner.execute(r)
+    assert outside == [] and len(stepped) == 3
+    for params in stepped:
+        assert_same_params(params, w0)  # the server's plaintext model never moves from w_0
+    assert_same_params(r.params, plain, atol=CKKS_ATOL)  # what the clients decrypt is FedAvg's model
+    assert_same_params(torch.load(tmp_path / "he" / MODEL_FILE), plain, atol=CKKS_ATOL)
+    assert (tmp_path / "he" / SEALED_MODEL_FILE).is_file()
+    assert records[-1]["test_accuracy"] is None  # the server has nothing to evaluate
+    assert records[-1]["federated_accuracy"] == pytest.approx(plain_records[-1]["federated_accuracy"], abs=0.02)
+    assert records[0]["bytes_sent"] > 10 * plain_records[0]["bytes_sent"]  # the broadcast is ciphertexts
+
+
+def test_resume_after_a_checkpoint_matches_the_uninterrupted_run(keys: Path, tmp_path: Path) -> None:
+    """CKKS encryption is randomized (SEAL draws from the OS), so the two runs agree within CKKS precision."""
+    he = f"plugins.client_send=[{{name: he, keys: {keys}}}]"
+    whole, _ = run_to_end(tmp_path / "whole", he, NO_SERVER_EVAL)
+    resumed, records = run_interrupted(tmp_path / "cut", 1, he, NO_SERVER_EVAL)
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert_same_params(resumed, whole, atol=CKKS_ATOL)
+    state = load_checkpoint(tmp_path / "cut")
+    sealed = state["plugins"]["client_send[0]"]["model"]
+    assert sealed and all(t.dtype == torch.uint8 for t in sealed.values())  # the encrypted model is server state
+    w0 = runner.prepare(small_config(), tmp_path / "w0").params
+    assert_same_params(state["params"], w0)
+
+
+def test_a_run_with_fresh_keys_cannot_resume_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """Fresh keys (no ``keys``) live in the process that made them: its encrypted model cannot be decrypted later."""
+    with pytest.raises(CheckpointError, match="no key can decrypt its encrypted model now") as err:
+        run_interrupted(tmp_path / "cut", 1, HE, NO_SERVER_EVAL)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        ([HE], "config key 'eval.every': plugin 'he' keeps the global model encrypted, so the server cannot evaluate"),
+        ([HE, NO_SERVER_EVAL, "strategy=fedavgm"], "config key 'strategy.name': plugin 'he' keeps the global model "
+                                                  "encrypted and steps it by the clients' mean delta"),
+        ([HE, NO_SERVER_EVAL, "topology=ring"], "config key 'topology.kind': plugin 'he' keeps the global model"),
+        ([HE, NO_SERVER_EVAL, "plugins.server_send=[{name: quantize, dtype: float16}]"],
+         "config key 'plugins.server_send': plugin 'he' broadcasts the global model encrypted"),
+        (["plugins.client_send=[{name: he, poly_degree: 4096}]", NO_SERVER_EVAL], "config key 'plugins.client_send[0]"),
+    ],
+)
+def test_what_an_encrypted_model_cannot_do_is_refused_at_load(overrides: list[str], start: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        small_config(*overrides)
+    assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)
+    if "4096" in overrides[0]:
+        assert "poly_degree" in str(err.value)
+
+
+def test_keys_made_for_additions_only_are_refused_in_one_line(tmp_path: Path) -> None:
+    import tenseal as ts
+
+    old = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40])
+    old.global_scale = 2.0**32
+    (tmp_path / PUBLIC_FILE).write_bytes(old.serialize())
+    with pytest.raises(ConfigError, match="no level for the product by a number.*make the keys again"):
+        make("he", keys=str(tmp_path)).seal(model())
+
+
+def test_fedweave_decrypt_writes_the_plaintext_model_and_refuses_bad_keys(
+    keys: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    r = runner.prepare(small_config(f"plugins.client_send=[{{name: he, keys: {keys}}}]", NO_SERVER_EVAL, "rounds=1"),
+                       run_dir)
+    runner.execute(r)
+    simulated = torch.load(run_dir / MODEL_FILE)
+    (run_dir / MODEL_FILE).unlink()
+    assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
+    assert_same_params(torch.load(run_dir / MODEL_FILE), simulated, atol=1e-9)  # the same ciphertexts, decrypted
+    capsys.readouterr()
+
+    server_keys = public_only(keys, tmp_path)
+    public_as_secret = tmp_path / "public-as-secret"
+    public_as_secret.mkdir()
+    (public_as_secret / SECRET_FILE).write_bytes((keys / PUBLIC_FILE).read_bytes())
+    for folder, run, reason in [
+        (server_keys, run_dir, "secret.ctx, which cannot be read"),
+        (public_as_secret, run_dir, "holds no secret key"),
+        (keys, tmp_path / "nowhere", "does not exist"),
+    ]:
+        assert main(["decrypt", "--keys", str(folder), str(run)]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path, tmp_path: Path) -> None:
-    """Issue 14, item 8: `fedweave server` given public.ctx only (it used to load secret.ctx and, without
-    it, crash in round 1) completes the run with two `fedweave client` processes holding secret.ctx,
-    and its model is plaintext FedAvg's within CKKS precision."""
+    """Issue 14, item 8: `fedweave server` given public.ctx only keeps the model encrypted with two
+    `fedweave client` processes holding secret.ctx; `fedweave decrypt` of its run directory gives plaintext
+    FedAvg's model within CKKS precision."""
     import subprocess
     import sys
 
@@ -172,7 +296,6 @@ def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path
 
     from conftest import free_port
     from fedweave import config as config_mod
-    from fedweave import runner
 
     spec = {
         "name": "he-grpc", "seed": 0, "rounds": 2, "clients": 2,
@@ -183,6 +306,7 @@ def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path
         "transport": "grpc",
         "grpc": {"heartbeat_interval": 0.2, "heartbeat_timeout": 5.0, "poll_timeout": 1.0, "backoff_max": 1.0},
         "checkpoint": {"every": 0},
+        "eval": {"every": 0, "federated_every": 1},
     }
     path = tmp_path / "he.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -211,4 +335,8 @@ def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path
                 proc.wait(5)
     assert not (server_keys / SECRET_FILE).exists()
     assert "Traceback" not in logs["server"].read_text()
-    assert_same_params(torch.load(run_dir / "model.pt"), plain.params, atol=1e-4)
+    assert not (run_dir / MODEL_FILE).exists()  # the server has no plaintext model to write
+    sealed = torch.load(run_dir / SEALED_MODEL_FILE)
+    assert not any(k in sealed for k, t in plain.params.items() if t.is_floating_point())  # ciphertexts only
+    assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
+    assert_same_params(torch.load(run_dir / MODEL_FILE), plain.params, atol=CKKS_ATOL)

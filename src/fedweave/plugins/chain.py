@@ -40,6 +40,13 @@ On the client, ``ctx.state`` is that client's private plugin state, kept by its
 runtime in its own process (keys, shares); on the server it is None, so a server half
 cannot reach a client's secrets even in a simulation that runs both in one process.
 
+A combining plugin may keep the global model encoded on the server (homomorphic
+encryption, :class:`~fedweave.plugins.contracts.SealsModel`): then every instruction
+leaves with the plugin's ``seal(params)`` in place of its params, before the
+server_send chain (:meth:`Chains.to_clients`), and a client reads them back with
+``unseal`` after that chain's decode (:meth:`Chains.to_client`); each still-encoded
+update passes the plugin's ``check_encoded`` before it is accepted.
+
 Optional hooks, each called on every plugin of the four chains that has it (each
 capability is a typed protocol of :mod:`fedweave.plugins.contracts`, checked when the
 config loads):
@@ -74,6 +81,7 @@ from fedweave.plugins.contracts import (
     Plugin,
     ReportsMetrics,
     RunsProtocol,
+    SealsModel,
     Stateful,
 )
 from fedweave.types import Control, Instruction, Update
@@ -144,9 +152,25 @@ class Chains:
     client_send: Chain = field(default_factory=Chain)
     server_receive: Chain = field(default_factory=Chain)
 
+    @property
+    def sealer(self) -> SealsModel | None:
+        """The combining plugin that keeps the global model encoded on the server, if any."""
+        combiner = self.client_send.combiner
+        return combiner if isinstance(combiner, SealsModel) else None
+
+    def to_clients(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
+        """Server side of the downlink: the plugins' per-client settings, the sealed model, the encoding."""
+        instruction = self.instruct(instruction, ctx)
+        if (sealer := self.sealer) is not None:
+            instruction = replace(instruction, params=sealer.seal(instruction.params))
+        return self.server_send.encode(instruction, ctx)
+
     def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
-        """Client side of the downlink: decode the server's encoding, then filter."""
-        return self.client_receive.filter(self.server_send.decode(instruction, ctx), ctx)
+        """Client side of the downlink: decode the server's encoding, unseal the model, then filter."""
+        instruction = self.server_send.decode(instruction, ctx)
+        if (sealer := self.sealer) is not None:
+            instruction = replace(instruction, params=sealer.unseal(instruction.params))
+        return self.client_receive.filter(instruction, ctx)
 
     def to_server(self, update: Update, ctx: PluginContext) -> Update:
         """Server side of the uplink for one update: decode the client's encoding, then filter.
@@ -161,6 +185,8 @@ class Chains:
             raise ValueError(f"update was not encoded by {combiner.name!r}, which this server combines")
         cut = update.applied.index(combiner.name) + 1
         partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
+        if isinstance(combiner, SealsModel):
+            combiner.check_encoded(partial)
         return replace(partial, applied=update.applied[:cut])
 
     def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:

@@ -14,6 +14,8 @@ protocol            methods                                         when it is c
 :class:`RunsProtocol`  ``setup``, ``combine(..., exchange)``       a combining plugin with its own
                                                                     control messages (SecAgg), server
 :class:`Answers`    ``answer(control, ctx) -> Control``             its client half
+:class:`SealsModel`  ``seal``, ``unseal``, ``check_encoded``         a combining plugin that keeps the
+                                                                    global model encrypted (HE)
 :class:`Stateful`   ``state_dict()``, ``load_state_dict(state)``    checkpoints (error feedback)
 :class:`Binds`      ``bind(config)``                                once, when the run is built
 :class:`BeginsRound`  ``begin_round(rnd, client_ids)``              before each round's set-up
@@ -28,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from fedweave.errors import ConfigError
-from fedweave.types import Control, Update, UpdateKind
+from fedweave.types import Control, Params, Update, UpdateKind
 
 if TYPE_CHECKING:
     from fedweave.plugins.chain import ControlExchange, Payload, PluginContext
@@ -72,6 +74,20 @@ class Answers(Protocol):
 
 
 @runtime_checkable
+class SealsModel(Protocol):
+    """A combining plugin whose server keeps the global model encoded (HE): ``seal`` puts the
+    encoded model in place of the plaintext params of each instruction (server), ``unseal``
+    takes it back out (client, with the key), ``check_encoded`` refuses, by raising, a
+    still-encoded update that could not be combined with the model (server)."""
+
+    def seal(self, params: Params) -> Params: ...
+
+    def unseal(self, tensors: Params) -> Params: ...
+
+    def check_encoded(self, update: Update) -> None: ...
+
+
+@runtime_checkable
 class Stateful(Protocol):
     """State kept in checkpoints (error-feedback residuals, privacy ledgers)."""
 
@@ -110,6 +126,7 @@ class ReportsMetrics(Protocol):
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RunsProtocol and Answers", ("setup", "combine", "answer")),
     ("Stateful", ("state_dict", "load_state_dict")),
+    ("SealsModel", ("seal", "unseal", "check_encoded")),
 )
 """Capabilities of several methods: a plugin with some of them must have all."""
 
@@ -140,6 +157,8 @@ def check_plugin_class(cls: Any, key: str) -> None:
             )
     if cls.combines_encoded and not _has(cls, "combine"):
         raise ConfigError(f"{what} declares combines_encoded = True but lacks combine(updates, ctx) (Combines protocol)")
+    if _has(cls, "seal") and not cls.combines_encoded:
+        raise ConfigError(f"{what} has seal(), which only a plugin that combines updates while encoded may have")
     if _has(cls, "setup") and not cls.combines_encoded:
         raise ConfigError(
             f"{what} has setup(), which runs only for a plugin that combines updates while encoded; "

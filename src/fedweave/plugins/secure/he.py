@@ -1,4 +1,4 @@
-"""Homomorphic encryption of updates with CKKS (TenSEAL): the server sums ciphertexts.
+"""Homomorphic encryption with CKKS (TenSEAL): the server keeps the global model encrypted.
 
 Cheon, Kim, Kim & Song, "Homomorphic Encryption for Arithmetic of Approximate Numbers",
 ASIACRYPT 2017; TenSEAL (Benaissa et al. 2021, https://arxiv.org/abs/2104.03152).
@@ -7,6 +7,9 @@ ASIACRYPT 2017; TenSEAL (Benaissa et al. 2021, https://arxiv.org/abs/2104.03152)
 ``fedweave keys --out DIR``: ``DIR/secret.ctx`` (with the secret key) goes to the
 clients, ``DIR/public.ctx`` (without it) to the server; the plugin's ``keys`` names the
 folder. Without ``keys``, the plugin makes a fresh context in its process (simulation).
+The context's modulus chain is [60, scale_bits, 60] bits: one level for the server's
+product of a ciphertext by a plaintext scalar (the ring degree 4096 holds 109 bits, too
+few: 8192 or 16384).
 
 **Encoding (client).** The floating tensors of the update, flattened and multiplied by
 the client's example count n_k, are packed into as many CKKS vectors as the model needs
@@ -14,54 +17,76 @@ the client's example count n_k, are packed into as many CKKS vectors as the mode
 a uint8 tensor (``__he_00000``, ...), so any transport carries it and its bytes are
 counted. Layouts and integer tensors travel in the clear.
 
-**Combining (server).** The server deserializes the ciphertexts with the *public*
-context (:class:`HEServer`: built only from the public context's bytes, it never holds
-the secret key) and adds them: Σ_k n_k x_k, still encrypted. No multiplication is
-needed, so one ciphertext modulus suffices.
+**The encrypted model (server).** The server's half (:class:`HEServer`) is built from
+the *public* context's bytes alone: it never holds the secret key, so it can encrypt,
+add and multiply by plaintext numbers, never decrypt. At the first broadcast it encrypts
+the initial model w_0 (public anyway: the seeded initialisation) with the public key;
+from then on it keeps the global model only encrypted (:meth:`HE.seal`) and steps it
+each round by the clients' example-weighted mean delta::
 
-**Decrypting (a key holder).** Decrypting needs the secret key, which the server never
-loads: the plugin runs one step of its own protocol (a :class:`~fedweave.types.Control`
-``decrypt``, through the round's topology like SecAgg's steps) that sends the encrypted
-sum to one client of the round, which decrypts it with ``secret.ctx`` and answers the
-plaintext Σ_k n_k x_k. The server asks the round's clients in id order until one
-answers, and divides by Σ n_k (``decode``): the example-weighted mean, which the strategy
-applies as usual, so the server keeps a plaintext global model and evaluates it. A client
-decrypts at most once per round, and only in a round it sent an encrypted update in. As
-with secure aggregation, the server learns the aggregate and never an individual update,
-against an honest-but-curious server: one that deviates could send a single client's
-ciphertext to be decrypted, since every client holds the same key (a threshold key, or
-keeping the aggregate encrypted in the broadcast, would close that; neither is built).
+    Enc(w_{t+1}) = Enc(w_t) + (1 / N_t) · Σ_k Enc(n_k Δ_k),     N_t = Σ_k n_k (public)
 
-Precision: CKKS is approximate; with the default scale 2^32 the mean is exact to about
-1e-6, and |Σ_k n_k x_k| must stay below about 2^(60 − scale_bits) (2.7e8 by default).
+(:meth:`HE.combine`: additions cost no level, the one product by 1/N_t one, taken
+from the fresh sum each round, so one level lasts the whole run). This is FedAvg's
+and FedProx's server step; other strategies, a server-side evaluation
+(``eval.every``), a ring and ``server_send`` plugins (ciphertexts cannot be compressed)
+are refused when the config loads (:mod:`fedweave.rules`). The
+plaintext update the strategy applies is zero for every floating tensor, so the
+server's plaintext model stays w_0 (integer counters, which travel in the clear, are
+combined as usual); the encrypted model is server state, saved in checkpoints.
+
+**The broadcast (clients).** Every instruction, for training or federated evaluation,
+carries Enc(w_t)'s ciphertexts in place of the model's floating tensors; each client
+checks them (:func:`fedweave.validation.check_ciphertexts`: exactly the ciphertexts the
+layouts call for, bounded in size), decrypts them with ``secret.ctx`` (:meth:`HE.unseal`)
+and trains on w_t; a broadcast that does not decrypt into finite values of the
+model's size is refused with a reason. No client is ever asked to decrypt anything and
+send the plaintext back: what a client sends is encrypted (its training loss and a
+federated evaluation's metrics excepted). At the end the server writes the encrypted
+model (``model.he.pt``); ``fedweave decrypt --keys DIR RUN_DIR``, run where
+``secret.ctx`` is, writes the plaintext ``model.pt``. A simulation, whose clients and
+their key live in the server's process, writes both.
+
+**What it guarantees.** A server that holds ``public.ctx`` only learns neither an
+update, nor an aggregate, nor the model after round 0, whatever it does: it can
+decrypt nothing, and nothing it can make a client send is in the clear but the
+client's loss and evaluation metrics. **What it does not.** Every client holds the
+same secret key, so one client that colludes with the server (or a server that also
+runs a client) decrypts everything: each update, each aggregate. A threshold key,
+which would close that, is not built. A client's update is checked as far as a
+ciphertext can be (names, sizes, that it adds to the model at its level and scale);
+its content cannot be: a poisoned update, or a ciphertext under another key, poisons
+the model, and robust rules, which need each update in the clear, are refused.
+
+Precision: CKKS is approximate; with the default scale 2^40 the decrypted model equals
+plaintext FedAvg to about 1e-7 after 20 rounds (with 2^32, 6e-5: the rescaling prime
+differs from the scale), and the model's values must stay below about
+2^(60 − scale_bits).
 """
 
 from __future__ import annotations
 
-import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from fedweave.errors import RoundError
+from fedweave.errors import CheckpointError, ConfigError
 from fedweave.files import atomic_write_bytes
-from fedweave.plugins.chain import ControlExchange, PluginContext
+from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
-from fedweave.types import Control, Update, UpdateKind
-
-log = logging.getLogger(__name__)
+from fedweave.types import Params, Update, UpdateKind
+from fedweave.validation import check_ciphertexts
 
 SECRET_FILE = "secret.ctx"
 PUBLIC_FILE = "public.ctx"
 CHUNK = "__he_"
-SUM = "__hesum"
-"""The decrypted Σ_k n_k x_k (float64) the key holder answers and the combined update carries."""
-DECRYPT = "decrypt"
-COEFF_MOD_BITS = [60, 40]  # one 60-bit ciphertext modulus and the special prime: enough for additions
+OUTER_BITS = 60
+"""The first data prime and the special prime of the chain [60, scale_bits, 60]."""
 
 
 @dataclass
@@ -69,8 +94,10 @@ class HEParams:
     keys: str | None = opt(
         None, help="folder made by `fedweave keys`: clients read secret.ctx, the server public.ctx (none: fresh keys)"
     )
-    poly_degree: Literal[4096, 8192, 16384] = opt(8192, help="without keys: CKKS ring degree (slots per ciphertext: half)")
-    scale_bits: int = opt(32, ge=20, le=50, help="without keys: CKKS scale 2^bits (precision against range)")
+    poly_degree: Literal[8192, 16384] = opt(
+        8192, help="without keys: CKKS ring degree (slots per ciphertext: half; 4096 holds too few modulus bits)"
+    )
+    scale_bits: int = opt(40, ge=20, le=50, help="without keys: CKKS scale 2^bits (precision against range)")
 
 
 def tenseal() -> Any:
@@ -81,10 +108,17 @@ def tenseal() -> Any:
     return ts
 
 
+def coeff_mod_bits(scale_bits: int) -> list[int]:
+    """The modulus chain: one level (``scale_bits``) for the product by 1/N each round."""
+    return [OUTER_BITS, scale_bits, OUTER_BITS]
+
+
 def make_context(poly_degree: int, scale_bits: int) -> Any:
     """A fresh CKKS context with its secret key."""
     ts = tenseal()
-    context = ts.context(ts.SCHEME_TYPE.CKKS, poly_modulus_degree=poly_degree, coeff_mod_bit_sizes=COEFF_MOD_BITS)
+    context = ts.context(
+        ts.SCHEME_TYPE.CKKS, poly_modulus_degree=poly_degree, coeff_mod_bit_sizes=coeff_mod_bits(scale_bits)
+    )
     context.global_scale = 2.0**scale_bits
     return context
 
@@ -96,7 +130,7 @@ def public_bytes(context: Any) -> bytes:
     return public.serialize()
 
 
-def write_keys(out: str | Path, poly_degree: int = 8192, scale_bits: int = 32) -> tuple[Path, Path]:
+def write_keys(out: str | Path, poly_degree: int = 8192, scale_bits: int = 40) -> tuple[Path, Path]:
     """Make the federation's CKKS context: ``secret.ctx`` (clients, owner-only) and ``public.ctx`` (server)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,23 +143,81 @@ def write_keys(out: str | Path, poly_degree: int = 8192, scale_bits: int = 32) -
 
 def slot_count(context: Any) -> int:
     """Values one CKKS ciphertext of ``context`` holds: half the ring degree."""
-    return context.seal_context().data.key_context_data().parms().poly_modulus_degree() // 2
+    return poly_degree(context) // 2
+
+
+def poly_degree(context: Any) -> int:
+    return int(context.seal_context().data.key_context_data().parms().poly_modulus_degree())
+
+
+def max_ciphertext_bytes(context: Any) -> int:
+    """A bound on one serialized ciphertext of ``context``: two polynomials over the chain's
+    primes, 8 bytes a coefficient, and room for the header."""
+    return 2 * len(coeff_mod_bits(0)) * poly_degree(context) * 8 + 65536
+
+
+def chunk_names(size: int, slots: int) -> list[str]:
+    """The ciphertexts of a vector of ``size`` values, ``slots`` a ciphertext."""
+    return [f"{CHUNK}{i:05d}" for i in range(math.ceil(size / slots))]
+
+
+def chunk_sizes(size: int, slots: int) -> Iterator[int]:
+    """The values each ciphertext of :func:`chunk_names` holds."""
+    for start in range(0, size, slots):
+        yield min(slots, size - start)
+
+
+def check_levels(context: Any, where: str) -> None:
+    """Refuse a context without the level the product by 1/N needs (keys of an older ``fedweave keys``)."""
+    try:
+        tenseal().ckks_vector(context, [0.0]) * 1.0
+    except Exception:  # TenSEAL raises ValueError or RuntimeError at the end of the chain
+        raise ConfigError(
+            f"plugin 'he': the CKKS context of {where} has no level for the product by a number that the encrypted "
+            "model needs (keys made for additions only?); make the keys again with `fedweave keys --out DIR`"
+        ) from None
 
 
 class HEServer:
-    """The server half: the public context only (no secret key), and the sum of ciphertexts."""
+    """The server half: the public context only (no secret key); it encrypts, adds, scales."""
 
-    def __init__(self, context_bytes: bytes):
-        self.context = tenseal().context_from(context_bytes)
+    def __init__(self, context_bytes: bytes, where: str = "the server"):
+        self.context = _context(context_bytes, where)
         if self.context.is_private():
-            raise ValueError("the server's HE context holds a secret key; give the server public.ctx only")
+            raise ConfigError("plugin 'he': the server's HE context holds a secret key; give the server public.ctx only")
+        check_levels(self.context, where)
+        self._zeros: dict[int, Any] = {}
 
-    def add(self, ciphertexts: list[bytes]) -> bytes:
+    def encrypt(self, values: Any) -> list[bytes]:
+        """``values`` encrypted with the public key, ``slot_count`` values a ciphertext."""
+        ts, slots = tenseal(), slot_count(self.context)
+        return [ts.ckks_vector(self.context, values[i : i + slots]).serialize() for i in range(0, len(values), slots)]
+
+    def step(self, model: bytes, ciphertexts: list[bytes], scale: float) -> bytes:
+        """``model + scale · Σ ciphertexts``, still encrypted."""
         ts = tenseal()
         total = ts.ckks_vector_from(self.context, ciphertexts[0])
         for data in ciphertexts[1:]:
             total += ts.ckks_vector_from(self.context, data)
-        return total.serialize()
+        return (ts.ckks_vector_from(self.context, model) + total * scale).serialize()
+
+    def check(self, data: bytes, size: int) -> None:
+        """Raise ValueError unless ``data`` is a ciphertext of ``size`` values that can be summed
+        and scaled as a fresh one (same scale, a level to spare)."""
+        ts = tenseal()
+        try:
+            vector = ts.ckks_vector_from(self.context, data)
+            if vector.size() != size:
+                raise ValueError(f"it holds {vector.size()} values, expected {size}")
+            # the cached zero on the left: TenSEAL may switch the right operand's level in place
+            (self._zero(size) + vector) * 1.0
+        except Exception as exc:  # TenSEAL's parser and evaluator raise several types
+            raise ValueError(_first_line(exc)) from None
+
+    def _zero(self, size: int) -> Any:
+        if size not in self._zeros:
+            self._zeros[size] = tenseal().ckks_vector(self.context, [0.0] * size)
+        return self._zeros[size]
 
 
 def _one_process(params: HEParams) -> str | None:
@@ -133,7 +225,7 @@ def _one_process(params: HEParams) -> str | None:
 
 
 class HE:
-    """Homomorphic encryption (CKKS, TenSEAL): the server sums encrypted updates without the secret key."""
+    """Homomorphic encryption (CKKS, TenSEAL): the server keeps the model encrypted, clients decrypt it."""
 
     name = "he"
     Params = HEParams
@@ -147,6 +239,8 @@ class HE:
         self.hp = hp
         self._secret: Any = None  # the client half's context, loaded when a client first needs it
         self._server: HEServer | None = None
+        self.model: dict[str, torch.Tensor] = {}  # server: Enc(w_t), by ciphertext name; empty before round 1
+        self._clear: Params = {}  # server: what the last broadcast carried in the clear (layouts, integer tensors)
 
     @property
     def server(self) -> HEServer:
@@ -155,89 +249,131 @@ class HE:
             if self.hp.keys is None:
                 self._server = HEServer(public_bytes(self._client_context()))
             else:
-                self._server = HEServer(_read(Path(self.hp.keys) / PUBLIC_FILE, "the server"))
+                path = Path(self.hp.keys) / PUBLIC_FILE
+                self._server = HEServer(_read(path, "the server"), str(path))
         return self._server
 
-    def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
-        """No set-up step: every client of the cohort trains (the keys were made before the run)."""
-        return cohort
+    def seal(self, params: Params) -> Params:
+        """Server: the global model as broadcast: Enc(w_t)'s ciphertexts in place of the floating
+        tensors of ``params``, its layouts and integer tensors in the clear. Enc(w_0) is made from
+        ``params`` with the public key at the first broadcast."""
+        vector, clear = flatten(params)
+        if not self.model:
+            ciphertexts = self.server.encrypt(vector.numpy())
+            names = chunk_names(vector.numel(), slot_count(self.server.context))
+            self.model = {name: _bytes_tensor(c) for name, c in zip(names, ciphertexts)}
+        self._clear = clear
+        return {**self.model, **clear}
+
+    def check_encoded(self, update: Update) -> None:
+        """Server: raise unless ``update``'s ciphertexts are those of the model (names, sizes) and add
+        to it, and what it sends in the clear has the broadcast's layouts, names, shapes and dtypes."""
+        if not self.model:
+            raise ValueError("he: an encrypted update before any broadcast of the model")
+        ciphertexts = {k: t for k, t in update.tensors.items() if k.startswith(CHUNK)}
+        clear = {k: t for k, t in update.tensors.items() if not k.startswith(CHUNK)}
+        check_ciphertexts(ciphertexts, list(self.model), max_ciphertext_bytes(self.server.context))
+        if clear.keys() != self._clear.keys():
+            raise ValueError("he: the tensors it sends in the clear are not the model's layouts and integer tensors")
+        for key, tensor in clear.items():
+            model = self._clear[key]
+            flat = key.endswith(SEP + FLAT)
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != model.dtype or tensor.shape != model.shape or (
+                flat and not torch.equal(tensor, model)
+            ):
+                raise ValueError(f"he: its clear tensor {key!r} does not match the model's")
+        size = sum(math.prod(read_layout(v)[1]) for k, v in self._clear.items() if k.endswith(SEP + FLAT))
+        for name, n in zip(self.model, chunk_sizes(size, slot_count(self.server.context))):
+            try:
+                self.server.check(_tensor_bytes(ciphertexts[name]), n)
+            except ValueError as exc:
+                raise ValueError(f"he: ciphertext {name} cannot be added to the model: {exc}") from None
+
+    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
+        """Server: Enc(w) ← Enc(w) + (1/Σ n_k)·Σ_k Enc(n_k Δ_k) with the public context alone. The update
+        returned is the plaintext step: zero for every floating tensor (the step was taken on the
+        encrypted model), the integer tensors combined as in the clear."""
+        total = sum(u.num_examples for u in updates)
+        self.model = {
+            name: _bytes_tensor(
+                self.server.step(_tensor_bytes(model), [_tensor_bytes(u.tensors[name]) for u in updates], 1.0 / total)
+            )
+            for name, model in self.model.items()
+        }
+        clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
+        return Update(kind=updates[0].kind, tensors=clear, num_examples=total, applied=list(updates[0].applied))
+
+    def decode(self, payload: Update, ctx: PluginContext) -> Update:
+        """Server: the plaintext step of a combined update (zeros where the model is encrypted)."""
+        if any(k.startswith(CHUNK) for k in payload.tensors):
+            raise ValueError("he decodes only the combined step of a round, never one client's ciphertexts")
+        size = sum(math.prod(read_layout(v)[1]) for k, v in payload.tensors.items() if k.endswith(SEP + FLAT))
+        return replace(payload, tensors=unflatten(torch.zeros(size, dtype=torch.float64), payload.tensors))
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
+        """Client: n_k times the update's floating values, encrypted."""
         ts = tenseal()
         context = self._client_context()
-        if ctx.state is not None:
-            ctx.state[self.name] = ctx.round  # this client may decrypt this round's sum, once
         vector, rest = flatten(payload.tensors)
         values = (vector * payload.num_examples).numpy()
         slots = slot_count(context)
         chunks = {
-            f"{CHUNK}{i // slots:05d}": _bytes_tensor(ts.ckks_vector(context, values[i : i + slots]).serialize())
-            for i in range(0, len(values), slots)
+            name: _bytes_tensor(ts.ckks_vector(context, values[i : i + slots]).serialize())
+            for name, i in zip(chunk_names(len(values), slots), range(0, len(values), slots))
         }
         return replace(payload, tensors={**chunks, **rest})
 
-    def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:
-        """Sum the ciphertexts with the public context, then have a key holder of the round decrypt the sum."""
-        names = [k for k in updates[0].tensors if k.startswith(CHUNK)]
-        sums = {k: _bytes_tensor(self.server.add([_tensor_bytes(u.tensors[k]) for u in updates])) for k in names}
-        plain = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
-        size = sum(math.prod(read_layout(v)[1]) for k, v in plain.items() if k.endswith(SEP + FLAT))
-        total = self._decrypted(sorted(u.client_id for u in updates), sums, size, ctx.round, exchange)
-        return Update(
-            kind=updates[0].kind,
-            tensors={SUM: total, **plain},
-            num_examples=sum(u.num_examples for u in updates),
-            applied=list(updates[0].applied),
-        )
-
-    def _decrypted(
-        self, holders: list[int], sums: dict[str, torch.Tensor], size: int, rnd: int, exchange: ControlExchange
-    ) -> torch.Tensor:
-        for holder in holders:
-            answers = exchange({holder: Control(self.name, DECRYPT, sums)})
-            if holder not in answers:
-                continue
-            total = answers[holder].tensors.get(SUM)
-            if (
-                isinstance(total, torch.Tensor) and total.dtype == torch.float64 and total.shape == (size,)
-                and bool(torch.isfinite(total).all())
-            ):
-                return total
-            log.warning("round %d: client %d's decryption refused: not %d finite float64 values", rnd, holder, size)
-        raise RoundError(f"he: none of the round's clients {holders} decrypted its encrypted sum")
-
-    def decode(self, payload: Update, ctx: PluginContext) -> Update:
-        """Divide the key holder's decrypted sum by Σ n_k: the example-weighted mean."""
-        if SUM not in payload.tensors:
-            raise ValueError("he decodes only the decrypted sum of a round, never one client's ciphertexts")
-        mean = payload.tensors[SUM] / payload.num_examples
-        rest = {k: v for k, v in payload.tensors.items() if k != SUM}
-        return replace(payload, tensors=unflatten(mean, rest))
-
-    def answer(self, control: Control, ctx: PluginContext) -> Control:
-        """The key holder's step: decrypt the round's encrypted sum (once, in a round this client took part in)."""
-        if control.step != DECRYPT:
-            raise ValueError(f"he has no step {control.step!r}")
-        if ctx.state is None or ctx.state.pop(self.name, None) != ctx.round:
-            raise ValueError(f"he: client {ctx.client_id} sent no encrypted update in round {ctx.round}, or decrypted already")
-        names = sorted(control.tensors)
-        if not names or any(not k.startswith(CHUNK) or control.tensors[k].dtype != torch.uint8 for k in names):
-            raise ValueError("he decrypt: expected ciphertexts (uint8 tensors named __he_NNNNN)")
-        ts = tenseal()
-        context = self._client_context()
+    def unseal(self, tensors: Params) -> Params:
+        """Client: the global model a broadcast carries, decrypted with ``secret.ctx``; ValueError
+        (with the reason) for a broadcast that is not the ciphertexts of a model of finite values."""
+        ciphertexts = {k: t for k, t in tensors.items() if k.startswith(CHUNK)}
+        clear = {k: t for k, t in tensors.items() if not k.startswith(CHUNK)}
+        try:
+            size = sum(math.prod(read_layout(v)[1]) for k, v in clear.items() if k.endswith(SEP + FLAT))
+        except Exception:  # a layout that is no layout: wrong dtype code, not a tensor
+            raise ValueError("he: the broadcast's layouts are malformed") from None
+        ts, context = tenseal(), self._client_context()
+        slots = slot_count(context)
+        check_ciphertexts(ciphertexts, chunk_names(size, slots), max_ciphertext_bytes(context))
         values: list[float] = []
-        for k in names:
-            values.extend(ts.ckks_vector_from(context, _tensor_bytes(control.tensors[k])).decrypt())
-        return Control(self.name, DECRYPT, {SUM: torch.tensor(values, dtype=torch.float64)})
+        for name, n in zip(chunk_names(size, slots), chunk_sizes(size, slots)):
+            try:
+                part = ts.ckks_vector_from(context, _tensor_bytes(ciphertexts[name])).decrypt()
+            except Exception as exc:  # TenSEAL's parser raises several types
+                raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {_first_line(exc)}") from None
+            if len(part) != n:
+                raise ValueError(f"he: broadcast ciphertext {name} holds {len(part)} values, its layouts {n}")
+            values.extend(part)
+        vector = torch.tensor(values, dtype=torch.float64)
+        if not bool(torch.isfinite(vector).all()):
+            raise ValueError("he: the broadcast model decrypts to NaN or infinite values")
+        return unflatten(vector, clear)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The encrypted global model (uint8 tensors): server state, kept in checkpoints."""
+        return {"model": dict(self.model)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The encrypted model of a checkpoint; refused when it was made under fresh keys (no ``keys``),
+        which died with the process that made them."""
+        model = dict(state.get("model", {}))
+        if model and self.hp.keys is None:
+            raise CheckpointError(
+                "plugin 'he' made fresh CKKS keys in the process that wrote this checkpoint, and no key can decrypt "
+                "its encrypted model now; a run with he resumes only with keys from `fedweave keys` (plugin key 'keys')"
+            )
+        self.model = model
 
     def _client_context(self) -> Any:
         if self._secret is None:
             if self.hp.keys is None:
                 self._secret = make_context(self.hp.poly_degree, self.hp.scale_bits)
             else:
-                context = tenseal().context_from(_read(Path(self.hp.keys) / SECRET_FILE, "a client"))
+                path = Path(self.hp.keys) / SECRET_FILE
+                context = _context(_read(path, "a client"), str(path))
                 if not context.is_private():
-                    raise ValueError(f"plugin 'he': {Path(self.hp.keys) / SECRET_FILE} holds no secret key")
+                    raise ConfigError(f"plugin 'he': {path} holds no secret key")
+                check_levels(context, str(path))
                 self._secret = context
         return self._secret
 
@@ -246,9 +382,21 @@ def _read(path: Path, who: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError:
-        raise ValueError(
+        raise ConfigError(
             f"plugin 'he': {who} needs {path}, which cannot be read; make the keys with `fedweave keys --out DIR`"
         ) from None
+
+
+def _context(data: bytes, where: str) -> Any:
+    try:
+        return tenseal().context_from(data)
+    except Exception:  # TenSEAL's parser raises several types
+        raise ConfigError(f"plugin 'he': {where} holds no CKKS context; make the keys with `fedweave keys --out DIR`") from None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
