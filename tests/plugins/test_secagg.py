@@ -19,7 +19,7 @@ import torch
 
 from conftest import assert_same_params, run_to_end, small_config
 from fedweave import runner
-from fedweave.errors import RoundError, SerializationError
+from fedweave.errors import ConfigError, RoundError, SerializationError
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.secure import shamir
 from fedweave.plugins.secure.secagg import MASKED, SEALED_SHARES, ClientRound, Quantizer, hkdf
@@ -173,6 +173,30 @@ def test_stochastic_rounding_is_unbiased() -> None:
     result = unmask(plugin, fed, [plugin.encode(u, fed.ctx(u.client_id)) for u in ups])["w"]
     # 20,000 Bernoulli(0.3) draws: the mean is within 4 standard errors of 0.3 of a step
     assert abs((result.double().mean().item() - value) / step) < 4 * math.sqrt(0.21 / 20000)
+
+
+def rounded_sum(**params: Any) -> torch.Tensor:
+    """The unmasked sum of two clients whose 2,000 entries each lie half a step between two
+    levels: each entry's rounding is a fair coin, so the sum shows the rounding drawn."""
+    plugin = make("secagg", clients=2, clip_range=1.0, **params)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1], fed.exchange)
+    value = -1 + 1000.5 * 2 / plugin.levels
+    ups = [update({"w": torch.full((2000,), value)}, num_examples=1, client_id=u) for u in (0, 1)]
+    return unmask(plugin, fed, [plugin.encode(u, fed.ctx(u.client_id)) for u in ups])["w"]
+
+
+def test_stochastic_rounding_comes_from_the_secure_source_unless_a_simulation_seeds_it() -> None:
+    """By default the rounding is fresh in every run, so the server cannot draw it again from
+    the config; ``seeded_noise: true`` repeats it bit for bit, and is refused where the nodes
+    run apart (as DP's seeded noise)."""
+    assert not torch.equal(rounded_sum(), rounded_sum())  # 4,000 fair coins drawn twice alike: p = 2^-4000
+    assert torch.equal(rounded_sum(seeded_noise=True), rounded_sum(seeded_noise=True))
+    assert not torch.equal(rounded_sum(seeded_noise=True, seed=0), rounded_sum(seeded_noise=True, seed=1))
+    seeded = "plugins.client_send=[{name: secagg, seeded_noise: true}]"
+    assert small_config(seeded).plugins.client_send[0].params.seeded_noise
+    with pytest.raises(ConfigError, match=r"^config key 'plugins.client_send\[0\].seeded_noise': plugin 'secagg'.*transport 'grpc'"):
+        small_config(seeded, "transport=grpc", "launcher=process")
 
 
 @pytest.mark.parametrize(("levels", "width"), [(2**16 - 1, 32), (2**28 - 1, 32), (2**40 - 1, 64)])

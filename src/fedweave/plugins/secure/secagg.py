@@ -108,6 +108,11 @@ class SecAggParams:
     bits: int = opt(32, ge=16, le=64, help="updates are summed in the integers mod 2^bits (wire: 4 bytes up to 32)")
     clip_range: float = opt(4.0, gt=0, help="R: entries are clipped to [-R, R] before quantization")
     max_examples: int = opt(65536, ge=1, help="most training examples a round's updates hold together")
+    seeded_noise: bool = opt(
+        False,
+        help="draw the stochastic rounding from the run seed (reproducible; simulation only: anyone with the "
+        "config can redraw it)",
+    )
 
     def validate(self, prefix: str) -> None:
         if self.bits - math.ceil(math.log2(self.max_examples)) < 8:
@@ -620,7 +625,7 @@ class SecAgg:
             )
         size = sum(t.numel() for t in payload.tensors.values() if t.is_floating_point())
         masked = np.empty(size, dtype=self.field.dtype)
-        rounding = hashlib.sha256(f"fedweave {self.name} rounding|seed {self.seed}|round {ctx.round}|{u}".encode())
+        rounding = self._rounding_key(ctx.round, u)
         with self.field.workspace(size, self.quantize.real) as (stream, work):
             _, rest = flatten(payload.tensors, out=work)
             r = self.hp.clip_range
@@ -631,7 +636,7 @@ class SecAgg:
                 clipped = int(np.count_nonzero((work > r) | (work < -r)))
                 if clipped > size // 100:
                     log.warning("secagg: client %d clipped %d of %d entries to ±%g (raise clip_range)", u, clipped, size, r)
-            noise = self.field.prg(rounding.digest()[:SECRET_BYTES], stream, size)
+            noise = self.field.prg(rounding, stream, size)
             inside = self.quantize.inside(low, high)
             self.quantize(work, noise, work, stream[: masked.nbytes].view(masked.dtype), masked, inside)
             masked *= self.field.dtype(payload.num_examples)
@@ -642,6 +647,15 @@ class SecAgg:
         mine.self_seed, mine.seeds = None, {}  # masked: its shares are all it keeps
         mine.step = MASKED_STEP
         return replace(payload, tensors={MASKED: self.field.to_wire(self.field.reduce(masked)), **rest})
+
+    def _rounding_key(self, rnd: int, u: int) -> bytes:
+        """The PRG key of client ``u``'s stochastic rounding: fresh from ``os.urandom``, as
+        rounding a value reveals where it lies between two levels; from the run seed
+        (``seeded_noise``, simulation only) it repeats, and anyone with the config redraws it."""
+        if not self.hp.seeded_noise:
+            return os.urandom(SECRET_BYTES)
+        info = f"fedweave {self.name} rounding|seed {self.seed}|round {rnd}|{u}"
+        return hashlib.sha256(info.encode()).digest()[:SECRET_BYTES]
 
     def _client_round(self, ctx: PluginContext, step: str) -> ClientRound:
         mine = None if ctx.state is None else ctx.state.get(self.name)
