@@ -597,7 +597,8 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     seed record and strips every pairwise mask from the late y_0. What is left must still be
     uniform, independent of n_0·x_0: only the self mask PRG(b_0), whose shares it never gets
     (each client reveals one secret per owner), hides it."""
-    from fedweave.plugins.secure.secagg import _aad, _chunks, _nonce, _open, _recover
+    from fedweave.plugins.secure.secagg.keys import associated_data, open_sealed, sender_nonce
+    from fedweave.plugins.secure.secagg.server import _chunks, _recover
 
     plugin, fed, plain, masked = masked_round(6, bits=32)
     late = masked[0]
@@ -617,7 +618,9 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     gone = {v: [w for w in setup.neighbours[v] if w == 0] for v in alive}
     seeds, keys = plugin._collect(1, answers, asked, gone)
     assert 0 not in seeds  # nobody revealed a share of b_0
-    record = _open(_recover(0, keys[0], setup.threshold[0], True), _nonce(0), setup.records[0], _aad("seeds", 1, 0, 0), "record")
+    record = open_sealed(
+        _recover(0, keys[0], setup.threshold[0], True), sender_nonce(0), setup.records[0], associated_data("seeds", 1, 0, 0), "record"
+    )
     stripped = plugin.field.from_wire(late.tensors[MASKED]).copy()
     with plugin.field.workspace(stripped.size) as (stream, _):
         for v, seed in zip(setup.neighbours[0], _chunks(record)):
@@ -653,7 +656,7 @@ def test_four_of_ten_drop_after_masking_each_survivor_holds_exactly_the_threshol
 
 
 def test_a_dropped_clients_record_key_short_of_holders_is_named() -> None:
-    from fedweave.plugins.secure.secagg import _enough, _recover
+    from fedweave.plugins.secure.secagg.server import _enough, _recover
 
     with pytest.raises(RoundError, match=r"^secagg: only 2 of client 4's share holders survived, its record key needs 3 \(threshold\); the sum cannot be unmasked$"):
         _enough(4, 2, 3, True, "survived")
