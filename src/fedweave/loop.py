@@ -1,6 +1,7 @@
 """The federated spine: one function per round, taking its parts.
 
-    plan    = controller.plan(r); chains.begin_round(r, cohort)   (may end the run: BudgetSpent)
+    plan    = controller.plan(r, topology.absent())   (none of the clients a networked transport knows are gone)
+    chains.begin_round(r, cohort)                  (may end the run: BudgetSpent)
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
     send    = chains.server_send.encode(strategy.configure(r, global, plan))
     replies = topology.exchange(send, timeout)
@@ -38,7 +39,7 @@ from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Relaying, Topology
-from fedweave.transports.base import Exchange
+from fedweave.transports.base import Exchange, KnowsAbsent
 from fedweave.types import (
     ACCEPTED_ROUND,
     Control,
@@ -172,7 +173,10 @@ def strategy_metrics(strategy: Strategy) -> Record:
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
-    plan = parts.controller.plan(rnd)
+    absent = parts.topology.absent() if isinstance(parts.topology, KnowsAbsent) else frozenset()
+    if absent:
+        log.info("round %d: clients %s are gone (silent past the heartbeat timeout); sampling the others", rnd, sorted(absent))
+    plan = parts.controller.plan(rnd, absent)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
     traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
     record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
