@@ -144,6 +144,13 @@ class Chains:
     client_send: Chain = field(default_factory=Chain)
     server_receive: Chain = field(default_factory=Chain)
 
+    @property
+    def private(self) -> bool:
+        """Whether a client's training or update is differentially private (``dp_local``,
+        ``dp_central``, ``dpsgd``: a plugin that declares ``protects``, as the rules of
+        :mod:`fedweave.plugins.compose` read it): then its update carries no metric computed from its data."""
+        return any(getattr(p, "protects", None) for point in POINTS for p in getattr(self, point).plugins)
+
     def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
         """Client side of the downlink: decode the server's encoding, then filter."""
         return self.client_receive.filter(self.server_send.decode(instruction, ctx), ctx)
