@@ -121,7 +121,9 @@ class SecAggClient:
         index = {h: i for i, h in enumerate(points)}
         mine.shares[u] = shares[index[u]]
         sealed = [
-            c.AESGCM(mine.channels[v]).encrypt(sender_nonce(u), shares[index[v]].astype("<u4").tobytes(), associated_data("share", mine.round, u, v))
+            c.AESGCM(mine.channels[v]).encrypt(
+                sender_nonce(u), shares[index[v]].astype("<u4").tobytes(), associated_data("share", mine.round, u, v)
+            )
             for v in neighbours
         ]
         mine.record_key = None  # sealed its seeds; its own share of r_u is all it keeps
@@ -140,7 +142,8 @@ class SecAggClient:
             )
         sealed = body_tensor(control, "shares", torch.uint8, (len(senders), SEALED_SHARES))
         for v, row in zip(senders, sealed):
-            plain = open_sealed(mine.channels[v], sender_nonce(v), bytes(row), associated_data("share", mine.round, v, u), f"the share from client {v}")
+            aad = associated_data("share", mine.round, v, u)
+            plain = open_sealed(mine.channels[v], sender_nonce(v), bytes(row), aad, f"the share from client {v}")
             mine.shares[v] = np.frombuffer(plain, dtype="<u4").reshape(2, SECRET_LIMBS).astype(np.int64)
         mine.masking = senders
         mine.seeds = {v: mine.seeds[v] for v in senders}

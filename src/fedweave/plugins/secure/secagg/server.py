@@ -157,7 +157,8 @@ class SecAggServer:
             for d in dropped:
                 record_key = _recover(d, keys.get(d), setup.threshold[d], True)
                 try:
-                    record = open_sealed(record_key, sender_nonce(d), setup.records[d], associated_data("seeds", ctx.round, d, d), f"client {d}'s seed record")
+                    aad = associated_data("seeds", ctx.round, d, d)
+                    record = open_sealed(record_key, sender_nonce(d), setup.records[d], aad, f"client {d}'s seed record")
                 except ValueError as exc:
                     raise RoundError(f"{exc} with its rebuilt key") from None
                 for v, seed in zip(setup.neighbours[d], _chunks(record)):
