@@ -132,7 +132,7 @@ class RoundParts:
     evaluate_global: Callable[[Params], dict[str, float]]
     eval_every: int
     federated_eval_every: int
-    federated_eval_clients: Callable[[int], list[int]]  # round -> client ids
+    federated_eval_clients: Callable[[int, Collection[int]], list[int]]  # round, absent clients -> client ids
     eval_batch_size: int
     accepted: AcceptedRounds = field(default_factory=AcceptedRounds)
     checks: UpdateChecks = field(default_factory=UpdateChecks)
@@ -173,7 +173,7 @@ def strategy_metrics(strategy: Strategy) -> Record:
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
-    absent = parts.topology.absent() if isinstance(parts.topology, KnowsAbsent) else frozenset()
+    absent = absent_clients(parts.topology)
     if absent:
         log.info("round %d: clients %s are gone (silent past the heartbeat timeout); sampling the others", rnd, sorted(absent))
     plan = parts.controller.plan(rnd, absent)
@@ -220,6 +220,11 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     record["rejected"] = rejection_counts(parts.rejected)
     record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
+
+
+def absent_clients(topology: Topology) -> frozenset[int]:
+    """The clients the topology's transport knows are gone (none in simulation): no round samples them."""
+    return topology.absent() if isinstance(topology, KnowsAbsent) else frozenset()
 
 
 def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:
@@ -291,7 +296,7 @@ def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int)
 
 def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     """Evaluate on clients' local test splits; metrics weighted by their test examples."""
-    ids = parts.federated_eval_clients(rnd)
+    ids = parts.federated_eval_clients(rnd, absent_clients(parts.topology))
     instructions = [
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]

@@ -847,8 +847,9 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
 def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Issue 14: client 3, a `fedweave client` process, is killed after round 1; once silent past
     heartbeat_timeout it is gone, so rounds 2 and 3 sample 3 of the 3 live clients (the seeded
-    draw of 3 of 4 would pick client 3 in both) and lose nobody. Started again after round 3, it
-    registers and rounds 4 and 5 sample it again, as the seeded draw does when nobody is gone."""
+    draw of 3 of 4 would pick client 3 in both), for training and for the federated evaluation
+    (round 3's would), and lose nobody. Started again after round 3, it registers and rounds 4
+    and 5 sample it again, as the seeded draw does when nobody is gone."""
     import os
     import signal
     import subprocess
@@ -865,6 +866,7 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
 
     port = free_port()
     config = small_config("clients=4", "sample_fraction=0.75", "min_clients=1", "rounds=5", "seed=0", *FAST,
+                          "eval.federated_every=1", "eval.federated_fraction=0.75",
                           "grpc.join_timeout=60", f"grpc.listen=127.0.0.1:{port}", "checkpoint.every=0")
     seeded = {rnd: sample_clients(numpy_rng(0, "sample", rnd), 4, 3) for rnd in range(1, 6)}
     assert all(3 in seeded[rnd] for rnd in (2, 3, 4))  # without the fix, rounds 2 and 3 would lose client 3
@@ -914,6 +916,8 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     assert [(rec["clients_sampled"], rec["clients_completed"]) for rec in records] == [(3, 3)] * 5
     assert sampled == {1: seeded[1], 2: [0, 1, 2], 3: [0, 1, 2], 4: seeded[4], 5: seeded[5]}
     assert "round 2: clients [3] are gone (silent past the heartbeat timeout); sampling the others" in caplog.text
+    assert not re.search(r"round [23]: client 3 failed", caplog.text)  # neither trained nor evaluated
+    assert all(rec["federated_accuracy"] is not None for rec in records)
     assert all(rec["round_time"] < 2 for rec in records[1:3])  # nobody waited for the dead client
     assert c.errors == {}
 
