@@ -1,7 +1,7 @@
 """Mutation testing of the privacy and secure-aggregation plugins (issue 14), with mutmut.
 
 mutmut (3.8.1, the ``mutation`` extra) changes one thing at a time in
-``src/fedweave/plugins/privacy/`` and ``src/fedweave/plugins/secure/secagg.py`` (an operator,
+``src/fedweave/plugins/privacy/`` and ``src/fedweave/plugins/secure/secagg/`` (an operator,
 a constant, a removed call, ...) and runs the plugin tests that reach the changed function;
 a mutant the tests do not notice *survived*. The score is killed / (killed + survived),
 timeouts counting as killed as mutmut counts them; mutants left unchecked when the time
@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MUTATED = ["src/fedweave/plugins/privacy/*", "src/fedweave/plugins/secure/secagg.py"]
+MUTATED = ["src/fedweave/plugins/privacy/*", "src/fedweave/plugins/secure/secagg/*"]
 TESTS = ["tests/plugins/test_privacy.py", "tests/plugins/test_secagg.py", "tests/plugins/test_compose.py"]
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           37: "caught by type check", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}

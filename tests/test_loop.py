@@ -99,7 +99,7 @@ def make_parts(
         evaluate_global=evaluate_global or (lambda p: {"accuracy": float(p["w"][0]), "loss": 1.0}),
         eval_every=eval_every,
         federated_eval_every=federated_every,
-        federated_eval_clients=lambda rnd: [0, 1, 2],
+        federated_eval_clients=lambda rnd, absent: [0, 1, 2],
         eval_batch_size=64,
     )
 

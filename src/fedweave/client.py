@@ -236,6 +236,8 @@ class ClientRuntime:
         start = time.perf_counter()
         update = self.algorithm.train(job)
         update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
+        if self.chains.private:  # a training loss is a function of the data that no noise reaches
+            update.metrics = {}
         if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
             update.metrics = {**update.metrics, **job.settings.privacy.report()}
         if self.attacker is not None:  # after training, before any plugin: what a poisoning client sends

@@ -1,6 +1,7 @@
 """The federated spine: one function per round, taking its parts.
 
-    plan    = controller.plan(r); chains.begin_round(r, cohort)   (may end the run: BudgetSpent)
+    plan    = controller.plan(r, topology.absent())   (none of the clients a networked transport knows are gone)
+    chains.begin_round(r, cohort)                  (may end the run: BudgetSpent)
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
     send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
@@ -38,7 +39,7 @@ from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Relaying, Topology
-from fedweave.transports.base import Exchange
+from fedweave.transports.base import Exchange, KnowsAbsent
 from fedweave.types import (
     ACCEPTED_ROUND,
     Control,
@@ -131,7 +132,7 @@ class RoundParts:
     evaluate_global: Callable[[Params], dict[str, float]]
     eval_every: int
     federated_eval_every: int
-    federated_eval_clients: Callable[[int], list[int]]  # round -> client ids
+    federated_eval_clients: Callable[[int, Collection[int]], list[int]]  # round, absent clients -> client ids
     eval_batch_size: int
     accepted: AcceptedRounds = field(default_factory=AcceptedRounds)
     checks: UpdateChecks = field(default_factory=UpdateChecks)
@@ -172,7 +173,10 @@ def strategy_metrics(strategy: Strategy) -> Record:
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
-    plan = parts.controller.plan(rnd)
+    absent = absent_clients(parts.topology)
+    if absent:
+        log.info("round %d: clients %s are gone (silent past the heartbeat timeout); sampling the others", rnd, sorted(absent))
+    plan = parts.controller.plan(rnd, absent)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
     traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
     record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
@@ -216,6 +220,11 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     record["rejected"] = rejection_counts(parts.rejected)
     record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
+
+
+def absent_clients(topology: Topology) -> frozenset[int]:
+    """The clients the topology's transport knows are gone (none in simulation): no round samples them."""
+    return topology.absent() if isinstance(topology, KnowsAbsent) else frozenset()
 
 
 def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:
@@ -287,7 +296,7 @@ def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int)
 
 def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     """Evaluate on clients' local test splits; metrics weighted by their test examples."""
-    ids = parts.federated_eval_clients(rnd)
+    ids = parts.federated_eval_clients(rnd, absent_clients(parts.topology))
     instructions = [
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]

@@ -241,8 +241,8 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         evaluate_global=global_evaluator(config, task) if chains.sealer is None else _no_plaintext_model,
         eval_every=config.eval.every,
         federated_eval_every=config.eval.federated_every,
-        federated_eval_clients=lambda rnd: sample_clients(
-            numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count
+        federated_eval_clients=lambda rnd, absent: sample_clients(
+            numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count, absent
         ),
         eval_batch_size=config.eval.batch_size,
         checks=update_checks(config, task, params),

@@ -47,3 +47,33 @@ def test_sampling_costs_the_sampled_clients_not_the_population() -> None:
     ids = sample_clients(numpy_rng(0, "sample", 1), 10**12, 100)
     assert len(set(ids)) == 100 and ids == sorted(ids) and all(0 <= i < 10**12 for i in ids)
     assert ids == sample_clients(numpy_rng(0, "sample", 1), 10**12, 100)
+
+
+def test_absent_clients_are_never_sampled_and_the_present_ones_stay_uniform() -> None:
+    """Clients a transport knows are gone are replaced by present ones: 3 of the 8 present of
+    10 each round, every present one chosen about as often (2000 × 3 / 8 = 750 expected, the
+    binomial standard deviation about 22)."""
+    absent = {2, 7}
+    counts: Counter[int] = Counter()
+    for r in range(2000):
+        ids = sample_clients(numpy_rng(1, "sample", r), 10, 3, absent)
+        assert len(ids) == 3 and ids == sorted(set(ids)) and not absent & set(ids)
+        counts.update(ids)
+    assert set(counts) == set(range(10)) - absent
+    assert all(650 < c < 850 for c in counts.values())
+
+
+def test_with_nobody_absent_the_draw_is_the_plain_one() -> None:
+    """A run where nobody is gone (every simulation) samples bit for bit as without the argument."""
+    for r in range(1, 50):
+        assert sample_clients(numpy_rng(3, "sample", r), 20, 5, ()) == sample_clients(numpy_rng(3, "sample", r), 20, 5)
+        assert sample_clients(numpy_rng(3, "sample", r), 20, 5, {25, -1}) == sample_clients(numpy_rng(3, "sample", r), 20, 5)
+    assert sample_clients(numpy_rng(0, "sample", 1), 10, 3, set()) == [2, 3, 6]
+
+
+def test_fewer_present_clients_than_the_count_are_all_sampled() -> None:
+    assert sample_clients(numpy_rng(0), 4, 3, {1, 2}) == [0, 3]
+    assert sample_clients(numpy_rng(0), 4, 4, {2}) == [0, 1, 3]
+    assert sample_clients(numpy_rng(0), 4, 2, {0, 1, 2, 3}) == []
+    ids = sample_clients(numpy_rng(0, "sample", 1), 10**12, 100, {5, 10**11})  # still O(count) of a huge population
+    assert len(ids) == 100 and 5 not in ids and 10**11 not in ids

@@ -59,7 +59,7 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> runner.Run:
         # client state travels with the work; top-k's error feedback is client-side plugin state
         ["strategy.name=scaffold", "plugins.client_send=[{name: topk, ratio: 0.5}]"],
         # secure aggregation: control steps answered, and their secrets kept, in the driver
-        ["plugins.client_send=[secagg]"],
+        ["plugins.client_send=[{name: secagg, seeded_noise: true}]"],
     ],
     ids=["scaffold-topk", "secagg"],
 )

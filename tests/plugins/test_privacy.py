@@ -730,3 +730,39 @@ def test_secure_uniforms_stay_in_the_open_closed_unit_interval(byte: int, expect
     monkeypatch.setattr(noise.os, "urandom", lambda n: bytes([byte]) * n)
     assert noise._secure_uniform(3).tolist() == [expected] * 3
     assert torch.isfinite(noise.SecureNoise().normal((4,))).all()
+
+
+def reply_metrics(*overrides: str) -> dict[str, float]:
+    """The metrics of the update client 1 sends for round 1 under ``overrides``, as it leaves the client."""
+    from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
+    from fedweave.client import ClientStateStore
+    from fedweave.types import Message
+
+    config = small_config(*overrides)
+    task = build_task(config)
+    runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
+    instruction = Instruction(1, TaskKind.TRAIN, Work(1, 16), initial_params(config, task))
+    return dict(runtime.handle(Message(1, 1, instruction)).body.metrics)
+
+
+@pytest.mark.parametrize(
+    ("chain", "sent"),
+    [
+        ("plugins.client_send=[]", {"train_loss"}),
+        ("plugins.client_send=[{name: dp_local, noise_multiplier: 1.0}]", set()),
+        ("plugins.client_send=[{name: dp_central, noise_multiplier: 1.0}]", set()),
+        ("plugins.client_receive=[{name: dpsgd, noise_multiplier: 1.0, max_grad_norm: 1.0}]", {"dpsgd_rate", "dpsgd_steps"}),
+    ],
+    ids=["none", "dp_local", "dp_central", "dpsgd"],
+)
+def test_under_dp_a_client_sends_no_metric_computed_from_its_data(chain: str, sent: set[str]) -> None:
+    """A training loss is a function of the client's data that neither the clip nor the noise
+    reaches: under any DP plugin the update leaves without it (DP-SGD's report of its sampling
+    rate and steps, what the server's ledger needs, stays)."""
+    assert set(reply_metrics(chain)) == sent
+
+
+def test_a_dp_runs_record_shows_no_training_loss(tmp_path: Path) -> None:
+    _, plain = run_to_end(tmp_path / "plain", "rounds=1")
+    _, private = run_to_end(tmp_path / "dp", "rounds=1", "plugins.client_send=[{name: dp_local, noise_multiplier: 1.0}]")
+    assert math.isfinite(plain[0]["train_loss"]) and private[0]["train_loss"] is None

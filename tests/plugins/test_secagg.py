@@ -19,7 +19,7 @@ import torch
 
 from conftest import assert_same_params, run_to_end, small_config
 from fedweave import runner
-from fedweave.errors import RoundError, SerializationError
+from fedweave.errors import ConfigError, RoundError, SerializationError
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.secure import shamir
 from fedweave.plugins.secure.secagg import MASKED, SEALED_SHARES, ClientRound, Quantizer, hkdf
@@ -173,6 +173,30 @@ def test_stochastic_rounding_is_unbiased() -> None:
     result = unmask(plugin, fed, [plugin.encode(u, fed.ctx(u.client_id)) for u in ups])["w"]
     # 20,000 Bernoulli(0.3) draws: the mean is within 4 standard errors of 0.3 of a step
     assert abs((result.double().mean().item() - value) / step) < 4 * math.sqrt(0.21 / 20000)
+
+
+def rounded_sum(**params: Any) -> torch.Tensor:
+    """The unmasked sum of two clients whose 2,000 entries each lie half a step between two
+    levels: each entry's rounding is a fair coin, so the sum shows the rounding drawn."""
+    plugin = make("secagg", clients=2, clip_range=1.0, **params)
+    fed = Federation(plugin)
+    plugin.setup(1, [0, 1], fed.exchange)
+    value = -1 + 1000.5 * 2 / plugin.levels
+    ups = [update({"w": torch.full((2000,), value)}, num_examples=1, client_id=u) for u in (0, 1)]
+    return unmask(plugin, fed, [plugin.encode(u, fed.ctx(u.client_id)) for u in ups])["w"]
+
+
+def test_stochastic_rounding_comes_from_the_secure_source_unless_a_simulation_seeds_it() -> None:
+    """By default the rounding is fresh in every run, so the server cannot draw it again from
+    the config; ``seeded_noise: true`` repeats it bit for bit, and is refused where the nodes
+    run apart (as DP's seeded noise)."""
+    assert not torch.equal(rounded_sum(), rounded_sum())  # 4,000 fair coins drawn twice alike: p = 2^-4000
+    assert torch.equal(rounded_sum(seeded_noise=True), rounded_sum(seeded_noise=True))
+    assert not torch.equal(rounded_sum(seeded_noise=True, seed=0), rounded_sum(seeded_noise=True, seed=1))
+    seeded = "plugins.client_send=[{name: secagg, seeded_noise: true}]"
+    assert small_config(seeded).plugins.client_send[0].params.seeded_noise
+    with pytest.raises(ConfigError, match=r"^config key 'plugins.client_send\[0\].seeded_noise': plugin 'secagg'.*transport 'grpc'"):
+        small_config(seeded, "transport=grpc", "launcher=process")
 
 
 @pytest.mark.parametrize(("levels", "width"), [(2**16 - 1, 32), (2**28 - 1, 32), (2**40 - 1, 64)])
@@ -573,7 +597,8 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     seed record and strips every pairwise mask from the late y_0. What is left must still be
     uniform, independent of n_0·x_0: only the self mask PRG(b_0), whose shares it never gets
     (each client reveals one secret per owner), hides it."""
-    from fedweave.plugins.secure.secagg import _aad, _chunks, _nonce, _open, _recover
+    from fedweave.plugins.secure.secagg.keys import associated_data, open_sealed, sender_nonce
+    from fedweave.plugins.secure.secagg.server import _chunks, _recover
 
     plugin, fed, plain, masked = masked_round(6, bits=32)
     late = masked[0]
@@ -593,7 +618,9 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     gone = {v: [w for w in setup.neighbours[v] if w == 0] for v in alive}
     seeds, keys = plugin._collect(1, answers, asked, gone)
     assert 0 not in seeds  # nobody revealed a share of b_0
-    record = _open(_recover(0, keys[0], setup.threshold[0], True), _nonce(0), setup.records[0], _aad("seeds", 1, 0, 0), "record")
+    record = open_sealed(
+        _recover(0, keys[0], setup.threshold[0], True), sender_nonce(0), setup.records[0], associated_data("seeds", 1, 0, 0), "record"
+    )
     stripped = plugin.field.from_wire(late.tensors[MASKED]).copy()
     with plugin.field.workspace(stripped.size) as (stream, _):
         for v, seed in zip(setup.neighbours[0], _chunks(record)):
@@ -629,7 +656,7 @@ def test_four_of_ten_drop_after_masking_each_survivor_holds_exactly_the_threshol
 
 
 def test_a_dropped_clients_record_key_short_of_holders_is_named() -> None:
-    from fedweave.plugins.secure.secagg import _enough, _recover
+    from fedweave.plugins.secure.secagg.server import _enough, _recover
 
     with pytest.raises(RoundError, match=r"^secagg: only 2 of client 4's share holders survived, its record key needs 3 \(threshold\); the sum cannot be unmasked$"):
         _enough(4, 2, 3, True, "survived")

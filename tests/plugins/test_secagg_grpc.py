@@ -37,7 +37,9 @@ def test_fedavg_with_secagg_over_grpc_processes_equals_the_in_memory_run(tmp_pat
     simulated, sim_records = run(tmp_path, "inmemory", "rounds=2", secagg)
     plain, _ = run(tmp_path, "plain", "rounds=2")
     step = 2 * 4.0 / (2**32 - 1)  # one quantization step of bits 48 (16 bits for max_examples)
-    assert_same_params(deployed, simulated, atol=step)
+    # each run rounds from the OS's secure source: the means differ within a step, which may
+    # move a float32 parameter (|w| < 2) by one unit in its last place
+    assert_same_params(deployed, simulated, atol=step + 2**-23)
     assert_same_params(deployed, plain, atol=1e-5)
     assert [(r["round"], r["skipped"], r["clients_completed"]) for r in records] == [(1, False, 3), (2, False, 3)]
     for d, s in zip(records, sim_records):  # the key and share traffic crossed the network

@@ -3,9 +3,9 @@
 Four clients in two sites of two, FedAvg, two rounds. SecAgg's control steps (key set-up,
 unmasking) reach each member through its site and its answers come back relayed; the
 masked updates are relayed too, never averaged by a site (only the server may combine
-them, while masked). The unmasked sum is the star's: the masks cancel exactly and the
-quantization's stochastic rounding is seeded, so the global model equals the in-memory
-star's (≤ 1e-5).
+them, while masked). The unmasked sum is the star's: the masks cancel exactly and, at 48 bits,
+the quantization step is 2e-9 (its stochastic rounding comes from each client's secure
+source, so no two runs round alike), so the global model equals the in-memory star's (≤ 1e-5).
 
 - one torch.distributed world (as under torchrun): this process is rank 0, the server and
   the gloo leader of both sites, four member processes;
@@ -27,7 +27,7 @@ from fedweave.build import strategy_class
 from fedweave.topologies.deploy import TorchDistHierarchy, world_size
 from fedweave.transports.torchdist import Rendezvous, World
 
-SECAGG = ["clients=4", "rounds=2", "strategy=fedavg", "plugins.client_send=[{name: secagg}]"]
+SECAGG = ["clients=4", "rounds=2", "strategy=fedavg", "plugins.client_send=[{name: secagg, bits: 48}]"]
 SITES = ["topology={kind: hierarchical, sites: 2, inner: torchdist}", "torchdist.timeout=60"]
 
 def test_secagg_through_gloo_sites_of_one_world_equals_the_star(tmp_path: Path) -> None:

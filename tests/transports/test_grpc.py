@@ -243,6 +243,24 @@ def test_a_dead_client_costs_the_heartbeat_timeout_once_not_every_round() -> Non
         assert back.failures == {} and len(back.replies) == 3
 
 
+def test_the_server_knows_which_nodes_are_gone_until_they_are_heard_from_again() -> None:
+    """absent(): nobody before the first round; then every node silent past heartbeat_timeout
+    (1 s here): one that stopped, one never registered; a node that registers is back at once."""
+    with cluster(settings("grpc.join_timeout=0"), clients=3, start=2) as c:
+        assert c.server.absent() == frozenset()
+        assert c.server.exchange(jobs([0, 1], PARAMS, 1), timeout=30).failures == {}
+        assert c.server.absent() == frozenset()  # client 2 has been silent since round 1 began, not yet 1 s
+        c.clients[1].stop()
+        c.join(1)
+        time.sleep(c.settings.heartbeat_timeout + 0.2)
+        assert c.server.absent() == frozenset({1, 2})
+        c.start(2)
+        until = time.monotonic() + 5
+        while 2 in c.server.absent() and time.monotonic() < until:
+            time.sleep(0.02)
+        assert c.server.absent() == frozenset({1})
+
+
 def test_a_late_client_misses_the_deadline_and_serves_the_next_round() -> None:
     slow_rounds = {1}
 
@@ -824,6 +842,84 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
     assert records[0]["clients_completed"] == 2 and not records[0].get("skipped")
     assert records[1]["skipped"] is True and records[1]["clients_completed"] == 1
     assert "round 2 skipped: 1 of 2 clients answered, min_clients is 2 (client 1: lost" in caplog.text
+
+
+def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 14: client 3, a `fedweave client` process, is killed after round 1; once silent past
+    heartbeat_timeout it is gone, so rounds 2 and 3 sample 3 of the 3 live clients (the seeded
+    draw of 3 of 4 would pick client 3 in both), for training and for the federated evaluation
+    (round 3's would), and lose nobody. Started again after round 3, it registers and rounds 4
+    and 5 sample it again, as the seeded draw does when nobody is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import free_port, small_config
+
+    from fedweave import runner
+    from fedweave.batching.selection import sample_clients
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.node import server_topology
+    from fedweave.seeding import numpy_rng
+
+    port = free_port()
+    config = small_config("clients=4", "sample_fraction=0.75", "min_clients=1", "rounds=5", "seed=0", *FAST,
+                          "eval.federated_every=1", "eval.federated_fraction=0.75",
+                          "grpc.join_timeout=60", f"grpc.listen=127.0.0.1:{port}", "checkpoint.every=0")
+    seeded = {rnd: sample_clients(numpy_rng(0, "sample", rnd), 4, 3) for rnd in range(1, 6)}
+    assert all(3 in seeded[rnd] for rnd in (2, 3, 4))  # without the fix, rounds 2 and 3 would lose client 3
+    path = tmp_path / "config.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    topology = server_topology(config)
+    r = runner.prepare(config, tmp_path / "run", topology=topology)
+    transport = topology.transport
+    c = Cluster(config.grpc, transport)
+    task = build_task(config)
+    for cid in (0, 1, 2):
+        c.start(cid, build_client_runtime(config, task, build_chains(config), ClientStateStore()).handle)
+
+    def client_process() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "fedweave", "client", str(path), "--id", "3", "--address", f"127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "FEDWEAVE_PARENT_PID": str(os.getpid())},
+        )
+
+    procs = [client_process()]
+
+    def between_rounds(record: dict[str, Any]) -> None:
+        if record["round"] == 1:
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(5)
+            until = time.monotonic() + 5
+            while 3 not in transport.absent() and time.monotonic() < until:
+                time.sleep(0.05)
+        elif record["round"] == 3:
+            procs.append(client_process())
+            until = time.monotonic() + 60
+            while 3 in transport.absent() and time.monotonic() < until:
+                time.sleep(0.05)
+
+    caplog.set_level(logging.INFO, logger="fedweave")
+    try:
+        records = runner.run_rounds(r, between_rounds)  # closes the topology at the end
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(5)
+    for cid in (0, 1, 2):
+        c.join(cid)
+    assert procs[0].returncode == -signal.SIGKILL
+    sampled = {rec["round"]: [x["id"] for x in rec["clients"]] for rec in records}
+    assert [(rec["clients_sampled"], rec["clients_completed"]) for rec in records] == [(3, 3)] * 5
+    assert sampled == {1: seeded[1], 2: [0, 1, 2], 3: [0, 1, 2], 4: seeded[4], 5: seeded[5]}
+    assert "round 2: clients [3] are gone (silent past the heartbeat timeout); sampling the others" in caplog.text
+    assert not re.search(r"round [23]: client 3 failed", caplog.text)  # neither trained nor evaluated
+    assert all(rec["federated_accuracy"] is not None for rec in records)
+    assert all(rec["round_time"] < 2 for rec in records[1:3])  # nobody waited for the dead client
+    assert c.errors == {}
 
 
 def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: Path) -> None:

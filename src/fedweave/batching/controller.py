@@ -7,6 +7,7 @@ samples clients and gives every one the configured local work.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from fedweave.batching.selection import sample_clients
@@ -15,7 +16,7 @@ from fedweave.types import Update, Work
 
 
 class Controller(Protocol):
-    def plan(self, rnd: int) -> list[Work]: ...
+    def plan(self, rnd: int, absent: Collection[int] = ()) -> list[Work]: ...
 
     def work(self, client_id: int) -> Work: ...
 
@@ -27,7 +28,8 @@ class Controller(Protocol):
 
 
 class StaticController:
-    """Sample ``per_round`` of ``num_clients`` uniformly each round; fixed local work."""
+    """Sample ``per_round`` of ``num_clients`` uniformly each round (none of the clients the
+    transport knows are gone, ``absent``); fixed local work."""
 
     def __init__(
         self,
@@ -46,8 +48,8 @@ class StaticController:
         self.local_steps = local_steps
         self.seed = seed
 
-    def plan(self, rnd: int) -> list[Work]:
-        ids = sample_clients(numpy_rng(self.seed, "sample", rnd), self.num_clients, self.per_round)
+    def plan(self, rnd: int, absent: Collection[int] = ()) -> list[Work]:
+        ids = sample_clients(numpy_rng(self.seed, "sample", rnd), self.num_clients, self.per_round, absent)
         return [self.work(i) for i in ids]
 
     def work(self, client_id: int) -> Work:

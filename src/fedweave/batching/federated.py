@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from fedweave.batching.controller import StaticController
@@ -76,10 +76,10 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ plan
 
-    def plan(self, rnd: int) -> list[Work]:
+    def plan(self, rnd: int, absent: Collection[int] = ()) -> list[Work]:
         if self.observed_round == rnd - 1:
             self._penalize(self.pending)
-        works = [self.work(w.client_id) for w in self.configured.plan(rnd)]
+        works = [self.work(w.client_id) for w in self.configured.plan(rnd, absent)]
         self.pending = [w.client_id for w in works]
         return works
 

@@ -165,6 +165,13 @@ class Chains:
             instruction = replace(instruction, params=sealer.seal(instruction.params))
         return self.server_send.encode(instruction, ctx)
 
+    @property
+    def private(self) -> bool:
+        """Whether a client's training or update is differentially private (``dp_local``,
+        ``dp_central``, ``dpsgd``: a plugin that declares ``protects``, as the rules of
+        :mod:`fedweave.plugins.compose` read it): then its update carries no metric computed from its data."""
+        return any(getattr(p, "protects", None) for point in POINTS for p in getattr(self, point).plugins)
+
     def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
         """Client side of the downlink: decode the server's encoding, unseal the model, then filter."""
         instruction = self.server_send.decode(instruction, ctx)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedweave.transports.base import Exchange, Transport
+from fedweave.transports.base import Exchange, KnowsAbsent, Transport
 from fedweave.types import Message
 
 
@@ -14,6 +14,10 @@ class Star:
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         return self.transport.exchange(messages, timeout)
+
+    def absent(self) -> frozenset[int]:
+        """The clients its transport knows are gone (none, for a transport that cannot tell)."""
+        return self.transport.absent() if isinstance(self.transport, KnowsAbsent) else frozenset()
 
     def close(self) -> None:
         self.transport.close()

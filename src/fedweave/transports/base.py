@@ -33,6 +33,14 @@ class Transport(Protocol):
 
 
 @runtime_checkable
+class KnowsAbsent(Protocol):
+    """A transport that knows which of its nodes are gone (a networked server: silent past its
+    heartbeat timeout), so that rounds sample the others until they are heard from again."""
+
+    def absent(self) -> frozenset[int]: ...
+
+
+@runtime_checkable
 class PostsJobs(Protocol):
     """A transport that also gives one node a job at a time and takes the answers as they come
     (asynchronous aggregation over a network: :func:`fedweave.asynchronous.run_deployed`)."""

@@ -254,6 +254,18 @@ class GrpcServerTransport:
                 self._cond.wait(min(0.25, max(deadline - time.monotonic(), 0.0)))
             return len(self._clients)
 
+    def absent(self) -> frozenset[int]:
+        """The nodes known to be gone: silent for more than heartbeat_timeout, as :meth:`_expire`
+        judges a job's node (one never registered, since the first round began). None before
+        the first round; a node is present again once it registers or is heard from."""
+        now = time.monotonic()
+        with self._lock:
+            if self._first_round is None:
+                return frozenset()
+            seen = {cid: self._first_round for cid in range(self.num_nodes)}
+            seen.update((cid, c.last_seen) for cid, c in self._clients.items())
+        return frozenset(cid for cid, t in seen.items() if now - t > self.settings.heartbeat_timeout)
+
     def node_counts(self) -> tuple[int, int]:
         """(registered, alive) nodes, alive meaning heard from within heartbeat_timeout (for monitoring)."""
         now = time.monotonic()

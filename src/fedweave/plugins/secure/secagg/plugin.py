@@ -1,0 +1,40 @@
+"""The ``secagg`` plugin: its two halves (:mod:`.server`, :mod:`.client`) over one field, one
+quantizer and the round's neighbourhoods."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fedweave.plugins.secure.secagg.client import SecAggClient
+from fedweave.plugins.secure.secagg.masking import Field
+from fedweave.plugins.secure.secagg.neighbours import ring
+from fedweave.plugins.secure.secagg.params import SecAggParams
+from fedweave.plugins.secure.secagg.quantization import Quantizer
+from fedweave.plugins.secure.secagg.server import SecAggServer, ServerRound
+from fedweave.types import UpdateKind
+
+
+class SecAgg(SecAggServer, SecAggClient):
+    """Secure aggregation, SecAgg+ style: pairwise and self masks, Shamir recovery of drop-outs."""
+
+    name = "secagg"
+    Params = SecAggParams
+    accepts = frozenset(UpdateKind)
+    combines_encoded = True
+    stage = "secure"
+    points = ("client_send",)
+
+    def __init__(self, hp: SecAggParams):
+        self.hp = hp
+        self.field = Field(hp.bits)
+        self.levels = (1 << (hp.bits - math.ceil(math.log2(hp.max_examples)))) - 1
+        self.quantize = Quantizer.of(hp.clip_range, self.levels, self.field.width)
+        self.seed = 0
+        self.round: ServerRound | None = None
+
+    def bind(self, config: Any) -> None:
+        self.seed = config.seed
+
+    def graph(self, rnd: int, cohort: list[int]) -> dict[int, tuple[int, ...]]:
+        return ring(self.seed, rnd, tuple(sorted(cohort)), self.hp.neighbours)
