@@ -253,3 +253,11 @@ def test_finite_finds_one_bad_entry_anywhere(dtype: torch.dtype, bad: float, whe
     assert finite(w) and finite(torch.empty(0, dtype=dtype))
     w[where] = bad
     assert not finite(w.reshape(100, 1000))
+
+
+@pytest.mark.parametrize("dtype, big", [(torch.float32, 3e38), (torch.float16, 6e4), (torch.bfloat16, 3e38)])
+def test_finite_entries_whose_sum_overflows_are_finite(dtype: torch.dtype, big: float) -> None:
+    w = torch.full((4,), big, dtype=dtype)
+    assert not torch.isfinite(w.sum()) and finite(w)
+    w[2] = -float("inf")
+    assert not finite(w)
