@@ -146,12 +146,16 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     # next round trains. Deployed clients keep the state the next round's instruction accepts:
     # that instruction must not leave before the checkpoint it follows is on disk.
     checkpoints = CheckpointWriter(r.run_dir, background=cfg.transport.kind == "inmemory")
+    every, interval = cfg.checkpoint.every, cfg.checkpoint.interval(cfg.transport.kind)
+    last_saved = time.monotonic()
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
-        metrics.append(record)
+        nonlocal last_saved
+        due = bool(every) and (rnd == cfg.rounds or (rnd % every == 0 and time.monotonic() - last_saved >= interval))
+        metrics.append(record, sync=due or rnd == cfg.rounds)  # on disk before the checkpoint that covers it
         loggers.record(record)
         r.records.append(record)
-        if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0 or rnd == cfg.rounds):
+        if due:
             checkpoints.save(
                 {
                     "round": rnd,
@@ -165,6 +169,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
                     "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
                 },
             )
+            last_saved = time.monotonic()
         if on_record is not None:
             on_record(record)
 
