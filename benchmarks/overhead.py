@@ -4,9 +4,10 @@ Both sides train the same clients (same partition, same initial model, same batc
 order) with plain SGD (the bare loop writes the update out, as fedweave does, rather than
 pay ``torch.optim``'s per-step bookkeeping) and average the deltas weighted by examples, then evaluate
 the global model on the test set every round. fedweave also writes its metrics
-line every round and its checkpoint at the config's cadence (``checkpoint.every``;
-``--checkpoint-every``), which the bare loop does not: that is part of the overhead
-measured.
+line every round and its checkpoint at the config's cadence (``checkpoint.every``,
+``--checkpoint-every``; at most one per ``checkpoint.min_interval`` seconds, 30 by default in
+simulation, ``--checkpoint-min-interval``; the last round's always), which the bare loop does
+not: that is part of the overhead measured.
 
     python benchmarks/overhead.py [--clients 10] [--rounds 10] [--pairs 10]
 
@@ -101,6 +102,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--dataset", default="mnist5k")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="fedweave's checkpoint.every (default: the config's)")
+    parser.add_argument(
+        "--checkpoint-min-interval", type=float, default=None, help="fedweave's checkpoint.min_interval (default: the config's)"
+    )
     args = parser.parse_args()
     overrides = [
         f"clients={args.clients}",
@@ -116,6 +120,8 @@ def main() -> None:
     ]
     if args.checkpoint_every is not None:
         overrides.append(f"checkpoint.every={args.checkpoint_every}")
+    if args.checkpoint_min_interval is not None:
+        overrides.append(f"checkpoint.min_interval={args.checkpoint_min_interval}")
     torch.set_num_threads(1)
     seconds: dict[str, list[Seconds]] = {"fedweave": [], "bare": []}
     accuracies = set()

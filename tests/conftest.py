@@ -32,6 +32,7 @@ SMALL = [
     "task.partition.scheme=iid",
     "local.batch_size=16",
     "eval.federated_every=0",
+    "checkpoint.min_interval=0",  # a checkpoint every round: tests stop runs after any round and resume
 ]
 """Overrides that make the quickstart a sub-second run for tests."""
 

@@ -209,3 +209,21 @@ def test_a_foreground_writer_returns_with_the_checkpoint_on_disk(
         assert (folder / CHECKPOINT).is_file() is not background  # in flight only in the background
         writer.close()
         assert load_checkpoint(folder)["round"] == 4
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_the_files_a_checkpoint_covers_are_synced_before_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(b'{"round": 1}\n')
+    synced: list[str] = []
+    fsync = files.os.fsync
+    monkeypatch.setattr(
+        files.os, "fsync", lambda fd: (synced.append(Path(files.os.readlink(f"/proc/self/fd/{fd}")).name), fsync(fd))
+    )
+    writer = checkpoint.CheckpointWriter(tmp_path, background=background, covers=[metrics])
+    writer.save(state(1))
+    writer.close()
+    assert len(synced) == 2 and synced[0] == "metrics.jsonl" and synced[1].startswith(f".{CHECKPOINT}.")
+    assert load_checkpoint(tmp_path)["round"] == 1

@@ -175,6 +175,7 @@ def test_wrong_types(overrides: list[str], message: str) -> None:
         ("local.steps=0", "config key 'local.steps': must be >= 1, got 0"),
         ("task.partition.alpha=0", "config key 'task.partition.alpha': must be > 0, got 0.0"),
         ("task.test_fraction=1", "config key 'task.test_fraction': must be < 1, got 1.0"),
+        ("checkpoint.min_interval=-1", "config key 'checkpoint.min_interval': must be >= 0, got -1.0"),
     ],
 )
 def test_values_out_of_range(override: str, message: str) -> None:

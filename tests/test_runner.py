@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +20,7 @@ from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 from fedweave import config as config_mod
 from fedweave import rundir, runner
 from fedweave.checkpoint import load_checkpoint
+from fedweave.config.sections import SIMULATION_CHECKPOINT_INTERVAL
 from fedweave.errors import CheckpointError, ConfigError
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
@@ -152,6 +158,115 @@ def test_resume_from_an_older_checkpoint_redoes_the_later_rounds(tmp_path: Path)
     records = runner.execute(resumed)
     assert_same_params(whole, resumed.params)
     assert comparable(records) == comparable(whole_records)
+
+
+class RoundClock:
+    """``time.monotonic`` for the runner: 10 s per round recorded so far."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def monotonic(self) -> float:
+        return 10.0 * self.rounds
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.rounds = record["round"]
+
+
+def checkpointed_rounds(monkeypatch: pytest.MonkeyPatch, clock: RoundClock) -> list[int]:
+    """The rounds the runner checkpoints from now on, timed by ``clock``."""
+    saved: list[int] = []
+    save = runner.CheckpointWriter.save
+    monkeypatch.setattr(runner, "time", SimpleNamespace(monotonic=clock.monotonic, perf_counter=time.perf_counter))
+    monkeypatch.setattr(runner.CheckpointWriter, "save", lambda self, state: (saved.append(state["round"]), save(self, state)))
+    return saved
+
+
+def test_a_simulation_checkpoints_at_most_every_30_seconds_and_its_last_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = RoundClock()
+    saved = checkpointed_rounds(monkeypatch, clock)
+    r = runner.prepare(small_config("rounds=6", "checkpoint.min_interval=null", STATEFUL), tmp_path / "timed")
+    runner.execute(r, clock.record)
+    assert saved == [4, 6]  # 30 s after the start, 10 s after round 4's, then the last round
+    clock.rounds, saved[:] = 0, []
+    r = runner.prepare(small_config("rounds=6", "checkpoint.min_interval=20", "checkpoint.every=2"), tmp_path / "every")
+    runner.execute(r, clock.record)
+    assert saved == [4, 6]  # round 2 begins 10 s in, round 3 (20 s) is not one of every 2, round 4 30 s
+
+
+def test_checkpoint_interval_defaults_by_transport() -> None:
+    assert config_mod.load(None, []).checkpoint.interval("inmemory") == SIMULATION_CHECKPOINT_INTERVAL == 30
+    assert config_mod.load(None, []).checkpoint.interval("grpc") == 0
+    assert config_mod.load(None, ["checkpoint.min_interval=5"]).checkpoint.interval("grpc") == 5
+
+
+def test_resume_after_a_timed_checkpoint_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default cadence checkpoints round 4 of 6; a run stopped after round 5 resumes after
+    round 4 and ends as the uninterrupted run, to the bit, client and server state included."""
+    overrides = ("rounds=6", "checkpoint.min_interval=null", STATEFUL, "local.momentum=0.5")
+    whole, whole_records = run_to_end(tmp_path / "whole", *overrides)
+    clock = RoundClock()
+    saved = checkpointed_rounds(monkeypatch, clock)
+    r = runner.prepare(small_config(*overrides), tmp_path / "resumed")
+
+    def stop_after_five(record: dict[str, Any]) -> None:
+        clock.record(record)
+        if record["round"] == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(r, stop_after_five)
+    assert saved == [4]
+    resumed = runner.resume(tmp_path / "resumed")
+    assert resumed.first_round == 5
+    records = runner.execute(resumed)
+    assert_same_params(whole, resumed.params)
+    assert comparable(records) == comparable(whole_records)
+    assert comparable(read_lines(tmp_path / "resumed" / "metrics.jsonl")) == comparable(whole_records)
+
+
+KILLED_RUN = """
+import os, signal, sys, time, types
+sys.path[:0] = [sys.argv[1], os.path.join(os.path.dirname(sys.argv[1]), "src")]  # tests/, then this checkout's src/
+import torch
+torch.set_num_threads(1)
+from conftest import small_config
+from fedweave import runner
+run_dir, overrides = sys.argv[2], sys.argv[3:]
+done = types.SimpleNamespace(rounds=0)
+runner.time = types.SimpleNamespace(monotonic=lambda: 10.0 * done.rounds, perf_counter=time.perf_counter)
+
+def on_record(record):
+    done.rounds = record["round"]
+    if record["round"] == 6:
+        while not os.path.exists(os.path.join(run_dir, "checkpoint.pt")):  # round 4's, written in the background
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+runner.execute(runner.prepare(small_config(*overrides), run_dir), on_record)
+"""
+
+
+def test_kill_9_after_a_timed_checkpoint_then_the_same_run_ends_as_uninterrupted(tmp_path: Path) -> None:
+    """A simulation killed with SIGKILL after round 6 of 8 (the default cadence, 10 s a round, wrote
+    round 4's checkpoint; rounds 5 and 6 are only metrics lines, never synced): reopened, it redoes
+    rounds 5 and 6 and ends bit-identical to the uninterrupted run, SCAFFOLD's client state included."""
+    overrides = ("rounds=8", "checkpoint.min_interval=null", "strategy=scaffold")
+    whole, whole_records = run_to_end(tmp_path / "whole", *overrides)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, str(Path(__file__).parent), str(tmp_path / "killed"), *overrides],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert len(read_lines(tmp_path / "killed" / "metrics.jsonl")) == 6
+    r = runner.reopen(small_config(*overrides), tmp_path / "killed")
+    assert r.first_round == 5
+    records = runner.execute(r)
+    assert_same_params(whole, r.params)
+    assert comparable(records) == comparable(whole_records)
+    assert comparable(read_lines(tmp_path / "killed" / "metrics.jsonl")) == comparable(whole_records)
 
 
 def test_same_seed_same_run_other_seed_other_run(tmp_path: Path) -> None:

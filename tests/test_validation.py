@@ -273,3 +273,11 @@ def test_ciphertexts_are_exactly_the_expected_names_of_bounded_uint8_bytes() -> 
         with pytest.raises(Rejected, match=reason) as err:
             check_ciphertexts(ciphertexts, names, max_bytes=10)
         assert err.value.reason == "malformed"
+
+
+@pytest.mark.parametrize("dtype, big", [(torch.float32, 3e38), (torch.float16, 6e4), (torch.bfloat16, 3e38)])
+def test_finite_entries_whose_sum_overflows_are_finite(dtype: torch.dtype, big: float) -> None:
+    w = torch.full((4,), big, dtype=dtype)
+    assert not torch.isfinite(w.sum()) and finite(w)
+    w[2] = -float("inf")
+    assert not finite(w)

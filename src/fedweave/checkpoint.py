@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from fedweave.errors import CheckpointError
-from fedweave.files import atomic_write
+from fedweave.files import atomic_write, sync_file
 from fedweave.types import Update, UpdateKind
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,14 @@ class CheckpointWriter:
     for it). ``close`` waits for the last one, stops the thread and raises the error of a
     failed write. A crash before a write lands leaves the previous checkpoint, from which
     a resumed run redoes the later rounds exactly. ``background=False``: ``save`` returns
-    once the checkpoint is on disk.
+    once the checkpoint is on disk. ``covers``: files appended to as rounds end (the metrics
+    lines), fsynced before each checkpoint is written, so that they hold every round it covers.
     """
 
-    def __init__(self, run_dir: str | Path, background: bool = True):
+    def __init__(self, run_dir: str | Path, background: bool = True, covers: Sequence[Path] = ()):
         self.path = Path(run_dir) / CHECKPOINT
         self.background = background
+        self.covers = list(covers)
         self._thread: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
 
@@ -90,6 +92,8 @@ class CheckpointWriter:
             raise CheckpointError(f"checkpoint {str(self.path)!r} could not be written: {exc}") from exc
 
     def _write(self, buffer: io.BytesIO, rnd: int) -> None:
+        for path in self.covers:
+            sync_file(path)
         atomic_write(self.path, lambda f: f.write(buffer.getbuffer()))
         log.debug("checkpoint of round %d written", rnd)
 

@@ -44,6 +44,15 @@ def atomic_write_text(text: str, path: str | Path, private: bool = False) -> Non
     atomic_write_bytes(text.encode(), path, private)
 
 
+def sync_file(path: str | Path) -> None:
+    """fsync ``path``: what has been written to it is on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _temporary_beside(path: Path, mode: int) -> tuple[int, Path]:
     """A new, hidden file in ``path``'s folder, open for writing, with ``mode`` less the umask.
 

@@ -146,13 +146,17 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     # In simulation the clients live and die with the server, so a checkpoint may land while the
     # next round trains. Deployed clients keep the state the next round's instruction accepts:
     # that instruction must not leave before the checkpoint it follows is on disk.
-    checkpoints = CheckpointWriter(r.run_dir, background=cfg.transport.kind == "inmemory")
+    checkpoints = CheckpointWriter(r.run_dir, background=cfg.transport.kind == "inmemory", covers=[metrics.path])
+    every, interval = cfg.checkpoint.every, cfg.checkpoint.interval(cfg.transport.kind)
+    last_saved = time.monotonic()
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
-        metrics.append(record)
+        nonlocal last_saved
+        due = bool(every) and (rnd == cfg.rounds or (rnd % every == 0 and time.monotonic() - last_saved >= interval))
+        metrics.append(record, sync=rnd == cfg.rounds and not due)  # else synced by the checkpoint that covers it
         loggers.record(record)
         r.records.append(record)
-        if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0 or rnd == cfg.rounds):
+        if due:
             checkpoints.save(
                 {
                     "round": rnd,
@@ -166,6 +170,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
                     "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
                 },
             )
+            last_saved = time.monotonic()
         if on_record is not None:
             on_record(record)
 
@@ -176,6 +181,10 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             r.params = run_deployed(r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round)
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
+        if (sealer := r.parts.chains.sealer) is None:
+            rundir.save_model(r.params, r.run_dir)  # while the last checkpoint is written
+        else:
+            r.params = _save_sealed(sealer, r.params, r.run_dir, simulated=cfg.transport.kind == "inmemory")
     except BaseException:
         loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
         raise
@@ -184,10 +193,6 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             r.parts.topology.close()
         finally:
             checkpoints.close()  # the last checkpoint is on disk when the run returns
-    if (sealer := r.parts.chains.sealer) is None:
-        rundir.save_model(r.params, r.run_dir)
-    else:
-        r.params = _save_sealed(sealer, r.params, r.run_dir, simulated=cfg.transport.kind == "inmemory")
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients
 

@@ -94,13 +94,14 @@ class UpdateSchema:
 
 
 def finite(tensor: torch.Tensor) -> bool:
-    """False when a floating ``tensor`` holds a NaN or an infinity: its minimum or its maximum
-    is then not finite (NaN propagates through both), which one ``aminmax`` pass finds
-    several times faster than a mask of every entry."""
-    if not tensor.numel():
+    """False when a floating ``tensor`` holds a NaN or an infinity. Their sum is then not finite
+    (NaN and infinities propagate through every partial sum), so a finite sum, one pass, clears
+    the tensor; a sum that is not finite may also be an overflow of finite entries, which the
+    minimum and the maximum decide (NaN propagates through both)."""
+    if not tensor.numel() or math.isfinite(tensor.sum().item()):
         return True
     low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | None = None) -> None:

@@ -91,3 +91,15 @@ def test_each_record_is_one_write_synced_to_disk(tmp_path: Path, monkeypatch: py
     writer.append({"round": 1})
     writer.append({"round": 2})
     assert synced == [b'{"round": 1}\n', b'{"round": 1}\n{"round": 2}\n']
+
+
+def test_a_record_not_synced_is_written_whole_and_synced_with_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[bytes] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append((tmp_path / "metrics.jsonl").read_bytes()))
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    writer.append({"round": 1}, sync=False)
+    assert synced == [] and read_metrics(tmp_path / "metrics.jsonl") == [{"round": 1}]
+    writer.append({"round": 2})
+    assert synced == [b'{"round": 1}\n{"round": 2}\n']

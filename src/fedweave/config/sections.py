@@ -172,9 +172,24 @@ class EvalConfig:
     batch_size: int = opt(1024, ge=1, help="evaluation batch size")
 
 
+SIMULATION_CHECKPOINT_INTERVAL = 30.0
+"""Seconds at least between two checkpoints of a simulated federated run, by default."""
+
+
 @dataclass
 class CheckpointConfig:
     every: int = opt(1, ge=0, help="write the server state every N rounds (0: never)")
+    min_interval: float | None = opt(
+        None, ge=0, help="seconds at least between two checkpoints of a federated run, the last round's always "
+        f"written (none: {SIMULATION_CHECKPOINT_INTERVAL:g} in simulation, where a resumed run redoes the rounds "
+        "since exactly; 0 over a network transport, whose clients keep the state of the last round)"
+    )
+
+    def interval(self, transport: str) -> float:
+        """``min_interval`` for a run over ``transport`` (``transport.kind``)."""
+        if self.min_interval is not None:
+            return self.min_interval
+        return SIMULATION_CHECKPOINT_INTERVAL if transport == "inmemory" else 0.0
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""``metrics.jsonl``: one JSON object per round, appended and flushed to disk as rounds end.
+"""``metrics.jsonl``: one JSON object per round, appended as rounds end.
 
-Each line is written whole by one write, then flushed and synced before the round's
-checkpoint, so a resumed run finds every round its checkpoint covers. A process killed
-in the middle of that write can still leave a torn last line: the reader drops it with
-a warning (the resumed run writes that round again). A bad line anywhere else is an
+Each line is written whole by one write and flushed to the operating system, which keeps it
+through a killed process; it is synced to disk with the round's checkpoint (``sync``), so
+a resumed run finds every round its checkpoint covers even after a machine crash. A process
+killed in the middle of that write can still leave a torn last line: the reader drops it
+with a warning (the resumed run writes that round again). A bad line anywhere else is an
 error naming its line number.
 """
 
@@ -32,12 +33,14 @@ class MetricsWriter:
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: dict[str, Any], sync: bool = True) -> None:
+        """Append ``record`` as one line; ``sync``: then fsync the file (every line so far on disk)."""
         line = (json.dumps({k: _clean(v) for k, v in record.items()}) + "\n").encode()
         with self.path.open("ab") as f:
             f.write(line)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
 
     def truncate_after(self, last: int, key: str = "round") -> None:
         """Drop records whose ``key`` (round, or step) is after ``last`` (those a resumed run will redo)."""
