@@ -64,7 +64,9 @@ def test_the_endpoint_of_a_grpc_server_agrees_with_its_metrics(tmp_path: Path) -
     assert (first[("fedweave_clients_registered", ())], first[("fedweave_clients_alive", ())]) == (2, 2)
     assert last[("fedweave_round", ())] == 2
     assert last[("fedweave_updates_accepted_total", ())] == sum(r["clients_completed"] for r in records) == 4
-    assert last[("fedweave_updates_rejected_total", (("reason", "no_answer"),))] == 2
+    # client 2 fails round 1; in round 2 it is sampled only if not yet known gone (absent)
+    unanswered = sum(r["clients_sampled"] - r["clients_completed"] for r in records)
+    assert last[("fedweave_updates_rejected_total", (("reason", "no_answer"),))] == unanswered >= 1
     assert all(last[("fedweave_updates_rejected_total", (("reason", reason),))] == 0 for reason in REASONS)
     assert last[("fedweave_bytes_sent_total", ())] == sum(r["bytes_sent"] for r in records)
     assert last[("fedweave_bytes_received_total", ())] == sum(r["bytes_received"] for r in records)
