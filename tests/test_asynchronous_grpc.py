@@ -314,7 +314,7 @@ def test_when_every_client_is_gone_the_server_waits_for_one_up_to_the_join_timeo
         for thread in threads:
             if thread.is_alive():
                 thread.join(timeout=10)
-    waits = [x for x in caplog.records if "is gone (silent past the heartbeat timeout); waiting up to 2 s" in x.message]
+    waits = [x for x in caplog.records if "are all gone (silent past the heartbeat timeout); waiting up to 2 s" in x.message]
     assert len(waits) == 1, caplog.text  # one line, not one per look
     stopped = [x for x in caplog.records if "came back within 2 s (grpc.join_timeout)" in x.message]
     if comes_back:

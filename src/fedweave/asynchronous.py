@@ -443,7 +443,7 @@ def run_deployed(
         gone = absent
         server.post(parts, params, jobs, absent)
         if not server.flights:
-            waiting_since = _wait_for_gone(server, waiting_since, rejoin_timeout)
+            waiting_since = _await_return(server, waiting_since, rejoin_timeout)
             if waiting_since is None:
                 break
             continue
@@ -465,7 +465,7 @@ def _log_absent(before: frozenset[int], now: frozenset[int]) -> None:
         log.info("clients %s are back: they may get jobs again", sorted(before - now))
 
 
-def _wait_for_gone(server: BufferedServer, since: float | None, rejoin_timeout: float) -> float | None:
+def _await_return(server: BufferedServer, since: float | None, rejoin_timeout: float) -> float | None:
     """Nothing is in flight: when some idle client may still train the current version, all of
     them gone, wait a moment (from ``since``, up to ``rejoin_timeout`` s) for one to come back and
     return when the wait began; None when the run must stop (logged)."""
@@ -479,9 +479,9 @@ def _wait_for_gone(server: BufferedServer, since: float | None, rejoin_timeout: 
         return None
     if since is None:
         log.warning(
-            "server step %d waits: every client free to train model version %d (%d) is gone (silent past the "
+            "server step %d waits: the %d clients free to train model version %d are all gone (silent past the "
             "heartbeat timeout); waiting up to %g s (grpc.join_timeout) for one to come back",
-            server.version + 1, server.version, len(idle), rejoin_timeout,
+            server.version + 1, len(idle), server.version, rejoin_timeout,
         )
         since = now
     elif now - since >= rejoin_timeout:
@@ -493,4 +493,3 @@ def _wait_for_gone(server: BufferedServer, since: float | None, rejoin_timeout: 
         return None
     time.sleep(COLLECT_WAIT)
     return since
-
