@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.client import ClientStateStore
 from fedweave.errors import ConfigError
 from fedweave.node import server_topology
+from fedweave.transports.grpc.client import GrpcClient
 from fedweave.types import Message
 
 ASYNC = [*FAST_GRPC, "asynchronous.enabled=true", "checkpoint.every=1"]
@@ -178,6 +180,150 @@ def test_a_client_killed_mid_training_does_not_stop_the_run(tmp_path: Path, capl
     assert [x["round"] for x in records] == list(range(1, 61))
     assert "client 2 failed: lost" in caplog.text
     assert set(r.parts.accepted.rounds) == {0, 1}
+
+
+class Events(logging.Handler):
+    """What the server thread did, in order: jobs posted (``("job", id)``), what the test marked
+    from ``on_record``, and the lines fedweave.asynchronous logged (``("log", message)``)."""
+
+    def __init__(self, transport: Any) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, Any]] = []
+        post = transport.post
+
+        def recorded(messages: list[Message], timeout: float | None) -> None:
+            self.seen.extend(("job", m.client_id) for m in messages)
+            post(messages, timeout)
+
+        transport.post = recorded
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(("log", record.getMessage()))
+
+    def jobs(self, cid: int, start: tuple[str, Any], end: tuple[str, Any] | None = None) -> int:
+        """The jobs posted to client ``cid`` between the events ``start`` and ``end`` (or the last)."""
+        after = self.seen[self.seen.index(start):]
+        between = after[:after.index(end)] if end is not None else after
+        return between.count(("job", cid))
+
+
+def test_a_killed_client_gets_no_job_until_it_registers_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 14 item 16 under FedBuff: client 2, a `fedweave client` process, is killed after server
+    step 2. Once it is silent past heartbeat_timeout (1 s) the server posts it no job (without the
+    check it would post it one per step, each failing at once as lost) while clients 0 and 1 carry
+    steps 3-6; a client 2 registering again after step 6 gets jobs again and its updates count."""
+    port = free_port()
+    config = small_config(*ASYNC, "clients=3", "rounds=10", "asynchronous.buffer_size=2",
+                          "grpc.heartbeat_timeout=1.0", f"grpc.listen=127.0.0.1:{port}")
+    path = tmp_path / "config.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    r = deployed(config, tmp_path / "run")
+    transport = r.parts.topology.transport
+    events = Events(transport)
+    logging.getLogger("fedweave.asynchronous").addHandler(events)
+    caplog.set_level(logging.INFO, logger="fedweave")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedweave", "client", str(path), "--id", "2", "--address", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "FEDWEAVE_PARENT_PID": str(os.getpid())},
+    )
+    comeback: list[threading.Thread] = []
+    again = GrpcClient(config.grpc, 2, build_client_runtime(
+        config, build_task(config), build_chains(config), ClientStateStore()
+    ).handle, address=transport.address)
+
+    def on_record(record: dict[str, Any]) -> None:  # in the server's thread, between its steps
+        if record["round"] == 2:
+            proc.send_signal(signal.SIGKILL)
+            until = time.monotonic() + 10
+            while 2 not in transport.absent() and time.monotonic() < until:
+                time.sleep(0.02)
+            events.seen.append(("mark", "gone"))
+        elif record["round"] == 6:
+            comeback.append(threading.Thread(target=again.run, daemon=True))
+            comeback[0].start()
+            until = time.monotonic() + 10
+            while 2 in transport.absent() and time.monotonic() < until:
+                time.sleep(0.02)
+            events.seen.append(("mark", "back"))
+
+    try:
+        with client_threads(config, transport.address, {0: 0.05, 1: 0.05}):
+            records = runner.run_rounds(r, on_record)
+    finally:
+        logging.getLogger("fedweave.asynchronous").removeHandler(events)
+        proc.kill()
+        proc.wait(5)
+        again.stop()
+        for thread in comeback:
+            thread.join(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    assert [x["round"] for x in records] == list(range(1, 11))
+    gone, back = ("mark", "gone"), ("mark", "back")
+    assert events.jobs(2, gone, back) == 0  # known gone: no job, through four server steps
+    assert events.jobs(0, gone, back) + events.jobs(1, gone, back) >= 6  # 8 updates, 2 maybe posted before
+    assert events.jobs(2, back) >= 1
+    lines = [what for kind, what in events.seen if kind == "log"]
+    assert "clients [2] are gone (silent past the heartbeat timeout): no new jobs for them" in lines
+    assert "clients [2] are back: they may get jobs again" in lines
+    assert any(c["id"] == 2 for x in records[6:] for c in x["clients"])
+    assert 2 in r.parts.accepted.rounds
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_when_every_client_is_gone_the_server_waits_for_one_up_to_the_join_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, comes_back: bool
+) -> None:
+    """Both clients stop after server step 1 (silent: as if their machines died). Nothing in flight
+    and nobody to post to, the server says so in one line and waits, without posting, up to
+    grpc.join_timeout (2 s): a client 0 registering again 0.5 s into the wait carries the run to its
+    end alone; with none, the run stops with one error line after the 2 s, its steps and model kept.
+    (An update in flight at the stop may still arrive: the wait begins at step 2 or 3.)"""
+    config = small_config(*ASYNC, "clients=2", "rounds=4", "asynchronous.buffer_size=1",
+                          "grpc.heartbeat_timeout=0.5", "grpc.join_timeout=2")
+    r = deployed(config, tmp_path / "run")
+    transport = r.parts.topology.transport
+    caplog.set_level(logging.INFO, logger="fedweave")
+    task = build_task(config)
+    nodes = [
+        GrpcClient(config.grpc, cid, build_client_runtime(config, task, build_chains(config), ClientStateStore()).handle,
+                   address=transport.address)
+        for cid in (0, 1, 0)
+    ]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in nodes]
+
+    def on_record(record: dict[str, Any]) -> None:
+        if record["round"] == 1:
+            nodes[0].stop()
+            nodes[1].stop()
+            until = time.monotonic() + 10
+            while transport.absent() != {0, 1} and time.monotonic() < until:
+                time.sleep(0.02)
+            if comes_back:
+                threading.Timer(0.5, threads[2].start).start()
+
+    for thread in threads[:2]:
+        thread.start()
+    try:
+        records = runner.run_rounds(r, on_record)
+    finally:
+        for node in nodes:
+            node.stop()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(timeout=10)
+    waits = [x for x in caplog.records if "are all gone (silent past the heartbeat timeout); waiting up to 2 s" in x.message]
+    assert len(waits) == 1, caplog.text  # one line, not one per look
+    stopped = [x for x in caplog.records if "came back within 2 s (grpc.join_timeout)" in x.message]
+    if comes_back:
+        assert [x["round"] for x in records] == [1, 2, 3, 4] and not stopped
+        assert {c["id"] for x in records[2:] for c in x["clients"]} == {0}  # step 2 may take 1's last update
+    else:
+        assert [x["round"] for x in records][-1] < 4 and len(stopped) == 1
+        assert 2.0 <= stopped[0].created - waits[0].created < 3.0
+        assert (tmp_path / "run" / rundir.MODEL_FILE).is_file()
 
 
 def test_a_killed_server_started_again_resumes_at_its_last_server_step(tmp_path: Path) -> None:

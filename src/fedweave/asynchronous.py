@@ -42,7 +42,9 @@ uninterrupted one. Each record also has ``clock`` (virtual seconds at the step),
 Deployed over gRPC (:func:`run_deployed`), the same server state runs on the real clock: a
 drawn client gets its job at once, its answer arrives when it comes (checked, as every
 update), and ``max_staleness``, the buffer and the accepted-round bookkeeping work as above.
-Clients emulate their speeds by sleeping (``heterogeneity.clock: real``).
+Clients emulate their speeds by sleeping (``heterogeneity.clock: real``). No client the
+transport knows is gone (silent past its heartbeat timeout) is drawn, until it is heard from
+again; a simulation has none gone, so its draws are unchanged.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,7 @@ from fedweave.loop import (
     RECORD_KEYS,
     Record,
     RoundParts,
+    absent_clients,
     accept_updates,
     encode_instructions,
     evaluate_round,
@@ -187,23 +190,30 @@ class BufferedServer:
                 Flight(finish, self.dispatches, cid, self.version, self.clock, work.batch_size, update, reason)
             )
 
-    def next_job(self, parts: RoundParts, params: Params) -> tuple[int, Work, list[Message]] | None:
-        """A free slot's next job: the drawn client, its work and its encoded instruction on
-        ``params``; None when every slot is taken or no client is idle."""
+    def next_job(
+        self, parts: RoundParts, params: Params, absent: Collection[int] = ()
+    ) -> tuple[int, Work, list[Message]] | None:
+        """A free slot's next job: the drawn client (none ``absent``), its work and its encoded
+        instruction on ``params``; None when every slot is taken or no client is idle."""
         if len(self.flights) >= self.concurrency:
             return None
-        cid = self.draw()
+        cid = self.draw(absent)
         if cid is None:
             return None
         work = parts.controller.work(cid)
         instructions = parts.strategy.configure(self.version + 1, params, [work])
         return cid, work, encode_instructions(parts.chains, instructions, parts.accepted)
 
-    def draw(self) -> int | None:
-        """The next client to train (seeded, uniform among the idle ones), counted as dispatched on
-        the current model version; None when no client is idle."""
+    def idle(self) -> list[int]:
+        """The clients free to train the current model version: none of their work in flight or
+        in the buffer, and not started on this version yet."""
         busy = {f.client_id for f in self.flights} | {f.client_id for f in self.buffer}
-        idle = [c for c in range(self.num_clients) if c not in busy and self.trained_on.get(c) != self.version]
+        return [c for c in range(self.num_clients) if c not in busy and self.trained_on.get(c) != self.version]
+
+    def draw(self, absent: Collection[int] = ()) -> int | None:
+        """The next client to train (seeded, uniform among the idle ones not ``absent``: known
+        gone), counted as dispatched on the current model version; None when no client is idle."""
+        idle = [c for c in self.idle() if c not in absent]
         if not idle:
             return None
         cid = idle[int(numpy_rng(self.seed, "async-sample", self.dispatches).integers(len(idle)))]
@@ -281,9 +291,10 @@ class BufferedServer:
 
     # ------------------------------------------------------------------ deployed: the real clock
 
-    def post(self, parts: RoundParts, params: Params, jobs: PostsJobs) -> None:
-        """Fill the free slots: each drawn client gets its job on ``params`` now; it arrives when it answers."""
-        while (job := self.next_job(parts, params)) is not None:
+    def post(self, parts: RoundParts, params: Params, jobs: PostsJobs, absent: Collection[int] = ()) -> None:
+        """Fill the free slots: each drawn client (none ``absent``) gets its job on ``params`` now;
+        it arrives when it answers."""
+        while (job := self.next_job(parts, params, absent)) is not None:
             cid, work, messages = job
             jobs.post(messages, parts.timeout)
             self.flights.append(Flight(0.0, self.dispatches, cid, self.version, self.clock, work.batch_size, None))
@@ -402,6 +413,7 @@ def run_deployed(
     first_round: int,
     last_round: int,
     on_round: Callable[[int, Params, Record], None],
+    rejoin_timeout: float,
 ) -> Params:
     """Server steps ``first_round..last_round`` over a network, on the real clock.
 
@@ -411,21 +423,31 @@ def run_deployed(
     model version), and every K buffered updates the server steps as in simulation. ``clock``
     is the real seconds since the run began, continued across a resume. Work in flight when a
     previous server died is lost with it: its clients may train the same version again.
+
+    A client the topology knows is gone (:func:`~fedweave.loop.absent_clients`) gets no job
+    until it is heard from again. When nothing is in flight and every client free to train is
+    gone, the server waits up to ``rejoin_timeout`` s for one to come back (one log line), then
+    stops as when no client is left.
     """
     if server.version != first_round - 1:
         raise ValueError(f"the asynchronous state has taken {server.version} server steps, not {first_round - 1}")
     server.forget_flights()
     origin = time.monotonic() - server.clock
     started = time.perf_counter()
+    gone: frozenset[int] = frozenset()
+    waiting_since: float | None = None
     while server.version < last_round:
         server.clock = time.monotonic() - origin
-        server.post(parts, params, jobs)
+        absent = absent_clients(parts.topology)
+        _log_absent(gone, absent)
+        gone = absent
+        server.post(parts, params, jobs, absent)
         if not server.flights:
-            log.error(
-                "asynchronous run stopped after %d server steps: no client is left to train model version %d",
-                server.version, server.version,
-            )
-            break
+            waiting_since = _await_return(server, waiting_since, rejoin_timeout)
+            if waiting_since is None:
+                break
+            continue
+        waiting_since = None
         exchange = jobs.collect(COLLECT_WAIT)
         server.clock = time.monotonic() - origin
         for flight in server.received(parts, params, exchange):
@@ -433,3 +455,41 @@ def run_deployed(
                 params = _step(parts, server, params, last_round, on_round, started)
                 started = time.perf_counter()
     return params
+
+
+def _log_absent(before: frozenset[int], now: frozenset[int]) -> None:
+    """Say which clients are newly gone (no jobs for them) and which are back."""
+    if now - before:
+        log.info("clients %s are gone (silent past the heartbeat timeout): no new jobs for them", sorted(now - before))
+    if before - now:
+        log.info("clients %s are back: they may get jobs again", sorted(before - now))
+
+
+def _await_return(server: BufferedServer, since: float | None, rejoin_timeout: float) -> float | None:
+    """Nothing is in flight: when some idle client may still train the current version, all of
+    them gone, wait a moment (from ``since``, up to ``rejoin_timeout`` s) for one to come back and
+    return when the wait began; None when the run must stop (logged)."""
+    now = time.monotonic()
+    idle = server.idle()
+    if not idle:
+        log.error(
+            "asynchronous run stopped after %d server steps: no client is left to train model version %d",
+            server.version, server.version,
+        )
+        return None
+    if since is None:
+        log.warning(
+            "server step %d waits: the %d clients free to train model version %d are all gone (silent past the "
+            "heartbeat timeout); waiting up to %g s (grpc.join_timeout) for one to come back",
+            server.version + 1, len(idle), server.version, rejoin_timeout,
+        )
+        since = now
+    elif now - since >= rejoin_timeout:
+        log.error(
+            "asynchronous run stopped after %d server steps: no client free to train model version %d came "
+            "back within %g s (grpc.join_timeout)",
+            server.version, server.version, rejoin_timeout,
+        )
+        return None
+    time.sleep(COLLECT_WAIT)
+    return since

@@ -178,7 +178,9 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         if r.buffered is None:
             r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
         elif (jobs := _posts_jobs(r.parts.topology)) is not None:  # deployed: the real clock
-            r.params = run_deployed(r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round)
+            r.params = run_deployed(
+                r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round, cfg.grpc.join_timeout
+            )
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
         if (sealer := r.parts.chains.sealer) is None:

@@ -1,10 +1,31 @@
-"""SiteBatches: one job per top-level site, whose answer stands for its members (or fails them all)."""
+"""SiteBatches: one job per top-level site, whose answer stands for its members (or fails them all);
+the members of a site whose leader is gone are not sampled."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
 
-from fedweave.topologies.deploy import SiteBatches
+from conftest import free_port, small_config
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.batching.selection import sample_clients
+from fedweave.build import build_chains, build_client_runtime, build_task
+from fedweave.client import ClientStateStore
+from fedweave.node import server_topology
+from fedweave.seeding import numpy_rng
+from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.base import Exchange
 from fedweave.transports.serialization import SiteJob, SiteReply
@@ -59,3 +80,119 @@ def test_each_site_gets_one_job_and_its_answer_stands_for_its_members() -> None:
         9: "the client is in no site of topology.sites",
     }
     assert ex.bytes_sent == 2  # the link's traffic is the topology's
+
+
+class Gone(Link):
+    """A link that knows site 1 is gone (and names a site that does not exist)."""
+
+    def absent(self) -> frozenset[int]:
+        return frozenset({1, 7})
+
+
+def test_the_members_of_a_gone_site_are_gone() -> None:
+    assert SiteBatches([[0, [1, 2]], [3, 4], [5]], Gone()).absent() == frozenset({3, 4})
+    assert SiteBatches([[0, 1], [3]], Link()).absent() == frozenset()  # a link that cannot tell
+
+
+SITE_LEADER = textwrap.dedent(
+    """
+    import os
+    import sys
+    import torch
+    from fedweave import config
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.topologies.deploy import site_handler
+    from fedweave.transports.grpc.client import GrpcClient
+    from fedweave.transports.inmemory import InMemoryTransport
+
+    torch.set_num_threads(1)
+    path, site, address = sys.argv[1:]
+    cfg = config.load(path)
+    runtime = build_client_runtime(cfg, build_task(cfg), build_chains(cfg), ClientStateStore())
+    handle = site_handler(InMemoryTransport(runtime.handle), int(site))
+    GrpcClient(cfg.grpc, int(site), handle, role="site", address=address).run()
+    os._exit(0)
+    """
+)
+"""A site leader process whose members train in it (in a deployment they are torch.distributed
+ranks of the site's own world: the server sees the same gRPC node)."""
+
+
+def test_the_members_of_a_killed_site_leader_are_not_sampled_until_it_registers_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 14 item 16 behind site leaders: sites [[0, 1], [2, 3], [4, 5]], 3 of 6 clients a round.
+    Site 2's leader, a process, is killed after round 1; once silent past heartbeat_timeout its
+    members 4 and 5 are gone, so rounds 2 and 3 sample 3 of clients 0-3 (the seeded draw would
+    pick 4 or 5 in both) and lose nobody. Site 2 registering again after round 3, rounds 4 and 5
+    sample as the seeded draw does."""
+    from fedweave.transports.grpc.client import GrpcClient
+    from fedweave.transports.inmemory import InMemoryTransport
+
+    port = free_port()
+    config = small_config(
+        "clients=6", "topology={kind: hierarchical, sites: 3}", "topology.inner=torchdist", "sample_fraction=0.5",
+        "min_clients=1", "rounds=5", "seed=1", "checkpoint.every=0", "transport=grpc", f"grpc.listen=127.0.0.1:{port}",
+        "grpc.heartbeat_interval=0.1", "grpc.heartbeat_timeout=1.0", "grpc.poll_timeout=0.5", "grpc.rpc_timeout=2",
+        "grpc.connect_timeout=3", "grpc.join_timeout=60", "grpc.backoff_initial=0.05", "grpc.backoff_max=0.5",
+    )
+    seeded = {rnd: sample_clients(numpy_rng(1, "sample", rnd), 6, 3) for rnd in range(1, 6)}
+    around = {rnd: sample_clients(numpy_rng(1, "sample", rnd), 6, 3, {4, 5}) for rnd in (2, 3)}
+    assert all({4, 5} & set(seeded[rnd]) for rnd in (2, 3, 4))  # without the fix rounds 2 and 3 lose a client
+    path = tmp_path / "config.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    topology = server_topology(config)
+    r = runner.prepare(config, tmp_path / "run", topology=topology)
+    transport = topology.transport
+    task = build_task(config)
+    trained: dict[int, list[int]] = {}  # round -> the members the sites in this process trained
+
+    def leader(site: int) -> GrpcClient:
+        runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
+
+        def member(msg: Any) -> Any:
+            trained.setdefault(msg.round, []).append(msg.client_id)
+            return runtime.handle(msg)
+
+        handle = site_handler(InMemoryTransport(member), site)
+        return GrpcClient(config.grpc, site, handle, role="site", address=transport.address)
+
+    leaders = [leader(0), leader(1), leader(2)]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in leaders]
+    for thread in threads[:2]:
+        thread.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SITE_LEADER, str(path), "2", transport.address],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+    def between_rounds(record: dict[str, Any]) -> None:
+        if record["round"] == 1:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(5)
+            until = time.monotonic() + 5
+            while 2 not in transport.absent() and time.monotonic() < until:
+                time.sleep(0.02)
+        elif record["round"] == 3:
+            threads[2].start()
+            until = time.monotonic() + 10
+            while 2 in transport.absent() and time.monotonic() < until:
+                time.sleep(0.02)
+
+    caplog.set_level(logging.INFO, logger="fedweave")
+    try:
+        records = runner.run_rounds(r, between_rounds)  # closes the topology at the end
+    finally:
+        proc.kill()
+        proc.wait(5)
+        for node, thread in zip(leaders, threads):
+            node.stop()
+            if thread.is_alive():
+                thread.join(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    assert [(x["clients_sampled"], x["clients_completed"]) for x in records] == [(3, 3)] * 5
+    assert sorted(trained[1]) == [c for c in seeded[1] if c < 4]  # site 2's members trained in its process
+    assert {rnd: sorted(trained[rnd]) for rnd in (2, 3, 4, 5)} == {**around, 4: seeded[4], 5: seeded[5]}
+    assert "round 2: clients [4, 5] are gone (silent past the heartbeat timeout); sampling the others" in caplog.text
+    assert all(x["round_time"] < 2 for x in records[1:3])  # nobody waited for the dead site

@@ -31,7 +31,7 @@ from fedweave.topologies.hierarchical import (
     site_tree,
     top_site_members,
 )
-from fedweave.transports.base import Exchange, Transport
+from fedweave.transports.base import Exchange, KnowsAbsent, Transport
 from fedweave.transports.serialization import SiteJob, SiteReply
 from fedweave.transports.torchdist import (
     Handler,
@@ -182,7 +182,9 @@ class SiteBatches:
     :class:`~fedweave.transports.serialization.SiteReply`: its members' replies (updates,
     evaluations, control answers), or one pre-aggregated update standing for the members that answered, and
     each failed member's reason. A site that fails as a whole (lost, late, refused)
-    fails each of its clients. Replies come back in the order of the messages.
+    fails each of its clients. Replies come back in the order of the messages. The members
+    of a site whose leader the link knows is gone are gone too (:meth:`absent`): the server
+    reaches them only through it.
     """
 
     def __init__(self, tree: list[Any], link: Transport):
@@ -219,6 +221,11 @@ class SiteBatches:
         site = self.site_of.get(client_id)
         return frozenset({client_id}) if site is None else self.sites[site]
 
+    def absent(self) -> frozenset[int]:
+        """The clients of every site whose leader the link knows is gone (none, for a link that cannot tell)."""
+        gone = self.transport.absent() if isinstance(self.transport, KnowsAbsent) else frozenset()
+        return frozenset(cid for s in gone if 0 <= s < len(self.sites) for cid in self.sites[s])
+
     def close(self) -> None:
         self.transport.close()
 
@@ -228,9 +235,10 @@ MEMBER_SHARE = 0.9
 site's answer to reach the server."""
 
 
-def site_handler(leader: TorchDistLeader, site: int) -> Handler:
-    """A site leader's job handler: the members' messages go to ``leader`` (which pre-aggregates
-    when it was built to), their replies and failures come back as one :class:`SiteReply`."""
+def site_handler(leader: Transport, site: int) -> Handler:
+    """A site leader's job handler: the members' messages go to ``leader`` (a
+    :class:`TorchDistLeader`, which pre-aggregates when it was built to), their replies and
+    failures come back as one :class:`SiteReply`."""
 
     def handle(msg: Message) -> Message:
         job = msg.body
