@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from fedweave.plugins.chain import Payload, PluginContext
@@ -194,9 +195,10 @@ class Compressor:
 
 
 def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool) -> torch.Tensor:
-    """``tensor`` in float32 plus the ``residual`` carried to it, a new tensor when ``copy``."""
+    """``tensor`` in float32 plus the ``residual`` carried to it, added into the residual (the
+    plugin's own, spent by this sum); without one, a new tensor when ``copy``."""
     if residual is not None:
-        return torch.add(tensor.to(torch.float32), residual)
+        return residual.add_(tensor.to(torch.float32))
     return tensor.to(torch.float32, copy=copy)
 
 
@@ -224,15 +226,16 @@ def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
     """Sorted flat positions in 2 bytes each: as offsets within blocks of 65,536 entries
     (stored as int16 shifted by −32,768), with one int32 count per block when the tensor
     has more than one block."""
-    out = {"indices": (indices % BLOCK - BLOCK // 2).to(torch.int16)}
+    positions = indices.numpy()
+    out = {"indices": torch.from_numpy((positions % BLOCK - BLOCK // 2).astype(np.int16))}
     if numel > BLOCK:
-        out["blocks"] = torch.bincount(indices // BLOCK, minlength=-(-numel // BLOCK)).to(torch.int32)
+        out["blocks"] = torch.from_numpy(np.bincount(positions // BLOCK, minlength=-(-numel // BLOCK)).astype(np.int32))
     return out
 
 
 def unpack_indices(fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    low = fields["indices"].long() + BLOCK // 2
+    low = fields["indices"].numpy().astype(np.int64) + BLOCK // 2
     if "blocks" not in fields:
-        return low
-    starts = torch.arange(fields["blocks"].numel(), dtype=torch.long) * BLOCK
-    return low + starts.repeat_interleave(fields["blocks"].long())
+        return torch.from_numpy(low)
+    blocks = fields["blocks"].numpy()
+    return torch.from_numpy(low + np.repeat(np.arange(blocks.size, dtype=np.int64) * BLOCK, blocks))
