@@ -15,6 +15,7 @@ floating tensors into one vector with :func:`flatten` (their layouts become
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,8 +36,14 @@ def field(name: str, part: str) -> str:
 
 
 def layout(tensor: torch.Tensor) -> torch.Tensor:
-    """``[dtype code, *shape]`` as a small int32 tensor (4 bytes per entry on the wire)."""
-    return torch.tensor([_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.int32)
+    """``[dtype code, *shape]`` as a small int32 tensor (4 bytes per entry on the wire). One
+    tensor per dtype and shape, shared by the payloads that carry it (never written to)."""
+    return _layout(tensor.dtype, tuple(tensor.shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([_DTYPES.index(dtype), *shape], dtype=torch.int32)
 
 
 def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:

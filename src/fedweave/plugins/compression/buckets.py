@@ -30,9 +30,11 @@ class Buckets:
             total += rows
         self.total = total
 
-    def matrix(self, tensors: Sequence[torch.Tensor], what: str = "values") -> torch.Tensor:
+    def matrix(self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True) -> torch.Tensor:
         """A float32 ``(buckets, size)`` matrix of ``tensors``' entries, each tensor zero-padded
-        to whole buckets. ``ValueError`` when a tensor does not hold its number of entries."""
+        to whole buckets (``padded``; else the padding is left as it comes: for a result only
+        read through :meth:`entries`). ``ValueError`` when a tensor does not hold its number
+        of entries."""
         out = torch.empty(self.total, self.size, dtype=torch.float32)
         flat = out.view(-1)
         for tensor, start, n, rows in zip(tensors, self.starts, self.numels, self.rows):
@@ -40,7 +42,8 @@ class Buckets:
                 raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
             begin = start * self.size
             flat[begin : begin + n].copy_(tensor.reshape(-1))
-            flat[begin + n : begin + rows * self.size].zero_()
+            if padded and n < rows * self.size:
+                flat[begin + n : begin + rows * self.size].zero_()
         return out
 
     def column(self, per_bucket: Sequence[torch.Tensor], what: str) -> torch.Tensor:

@@ -72,7 +72,7 @@ class QSGDCodec:
         numels = [math.prod(shape) for shape in shapes]
         buckets = Buckets(numels, self.hp.bucket)
         levels = [unpack_nibbles(f["nibbles"], n) if "nibbles" in f else f["levels"] for f, n in zip(fields, numels)]
-        rows = buckets.matrix(levels, "levels").mul_(buckets.column([f["norms"] for f in fields], "norms"))
+        rows = buckets.matrix(levels, "levels", padded=False).mul_(buckets.column([f["norms"] for f in fields], "norms"))
         rows.div_(self.hp.levels)
         return [v.view(shape) for v, shape in zip(buckets.entries(rows.view(-1)), shapes)]
 

@@ -64,7 +64,7 @@ class QuantizeCodec:
         scaled = [i for i, f in enumerate(fields) if "scales" in f]
         if scaled:
             buckets = Buckets([math.prod(shapes[i]) for i in scaled], self.hp.bucket)
-            rows = buckets.matrix([fields[i]["values"] for i in scaled])
+            rows = buckets.matrix([fields[i]["values"] for i in scaled], padded=False)
             rows.mul_(buckets.column([fields[i]["scales"] for i in scaled], "scales"))
             for i, values in zip(scaled, buckets.entries(rows.view(-1))):
                 out[i] = values.view(shapes[i])
