@@ -35,11 +35,12 @@ class Buckets:
         to whole buckets (``padded``; else the padding is left as it comes: for a result only
         read through :meth:`entries`). ``ValueError`` when a tensor does not hold its number
         of entries."""
+        for tensor, n in zip(tensors, self.numels):
+            if tensor.numel() != n:
+                raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
         out = torch.empty(self.total, self.size, dtype=torch.float32)
         flat = out.view(-1)
         for tensor, start, n, rows in zip(tensors, self.starts, self.numels, self.rows):
-            if tensor.numel() != n:
-                raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
             begin = start * self.size
             flat[begin : begin + n].copy_(tensor.reshape(-1))
             if padded and n < rows * self.size:
