@@ -23,12 +23,9 @@ class Buckets:
         self.size = size
         self.numels = list(numels)
         self.rows = [-(-n // size) for n in self.numels]
-        self.starts: list[int] = []
-        total = 0
-        for rows in self.rows:
-            self.starts.append(total)
-            total += rows
-        self.total = total
+        self.total = sum(self.rows)
+        # the flattened matrix as [entries of tensor 1, its padding, entries of tensor 2, ...]
+        self.pieces = [part for n, rows in zip(self.numels, self.rows) for part in (n, rows * size - n)]
 
     def matrix(self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True) -> torch.Tensor:
         """A float32 ``(buckets, size)`` matrix of ``tensors``' entries, each tensor zero-padded
@@ -39,12 +36,11 @@ class Buckets:
             if tensor.numel() != n:
                 raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
         out = torch.empty(self.total, self.size, dtype=torch.float32)
-        flat = out.view(-1)
-        for tensor, start, n, rows in zip(tensors, self.starts, self.numels, self.rows):
-            begin = start * self.size
-            flat[begin : begin + n].copy_(tensor.reshape(-1))
-            if padded and n < rows * self.size:
-                flat[begin + n : begin + rows * self.size].zero_()
+        pieces = out.view(-1).split(self.pieces)
+        for tensor, entries, padding in zip(tensors, pieces[0::2], pieces[1::2]):
+            entries.copy_(tensor.reshape(-1))
+            if padded and padding.numel():
+                padding.zero_()
         return out
 
     def column(self, per_bucket: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -58,17 +54,17 @@ class Buckets:
         """Uniform [0, 1) noise of the matrix's shape: each tensor's rows drawn from its own
         generator, as ``torch.rand((rows, size), generator=...)`` draws them."""
         noise = torch.empty(self.total, self.size, dtype=torch.float32)
-        for generator, start, rows in zip(generators, self.starts, self.rows):
-            noise[start : start + rows].uniform_(generator=generator)
+        for generator, rows in zip(generators, noise.split(self.rows)):
+            rows.uniform_(generator=generator)
         return noise
 
     def entries(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's entries of the flattened matrix ``flat`` (views, padding left out)."""
-        return [flat[start * self.size : start * self.size + n] for start, n in zip(self.starts, self.numels)]
+        return list(flat.split(self.pieces)[0::2])
 
     def per_bucket(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's part of one value per bucket (views)."""
-        return [values[start : start + rows] for start, rows in zip(self.starts, self.rows)]
+        return list(values.split(self.rows))
 
 
 def stochastic_round(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
