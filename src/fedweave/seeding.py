@@ -27,8 +27,9 @@ def derive_seed(seed: int, *keys: int | str) -> int:
 
 # NumPy's SeedSequence (numpy/random/bit_generator.pyx; O'Neill's seed_seq_fe) with a pool of
 # four 32-bit words, in Python integers. Constructing the NumPy object costs ~15 us, paid
-# per tensor by every codec that draws; the pool after the first four words (the run seed,
-# a purpose, a round...) is shared by many streams, so it is kept.
+# per tensor by every codec that draws. The pool after all but the last word (the run seed,
+# a purpose, a round, a client...) is shared by many streams (the tensors of one update),
+# so it is kept.
 _MASK = 0xFFFFFFFF
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
 _MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
@@ -52,13 +53,28 @@ def _mix(x: int, y: int) -> int:
     return result ^ (result >> 16)
 
 
-@functools.lru_cache(maxsize=256)
-def _pool(head: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """The pool and the hash constant after the first (at most four) entropy words ``head``."""
+def _absorb(pool: list[int], hash_const: int, word: int) -> int:
+    """Mix one more entropy word into every word of ``pool`` (in place); the new hash constant."""
+    for dst in range(_POOL):
+        value = word ^ hash_const
+        hash_const = (hash_const * _MULT_A) & _MASK
+        value = (value * hash_const) & _MASK
+        pool[dst] = _mix(pool[dst], value ^ (value >> 16))
+    return hash_const
+
+
+@functools.lru_cache(maxsize=1024)
+def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The pool and the hash constant after the entropy words ``words``."""
+    if len(words) > _POOL:
+        head, hash_const = _pool(words[:-1])
+        pool = list(head)
+        hash_const = _absorb(pool, hash_const, words[-1])
+        return tuple(pool), hash_const
     hash_const = _INIT_A
     pool = []
     for i in range(_POOL):
-        value = (head[i] if i < len(head) else 0) ^ hash_const
+        value = (words[i] if i < len(words) else 0) ^ hash_const
         hash_const = (hash_const * _MULT_A) & _MASK
         value = (value * hash_const) & _MASK
         pool.append(value ^ (value >> 16))
@@ -74,15 +90,13 @@ def _pool(head: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
 
 def _seed_sequence(entropy: list[int]) -> int:
     """``int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])``."""
-    words = [w for value in entropy for w in _words(value)]
-    head, hash_const = _pool(tuple(words[:_POOL]))
-    pool = list(head)
-    for word in words[_POOL:]:
-        for dst in range(_POOL):
-            value = word ^ hash_const
-            hash_const = (hash_const * _MULT_A) & _MASK
-            value = (value * hash_const) & _MASK
-            pool[dst] = _mix(pool[dst], value ^ (value >> 16))
+    words = tuple(w for value in entropy for w in _words(value))
+    if len(words) > _POOL:  # the last word (a tensor's name, ...) is the one streams differ by
+        head, hash_const = _pool(words[:-1])
+        pool = list(head)
+        _absorb(pool, hash_const, words[-1])
+    else:
+        pool = list(_pool(words)[0])
     hash_const = _INIT_B
     out = 0
     for i in range(2):  # two 32-bit words, little-endian

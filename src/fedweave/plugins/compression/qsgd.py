@@ -58,7 +58,7 @@ class QSGDCodec:
         s = self.hp.levels
         buckets = Buckets([x.numel() for x in xs], self.hp.bucket)
         rows = buckets.matrix(xs)
-        norms = rows.norm(dim=1, keepdim=True)
+        norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
         scaled = rows.abs().div_(torch.where(norms > 0, norms, 1.0)).mul_(s)
         noise = buckets.draws([site.generator(site.client_id, site.name) for site in sites])
         levels = stochastic_round(scaled, noise).copysign_(rows).view(-1)
