@@ -27,18 +27,23 @@ class Buckets:
         # the flattened matrix as [entries of tensor 1, its padding, entries of tensor 2, ...]
         self.pieces = [part for n, rows in zip(self.numels, self.rows) for part in (n, rows * size - n)]
 
-    def matrix(self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True) -> torch.Tensor:
-        """A float32 ``(buckets, size)`` matrix of ``tensors``' entries, each tensor zero-padded
-        to whole buckets (``padded``; else the padding is left as it comes: for a result only
-        read through :meth:`entries`). ``ValueError`` when a tensor does not hold its number
-        of entries."""
+    def matrix(
+        self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True, magnitudes: bool = False
+    ) -> torch.Tensor:
+        """A float32 ``(buckets, size)`` matrix of ``tensors``' entries (their absolute values
+        with ``magnitudes``), each tensor zero-padded to whole buckets (``padded``; else the
+        padding is left as it comes: for a result only read through :meth:`entries`).
+        ``ValueError`` when a tensor does not hold its number of entries."""
         for tensor, n in zip(tensors, self.numels):
             if tensor.numel() != n:
                 raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
         out = torch.empty(self.total, self.size, dtype=torch.float32)
         pieces = out.view(-1).split(self.pieces)
         for tensor, entries, padding in zip(tensors, pieces[0::2], pieces[1::2]):
-            entries.copy_(tensor.reshape(-1))
+            if magnitudes:
+                torch.abs(tensor.reshape(-1), out=entries)
+            else:
+                entries.copy_(tensor.reshape(-1))
             if padded and padding.numel():
                 padding.zero_()
         return out

@@ -57,11 +57,13 @@ class QSGDCodec:
         """Every tensor of an update in one pass over the matrix of their buckets."""
         s = self.hp.levels
         buckets = Buckets([x.numel() for x in xs], self.hp.bucket)
-        rows = buckets.matrix(xs)
-        norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
-        scaled = rows.abs().div_(torch.where(norms > 0, norms, 1.0)).mul_(s)
+        magnitudes = buckets.matrix(xs, magnitudes=True)  # the norms of |x| are those of x
+        norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
+        scaled = magnitudes.div_(torch.where(norms > 0, norms, 1.0)).mul_(s)
         noise = buckets.draws([site.generator(site.client_id, site.name) for site in sites])
-        levels = stochastic_round(scaled, noise).copysign_(rows).view(-1)
+        levels = stochastic_round(scaled, noise).view(-1)
+        for signed, x in zip(buckets.entries(levels), xs):
+            signed.copysign_(x.reshape(-1))
         per_tensor = buckets.per_bucket(norms.view(-1))
         if s <= 7:
             return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
