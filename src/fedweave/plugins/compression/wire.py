@@ -196,10 +196,11 @@ class Compressor:
 
 def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool) -> torch.Tensor:
     """``tensor`` in float32 plus the ``residual`` carried to it, added into the residual (the
-    plugin's own, spent by this sum); without one, a new tensor when ``copy``."""
+    plugin's own, spent by this sum); without one, a new tensor when ``copy``. Contiguous,
+    so that error feedback can update it in place through a flat view."""
     if residual is not None:
-        return residual.add_(tensor.to(torch.float32))
-    return tensor.to(torch.float32, copy=copy)
+        return residual.add_(tensor.to(torch.float32)).contiguous()
+    return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
 
 
 def _advance(model: Params, delta: Params) -> Params:
