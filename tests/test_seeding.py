@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedweave.seeding import derive_seed, numpy_rng, torch_generator
 
@@ -45,3 +48,12 @@ def test_a_stream_does_not_depend_on_what_others_consumed() -> None:
     other = numpy_rng(0, "sample", 3)
     other.random(1000)
     assert (numpy_rng(0, "sample", 4).random(5) == untouched).all()
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 200), st.integers(0, 2**32 - 1), st.integers(0, 2**100)), min_size=1, max_size=9))
+def test_seeds_are_numpys_seed_sequence(entropy: list[int]) -> None:
+    """derive_seed computes SeedSequence in Python (with the pool of its first words kept):
+    the same 64 bits as NumPy's, for any number of words of any size."""
+    expected = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) & (2**63 - 1)
+    assert derive_seed(*entropy) == expected

@@ -7,6 +7,7 @@ consumed, so a resumed run draws exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -18,9 +19,92 @@ def _key(part: int | str) -> int:
 
 
 def derive_seed(seed: int, *keys: int | str) -> int:
-    """A 63-bit seed for the stream named by ``keys`` under run seed ``seed``."""
-    state = np.random.SeedSequence([seed, *(_key(k) for k in keys)]).generate_state(1, np.uint64)
-    return int(state[0]) & ((1 << 63) - 1)
+    """A 63-bit seed for the stream named by ``keys`` under run seed ``seed``: the first
+    64 bits of ``np.random.SeedSequence([seed, *keys]).generate_state(1, np.uint64)``
+    (strings as their CRC-32), computed as :func:`_seed_sequence` does."""
+    return _seed_sequence([seed, *(_key(k) for k in keys)]) & ((1 << 63) - 1)
+
+
+# NumPy's SeedSequence (numpy/random/bit_generator.pyx; O'Neill's seed_seq_fe) with a pool of
+# four 32-bit words, in Python integers. Constructing the NumPy object costs ~15 us, paid
+# per tensor by every codec that draws. The pool after all but the last word (the run seed,
+# a purpose, a round, a client...) is shared by many streams (the tensors of one update),
+# so it is kept.
+_MASK = 0xFFFFFFFF
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
+_POOL = 4
+
+
+def _words(value: int) -> list[int]:
+    """``value`` as SeedSequence reads an int: 32-bit words, least significant first."""
+    if value < 0:
+        raise ValueError(f"seed keys must be non-negative, got {value}")
+    words = [value & _MASK]
+    value >>= 32
+    while value:
+        words.append(value & _MASK)
+        value >>= 32
+    return words
+
+
+def _mix(x: int, y: int) -> int:
+    result = (_MIX_L * x - _MIX_R * y) & _MASK
+    return result ^ (result >> 16)
+
+
+def _absorb(pool: list[int], hash_const: int, word: int) -> int:
+    """Mix one more entropy word into every word of ``pool`` (in place); the new hash constant."""
+    for dst in range(_POOL):
+        value = word ^ hash_const
+        hash_const = (hash_const * _MULT_A) & _MASK
+        value = (value * hash_const) & _MASK
+        pool[dst] = _mix(pool[dst], value ^ (value >> 16))
+    return hash_const
+
+
+@functools.lru_cache(maxsize=1024)
+def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The pool and the hash constant after the entropy words ``words``."""
+    if len(words) > _POOL:
+        head, hash_const = _pool(words[:-1])
+        pool = list(head)
+        hash_const = _absorb(pool, hash_const, words[-1])
+        return tuple(pool), hash_const
+    hash_const = _INIT_A
+    pool = []
+    for i in range(_POOL):
+        value = (words[i] if i < len(words) else 0) ^ hash_const
+        hash_const = (hash_const * _MULT_A) & _MASK
+        value = (value * hash_const) & _MASK
+        pool.append(value ^ (value >> 16))
+    for src in range(_POOL):
+        for dst in range(_POOL):
+            if src != dst:
+                value = pool[src] ^ hash_const
+                hash_const = (hash_const * _MULT_A) & _MASK
+                value = (value * hash_const) & _MASK
+                pool[dst] = _mix(pool[dst], value ^ (value >> 16))
+    return tuple(pool), hash_const
+
+
+def _seed_sequence(entropy: list[int]) -> int:
+    """``int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])``."""
+    words = tuple(w for value in entropy for w in _words(value))
+    if len(words) > _POOL:  # the last word (a tensor's name, ...) is the one streams differ by
+        head, hash_const = _pool(words[:-1])
+        pool = list(head)
+        _absorb(pool, hash_const, words[-1])
+    else:
+        pool = list(_pool(words)[0])
+    hash_const = _INIT_B
+    out = 0
+    for i in range(2):  # two 32-bit words, little-endian
+        value = pool[i] ^ hash_const
+        hash_const = (hash_const * _MULT_B) & _MASK
+        value = (value * hash_const) & _MASK
+        out |= (value ^ (value >> 16)) << (32 * i)
+    return out
 
 
 def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:

@@ -118,3 +118,61 @@ def test_largest_picks_the_positions_topk_picks(case: str) -> None:
         x = x[:300]
     k = max(1, x.numel() // 100)
     assert torch.equal(largest(x, k), reference(x, k))
+
+
+def test_int8_quantizes_every_tensor_of_an_update_in_its_own_buckets() -> None:
+    """The tensors of an update share one bucket matrix, each padded to whole buckets: the
+    second tensor's first bucket starts afresh (its own scale), as if encoded alone."""
+    a = torch.tensor([0.5, -1.27, 0.1])  # buckets of 2: [0.5, -1.27], [0.1, (pad)]
+    b = torch.tensor([[0.3, -0.6], [1.2, 0.0]])  # [0.3, -0.6], [1.2, 0.0]
+    encoded = make("quantize", dtype="int8", bucket=2, stochastic=False).encode(update({"a": a, "b": b}), ctx()).tensors
+    assert torch.equal(encoded["a.__scales"], torch.tensor([1.27, 0.1]) / 127)
+    assert torch.equal(encoded["b.__scales"], torch.tensor([0.6, 1.2]) / 127)
+    assert torch.equal(encoded["a.__values"], torch.tensor([50, -127, 127], dtype=torch.int8))
+    assert torch.equal(encoded["b.__values"], torch.tensor([64, -127, 127, 0], dtype=torch.int8))  # 63.5 rounds to even
+    assert params_nbytes(encoded) == (3 + 2 * 4 + 2 * 4) + (4 + 2 * 4 + 3 * 4)  # values, scales, layouts
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {"levels": 127, "bucket": 64}), ("qsgd", {"levels": 7, "bucket": 64}),
+                                         ("quantize", {"dtype": "int8", "bucket": 64})])
+def test_an_update_encodes_as_its_tensors_would_alone(name: str, params: dict) -> None:
+    """One pass over all tensors draws each tensor's noise from its own generator: every
+    field and decoded value equals that of the tensor encoded alone (sizes 1 to 3 buckets,
+    with and without padding)."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {"w": torch.randn(3, 64, generator=g), "b": torch.randn(70, generator=g), "c": torch.randn(1, generator=g)}
+    plugin = make(name, **params)
+    together = plugin.encode(update(tensors), ctx()).tensors
+    decoded = plugin.decode(update(together), ctx(side="server")).tensors
+    for key, tensor in tensors.items():
+        alone = plugin.encode(update({key: tensor}), ctx()).tensors
+        assert alone.keys() <= together.keys()
+        assert all(torch.equal(together[k], v) for k, v in alone.items())
+        assert torch.equal(decoded[key], plugin.decode(update(alone), ctx(side="server")).tensors[key])
+
+
+@pytest.mark.parametrize("name,field,size", [("qsgd", "levels", 129), ("qsgd", "norms", 3), ("quantize", "values", 1),
+                                             ("quantize", "scales", 1)])
+def test_a_field_of_the_wrong_size_is_refused(name: str, field: str, size: int) -> None:
+    plugin = make(name, bucket=64)
+    encoded = plugin.encode(update({"w": torch.randn(2, 64)}), ctx()).tensors  # 128 entries, 2 buckets
+    encoded[f"w.__{field}"] = encoded[f"w.__{field}"].new_zeros(size)
+    with pytest.raises(ValueError, match=field):
+        plugin.decode(update(encoded), ctx(side="server"))
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.1}), ("randk", {"ratio": 0.1, "error_feedback": True}),
+                                         ("qsgd", {"levels": 3, "error_feedback": True})])
+def test_error_feedback_keeps_exactly_what_was_not_sent(name: str, params: dict) -> None:
+    """The residual, updated in place, is the update plus the last residual less the decoded
+    update, to the bit; the update given to the plugin is left as it was."""
+    plugin = make(name, **params)
+    g = torch.Generator().manual_seed(1)
+    carried = torch.zeros(20, 15)
+    for rnd in (1, 2, 3):
+        x = torch.randn(15, 20, generator=g).t()  # not contiguous
+        kept = x.clone()
+        sent = roundtrip(plugin, update({"w": x}), ctx(rnd)).tensors["w"]
+        assert torch.equal(x, kept)
+        assert torch.equal(plugin.residuals[0]["w"], (x + carried) - sent)
+        carried = plugin.residuals[0]["w"].clone()

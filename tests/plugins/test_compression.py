@@ -64,7 +64,7 @@ def test_error_feedback_carries_residuals_across_rounds_per_client() -> None:
     sent: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     for rnd in range(4):
         for cid in (0, 1):
-            before = plugin.residuals.get(cid, {}).get("w", torch.zeros(50))
+            before = plugin.residuals.get(cid, {}).get("w", torch.zeros(50)).clone()  # the plugin adds to it in place
             out = roundtrip(plugin, update({"w": inputs[cid][rnd]}), ctx(rnd + 1, cid)).tensors["w"]
             # what was sent is top-k of this update plus the residual carried from the last round
             expected = inputs[cid][rnd] + before

@@ -15,7 +15,8 @@ floating tensors into one vector with :func:`flatten` (their layouts become
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,8 +36,14 @@ def field(name: str, part: str) -> str:
 
 
 def layout(tensor: torch.Tensor) -> torch.Tensor:
-    """``[dtype code, *shape]`` as a small int32 tensor (4 bytes per entry on the wire)."""
-    return torch.tensor([_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.int32)
+    """``[dtype code, *shape]`` as a small int32 tensor (4 bytes per entry on the wire). One
+    tensor per dtype and shape, shared by the payloads that carry it (never written to)."""
+    return _layout(tensor.dtype, tuple(tensor.shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([_DTYPES.index(dtype), *shape], dtype=torch.int32)
 
 
 def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -64,14 +71,20 @@ def encode_each(
 
     ``compress`` may return None to send a tensor as it is (too small to be worth it).
     """
+    return encode_fields(tensors, {name: compress(name, t) for name, t in tensors.items() if t.is_floating_point()})
+
+
+def encode_fields(tensors: Params, fields: Mapping[str, dict[str, torch.Tensor] | None]) -> Params:
+    """``tensors`` with each tensor that ``fields`` maps to fields replaced by them (and its
+    layout), in order; the others (not named, or None) as they are."""
     out: Params = {}
     for name, tensor in tensors.items():
-        fields = compress(name, tensor) if tensor.is_floating_point() else None
-        if fields is None:
+        parts = fields.get(name)
+        if parts is None:
             out[name] = tensor
             continue
         out[field(name, LAYOUT)] = layout(tensor)
-        for part, value in fields.items():
+        for part, value in parts.items():
             out[field(name, part)] = value
     return out
 
@@ -81,20 +94,32 @@ def decode_each(
     decompress: Callable[[str, dict[str, torch.Tensor], tuple[int, ...]], torch.Tensor],
 ) -> Params:
     """Undo :func:`encode_each`: rebuild every encoded tensor (in its dtype and shape)."""
-    out: Params = {}
+    return decode_all(
+        tensors, lambda names, fields, shapes: [decompress(*args) for args in zip(names, fields, shapes)]
+    )
+
+
+def decode_all(
+    tensors: Params,
+    decompress: Callable[[list[str], list[dict[str, torch.Tensor]], list[tuple[int, ...]]], list[torch.Tensor]],
+) -> Params:
+    """:func:`decode_each` with one call that rebuilds all the encoded tensors at once
+    (names, their fields, their shapes -> the float tensors, in that order)."""
     encoded, _ = group(tensors)
-    done: set[str] = set()
+    layouts = {name: read_layout(fields.pop(LAYOUT)) for name, fields in encoded.items()}
+    names = list(encoded)
+    rebuilt = decompress(names, [encoded[n] for n in names], [layouts[n][1] for n in names])
+    if len(rebuilt) != len(names):
+        raise ValueError(f"{len(names)} encoded tensors, {len(rebuilt)} rebuilt")
+    decoded = dict(zip(names, rebuilt))
+    out: Params = {}
     for key, value in tensors.items():
         name, sep, _ = key.rpartition(SEP)
         if not sep:
             out[key] = value
-            continue
-        if name in done:
-            continue
-        done.add(name)
-        fields = dict(encoded[name])
-        dtype, shape = read_layout(fields.pop(LAYOUT))
-        out[name] = decompress(name, fields, shape).reshape(shape).to(dtype)
+        elif name in decoded:
+            dtype, shape = layouts[name]
+            out[name] = decoded.pop(name).reshape(shape).to(dtype)
     return out
 
 

@@ -13,10 +13,12 @@ float32 norm per bucket (``name.__norms``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from fedweave.plugins.compression.buckets import Buckets, stochastic_round
 from fedweave.plugins.compression.wire import Compressor, Site
 from fedweave.schema import opt
 
@@ -26,21 +28,6 @@ class QSGDParams:
     levels: int = opt(127, ge=1, le=32767, help="quantization levels s (127: one byte per entry)")
     bucket: int = opt(512, ge=1, help="entries per bucket, each with its own norm")
     error_feedback: bool = opt(False, help="keep the quantization error and add it next time")
-
-
-def bucketed(flat: torch.Tensor, bucket: int) -> torch.Tensor:
-    """``flat`` zero-padded to whole buckets, one bucket per row (a view when no padding
-    is needed)."""
-    pad = -flat.numel() % bucket
-    return (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).reshape(-1, bucket)
-
-
-def stochastic_round(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``scaled`` rounded down or up at random, up with probability its fractional part
-    (unbiased). Works in place: ``scaled`` holds its fractional part afterwards."""
-    lower = scaled.floor()
-    noise = torch.rand(scaled.shape, generator=generator)
-    return lower.add_(noise.lt_(scaled.sub_(lower)))
 
 
 def pack_nibbles(levels: torch.Tensor) -> torch.Tensor:
@@ -61,26 +48,35 @@ class QSGDCodec:
         self.hp = hp
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
-        s = self.hp.levels
-        flat = x.reshape(-1)
-        rows = bucketed(flat, self.hp.bucket)
-        norms = rows.norm(dim=1, keepdim=True)
-        scaled = rows.abs().div_(torch.where(norms > 0, norms, torch.ones_like(norms))).mul_(s)
-        levels = stochastic_round(scaled, site.generator(site.client_id, site.name))
-        levels = levels.copysign_(rows).reshape(-1)[: flat.numel()]
-        if s <= 7:
-            return {"nibbles": pack_nibbles(levels), "norms": norms.reshape(-1)}
-        dtype = torch.int8 if s <= 127 else torch.int16
-        return {"levels": levels.to(dtype), "norms": norms.reshape(-1)}
+        return self.compress_many([x], [site])[0]
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
-        levels = unpack_nibbles(fields["nibbles"], numel) if "nibbles" in fields else fields["levels"].to(torch.float32)
-        rows = bucketed(levels, self.hp.bucket)
-        values = rows * fields["norms"].reshape(-1, 1) / self.hp.levels
-        return values.reshape(-1)[: levels.numel()].reshape(shape)
+        return self.decompress_many([fields], [shape])[0]
+
+    def compress_many(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
+        """Every tensor of an update in one pass over the matrix of their buckets."""
+        s = self.hp.levels
+        buckets = Buckets([x.numel() for x in xs], self.hp.bucket)
+        magnitudes = buckets.matrix(xs, magnitudes=True)  # the norms of |x| are those of x
+        norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
+        scaled = magnitudes.div_(torch.where(norms > 0, norms, 1.0)).mul_(s)
+        noise = buckets.draws([site.generator(site.client_id, site.name) for site in sites])
+        levels = stochastic_round(scaled, noise).view(-1)
+        for signed, x in zip(buckets.entries(levels), xs):
+            signed.copysign_(x.reshape(-1))
+        per_tensor = buckets.per_bucket(norms.view(-1))
+        if s <= 7:
+            return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
+        levels = levels.to(torch.int8 if s <= 127 else torch.int16)
+        return [{"levels": v, "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
+
+    def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        numels = [math.prod(shape) for shape in shapes]
+        buckets = Buckets(numels, self.hp.bucket)
+        levels = [unpack_nibbles(f["nibbles"], n) if "nibbles" in f else f["levels"] for f, n in zip(fields, numels)]
+        rows = buckets.matrix(levels, "levels", padded=False).mul_(buckets.column([f["norms"] for f in fields], "norms"))
+        rows.div_(self.hp.levels)
+        return [v.view(shape) for v, shape in zip(buckets.entries(rows.view(-1)), shapes)]
 
 
 class QSGD(Compressor):

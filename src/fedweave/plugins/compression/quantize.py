@@ -12,12 +12,13 @@ be summed while encoded (secure aggregation, HE); int8's per-client scales canno
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from fedweave.plugins.compression.qsgd import bucketed, stochastic_round
+from fedweave.plugins.compression.buckets import Buckets, stochastic_round
 from fedweave.plugins.compression.wire import Compressor, Site
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
@@ -38,25 +39,36 @@ class QuantizeCodec:
         self.hp = hp
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
-        if self.hp.dtype in CASTS:
-            return {"values": x.to(CASTS[self.hp.dtype])}
-        flat = x.reshape(-1)
-        rows = bucketed(flat, self.hp.bucket)
-        scales = rows.abs().amax(dim=1, keepdim=True) / 127
-        scaled = rows / torch.where(scales > 0, scales, torch.ones_like(scales))
-        if self.hp.stochastic:
-            rounded = stochastic_round(scaled, site.generator(site.client_id, site.name))
-        else:
-            rounded = scaled.round_()
-        values = rounded.clamp_(-127, 127).reshape(-1)[: flat.numel()].to(torch.int8)
-        return {"values": values, "scales": scales.reshape(-1)}
+        return self.compress_many([x], [site])[0]
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        values = fields["values"].to(torch.float32)
-        if "scales" not in fields:
-            return values.reshape(shape)
-        rows = bucketed(values.reshape(-1), self.hp.bucket) * fields["scales"].reshape(-1, 1)
-        return rows.reshape(-1)[: values.numel()].reshape(shape)
+        return self.decompress_many([fields], [shape])[0]
+
+    def compress_many(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
+        """Casts tensor by tensor; int8 for every tensor in one pass over the matrix of their buckets."""
+        if self.hp.dtype in CASTS:
+            return [{"values": x.to(CASTS[self.hp.dtype])} for x in xs]
+        buckets = Buckets([x.numel() for x in xs], self.hp.bucket)
+        rows = buckets.matrix(xs)
+        scales = rows.abs().amax(dim=1, keepdim=True).div_(127)
+        rows.div_(torch.where(scales > 0, scales, 1.0))
+        if self.hp.stochastic:
+            rounded = stochastic_round(rows, buckets.draws([site.generator(site.client_id, site.name) for site in sites]))
+        else:
+            rounded = rows.round_()
+        values = rounded.clamp_(-127, 127).to(torch.int8).view(-1)
+        return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales.view(-1)))]
+
+    def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        out = [f["values"].to(torch.float32).reshape(shape) if "scales" not in f else None for f, shape in zip(fields, shapes)]
+        scaled = [i for i, f in enumerate(fields) if "scales" in f]
+        if scaled:
+            buckets = Buckets([math.prod(shapes[i]) for i in scaled], self.hp.bucket)
+            rows = buckets.matrix([fields[i]["values"] for i in scaled], padded=False)
+            rows.mul_(buckets.column([fields[i]["scales"] for i in scaled], "scales"))
+            for i, values in zip(scaled, buckets.entries(rows.view(-1))):
+                out[i] = values.view(shapes[i])
+        return out
 
 
 def _summable(params: Any) -> bool:

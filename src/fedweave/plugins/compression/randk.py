@@ -15,6 +15,7 @@ aggregation, HE); otherwise each client draws its own (lower variance of the ave
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,15 +48,19 @@ class RandKCodec:
         seed = site.seed_for(*keys)
         indices = self._positions(seed, flat.numel())
         scale = 1.0 if self.hp.error_feedback else flat.numel() / indices.numel()
-        return {"values": flat[indices] * scale, "seed": torch.tensor([seed], dtype=torch.int64)}
+        values = flat.index_select(0, indices)
+        return {"values": values if self.hp.error_feedback else values.mul_(scale), "seed": torch.tensor([seed], dtype=torch.int64)}
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         out = torch.zeros(numel, dtype=torch.float32)
         out[self._positions(int(fields["seed"].item()), numel)] = fields["values"].to(torch.float32)
         return out.reshape(shape)
+
+    def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+        flat = x.view(-1)
+        positions = self._positions(int(fields["seed"].item()), flat.numel())
+        flat[positions] = flat.index_select(0, positions) - fields["values"].to(torch.float32)
 
     def _positions(self, seed: int, numel: int) -> torch.Tensor:
         """The first k of a seeded permutation. Drawing them is most of the codec's work, and

@@ -39,12 +39,17 @@ class TopKCodec:
         flat = x.reshape(-1)
         k = max(1, int(self.hp.ratio * flat.numel()))
         indices = largest(flat.abs(), k)
-        return {"values": flat[indices].to(VALUE_DTYPES[self.hp.values]), **pack_indices(indices, flat.numel())}
+        return {"values": flat.index_select(0, indices).to(VALUE_DTYPES[self.hp.values]), **pack_indices(indices, flat.numel())}
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         out = torch.zeros(shape, dtype=torch.float32).reshape(-1)
         out[unpack_indices(fields)] = fields["values"].to(torch.float32)
         return out.reshape(shape)
+
+    def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+        flat = x.view(-1)
+        indices = unpack_indices(fields)
+        flat[indices] = flat.index_select(0, indices) - fields["values"].to(torch.float32)
 
 
 SAMPLE = 4096
@@ -56,24 +61,26 @@ def largest(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
     ``torch.topk`` over the whole vector costs a selection pass over every entry on one
     core; here a strided sample of it bounds from below where the k largest begin, and
-    ``topk`` runs only over the entries above that floor (a few times k). When the chosen
-    ones are the only entries at or above the smallest of them (no tie at the threshold,
-    no NaN), the set is the one ``topk`` over everything picks; otherwise, or when the
-    floor was too high, ``topk`` over everything decides, so the positions never depend
-    on which path ran.
+    only the entries above that floor (a few times k) are searched for the k-th largest
+    value. When exactly k entries are at or above it (no tie at the threshold, no NaN),
+    they are the set ``topk`` over everything picks, already in order; otherwise, or when
+    the floor was too high, ``topk`` over everything decides, so the positions never
+    depend on which path ran.
     """
     numel = magnitude.numel()
     stride = numel // SAMPLE
     if stride > 1 and 8 * k < numel and not bool(magnitude.sum().isnan()):
-        sample = magnitude[::stride]
-        rank = min(sample.numel(), 2 * (k * sample.numel() // numel) + 16)
-        floor = sample.topk(rank, sorted=False).values.min()
-        candidates = torch.from_numpy(np.flatnonzero(magnitude.numpy() >= floor.item()))
-        if candidates.numel() >= k:
-            above = magnitude[candidates]
-            chosen = above.topk(k, sorted=False)
-            if int((above >= chosen.values.min()).sum()) == k:
-                return candidates[chosen.indices].sort().values
+        values = magnitude.numpy()
+        sample = values[::stride]
+        rank = min(sample.size, 2 * (k * sample.size // numel) + 16)
+        floor = np.partition(sample, sample.size - rank)[sample.size - rank]
+        candidates = np.flatnonzero(values >= floor)
+        if candidates.size >= k:
+            above = values[candidates]
+            kth = np.partition(above, above.size - k)[above.size - k]
+            chosen = candidates[above >= kth]
+            if chosen.size == k:
+                return torch.from_numpy(chosen)
     return magnitude.topk(k, sorted=False).indices.sort().values
 
 

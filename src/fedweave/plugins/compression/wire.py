@@ -24,12 +24,13 @@ each client one copy of its own): memory grows with the clients reached.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.packing import decode_each, encode_each
+from fedweave.plugins.packing import decode_all, encode_fields
 from fedweave.seeding import derive_seed
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
 
@@ -63,6 +64,25 @@ class Codec(Protocol):
         """The float32 tensor of ``shape`` that ``fields`` stand for."""
 
 
+@runtime_checkable
+class ManyCodec(Protocol):
+    """A codec that also works on all the tensors of a payload at once (one pass of each
+    kernel over all of them rather than one per tensor), with the same results."""
+
+    def compress_many(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor] | None]: ...
+
+    def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class SparseCodec(Protocol):
+    """A codec whose fields name the entries they carry: error feedback then subtracts
+    them from the residual in place rather than through a dense decoded tensor."""
+
+    def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+        """``x -= decompress(fields, x.shape)``, in place."""
+
+
 class Compressor:
     """A compression plugin: a codec driven in both directions (see the module doc)."""
 
@@ -75,6 +95,8 @@ class Compressor:
 
     def __init__(self, codec: Codec, error_feedback: bool):
         self.codec = codec
+        self.many = codec if isinstance(codec, ManyCodec) else None
+        self.sparse = codec if isinstance(codec, SparseCodec) else None
         self.error_feedback = error_feedback
         self.seed = 0
         self.residuals: dict[int, Params] = {}  # client side, uplink
@@ -93,7 +115,7 @@ class Compressor:
 
     def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
         if isinstance(payload, Update):
-            return replace(payload, tensors=decode_each(payload.tensors, self._decompress))
+            return replace(payload, tensors=decode_all(payload.tensors, self._decompress_many))
         if payload.task is TaskKind.TRAIN:
             return self._decode_broadcast(payload, ctx)
         return replace(payload)
@@ -110,22 +132,12 @@ class Compressor:
 
     def _encode_update(self, update: Update, ctx: PluginContext) -> Update:
         residual = self.residuals.get(ctx.client_id, {}) if self.error_feedback else {}
-        kept: Params = {}
-
-        def compress(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
-            x = tensor.to(torch.float32)
-            if name in residual:
-                x = x + residual[name]
-            fields = self.codec.compress(x, self._site("up", ctx, name))
-            if self.error_feedback:
-                sent = x if fields is None else self._decompress(name, fields, tuple(x.shape))
-                kept[name] = x - sent.reshape(x.shape)
-            return fields
-
-        tensors = encode_each(update.tensors, compress)
-        if self.error_feedback:
-            self.residuals[ctx.client_id] = kept
-        return replace(update, tensors=tensors)
+        names = [name for name, tensor in update.tensors.items() if tensor.is_floating_point()]
+        xs = [_accumulated(update.tensors[name], residual.get(name), copy=self.error_feedback) for name in names]
+        fields = self._compress_many(xs, [self._site("up", ctx, name) for name in names])
+        if self.error_feedback:  # what was not sent: each x, owned here, less what its fields decode to
+            self.residuals[ctx.client_id] = {name: self._unsent(x, f) for name, x, f in zip(names, xs, fields)}
+        return replace(update, tensors=encode_fields(update.tensors, dict(zip(names, fields))))
 
     # ---------------------------------------------------------------- downlink
 
@@ -135,8 +147,10 @@ class Compressor:
             self.sent[ctx.client_id] = _copy(ins.params)
             return replace(ins)
         delta = {k: v - ref[k] if v.is_floating_point() else v for k, v in ins.params.items()}
-        encoded = encode_each(delta, lambda name, t: self.codec.compress(t.to(torch.float32), self._site("down", ctx, name)))
-        self.sent[ctx.client_id] = _advance(ref, decode_each(encoded, self._decompress))
+        names = [name for name, tensor in delta.items() if tensor.is_floating_point()]
+        fields = self._compress_many([delta[n].to(torch.float32) for n in names], [self._site("down", ctx, n) for n in names])
+        encoded = encode_fields(delta, dict(zip(names, fields)))
+        self.sent[ctx.client_id] = _advance(ref, decode_all(encoded, self._decompress_many))
         return replace(ins, params={**encoded, DELTA: torch.ones(1, dtype=torch.int8)})
 
     def _decode_broadcast(self, ins: Instruction, ctx: PluginContext) -> Instruction:
@@ -149,7 +163,7 @@ class Compressor:
                 f"plugin {self.name!r}: a compressed broadcast for client {ctx.client_id}, which holds no model yet"
             )
         encoded = {k: v for k, v in ins.params.items() if k != DELTA}
-        model = _advance(held, decode_each(encoded, self._decompress))
+        model = _advance(held, decode_all(encoded, self._decompress_many))
         self.held[ctx.client_id] = model
         return replace(ins, params=_copy(model))
 
@@ -158,8 +172,35 @@ class Compressor:
     def _site(self, direction: str, ctx: PluginContext, name: str) -> Site:
         return Site(self.name, self.seed, direction, ctx.round, ctx.client_id, name)
 
-    def _decompress(self, name: str, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        return self.codec.decompress(fields, shape)
+    def _compress_many(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor] | None]:
+        if self.many is not None and xs:
+            return self.many.compress_many(xs, sites)
+        return [self.codec.compress(x, site) for x, site in zip(xs, sites)]
+
+    def _decompress_many(
+        self, names: list[str], fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]
+    ) -> list[torch.Tensor]:
+        if self.many is not None and fields:
+            return self.many.decompress_many(fields, shapes)
+        return [self.codec.decompress(f, shape) for f, shape in zip(fields, shapes)]
+
+    def _unsent(self, x: torch.Tensor, fields: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """``x`` (owned) less what ``fields`` decode to, in place: the residual error feedback keeps."""
+        if fields is None:
+            return x - x
+        if self.sparse is not None:
+            self.sparse.subtract_sent(x, fields)
+            return x
+        return x.sub_(self.codec.decompress(fields, tuple(x.shape)).reshape(x.shape))
+
+
+def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool) -> torch.Tensor:
+    """``tensor`` in float32 plus the ``residual`` carried to it, added into the residual (the
+    plugin's own, spent by this sum); without one, a new tensor when ``copy``. Contiguous,
+    so that error feedback can update it in place through a flat view."""
+    if residual is not None:
+        return residual.add_(tensor.to(torch.float32)).contiguous()
+    return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
 
 
 def _advance(model: Params, delta: Params) -> Params:
@@ -186,15 +227,16 @@ def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
     """Sorted flat positions in 2 bytes each: as offsets within blocks of 65,536 entries
     (stored as int16 shifted by −32,768), with one int32 count per block when the tensor
     has more than one block."""
-    out = {"indices": (indices % BLOCK - BLOCK // 2).to(torch.int16)}
+    positions = indices.numpy()
+    out = {"indices": torch.from_numpy((positions % BLOCK - BLOCK // 2).astype(np.int16))}
     if numel > BLOCK:
-        out["blocks"] = torch.bincount(indices // BLOCK, minlength=-(-numel // BLOCK)).to(torch.int32)
+        out["blocks"] = torch.from_numpy(np.bincount(positions // BLOCK, minlength=-(-numel // BLOCK)).astype(np.int32))
     return out
 
 
 def unpack_indices(fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    low = fields["indices"].long() + BLOCK // 2
+    low = fields["indices"].numpy().astype(np.int64) + BLOCK // 2
     if "blocks" not in fields:
-        return low
-    starts = torch.arange(fields["blocks"].numel(), dtype=torch.long) * BLOCK
-    return low + starts.repeat_interleave(fields["blocks"].long())
+        return torch.from_numpy(low)
+    blocks = fields["blocks"].numpy()
+    return torch.from_numpy(low + np.repeat(np.arange(blocks.size, dtype=np.int64) * BLOCK, blocks))
