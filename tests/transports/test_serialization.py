@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
+from fedweave.plugins import PLUGINS
+from fedweave.plugins.chain import PluginContext
 from fedweave.transports import serialization as ser
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
@@ -91,6 +93,24 @@ def test_every_dtype_round_trips(dtype: torch.dtype) -> None:
         same(params, got.body.params)
         assert got.body.work == Work(2, 16, 1, 7)
         assert got.body.config == {"lr": 0.1, "mu": 0.01, "note": "x"}
+
+
+CODECS = [("topk", {"ratio": 0.01}), ("topk", {"ratio": 0.01, "values": "bfloat16"}), ("randk", {}),
+          ("qsgd", {"levels": 7}), ("qsgd", {"levels": 127}), ("qsgd", {"levels": 1000}), ("quantize", {"dtype": "int8"}),
+          ("quantize", {"dtype": "float16"}), ("quantize", {"dtype": "bfloat16"}), ("powersgd", {})]
+
+
+@pytest.mark.parametrize("name,params", CODECS, ids=lambda v: str(v) if isinstance(v, str) else "-".join(map(str, v.values())))
+def test_every_codecs_fields_cross_the_wire(name: str, params: dict[str, Any]) -> None:
+    """Whatever dtype a built-in compressor gives its fields (top-k's int16 positions and int32
+    block counts, QSGD's uint8, int8 or int16 levels, random-k's int64 seed) is carried."""
+    cls = PLUGINS.get(name, "test")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(300, 300, generator=g), "b": torch.randn(10, generator=g), "n": torch.tensor(7)}
+    encoded = cls(cls.Params(**params)).encode(Update(UpdateKind.DELTA, tensors, 10), PluginContext(1, 0, "client"))
+    msg = update(encoded.tensors, applied=[name])
+    for out in decoders(msg):
+        same(out.body.tensors, msg.body.tensors)
 
 
 def test_special_float_values_survive() -> None:

@@ -11,7 +11,7 @@ One message is laid out as::
                in the order listed, with zero padding between them; data_len bytes
 
 Tensors are stored raw and little-endian, C-contiguous, in their own dtype (fp32, fp16,
-bf16, fp64, int8, int32, int64, uint8, bool). The receiver validates everything before
+bf16, fp64, int8, int16, int32, int64, uint8, bool). The receiver validates everything before
 it builds anything: magic, version, sizes against a configurable maximum, the
 metadata's checksum and schema, every name, dtype, shape and offset, and, when it is
 given the names and shapes it expects, that the tensors match them. Any problem is a

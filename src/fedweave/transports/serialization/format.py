@@ -29,6 +29,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
     "int8": torch.int8,
+    "int16": torch.int16,
     "int32": torch.int32,
     "int64": torch.int64,
     "uint8": torch.uint8,
