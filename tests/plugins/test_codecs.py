@@ -176,3 +176,16 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(name: str, params: dict)
         assert torch.equal(x, kept)
         assert torch.equal(plugin.residuals[0]["w"], (x + carried) - sent)
         carried = plugin.residuals[0]["w"].clone()
+
+
+def test_powersgd_fields_are_laid_out_as_the_receiver_gets_them() -> None:
+    """The wire carries tensors C-contiguous; a sender holding another layout (QR's Q is
+    column-major) would decode other bits than its receiver (matmul's rounding depends on
+    the layout): the residual and the server's copy of a client's model would drift."""
+    plugin = make("powersgd", rank=2, error_feedback=False)
+    for seed in range(20):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)) * 0.01
+        fields = wire("powersgd", x, rank=2, error_feedback=False)
+        assert all(f.is_contiguous() for f in fields.values())
+        received = {k: v.contiguous() for k, v in fields.items()}  # what deserialization builds
+        assert torch.equal(plugin.codec.decompress(fields, (4, 16)), plugin.codec.decompress(received, (4, 16)))

@@ -46,7 +46,7 @@ class PowerSGDCodec:
         q = self.warm.get(key)
         if q is None or q.shape != (m, rank):
             q = torch.randn(m, rank, generator=site.generator(site.client_id, site.name))
-        p = torch.linalg.qr(matrix @ q).Q
+        p = torch.linalg.qr(matrix @ q).Q.contiguous()  # laid out as the receiver gets it: both decode alike
         q = matrix.T @ p
         self.warm[key] = q
         return {"p": p, "q": q}
