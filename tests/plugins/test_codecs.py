@@ -10,7 +10,7 @@ import torch
 from fedweave.plugins.compression import randk as randk_mod
 from fedweave.plugins.compression.topk import largest
 from fedweave.plugins.compression.wire import Site
-from fedweave.types import params_nbytes
+from fedweave.types import Instruction, TaskKind, Work, params_nbytes
 
 from .helpers import ctx, make, roundtrip, update
 
@@ -189,3 +189,26 @@ def test_powersgd_fields_are_laid_out_as_the_receiver_gets_them() -> None:
         assert all(f.is_contiguous() for f in fields.values())
         received = {k: v.contiguous() for k, v in fields.items()}  # what deserialization builds
         assert torch.equal(plugin.codec.decompress(fields, (4, 16)), plugin.codec.decompress(received, (4, 16)))
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.25}), ("topk", {"ratio": 0.25, "error_feedback": False}),
+                                         ("randk", {"ratio": 0.25}), ("randk", {"ratio": 0.25, "error_feedback": True}),
+                                         ("qsgd", {"levels": 7, "bucket": 4}), ("qsgd", {"levels": 127, "bucket": 4}),
+                                         ("quantize", {"dtype": "int8", "bucket": 4}), ("quantize", {"dtype": "float16"}),
+                                         ("quantize", {"dtype": "bfloat16"}), ("powersgd", {"rank": 1})])
+def test_an_empty_tensor_next_to_a_normal_one_comes_back_empty(name: str, params: dict) -> None:
+    """A model may hold a zero-size tensor (an empty buffer): it comes back with its shape, in
+    both directions and through error feedback, and the tensor beside it decodes as alone."""
+    x = torch.tensor([[0.5, -3.0, 1.0, 0.0], [2.0, -0.25, 0.125, 4.0]])
+    tensors = {"empty": torch.zeros(0), "matrix": torch.zeros(3, 0), "w": x}
+    plugin, alone = make(name, **params), make(name, **params)
+    for rnd in (1, 2):
+        out = roundtrip(plugin, update(tensors), ctx(rnd)).tensors
+        assert out["empty"].shape == (0,) and out["matrix"].shape == (3, 0)
+        assert torch.equal(out["w"], roundtrip(alone, update({"w": x}), ctx(rnd)).tensors["w"])
+    server, client = make(name, **params), make(name, **params)
+    for rnd in (1, 2):  # the second broadcast is a compressed delta
+        model = {k: v + rnd for k, v in tensors.items()}
+        got = client.decode(server.encode(Instruction(rnd, TaskKind.TRAIN, Work(0, 8), model), ctx(rnd, 0, "server")),
+                            ctx(rnd, 0, "client")).params
+        assert got["empty"].shape == (0,) and got["matrix"].shape == (3, 0) and got["w"].shape == x.shape

@@ -3,10 +3,10 @@
 A compression plugin is a *codec* (``compress`` one tensor into a few compact tensors,
 ``decompress`` them back) driven by :class:`Compressor`, which knows the two directions:
 
-- **uplink** (``client_send``): each floating tensor of the update is compressed. With
-  error feedback the client keeps what compression lost (the residual) and adds it to
-  the next update it compresses (Seide et al. 2014; Karimireddy et al. 2019), so
-  nothing is lost for good, only delayed.
+- **uplink** (``client_send``): each floating tensor of the update is compressed (an empty
+  one travels as it is). With error feedback the client keeps what compression lost (the
+  residual) and adds it to the next update it compresses (Seide et al. 2014;
+  Karimireddy et al. 2019), so nothing is lost for good, only delayed.
 - **downlink** (``server_send``): the server sends each client the *difference* between
   the global model and the model that client holds, compressed; both ends then add the
   decompressed difference to their copy of the client's model, so the copies stay
@@ -132,7 +132,7 @@ class Compressor:
 
     def _encode_update(self, update: Update, ctx: PluginContext) -> Update:
         residual = self.residuals.get(ctx.client_id, {}) if self.error_feedback else {}
-        names = [name for name, tensor in update.tensors.items() if tensor.is_floating_point()]
+        names = [name for name, tensor in update.tensors.items() if _compressible(tensor)]
         xs = [_accumulated(update.tensors[name], residual.get(name), copy=self.error_feedback) for name in names]
         fields = self._compress_many(xs, [self._site("up", ctx, name) for name in names])
         if self.error_feedback:  # what was not sent: each x, owned here, less what its fields decode to
@@ -147,7 +147,7 @@ class Compressor:
             self.sent[ctx.client_id] = _copy(ins.params)
             return replace(ins)
         delta = {k: v - ref[k] if v.is_floating_point() else v for k, v in ins.params.items()}
-        names = [name for name, tensor in delta.items() if tensor.is_floating_point()]
+        names = [name for name, tensor in delta.items() if _compressible(tensor)]
         fields = self._compress_many([delta[n].to(torch.float32) for n in names], [self._site("down", ctx, n) for n in names])
         encoded = encode_fields(delta, dict(zip(names, fields)))
         self.sent[ctx.client_id] = _advance(ref, decode_all(encoded, self._decompress_many))
@@ -192,6 +192,12 @@ class Compressor:
             self.sparse.subtract_sent(x, fields)
             return x
         return x.sub_(self.codec.decompress(fields, tuple(x.shape)).reshape(x.shape))
+
+
+def _compressible(tensor: torch.Tensor) -> bool:
+    """A floating tensor with entries; an empty one (a zero-size buffer) travels as it is:
+    it has no bytes to save, and a codec's "at least one entry" has none to pick."""
+    return tensor.is_floating_point() and tensor.numel() > 0
 
 
 def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool) -> torch.Tensor:
