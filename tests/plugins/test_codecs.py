@@ -212,3 +212,24 @@ def test_an_empty_tensor_next_to_a_normal_one_comes_back_empty(name: str, params
         got = client.decode(server.encode(Instruction(rnd, TaskKind.TRAIN, Work(0, 8), model), ctx(rnd, 0, "server")),
                             ctx(rnd, 0, "client")).params
         assert got["empty"].shape == (0,) and got["matrix"].shape == (3, 0) and got["w"].shape == x.shape
+
+
+@pytest.mark.parametrize("name,params,field,dtype", [
+    ("topk", {"ratio": 0.5}, "indices", torch.int64), ("topk", {"ratio": 0.5}, "values", torch.float16),
+    ("topk", {"ratio": 0.5, "values": "float16"}, "values", torch.float32), ("randk", {}, "seed", torch.float64),
+    ("qsgd", {"levels": 7}, "nibbles", torch.int8), ("qsgd", {"levels": 127}, "levels", torch.int16),
+    ("qsgd", {"levels": 1000}, "levels", torch.float32), ("qsgd", {}, "norms", torch.float64),
+    ("quantize", {}, "values", torch.uint8), ("quantize", {"dtype": "bfloat16"}, "values", torch.float16),
+    ("powersgd", {"rank": 1}, "p", torch.float64),
+])
+def test_a_field_of_another_dtype_than_its_codec_sends_is_refused(name: str, params: dict, field: str,
+                                                                   dtype: torch.dtype) -> None:
+    """What a peer sent is checked before it is decoded: each field must have the dtype this
+    codec, so configured, gives it (an int64 position list or float levels decode to
+    something, just not to what any honest sender sent)."""
+    plugin = make(name, **params)
+    encoded = plugin.encode(update({"w": torch.randn(4, 8)}), ctx()).tensors
+    plugin.decode(update(encoded), ctx(side="server"))  # as sent: decodes
+    for key, value in (field, encoded[f"w.__{field}"].to(dtype)), ("extra", torch.zeros(1)):
+        with pytest.raises(ValueError, match=f"field '{key}' of 'w' is "):
+            plugin.decode(update({**encoded, f"w.__{key}": value}), ctx(side="server"))

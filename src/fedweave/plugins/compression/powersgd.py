@@ -51,6 +51,9 @@ class PowerSGDCodec:
         self.warm[key] = q
         return {"p": p, "q": q}
 
+    def field_dtypes(self) -> dict[str, torch.dtype]:
+        return {"p": torch.float32, "q": torch.float32}
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return (fields["p"] @ fields["q"].T).reshape(shape)
 

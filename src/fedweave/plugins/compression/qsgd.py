@@ -50,6 +50,11 @@ class QSGDCodec:
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
         return self.compress_many([x], [site])[0]
 
+    def field_dtypes(self) -> dict[str, torch.dtype]:
+        s = self.hp.levels
+        levels = {"nibbles": torch.uint8} if s <= 7 else {"levels": torch.int8 if s <= 127 else torch.int16}
+        return {**levels, "norms": torch.float32}
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return self.decompress_many([fields], [shape])[0]
 
@@ -67,7 +72,7 @@ class QSGDCodec:
         per_tensor = buckets.per_bucket(norms.view(-1))
         if s <= 7:
             return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
-        levels = levels.to(torch.int8 if s <= 127 else torch.int16)
+        levels = levels.to(self.field_dtypes()["levels"])
         return [{"levels": v, "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:

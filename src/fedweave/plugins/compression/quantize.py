@@ -41,6 +41,11 @@ class QuantizeCodec:
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
         return self.compress_many([x], [site])[0]
 
+    def field_dtypes(self) -> dict[str, torch.dtype]:
+        if self.hp.dtype in CASTS:
+            return {"values": CASTS[self.hp.dtype]}
+        return {"values": torch.int8, "scales": torch.float32}
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return self.decompress_many([fields], [shape])[0]
 

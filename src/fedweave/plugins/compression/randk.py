@@ -51,6 +51,9 @@ class RandKCodec:
         values = flat.index_select(0, indices)
         return {"values": values if self.hp.error_feedback else values.mul_(scale), "seed": torch.tensor([seed], dtype=torch.int64)}
 
+    def field_dtypes(self) -> dict[str, torch.dtype]:
+        return {"values": torch.float32, "seed": torch.int64}
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         numel = math.prod(shape)
         out = torch.zeros(numel, dtype=torch.float32)

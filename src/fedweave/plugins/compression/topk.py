@@ -41,6 +41,9 @@ class TopKCodec:
         indices = largest(flat.abs(), k)
         return {"values": flat.index_select(0, indices).to(VALUE_DTYPES[self.hp.values]), **pack_indices(indices, flat.numel())}
 
+    def field_dtypes(self) -> dict[str, torch.dtype]:
+        return {"values": VALUE_DTYPES[self.hp.values], "indices": torch.int16, "blocks": torch.int32}
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         out = torch.zeros(shape, dtype=torch.float32).reshape(-1)
         out[unpack_indices(fields)] = fields["values"].to(torch.float32)

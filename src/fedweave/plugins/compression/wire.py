@@ -83,6 +83,14 @@ class SparseCodec(Protocol):
         """``x -= decompress(fields, x.shape)``, in place."""
 
 
+@runtime_checkable
+class TypedCodec(Protocol):
+    """A codec that names every field it sends and its dtype: a received field it does not
+    name, or of another dtype (a peer's data), is refused before it is decoded."""
+
+    def field_dtypes(self) -> dict[str, torch.dtype]: ...
+
+
 class Compressor:
     """A compression plugin: a codec driven in both directions (see the module doc)."""
 
@@ -97,6 +105,7 @@ class Compressor:
         self.codec = codec
         self.many = codec if isinstance(codec, ManyCodec) else None
         self.sparse = codec if isinstance(codec, SparseCodec) else None
+        self.typed = codec if isinstance(codec, TypedCodec) else None
         self.error_feedback = error_feedback
         self.seed = 0
         self.residuals: dict[int, Params] = {}  # client side, uplink
@@ -180,9 +189,19 @@ class Compressor:
     def _decompress_many(
         self, names: list[str], fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]
     ) -> list[torch.Tensor]:
+        if self.typed is not None:
+            self._check_dtypes(names, fields, self.typed.field_dtypes())
         if self.many is not None and fields:
             return self.many.decompress_many(fields, shapes)
         return [self.codec.decompress(f, shape) for f, shape in zip(fields, shapes)]
+
+    def _check_dtypes(self, names: list[str], fields: list[dict[str, torch.Tensor]], sent: dict[str, torch.dtype]) -> None:
+        for name, parts in zip(names, fields):
+            for part, tensor in parts.items():
+                dtype = getattr(tensor, "dtype", type(tensor).__name__)
+                if part not in sent or dtype != sent[part]:
+                    sends = ", ".join(f"{k} ({v})" for k, v in sent.items())
+                    raise ValueError(f"plugin {self.name!r}: field {part!r} of {name!r} is {dtype}; it sends {sends}")
 
     def _unsent(self, x: torch.Tensor, fields: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """``x`` (owned) less what ``fields`` decode to, in place: the residual error feedback keeps."""
