@@ -195,7 +195,10 @@ class Compressor:
             return self.many.decompress_many(fields, shapes)
         return [self.codec.decompress(f, shape) for f, shape in zip(fields, shapes)]
 
-    def _check_dtypes(self, names: list[str], fields: list[dict[str, torch.Tensor]], sent: dict[str, torch.dtype]) -> None:
+    def _check_dtypes(
+        self, names: list[str], fields: list[dict[str, torch.Tensor]], sent: dict[str, torch.dtype]
+    ) -> None:
+        """Raise ``ValueError`` unless every field is one the codec ``sent``, of its dtype."""
         for name, parts in zip(names, fields):
             for part, tensor in parts.items():
                 dtype = getattr(tensor, "dtype", type(tensor).__name__)
