@@ -127,3 +127,14 @@ def test_every_loadable_combination_of_the_grid_builds(tmp_path: Path) -> None:
         r = runner.prepare(config, tmp_path / f"run{i}")
         r.parts.topology.close()
     assert loaded and refused  # the grid holds both kinds
+
+
+@pytest.mark.parametrize("compressor", ["{name: randk, shared_indices: true}", "{name: quantize, dtype: bfloat16}", "topk"])
+def test_he_after_a_compressor_is_refused_at_load(compressor: str) -> None:
+    """HE adds each encrypted update into the encrypted model: a compressed layout cannot be added."""
+    with pytest.raises(ConfigError, match=r"^config key 'plugins.client_send\[0\]': plugin 'he' adds every value"):
+        small_config(f"plugins.client_send=[{compressor}, he]", "eval.every=0")
+
+
+def test_he_after_clipping_and_noise_loads() -> None:
+    assert small_config("plugins.client_send=[clip, dp_local, he]", "eval.every=0").plugins.client_send[2].name == "he"

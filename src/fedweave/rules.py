@@ -217,6 +217,12 @@ def sealed_model(config: Any) -> None:
                 f"config key 'plugins.server_send': plugin {spec.name!r} broadcasts the global model encrypted, "
                 "which no plugin can compress or transform; leave plugins.server_send empty"
             )
+        for at, j, earlier, cls in _plugins(config):
+            if at == "client_send" and j < i and getattr(cls, "stage", None) == "compress":
+                raise ConfigError(
+                    f"config key 'plugins.client_send[{j}]': plugin {spec.name!r} adds every value of the update into "
+                    f"the encrypted model, whose layout compression ({earlier.name!r}) changes; remove it"
+                )
 
 
 def update_kinds(config: Any) -> None:
