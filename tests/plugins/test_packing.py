@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedweave.plugins.packing import flatten, unflatten
+from fedweave.plugins.packing import flatten, layout, read_layout, unflatten
 
 
 def payload() -> dict[str, torch.Tensor]:
@@ -39,3 +39,10 @@ def test_flatten_writes_into_an_out_vector_of_any_real_dtype() -> None:
 def test_an_out_vector_of_the_wrong_size_is_refused(size: int) -> None:
     with pytest.raises(ValueError, match=rf"out has shape \({size},\), the floating tensors hold 9 values"):
         flatten(payload(), out=np.zeros(size, dtype=np.float32))
+
+
+def test_a_layout_reads_back_and_a_dtype_code_out_of_range_is_refused() -> None:
+    assert read_layout(layout(torch.zeros(2, 3, dtype=torch.bfloat16))) == (torch.bfloat16, (2, 3))
+    for code in (-1, 4, 2**31 - 1):
+        with pytest.raises(ValueError, match=f"dtype code {code},"):
+            read_layout(torch.tensor([code, 2, 3], dtype=torch.int32))

@@ -48,6 +48,8 @@ def _layout(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
     code, *shape = (int(v) for v in value.tolist())
+    if not 0 <= code < len(_DTYPES):
+        raise ValueError(f"layout names dtype code {code}, not one of 0..{len(_DTYPES) - 1}")
     return _DTYPES[code], tuple(shape)
 
 
