@@ -18,16 +18,17 @@ from fedweave import runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.cli import main
 from fedweave.client import ClientRuntime
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import CheckpointError, ConfigError, RoundError
 from fedweave.loop import accept_updates
 from fedweave.plugins.chain import Chain, Chains
-from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, slot_count
+from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, HEServer, slot_count
 from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.types import Message
 from fedweave.validation import Rejected
 
 from .helpers import ctx, make, update
+from .test_ckks_wire import frame
 
 SERVER = ctx(1, -1, "server")
 HE = "plugins.client_send=[{name: he}]"
@@ -141,6 +142,111 @@ def test_the_server_refuses_encrypted_updates_it_could_not_add(keys: Path, tmp_p
             r.body.applied = ["he"]
         kept = accept_updates(chains, replies, failures, model())
         assert [u.client_id for u in kept] == [1] and reason in failures[0], case
+
+
+def seal_ciphertext(data: torch.Tensor, keys: Path, tmp_path: Path) -> bytes:
+    """The SEAL ciphertext inside a serialized CKKS vector, as SEAL serializes it."""
+    import tenseal as ts
+
+    context = ts.context_from((keys / SECRET_FILE).read_bytes())
+    (ciphertext,) = ts.ckks_vector_from(context, data.numpy().tobytes()).ciphertext()
+    ciphertext.save(str(tmp_path / "ciphertext"))
+    return (tmp_path / "ciphertext").read_bytes()
+
+
+def u8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def test_the_server_refuses_a_vector_framed_otherwise_than_tenseal_frames_it(keys: Path, tmp_path: Path) -> None:
+    """TenSEAL's parser takes a vector's framing on trust (:mod:`fedweave.plugins.secure.ckks_wire`): a vector
+    with a size but no ciphertext killed the server process (SIGSEGV) at its check; one at another scale, or
+    with a second ciphertext (at a lower level, to stay under the size bound), passed the check and the
+    combination raised, ending the run. Each is rejected with its reason; the honest update is combined."""
+    import tenseal as ts
+
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    w0 = model(3000)
+    server.seal(w0)
+    delta = {"w": torch.full((60, 50), 0.25), "b": torch.full((7,), -0.5), "n": torch.tensor(1)}
+    good = client.encode(update(delta, num_examples=4), ctx())
+    first = f"{CHUNK}00000"
+    ciphertext = seal_ciphertext(good.tensors[first], keys, tmp_path)
+    secret = ts.context_from((keys / SECRET_FILE).read_bytes())
+    lower = seal_ciphertext(u8((ts.ckks_vector(secret, [0.0] * 3007) * 1.0).serialize()), keys, tmp_path)
+    bad = {
+        "no ciphertext": (frame([3007], []), "frames 0 ciphertexts holding [3007] values"),
+        "scale": (frame([3007], [ciphertext], 2.0**20), "its scale is [1048576.0]"),
+        "two ciphertexts": (frame([3007], [ciphertext, lower]), "frames 2 ciphertexts"),
+        "sizes": (frame([2**32 - 1, 3008], [ciphertext]), "holding [4294967295, 3008] values"),
+    }
+    chains = Chains(client_send=Chain([server]))
+    for case, (data, reason) in bad.items():
+        failures: dict[int, str] = {}
+        replies = [Message(1, 0, update({**good.tensors, first: u8(data)}, client_id=0)),
+                   Message(1, 1, update(dict(good.tensors), num_examples=4, client_id=1))]
+        for r in replies:
+            r.body.applied = ["he"]
+        kept = accept_updates(chains, replies, failures, w0)
+        assert [u.client_id for u in kept] == [1] and reason in failures[0], (case, failures)
+    server.combine(kept, SERVER)
+    opened = client.unseal(server.seal(w0))
+    assert_same_params({k: opened[k] for k in ("w", "b")}, {k: w0[k] + delta[k] for k in ("w", "b")}, atol=CKKS_ATOL)
+
+
+def test_a_step_tenseal_refuses_skips_the_round_and_keeps_the_encrypted_model(
+    keys: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever TenSEAL's evaluator refuses in the step (a case the checks did not foresee) skips the
+    round with the reason (RoundError, which the loop logs); it raised TenSEAL's error, ending the run."""
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    server.seal(model())
+    before = dict(server.model)
+    encrypted = [client.encode(u, ctx(1, u.client_id)) for u in deltas(2)]
+
+    def refused(*args: object) -> bytes:
+        raise ValueError("scale mismatch")
+
+    monkeypatch.setattr(HEServer, "step", refused)
+    with pytest.raises(RoundError, match="he: the encrypted updates could not be added to the model: scale mismatch"):
+        server.combine(encrypted, SERVER)
+    assert server.model == before
+
+
+def test_a_client_refuses_a_broadcast_framed_otherwise_or_claiming_a_huge_model(keys: Path, tmp_path: Path) -> None:
+    """A malicious server's broadcast: sizes that overflow TenSEAL's sum made it read past the decrypted
+    values (std::bad_alloc, or garbage); a layout claiming 2^80 values had the client name 2^68
+    ciphertexts (it hung, its memory growing); a tensor named by a number raised AttributeError.
+    Each is refused with a ValueError naming the reason."""
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    sealed = server.seal(model())
+    first = f"{CHUNK}00000"
+    ciphertext = seal_ciphertext(sealed[first], keys, tmp_path)
+    code = int(sealed["w.__flat"][0])
+    bad = {
+        "sizes": ({**sealed, first: u8(frame([2**32 - 1, 4097], [ciphertext]))}, "holding \\[4294967295, 4097\\]"),
+        "huge layout": ({**sealed, "w.__flat": torch.tensor([code, 2**40, 2**40])},
+                        "lacks 295147905179352825854 of the 295147905179352825857 ciphertexts"),
+        "number": ({**sealed, 7: torch.zeros(3)}, "names a tensor by something other than a string"),
+    }
+    for case, (tensors, reason) in bad.items():
+        with pytest.raises(ValueError, match=reason):
+            client.unseal(tensors)
+
+
+def test_fedweave_decrypt_refuses_a_tampered_encrypted_model_in_one_line(
+    keys: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, tensors in {"number": {1: torch.zeros(3, dtype=torch.uint8)},
+                          "huge": {"w.__flat": torch.tensor([0, 2**40, 2**40])}}.items():
+        (tmp_path / name).mkdir()
+        torch.save(tensors, tmp_path / name / SEALED_MODEL_FILE)
+        assert main(["decrypt", "--keys", str(keys), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be decrypted" in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_a_client_refuses_a_broadcast_that_is_not_the_model(keys: Path, tmp_path: Path) -> None:
