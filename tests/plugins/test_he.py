@@ -344,6 +344,8 @@ def test_a_run_with_fresh_keys_cannot_resume_and_says_so_in_one_line(tmp_path: P
         ([HE, NO_SERVER_EVAL, "plugins.server_send=[{name: quantize, dtype: float16}]"],
          "config key 'plugins.server_send': plugin 'he' broadcasts the global model encrypted"),
         (["plugins.client_send=[{name: he, poly_degree: 4096}]", NO_SERVER_EVAL], "config key 'plugins.client_send[0]"),
+        (["plugins.client_send=[{name: he, keys: ' '}]", NO_SERVER_EVAL],
+         "config key 'plugins.client_send[0].keys': an empty folder name"),
     ],
 )
 def test_what_an_encrypted_model_cannot_do_is_refused_at_load(overrides: list[str], start: str) -> None:

@@ -101,6 +101,13 @@ class HEParams:
     )
     scale_bits: int = opt(40, ge=20, le=50, help="without keys: CKKS scale 2^bits (precision against range)")
 
+    def validate(self, prefix: str) -> None:
+        if self.keys is not None and not self.keys.strip():
+            raise ConfigError(
+                f"config key '{prefix}.keys': an empty folder name (it would read the keys of the current directory); "
+                "name the folder of `fedweave keys`, or leave keys out for fresh keys in a simulation"
+            )
+
 
 def tenseal() -> Any:
     try:
