@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import assert_same_params, run_interrupted, run_to_end, small_config
 from fedweave import runner
@@ -193,6 +195,46 @@ def test_the_server_refuses_a_vector_framed_otherwise_than_tenseal_frames_it(key
     server.combine(kept, SERVER)
     opened = client.unseal(server.seal(w0))
     assert_same_params({k: opened[k] for k in ("w", "b")}, {k: w0[k] + delta[k] for k in ("w", "b")}, atol=CKKS_ATOL)
+
+
+@pytest.fixture(scope="module")
+def pair(keys: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A client and a server (public.ctx only) of a 300-value model, the server's broadcast and a client's update."""
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path_factory.mktemp("pair"))))
+    w0 = {"w": torch.linspace(-1, 1, 300).reshape(30, 10)}
+    sealed = server.seal(w0)
+    return client, server, sealed, client.encode(update({"w": torch.full((30, 10), 0.1)}, num_examples=5), ctx())
+
+
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 2**19), st.integers(0, 255)), max_size=6),
+    cut=st.none() | st.integers(0, 2**19),
+    header=st.lists(st.tuples(st.integers(0, 119), st.integers(0, 255)), max_size=3),
+)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+def test_a_mutated_ciphertext_is_refused_or_taken_never_a_crash(
+    pair: tuple, edits: list[tuple[int, int]], cut: int | None, header: list[tuple[int, int]]
+) -> None:
+    """Bytes of a client's ciphertext (server side) and of the broadcast's (client side) changed, the framing
+    and SEAL's header among them, or cut short: each is refused with a ValueError or Rejected, or passes (a
+    change in the coefficients is another valid ciphertext); the original code died of SIGSEGV within a few
+    hundred such mutations on the server."""
+    client, server, sealed, good = pair
+    first = f"{CHUNK}00000"
+    for side, original in (("server", good.tensors[first]), ("client", sealed[first])):
+        data = bytearray(original.numpy().tobytes())
+        for pos, value in [*edits, *header]:
+            data[pos % len(data)] = value
+        data = data[:cut] if cut is not None else data
+        tensor = u8(bytes(data)) if data else torch.zeros(0, dtype=torch.uint8)
+        try:
+            if side == "server":
+                server.check_encoded(update({**good.tensors, first: tensor}))
+            else:
+                client.unseal({**sealed, first: tensor})
+        except (ValueError, Rejected):
+            pass
 
 
 def test_a_step_tenseal_refuses_skips_the_round_and_keeps_the_encrypted_model(
