@@ -310,6 +310,30 @@ def test_a_client_refuses_a_broadcast_that_is_not_the_model(keys: Path, tmp_path
     assert_same_params(client.unseal(sealed), model(), atol=CKKS_ATOL)  # the good one still opens
 
 
+def test_a_model_decrypted_with_the_keys_of_another_federation_is_refused(
+    keys: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys of the same parameters but another `fedweave keys` decrypt to noise over the modulus (about
+    1e7 and up at the model's level, 1e18 fresh), which a client trained on and `fedweave decrypt` wrote as
+    model.pt without a word. A value at or past 2^(60 - scale_bits), beyond what the context holds, is
+    refused; the model's own keys still open it."""
+    assert main(["keys", "--out", str(tmp_path / "other")]) == 0
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    sealed = server.seal(model())
+    with pytest.raises(ValueError, match=r"decrypts to values beyond ±1\.04858e\+06.*a key of another federation"):
+        make("he", keys=str(tmp_path / "other")).unseal(sealed)
+    encrypted = [client.encode(u, ctx(1, u.client_id)) for u in deltas(2)]
+    server.combine(encrypted, SERVER)  # the model at its last level, as the run leaves it
+    (tmp_path / "run").mkdir()
+    torch.save(server.seal(model()), tmp_path / "run" / SEALED_MODEL_FILE)
+    assert main(["decrypt", "--keys", str(tmp_path / "other"), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "a key of another federation" in err and err.count("\n") == 1
+    assert not (tmp_path / "run" / MODEL_FILE).exists()
+    assert main(["decrypt", "--keys", str(keys), str(tmp_path / "run")]) == 0
+
+
 def test_an_he_run_equals_plain_fedavg_and_the_server_never_decrypts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's plaintext params stay w_0 in every round; TenSEAL's decrypt is only ever called by
     a client opening its instruction (or, once, by the simulation's clients decrypting the result)."""

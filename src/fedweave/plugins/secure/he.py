@@ -165,6 +165,12 @@ def max_ciphertext_bytes(context: Any) -> int:
     return 2 * len(coeff_mod_bits(0)) * poly_degree(context) * 8 + 65536
 
 
+def value_bound(context: Any) -> float:
+    """2^(60 − scale_bits): a model value past it wraps around the modulus left after the step's rescaling,
+    and what a wrong key decrypts lies far beyond it (noise over the whole modulus)."""
+    return 2.0 ** (OUTER_BITS - math.log2(context.global_scale))
+
+
 def chunk_names(size: int, slots: int) -> list[str]:
     """The ciphertexts of a vector of ``size`` values, ``slots`` a ciphertext."""
     return [f"{CHUNK}{i:05d}" for i in range(math.ceil(size / slots))]
@@ -378,6 +384,12 @@ class HE:
         vector = torch.tensor(values, dtype=torch.float64)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("he: the broadcast model decrypts to NaN or infinite values")
+        bound = value_bound(context)
+        if vector.numel() and float(vector.abs().max()) >= bound:
+            raise ValueError(
+                f"he: the broadcast model decrypts to values beyond ±{bound:g}, past what a ciphertext of this "
+                "context holds (a key of another federation, or a model that overflowed)"
+            )
         return unflatten(vector, clear)
 
     def state_dict(self) -> dict[str, Any]:
