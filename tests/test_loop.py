@@ -582,3 +582,38 @@ def test_bad_updates_every_round_do_not_stop_the_run() -> None:
     assert [r["rejected"] for r in records] == [{"names": 1, "dtype": 1, "extras": 1}] * 3
     assert [r["clients_completed"] for r in records] == [1, 1, 1]
     assert_w(final, 3.0)  # client 0's delta of 1, three times
+
+
+class GoneStar(Star):
+    """A star whose transport knows clients ``gone`` are silent; it records what each round asked for."""
+
+    def __init__(self, handler: Handler, gone: frozenset[int]):
+        super().__init__(InMemoryTransport(handler))
+        self.gone = gone
+        self.asked: list[int] = []
+
+    def absent(self, wait_for: int = 0) -> frozenset[int]:
+        self.asked.append(wait_for)
+        return self.gone
+
+
+def test_a_round_whose_present_clients_are_fewer_than_min_clients_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Every client gone (a deployment's outage): the round asks the transport to wait for min_clients of them
+    (a bounded wait, :meth:`GrpcServerTransport.absent`), then is skipped naming the gone clients; it was
+    skipped at once as '0 of 0 clients answered ... (no failures reported)'. With 2 of 4 gone and
+    min_clients 3 the same; with min_clients 2 the round trains the two present."""
+    handler, seen = clients()
+    for gone, min_clients, skipped in [({0, 1, 2, 3}, 1, True), ({1, 2}, 3, True), ({1, 2}, 2, False)]:
+        topology = GoneStar(handler, frozenset(gone))
+        parts = make_parts(handler, min_clients=min_clients, topology=topology)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="fedweave"):
+            params, record = train_round(parts, 1, start())
+        assert topology.asked == [min_clients] and record["skipped"] is skipped
+        if skipped:
+            present = 4 - len(gone)
+            assert (f"round 1 skipped: clients {sorted(gone)} are gone (silent past the heartbeat timeout), the "
+                    f"{present} present are fewer than min_clients {min_clients}") in caplog.text
+            assert_w(params, 0.0)
+        else:
+            assert record["clients_completed"] == 2 and seen[-2:] == [0, 3]

@@ -123,3 +123,34 @@ def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, capl
         node.serve(config, tmp_path)
     assert time.monotonic() - began < config.grpc.join_timeout  # nobody to wait for
     assert f"the run in {tmp_path} already finished all 3 rounds" in caplog.text
+
+
+def test_a_server_started_on_a_finished_he_run_writes_no_plaintext_model(tmp_path: Path) -> None:
+    """Plugin he: the server's plaintext params stay w_0 and its result is model.he.pt. Started again on
+    the finished run it looked for model.pt, which it never writes: it waited grpc.join_timeout for the
+    clients every time, then wrote w_0 as the run's model.pt. Now it returns at once; without
+    model.he.pt it writes it again from the checkpoint's encrypted model, and no model.pt."""
+    from test_settled_state import FAST_GRPC, grpc_clients
+
+    from conftest import free_port, small_config
+    from fedweave import rundir
+    from fedweave.cli import main
+
+    assert main(["keys", "--out", str(tmp_path / "keys")]) == 0
+    address = f"127.0.0.1:{free_port()}"
+    config = small_config(*FAST_GRPC, f"grpc.listen={address}", "clients=2", "rounds=1", "grpc.join_timeout=10",
+                          f"plugins.client_send=[{{name: he, keys: {tmp_path / 'keys'}}}]", "eval.every=0")
+    run_dir = tmp_path / "run"
+    with grpc_clients(config, address):
+        node.serve(config, run_dir)
+    sealed = torch.load(run_dir / rundir.SEALED_MODEL_FILE)
+    assert not (run_dir / rundir.MODEL_FILE).exists()
+    began = time.monotonic()
+    node.serve(config, run_dir)
+    assert time.monotonic() - began < config.grpc.join_timeout / 2 and not (run_dir / rundir.MODEL_FILE).exists()
+    (run_dir / rundir.SEALED_MODEL_FILE).unlink()
+    with grpc_clients(config, address):
+        node.serve(config, run_dir)
+    again = torch.load(run_dir / rundir.SEALED_MODEL_FILE)
+    assert again.keys() == sealed.keys() and all(torch.equal(again[k], sealed[k]) for k in sealed)
+    assert not (run_dir / rundir.MODEL_FILE).exists()

@@ -173,7 +173,7 @@ def strategy_metrics(strategy: Strategy) -> Record:
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
-    absent = absent_clients(parts.topology)
+    absent = absent_clients(parts.topology, parts.min_clients)
     if absent:
         log.info("round %d: clients %s are gone (silent past the heartbeat timeout); sampling the others", rnd, sorted(absent))
     plan = parts.controller.plan(rnd, absent)
@@ -182,6 +182,11 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
     parts.rejected.clear()
     try:
+        if absent and len(plan) < parts.min_clients:
+            raise RoundError(
+                f"clients {sorted(absent)[:10]} are gone (silent past the heartbeat timeout), the {len(plan)} present "
+                f"are fewer than min_clients {parts.min_clients}"
+            )
         ready = set(parts.chains.setup(rnd, [w.client_id for w in plan], traffic.control))  # e.g. SecAgg's keys
         plan = [w for w in plan if w.client_id in ready]
         instructions = parts.strategy.configure(rnd, params, plan)
@@ -222,9 +227,10 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     return params, record | traffic.counts()
 
 
-def absent_clients(topology: Topology) -> frozenset[int]:
-    """The clients the topology's transport knows are gone (none in simulation): no round samples them."""
-    return topology.absent() if isinstance(topology, KnowsAbsent) else frozenset()
+def absent_clients(topology: Topology, wait_for: int = 0) -> frozenset[int]:
+    """The clients the topology's transport knows are gone (none in simulation): no round samples them.
+    With fewer than ``wait_for`` present, the transport first waits a bounded time for them to come back."""
+    return topology.absent(wait_for) if isinstance(topology, KnowsAbsent) else frozenset()
 
 
 def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:

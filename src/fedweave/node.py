@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedweave import rundir, runner
+from fedweave import runner
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.client import ClientStateStore
 from fedweave.config import Config
@@ -87,13 +87,13 @@ def _finished(r: runner.Run, topology: Star | SiteBatches) -> None:
     """A run that ended before this server started. Without its model, its server died between the
     last checkpoint and telling the clients to stop: wait for them (``grpc.join_timeout``) and tell
     them now, then write the model from the checkpoint."""
-    model = r.run_dir / rundir.MODEL_FILE
+    model = runner.result_file(r)
     if not model.is_file():
         transport = topology.transport
         log.info("the run ended without its model: telling the %ss that reconnect to stop", transport.role)
         transport.wait_for_clients(transport.num_nodes, r.config.grpc.join_timeout)
         topology.close()
-        rundir.save_model(r.params, r.run_dir)
+        runner.save_result(r)
     log.info("the run in %s already finished all %d rounds; its model is %s", r.run_dir, r.config.rounds, model)
 
 

@@ -183,10 +183,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             )
         else:
             r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
-        if (sealer := r.parts.chains.sealer) is None:
-            rundir.save_model(r.params, r.run_dir)  # while the last checkpoint is written
-        else:
-            r.params = _save_sealed(sealer, r.params, r.run_dir, simulated=cfg.transport.kind == "inmemory")
+        r.params = save_result(r)  # while the last checkpoint is written
     except BaseException:
         loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
         raise
@@ -201,6 +198,20 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
         plot_clients(r.records, r.run_dir / CLIENTS_PLOT)
     loggers.close(r.run_dir)
     return r.records
+
+
+def save_result(r: Run) -> Params:
+    """The run's model written to its run directory (:func:`result_file`); the params it ends with."""
+    if (sealer := r.parts.chains.sealer) is None:
+        rundir.save_model(r.params, r.run_dir)
+        return r.params
+    return _save_sealed(sealer, r.params, r.run_dir, simulated=r.config.transport.kind == "inmemory")
+
+
+def result_file(r: Run) -> Path:
+    """Where the run's model is: model.pt, or model.he.pt where the server keeps it encrypted (plugin he:
+    its plaintext params stay w_0)."""
+    return r.run_dir / (rundir.MODEL_FILE if r.parts.chains.sealer is None else rundir.SEALED_MODEL_FILE)
 
 
 def _save_sealed(sealer: SealsModel, params: Params, run_dir: Path, simulated: bool) -> Params:

@@ -153,3 +153,29 @@ def test_ctrl_c_stops_every_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     pids = [int(m.split("(pid ")[1].rstrip(")")) for m in caplog.messages if m.startswith("started ")]
     assert len(pids) == 3, caplog.text[-2000:]
     assert not any(alive(pid) for pid in pids), "no node outlives the interrupted launcher"
+
+
+def test_an_he_run_of_local_processes_ends_with_the_decrypted_model(tmp_path: Path) -> None:
+    """`launcher: process` with plugin he: the server process keeps the model encrypted and writes
+    model.he.pt only; the launcher, where every node runs and secret.ctx is, decrypts it into model.pt
+    and the run's params, as a simulation's (within CKKS precision). It raised FileNotFoundError
+    (model.pt) after the last round."""
+    import torch
+
+    from conftest import small_config
+    from fedweave import rundir, runner
+    from fedweave.cli import main
+
+    assert main(["keys", "--out", str(tmp_path / "keys")]) == 0
+    common = [f"plugins.client_send=[{{name: he, keys: {tmp_path / 'keys'}}}]", "eval.every=0",
+              "eval.federated_every=1", "rounds=2", "clients=2", "checkpoint.every=0"]
+    fast = ["grpc.heartbeat_interval=0.2", "grpc.heartbeat_timeout=3", "grpc.poll_timeout=0.5"]
+    r = runner.prepare(small_config(*common, "launcher=process", "transport=grpc", *fast), tmp_path / "run")
+    records = runner.execute(r)
+    assert [rec["round"] for rec in records] == [1, 2] and records[-1]["federated_accuracy"] is not None
+    simulated = runner.run_config(small_config(*common), tmp_path / "simulated").params
+    on_disk = rundir.load_model(tmp_path / "run")
+    for name, tensor in simulated.items():
+        assert torch.allclose(r.params[name].to(tensor.dtype), tensor, atol=1e-5), name
+        assert torch.equal(on_disk[name], r.params[name]), name
+    assert (tmp_path / "run" / rundir.SEALED_MODEL_FILE).is_file()

@@ -12,22 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import assert_same_params, run_interrupted, run_to_end, small_config
 from fedweave import runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.cli import main
 from fedweave.client import ClientRuntime
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import CheckpointError, ConfigError, RoundError
 from fedweave.loop import accept_updates
 from fedweave.plugins.chain import Chain, Chains
-from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, slot_count
+from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, HEServer, slot_count
 from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.types import Message
 from fedweave.validation import Rejected
 
 from .helpers import ctx, make, update
+from .test_ckks_wire import frame
 
 SERVER = ctx(1, -1, "server")
 HE = "plugins.client_send=[{name: he}]"
@@ -143,6 +146,151 @@ def test_the_server_refuses_encrypted_updates_it_could_not_add(keys: Path, tmp_p
         assert [u.client_id for u in kept] == [1] and reason in failures[0], case
 
 
+def seal_ciphertext(data: torch.Tensor, keys: Path, tmp_path: Path) -> bytes:
+    """The SEAL ciphertext inside a serialized CKKS vector, as SEAL serializes it."""
+    import tenseal as ts
+
+    context = ts.context_from((keys / SECRET_FILE).read_bytes())
+    (ciphertext,) = ts.ckks_vector_from(context, data.numpy().tobytes()).ciphertext()
+    ciphertext.save(str(tmp_path / "ciphertext"))
+    return (tmp_path / "ciphertext").read_bytes()
+
+
+def u8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def test_the_server_refuses_a_vector_framed_otherwise_than_tenseal_frames_it(keys: Path, tmp_path: Path) -> None:
+    """TenSEAL's parser takes a vector's framing on trust (:mod:`fedweave.plugins.secure.ckks_wire`): a vector
+    with a size but no ciphertext killed the server process (SIGSEGV) at its check; one at another scale, or
+    with a second ciphertext (at a lower level, to stay under the size bound), passed the check and the
+    combination raised, ending the run. Each is rejected with its reason; the honest update is combined."""
+    import tenseal as ts
+
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    w0 = model(3000)
+    server.seal(w0)
+    delta = {"w": torch.full((60, 50), 0.25), "b": torch.full((7,), -0.5), "n": torch.tensor(1)}
+    good = client.encode(update(delta, num_examples=4), ctx())
+    first = f"{CHUNK}00000"
+    ciphertext = seal_ciphertext(good.tensors[first], keys, tmp_path)
+    secret = ts.context_from((keys / SECRET_FILE).read_bytes())
+    lower = seal_ciphertext(u8((ts.ckks_vector(secret, [0.0] * 3007) * 1.0).serialize()), keys, tmp_path)
+    bad = {
+        "no ciphertext": (frame([3007], []), "frames 0 ciphertexts holding [3007] values"),
+        "scale": (frame([3007], [ciphertext], 2.0**20), "its scale is [1048576.0]"),
+        "two ciphertexts": (frame([3007], [ciphertext, lower]), "frames 2 ciphertexts"),
+        "sizes": (frame([2**32 - 1, 3008], [ciphertext]), "holding [4294967295, 3008] values"),
+    }
+    chains = Chains(client_send=Chain([server]))
+    for case, (data, reason) in bad.items():
+        failures: dict[int, str] = {}
+        replies = [Message(1, 0, update({**good.tensors, first: u8(data)}, client_id=0)),
+                   Message(1, 1, update(dict(good.tensors), num_examples=4, client_id=1))]
+        for r in replies:
+            r.body.applied = ["he"]
+        kept = accept_updates(chains, replies, failures, w0)
+        assert [u.client_id for u in kept] == [1] and reason in failures[0], (case, failures)
+    server.combine(kept, SERVER)
+    opened = client.unseal(server.seal(w0))
+    assert_same_params({k: opened[k] for k in ("w", "b")}, {k: w0[k] + delta[k] for k in ("w", "b")}, atol=CKKS_ATOL)
+
+
+@pytest.fixture(scope="module")
+def pair(keys: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A client and a server (public.ctx only) of a 300-value model, the server's broadcast and a client's update."""
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path_factory.mktemp("pair"))))
+    w0 = {"w": torch.linspace(-1, 1, 300).reshape(30, 10)}
+    sealed = server.seal(w0)
+    return client, server, sealed, client.encode(update({"w": torch.full((30, 10), 0.1)}, num_examples=5), ctx())
+
+
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 2**19), st.integers(0, 255)), max_size=6),
+    cut=st.none() | st.integers(0, 2**19),
+    header=st.lists(st.tuples(st.integers(0, 119), st.integers(0, 255)), max_size=3),
+)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+def test_a_mutated_ciphertext_is_refused_or_taken_never_a_crash(
+    pair: tuple, edits: list[tuple[int, int]], cut: int | None, header: list[tuple[int, int]]
+) -> None:
+    """Bytes of a client's ciphertext (server side) and of the broadcast's (client side) changed, the framing
+    and SEAL's header among them, or cut short: each is refused with a ValueError or Rejected, or passes (a
+    change in the coefficients is another valid ciphertext); the original code died of SIGSEGV within a few
+    hundred such mutations on the server."""
+    client, server, sealed, good = pair
+    first = f"{CHUNK}00000"
+    for side, original in (("server", good.tensors[first]), ("client", sealed[first])):
+        data = bytearray(original.numpy().tobytes())
+        for pos, value in [*edits, *header]:
+            data[pos % len(data)] = value
+        data = data[:cut] if cut is not None else data
+        tensor = u8(bytes(data)) if data else torch.zeros(0, dtype=torch.uint8)
+        try:
+            if side == "server":
+                server.check_encoded(update({**good.tensors, first: tensor}))
+            else:
+                client.unseal({**sealed, first: tensor})
+        except (ValueError, Rejected):
+            pass
+
+
+def test_a_step_tenseal_refuses_skips_the_round_and_keeps_the_encrypted_model(
+    keys: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever TenSEAL's evaluator refuses in the step (a case the checks did not foresee) skips the
+    round with the reason (RoundError, which the loop logs); it raised TenSEAL's error, ending the run."""
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    server.seal(model())
+    before = dict(server.model)
+    encrypted = [client.encode(u, ctx(1, u.client_id)) for u in deltas(2)]
+
+    def refused(*args: object) -> bytes:
+        raise ValueError("scale mismatch")
+
+    monkeypatch.setattr(HEServer, "step", refused)
+    with pytest.raises(RoundError, match="he: the encrypted updates could not be added to the model: scale mismatch"):
+        server.combine(encrypted, SERVER)
+    assert server.model == before
+
+
+def test_a_client_refuses_a_broadcast_framed_otherwise_or_claiming_a_huge_model(keys: Path, tmp_path: Path) -> None:
+    """A malicious server's broadcast: sizes that overflow TenSEAL's sum made it read past the decrypted
+    values (std::bad_alloc, or garbage); a layout claiming 2^80 values had the client name 2^68
+    ciphertexts (it hung, its memory growing); a tensor named by a number raised AttributeError.
+    Each is refused with a ValueError naming the reason."""
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    sealed = server.seal(model())
+    first = f"{CHUNK}00000"
+    ciphertext = seal_ciphertext(sealed[first], keys, tmp_path)
+    code = int(sealed["w.__flat"][0])
+    bad = {
+        "sizes": ({**sealed, first: u8(frame([2**32 - 1, 4097], [ciphertext]))}, "holding \\[4294967295, 4097\\]"),
+        "huge layout": ({**sealed, "w.__flat": torch.tensor([code, 2**40, 2**40])},
+                        "lacks 295147905179352825854 of the 295147905179352825857 ciphertexts"),
+        "number": ({**sealed, 7: torch.zeros(3)}, "names a tensor by something other than a string"),
+    }
+    for case, (tensors, reason) in bad.items():
+        with pytest.raises(ValueError, match=reason):
+            client.unseal(tensors)
+
+
+def test_fedweave_decrypt_refuses_a_tampered_encrypted_model_in_one_line(
+    keys: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, tensors in {"number": {1: torch.zeros(3, dtype=torch.uint8)},
+                          "huge": {"w.__flat": torch.tensor([0, 2**40, 2**40])}}.items():
+        (tmp_path / name).mkdir()
+        torch.save(tensors, tmp_path / name / SEALED_MODEL_FILE)
+        assert main(["decrypt", "--keys", str(keys), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be decrypted" in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
 def test_a_client_refuses_a_broadcast_that_is_not_the_model(keys: Path, tmp_path: Path) -> None:
     client = make("he", keys=str(keys))
     server = make("he", keys=str(public_only(keys, tmp_path)))
@@ -160,6 +308,30 @@ def test_a_client_refuses_a_broadcast_that_is_not_the_model(keys: Path, tmp_path
         with pytest.raises((ValueError, Rejected), match=reason):
             client.unseal(tensors)
     assert_same_params(client.unseal(sealed), model(), atol=CKKS_ATOL)  # the good one still opens
+
+
+def test_a_model_decrypted_with_the_keys_of_another_federation_is_refused(
+    keys: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys of the same parameters but another `fedweave keys` decrypt to noise over the modulus (about
+    1e7 and up at the model's level, 1e18 fresh), which a client trained on and `fedweave decrypt` wrote as
+    model.pt without a word. A value at or past 2^(60 - scale_bits), beyond what the context holds, is
+    refused; the model's own keys still open it."""
+    assert main(["keys", "--out", str(tmp_path / "other")]) == 0
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    sealed = server.seal(model())
+    with pytest.raises(ValueError, match=r"decrypts to values beyond ±1\.04858e\+06.*a key of another federation"):
+        make("he", keys=str(tmp_path / "other")).unseal(sealed)
+    encrypted = [client.encode(u, ctx(1, u.client_id)) for u in deltas(2)]
+    server.combine(encrypted, SERVER)  # the model at its last level, as the run leaves it
+    (tmp_path / "run").mkdir()
+    torch.save(server.seal(model()), tmp_path / "run" / SEALED_MODEL_FILE)
+    assert main(["decrypt", "--keys", str(tmp_path / "other"), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "a key of another federation" in err and err.count("\n") == 1
+    assert not (tmp_path / "run" / MODEL_FILE).exists()
+    assert main(["decrypt", "--keys", str(keys), str(tmp_path / "run")]) == 0
 
 
 def test_an_he_run_equals_plain_fedavg_and_the_server_never_decrypts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,6 +410,8 @@ def test_a_run_with_fresh_keys_cannot_resume_and_says_so_in_one_line(tmp_path: P
         ([HE, NO_SERVER_EVAL, "plugins.server_send=[{name: quantize, dtype: float16}]"],
          "config key 'plugins.server_send': plugin 'he' broadcasts the global model encrypted"),
         (["plugins.client_send=[{name: he, poly_degree: 4096}]", NO_SERVER_EVAL], "config key 'plugins.client_send[0]"),
+        (["plugins.client_send=[{name: he, keys: ' '}]", NO_SERVER_EVAL],
+         "config key 'plugins.client_send[0].keys': an empty folder name"),
     ],
 )
 def test_what_an_encrypted_model_cannot_do_is_refused_at_load(overrides: list[str], start: str) -> None:

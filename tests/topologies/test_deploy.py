@@ -85,12 +85,22 @@ def test_each_site_gets_one_job_and_its_answer_stands_for_its_members() -> None:
 class Gone(Link):
     """A link that knows site 1 is gone (and names a site that does not exist)."""
 
-    def absent(self) -> frozenset[int]:
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited_for: list[int] = []
+
+    def absent(self, wait_for: int = 0) -> frozenset[int]:
+        self.waited_for.append(wait_for)
         return frozenset({1, 7})
 
 
 def test_the_members_of_a_gone_site_are_gone() -> None:
-    assert SiteBatches([[0, [1, 2]], [3, 4], [5]], Gone()).absent() == frozenset({3, 4})
+    link = Gone()
+    sites = SiteBatches([[0, [1, 2]], [3, 4], [5]], link)  # sites of 3, 2 and 1 members
+    assert sites.absent() == frozenset({3, 4})
+    # 3 clients asked for: the 2 smallest sites hold 1 + 2, so the link waits for 2 sites; 4 need all 3
+    assert sites.absent(3) == sites.absent(4) == sites.absent(9) == frozenset({3, 4})
+    assert link.waited_for == [0, 2, 3, 3]
     assert SiteBatches([[0, 1], [3]], Link()).absent() == frozenset()  # a link that cannot tell
 
 

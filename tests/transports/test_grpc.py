@@ -261,6 +261,29 @@ def test_the_server_knows_which_nodes_are_gone_until_they_are_heard_from_again()
         assert c.server.absent() == frozenset({1})
 
 
+def test_with_too_few_nodes_present_the_server_waits_a_bounded_time_for_them(caplog: pytest.LogCaptureFixture) -> None:
+    """absent(wait_for=1) with both nodes gone waits for one to come back, with a warning, at most
+    grpc.join_timeout (1.5 s here); it answered at once, so an outage of every client skipped all the
+    rounds left in a moment. A node that registers during the wait ends it at once."""
+    with cluster(settings("grpc.join_timeout=1.5"), clients=2) as c:
+        assert c.server.exchange(jobs([0, 1], PARAMS, 1), timeout=30).failures == {}
+        for cid in (0, 1):
+            c.clients[cid].stop()
+            c.join(cid)
+        time.sleep(c.settings.heartbeat_timeout + 0.2)
+        began = time.monotonic()
+        assert c.server.absent() == frozenset({0, 1}) and time.monotonic() - began < 0.2  # no wait asked
+        with caplog.at_level(logging.WARNING, logger="fedweave"):
+            began = time.monotonic()
+            assert c.server.absent(wait_for=1) == frozenset({0, 1})
+            assert 1.4 < time.monotonic() - began < 3
+        assert "0 of 2 clients are present, fewer than the 1 a round needs; waiting up to 1.5 s" in caplog.text
+        threading.Timer(0.3, c.start, args=(1,)).start()
+        began = time.monotonic()
+        assert c.server.absent(wait_for=1) == frozenset({0})
+        assert time.monotonic() - began < 1.4
+
+
 def test_a_late_client_misses_the_deadline_and_serves_the_next_round() -> None:
     slow_rounds = {1}
 

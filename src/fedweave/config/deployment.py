@@ -129,7 +129,10 @@ class GrpcConfig:
     rpc_timeout: float = opt(10.0, gt=0, help="deadline of each short call (register, heartbeat)")
     stream_timeout: float = opt(3600.0, gt=0, help="deadline of one message transfer")
     connect_timeout: float = opt(60.0, gt=0, help="seconds a client keeps retrying an unreachable server")
-    join_timeout: float = opt(60.0, ge=0, help="seconds the server waits for every client to register before round 1")
+    join_timeout: float = opt(
+        60.0, ge=0, help="seconds the server waits for every client to register before round 1, and before a round "
+        "for min_clients of them to be present"
+    )
     backoff_initial: float = opt(0.1, gt=0, help="first retry delay in seconds; it doubles per retry")
     backoff_max: float = opt(5.0, gt=0, help="longest retry delay in seconds")
 

@@ -5,7 +5,8 @@ run) starts ``fedweave server`` on 127.0.0.1 with a port the system picks, and w
 ``fedweave client --id i`` for every client (they retry until the server listens). Each
 node's output is forwarded through :mod:`logging` line by line with a node prefix
 (``[server]``, ``[client 3]``). The launcher follows the run's ``metrics.jsonl`` to
-report each round as it ends, and loads the final model when the server is done.
+report each round as it ends, and loads the final model when the server is done (decrypting
+it, where the server kept it encrypted: plugin he).
 
 Every wait is bounded. When the server ends, clients get a bounded grace period to
 leave on their own; then they are terminated, then killed. On Ctrl-C or any error all
@@ -27,10 +28,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import torch
+
 from fedweave.errors import FedweaveError
 from fedweave.node import PARENT_ENV
-from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail, load_model
+from fedweave.plugins.contracts import SealsModel
+from fedweave.rundir import CONFIG_FILE, METRICS_FILE, SEALED_MODEL_FILE, MetricsTail, load_model, save_model
 from fedweave.transports.grpc.protocol import AUTO, CREDENTIALS_ENV
+from fedweave.types import Params
 
 if TYPE_CHECKING:
     from fedweave.runner import Run
@@ -157,8 +162,16 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
         s = cfg.grpc
         nodes.stop(grace=s.poll_timeout + s.heartbeat_interval + 2.0 if clean else 0.0)
     log.info("all %d nodes stopped after %.1f s", len(nodes.items), time.monotonic() - started)
-    r.params = load_model(run_dir)
+    r.params = load_model(run_dir) if (sealer := r.parts.chains.sealer) is None else _decrypted(sealer, run_dir)
     return r.records
+
+
+def _decrypted(sealer: SealsModel, run_dir: Path) -> Params:
+    """The model the server kept encrypted (plugin he: model.he.pt), decrypted here, where every node
+    runs and the clients' secret.ctx is, into model.pt too (what ``fedweave decrypt`` does)."""
+    params = sealer.unseal(torch.load(run_dir / SEALED_MODEL_FILE, weights_only=True))
+    save_model(params, run_dir)
+    return params
 
 
 def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None:

@@ -221,9 +221,13 @@ class SiteBatches:
         site = self.site_of.get(client_id)
         return frozenset({client_id}) if site is None else self.sites[site]
 
-    def absent(self) -> frozenset[int]:
-        """The clients of every site whose leader the link knows is gone (none, for a link that cannot tell)."""
-        gone = self.transport.absent() if isinstance(self.transport, KnowsAbsent) else frozenset()
+    def absent(self, wait_for: int = 0) -> frozenset[int]:
+        """The clients of every site whose leader the link knows is gone (none, for a link that cannot tell).
+        With ``wait_for`` clients asked for, the link first waits (bounded) for enough sites that even the
+        smallest of them would hold that many members."""
+        sizes = sorted(len(members) for members in self.sites)
+        sites = next((k for k in range(len(sizes) + 1) if sum(sizes[:k]) >= wait_for), len(sizes))
+        gone = self.transport.absent(sites) if isinstance(self.transport, KnowsAbsent) else frozenset()
         return frozenset(cid for s in gone if 0 <= s < len(self.sites) for cid in self.sites[s])
 
     def close(self) -> None:

@@ -15,9 +15,10 @@ class Star:
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         return self.transport.exchange(messages, timeout)
 
-    def absent(self) -> frozenset[int]:
-        """The clients its transport knows are gone (none, for a transport that cannot tell)."""
-        return self.transport.absent() if isinstance(self.transport, KnowsAbsent) else frozenset()
+    def absent(self, wait_for: int = 0) -> frozenset[int]:
+        """The clients its transport knows are gone (none, for a transport that cannot tell); with
+        ``wait_for``, after waiting a bounded time for that many to be present."""
+        return self.transport.absent(wait_for) if isinstance(self.transport, KnowsAbsent) else frozenset()
 
     def close(self) -> None:
         self.transport.close()

@@ -35,9 +35,10 @@ class Transport(Protocol):
 @runtime_checkable
 class KnowsAbsent(Protocol):
     """A transport that knows which of its nodes are gone (a networked server: silent past its
-    heartbeat timeout), so that rounds sample the others until they are heard from again."""
+    heartbeat timeout), so that rounds sample the others until they are heard from again; with
+    ``wait_for``, it first waits a bounded time for that many to be present."""
 
-    def absent(self) -> frozenset[int]: ...
+    def absent(self, wait_for: int = 0) -> frozenset[int]: ...
 
 
 @runtime_checkable

@@ -54,9 +54,10 @@ client's loss and evaluation metrics. **What it does not.** Every client holds t
 same secret key, so one client that colludes with the server (or a server that also
 runs a client) decrypts everything: each update, each aggregate. A threshold key,
 which would close that, is not built. A client's update is checked as far as a
-ciphertext can be (names, sizes, that it adds to the model at its level and scale);
-its content cannot be: a poisoned update, or a ciphertext under another key, poisons
-the model, and robust rules, which need each update in the clear, are refused.
+ciphertext can be (names, sizes, its framing: :mod:`~fedweave.plugins.secure.ckks_wire`,
+that it adds to the model at its level and scale); its content cannot be: a poisoned
+update, or a ciphertext under another key, poisons the model, and robust rules, which
+need each update in the clear, are refused.
 
 Precision: CKKS is approximate; with the default scale 2^40 the decrypted model equals
 plaintext FedAvg to about 1e-7 after 20 rounds (with 2^32, 6e-5: the rescaling prime
@@ -74,9 +75,10 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import CheckpointError, ConfigError, RoundError
 from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.secure.ckks_wire import check_vector
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
 from fedweave.types import Params, Update, UpdateKind
@@ -98,6 +100,13 @@ class HEParams:
         8192, help="without keys: CKKS ring degree (slots per ciphertext: half; 4096 holds too few modulus bits)"
     )
     scale_bits: int = opt(40, ge=20, le=50, help="without keys: CKKS scale 2^bits (precision against range)")
+
+    def validate(self, prefix: str) -> None:
+        if self.keys is not None and not self.keys.strip():
+            raise ConfigError(
+                f"config key '{prefix}.keys': an empty folder name (it would read the keys of the current directory); "
+                "name the folder of `fedweave keys`, or leave keys out for fresh keys in a simulation"
+            )
 
 
 def tenseal() -> Any:
@@ -156,6 +165,12 @@ def max_ciphertext_bytes(context: Any) -> int:
     return 2 * len(coeff_mod_bits(0)) * poly_degree(context) * 8 + 65536
 
 
+def value_bound(context: Any) -> float:
+    """2^(60 − scale_bits): a model value past it wraps around the modulus left after the step's rescaling,
+    and what a wrong key decrypts lies far beyond it (noise over the whole modulus)."""
+    return 2.0 ** (OUTER_BITS - math.log2(context.global_scale))
+
+
 def chunk_names(size: int, slots: int) -> list[str]:
     """The ciphertexts of a vector of ``size`` values, ``slots`` a ciphertext."""
     return [f"{CHUNK}{i:05d}" for i in range(math.ceil(size / slots))]
@@ -204,11 +219,8 @@ class HEServer:
     def check(self, data: bytes, size: int) -> None:
         """Raise ValueError unless ``data`` is a ciphertext of ``size`` values that can be summed
         and scaled as a fresh one (same scale, a level to spare)."""
-        ts = tenseal()
         try:
-            vector = ts.ckks_vector_from(self.context, data)
-            if vector.size() != size:
-                raise ValueError(f"it holds {vector.size()} values, expected {size}")
+            vector = open_vector(self.context, data, size)
             # the cached zero on the left: TenSEAL may switch the right operand's level in place
             (self._zero(size) + vector) * 1.0
         except Exception as exc:  # TenSEAL's parser and evaluator raise several types
@@ -218,6 +230,17 @@ class HEServer:
         if size not in self._zeros:
             self._zeros[size] = tenseal().ckks_vector(self.context, [0.0] * size)
         return self._zeros[size]
+
+
+def open_vector(context: Any, data: bytes, size: int) -> Any:
+    """The CKKS vector ``data`` serializes, of ``size`` values in one ciphertext of two polynomials at
+    ``context``'s scale; ValueError (with the reason) for any other, before TenSEAL parses its framing."""
+    check_vector(data, size, context.global_scale)
+    vector = tenseal().ckks_vector_from(context, data)
+    (ciphertext,) = vector.ciphertext()
+    if ciphertext.size() != 2:
+        raise ValueError(f"its ciphertext has {ciphertext.size()} polynomials, not 2")
+    return vector
 
 
 def _one_process(params: HEParams) -> str | None:
@@ -292,15 +315,20 @@ class HE:
     def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
         """Server: Enc(w) ← Enc(w) + (1/Σ n_k)·Σ_k Enc(n_k Δ_k) with the public context alone. The update
         returned is the plaintext step: zero for every floating tensor (the step was taken on the
-        encrypted model), the integer tensors combined as in the clear."""
+        encrypted model), the integer tensors combined as in the clear. Should TenSEAL refuse the step
+        all the same, the round is skipped (:class:`~fedweave.errors.RoundError`) and the model kept."""
         total = sum(u.num_examples for u in updates)
-        self.model = {
-            name: _bytes_tensor(
-                self.server.step(_tensor_bytes(model), [_tensor_bytes(u.tensors[name]) for u in updates], 1.0 / total)
-            )
-            for name, model in self.model.items()
-        }
-        clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
+        try:
+            model = {
+                name: _bytes_tensor(
+                    self.server.step(_tensor_bytes(c), [_tensor_bytes(u.tensors[name]) for u in updates], 1.0 / total)
+                )
+                for name, c in self.model.items()
+            }
+            clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
+        except Exception as exc:  # TenSEAL's evaluator raises several types
+            raise RoundError(f"he: the encrypted updates could not be added to the model: {_first_line(exc)}") from None
+        self.model = model
         return Update(kind=updates[0].kind, tensors=clear, num_examples=total, applied=list(updates[0].applied))
 
     def decode(self, payload: Update, ctx: PluginContext) -> Update:
@@ -326,27 +354,42 @@ class HE:
     def unseal(self, tensors: Params) -> Params:
         """Client: the global model a broadcast carries, decrypted with ``secret.ctx``; ValueError
         (with the reason) for a broadcast that is not the ciphertexts of a model of finite values."""
+        if not all(isinstance(k, str) for k in tensors):
+            raise ValueError("he: the broadcast names a tensor by something other than a string")
         ciphertexts = {k: t for k, t in tensors.items() if k.startswith(CHUNK)}
         clear = {k: t for k, t in tensors.items() if not k.startswith(CHUNK)}
         try:
-            size = sum(math.prod(read_layout(v)[1]) for k, v in clear.items() if k.endswith(SEP + FLAT))
+            shapes = [read_layout(v)[1] for k, v in clear.items() if k.endswith(SEP + FLAT)]
         except Exception:  # a layout that is no layout: wrong dtype code, not a tensor
             raise ValueError("he: the broadcast's layouts are malformed") from None
-        ts, context = tenseal(), self._client_context()
+        if any(d < 0 for shape in shapes for d in shape):
+            raise ValueError("he: the broadcast's layouts have a negative dimension")
+        size = sum(math.prod(shape) for shape in shapes)
+        context = self._client_context()
         slots = slot_count(context)
+        count = -(-size // slots)  # compared before naming them: a layout may claim 2^80 values
+        if count > len(ciphertexts):
+            raise ValueError(
+                f"he: the broadcast lacks {count - len(ciphertexts)} of the {count} ciphertexts its layouts call for"
+            )
+        if count < len(ciphertexts):
+            raise ValueError(f"he: the broadcast holds {len(ciphertexts)} ciphertexts, its layouts call for {count}")
         check_ciphertexts(ciphertexts, chunk_names(size, slots), max_ciphertext_bytes(context))
         values: list[float] = []
         for name, n in zip(chunk_names(size, slots), chunk_sizes(size, slots)):
             try:
-                part = ts.ckks_vector_from(context, _tensor_bytes(ciphertexts[name])).decrypt()
-            except Exception as exc:  # TenSEAL's parser raises several types
+                values.extend(open_vector(context, _tensor_bytes(ciphertexts[name]), n).decrypt())
+            except Exception as exc:  # the framing's reason, or TenSEAL's parser (several types)
                 raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {_first_line(exc)}") from None
-            if len(part) != n:
-                raise ValueError(f"he: broadcast ciphertext {name} holds {len(part)} values, its layouts {n}")
-            values.extend(part)
         vector = torch.tensor(values, dtype=torch.float64)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("he: the broadcast model decrypts to NaN or infinite values")
+        bound = value_bound(context)
+        if vector.numel() and float(vector.abs().max()) >= bound:
+            raise ValueError(
+                f"he: the broadcast model decrypts to values beyond ±{bound:g}, past what a ciphertext of this "
+                "context holds (a key of another federation, or a model that overflowed)"
+            )
         return unflatten(vector, clear)
 
     def state_dict(self) -> dict[str, Any]:

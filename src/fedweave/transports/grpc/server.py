@@ -254,16 +254,34 @@ class GrpcServerTransport:
                 self._cond.wait(min(0.25, max(deadline - time.monotonic(), 0.0)))
             return len(self._clients)
 
-    def absent(self) -> frozenset[int]:
+    def absent(self, wait_for: int = 0) -> frozenset[int]:
         """The nodes known to be gone: silent for more than heartbeat_timeout, as :meth:`_expire`
         judges a job's node (one never registered, since the first round began). None before
-        the first round; a node is present again once it registers or is heard from."""
-        now = time.monotonic()
-        with self._lock:
-            if self._first_round is None:
-                return frozenset()
-            seen = {cid: self._first_round for cid in range(self.num_nodes)}
-            seen.update((cid, c.last_seen) for cid, c in self._clients.items())
+        the first round; a node is present again once it registers or is heard from. While
+        fewer than ``wait_for`` nodes are present, it first waits for them to come back, at
+        most ``grpc.join_timeout`` s: a round short of min_clients is otherwise skipped at
+        once, and an outage of every client skipped all the rounds left in a moment."""
+        deadline = time.monotonic() + self.settings.join_timeout
+        with self._cond:
+            gone = self._gone(time.monotonic())
+            if self.num_nodes - len(gone) < wait_for and self.settings.join_timeout > 0:
+                log.warning("%d of %d %ss are present, fewer than the %d a round needs; waiting up to %g s "
+                            "(grpc.join_timeout) for the others to come back", self.num_nodes - len(gone),
+                            self.num_nodes, self.role, wait_for, self.settings.join_timeout)
+            while self.num_nodes - len(gone) < wait_for and not self._closing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(0.25, remaining))
+                gone = self._gone(time.monotonic())
+            return gone
+
+    def _gone(self, now: float) -> frozenset[int]:
+        """The nodes silent past heartbeat_timeout at ``now`` (lock held)."""
+        if self._first_round is None:
+            return frozenset()
+        seen = {cid: self._first_round for cid in range(self.num_nodes)}
+        seen.update((cid, c.last_seen) for cid, c in self._clients.items())
         return frozenset(cid for cid, t in seen.items() if now - t > self.settings.heartbeat_timeout)
 
     def node_counts(self) -> tuple[int, int]:
