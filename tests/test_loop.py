@@ -14,7 +14,7 @@ import torch
 from fedweave.batching.controller import StaticController
 from fedweave.config import AggregationConfig
 from fedweave.batching.selection import sample_clients
-from fedweave.loop import RECORD_KEYS, AcceptedRounds, Record, RoundParts, federated_evaluate, run, train_round
+from fedweave.loop import RECORD_KEYS, AcceptedRounds, Record, RoundParts, federated_evaluate, listed, run, train_round
 from fedweave.errors import RoundError
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.seeding import numpy_rng
@@ -612,8 +612,14 @@ def test_a_round_whose_present_clients_are_fewer_than_min_clients_says_so(caplog
         assert topology.asked == [min_clients] and record["skipped"] is skipped
         if skipped:
             present = 4 - len(gone)
-            assert (f"round 1 skipped: clients {sorted(gone)} are gone (silent past the heartbeat timeout), the "
+            assert (f"round 1 skipped: {len(gone)} clients {sorted(gone)} gone (silent past the heartbeat timeout), the "
                     f"{present} present are fewer than min_clients {min_clients}") in caplog.text
             assert_w(params, 0.0)
         else:
             assert record["clients_completed"] == 2 and seen[-2:] == [0, 3]
+
+
+def test_listed_names_at_most_ten_clients_and_counts_the_rest() -> None:
+    assert listed({3}) == "1 client [3]"
+    assert listed([5, 1]) == "2 clients [1, 5]"
+    assert listed(range(25, 0, -1)) == "25 clients [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] and 15 more"

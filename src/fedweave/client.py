@@ -236,7 +236,9 @@ class ClientRuntime:
         start = time.perf_counter()
         update = self.algorithm.train(job)
         update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
-        if self.chains.private:  # a training loss is a function of the data that no noise reaches
+        # A training loss is a function of the data that no noise reaches; under HE it is also the
+        # loss of whatever model the server encrypted, an oracle on ciphertexts the server chose.
+        if self.chains.private or self.chains.sealer is not None:
             update.metrics = {}
         if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
             update.metrics = {**update.metrics, **job.settings.privacy.report()}

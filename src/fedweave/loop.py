@@ -175,7 +175,7 @@ def strategy_metrics(strategy: Strategy) -> Record:
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
     absent = absent_clients(parts.topology, parts.min_clients)
     if absent:
-        log.info("round %d: clients %s are gone (silent past the heartbeat timeout); sampling the others", rnd, sorted(absent))
+        log.info("round %d: %s gone (silent past the heartbeat timeout); sampling the others", rnd, listed(absent))
     plan = parts.controller.plan(rnd, absent)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
     traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
@@ -184,7 +184,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     try:
         if absent and len(plan) < parts.min_clients:
             raise RoundError(
-                f"clients {sorted(absent)[:10]} are gone (silent past the heartbeat timeout), the {len(plan)} present "
+                f"{listed(absent)} gone (silent past the heartbeat timeout), the {len(plan)} present "
                 f"are fewer than min_clients {parts.min_clients}"
             )
         ready = set(parts.chains.setup(rnd, [w.client_id for w in plan], traffic.control))  # e.g. SecAgg's keys
@@ -225,6 +225,13 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     record["rejected"] = rejection_counts(parts.rejected)
     record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
+
+
+def listed(ids: Collection[int], most: int = 10) -> str:
+    """``ids`` for a log line: all of them, or the first ``most`` and how many more."""
+    first = sorted(ids)[:most]
+    more = f" and {len(ids) - most} more" if len(ids) > most else ""
+    return f"{len(ids)} client{'s' * (len(ids) != 1)} {first}{more}"
 
 
 def absent_clients(topology: Topology, wait_for: int = 0) -> frozenset[int]:

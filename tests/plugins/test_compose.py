@@ -25,7 +25,7 @@ REFUSED = [
     (chain("client_send", "{name: he}", "{name: identity}") + " && eval.every=0", r"'plugins.client_send\[1\]': plugin 'identity' comes after 'he'.*nothing may follow it"),
     (chain("client_send", "{name: dp_central}", "{name: secagg}"), r"'plugins.client_send\[1\]': plugins 'dp_central' \(plugins.client_send\[0\]\) and 'secagg' both make the server combine.*put dp_local before secagg"),
     (chain("client_send", "{name: topk}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'topk' comes before 'secagg', which sums the encoded updates, but payloads 'topk' encoded for different clients cannot be summed.*randk with shared_indices: true"),
-    (chain("client_send", "{name: quantize, dtype: int8}", "{name: he}") + " && eval.every=0", r"'plugins.client_send\[0\]': plugin 'quantize' comes before 'he'.*cannot be summed"),
+    (chain("client_send", "{name: quantize, dtype: int8}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'quantize' comes before 'secagg'.*cannot be summed"),
     (chain("client_send", "{name: randk}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'randk' comes before 'secagg'.*cannot be summed"),
     (chain("client_send", "{name: identity}", "{name: secagg}"), r"'plugins.client_send\[0\]': plugin 'identity' comes before 'secagg'.*can declare summable = True"),
     (chain("client_send", "{name: secagg}") + " && aggregation.rule=median", r"'plugins.client_send\[0\]': plugin 'secagg' makes the server combine updates while encoded, so it only sees their sum; aggregation.rule 'median'"),
@@ -33,6 +33,7 @@ REFUSED = [
     (chain("client_send", "{name: secagg, bits: 20, max_examples: 100000}"), r"'plugins.client_send\[0\].max_examples': 100000 leaves fewer than 8 bits of precision"),
     (chain("client_send", "{name: secagg, bits: 24, max_examples: 65537}"), r"'plugins.client_send\[0\].max_examples': 65537 leaves fewer than 8 bits of precision"),
     (chain("client_send", "{name: he}") + " && transport=grpc && eval.every=0", r"plugin 'he' needs the server and the clients in one process \(without keys each process would make its own CKKS context"),
+    (chain("client_send", "{name: he}") + " && topology={kind: hierarchical, sites: 2, inner: torchdist} && eval.every=0", r"plugin 'he' needs the server and the clients in one process \(.*\); topology.inner 'torchdist' runs them apart"),
     (chain("client_send", "{name: topk, ratio: 0}"), r"'plugins.client_send\[0\].ratio': must be > 0"),
     (chain("client_send", "{name: he, poly_degree: 1000}"), r"'plugins.client_send\[0\].poly_degree': 1000 is not allowed"),
     (chain("client_send", "{name: dp_local}") + " && strategy=scaffold", r"^config key 'plugins.client_send\[0\]': plugin 'dp_local' cannot protect what strategy 'scaffold' sends in its extras: Δc_i = −c − Δy_i/\(K·η_l\).*\(strategy.option II\), computed before client_send"),
@@ -50,7 +51,8 @@ def test_refused_chains_say_where_and_why(overrides: str, message: str) -> None:
 
 ALLOWED = [
     chain("client_send", "{name: clip}", "{name: dp_local}", "{name: quantize, dtype: float16}", "{name: secagg}"),
-    chain("client_send", "{name: clip}", "{name: randk, shared_indices: true}", "{name: he}") + " && eval.every=0",
+    chain("client_send", "{name: clip}", "{name: randk, shared_indices: true}", "{name: secagg}"),
+    chain("client_send", "{name: clip}", "{name: dp_local}", "{name: he}") + " && eval.every=0",
     chain("client_send", "{name: dp_central}", "{name: topk}"),
     chain("client_send", "{name: clip}", "{name: dp_central, adaptive: true, count_noise: 2.0}", "{name: powersgd}"),
     chain("server_send", "{name: topk}", "{name: quantize}"),

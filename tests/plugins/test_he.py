@@ -6,6 +6,7 @@ params stay w_0 and it never decrypts; bad ciphertexts are refused on either sid
 
 from __future__ import annotations
 
+import math
 import stat
 import threading
 from pathlib import Path
@@ -375,6 +376,8 @@ def test_an_he_run_equals_plain_fedavg_and_the_server_never_decrypts(tmp_path: P
     assert_same_params(torch.load(tmp_path / "he" / MODEL_FILE), plain, atol=CKKS_ATOL)
     assert (tmp_path / "he" / SEALED_MODEL_FILE).is_file()
     assert records[-1]["test_accuracy"] is None  # the server has nothing to evaluate
+    # nor a training loss: a client's would be the loss of whatever model the server encrypted
+    assert math.isfinite(plain_records[-1]["train_loss"]) and all(r["train_loss"] is None for r in records)
     assert records[-1]["federated_accuracy"] == pytest.approx(plain_records[-1]["federated_accuracy"], abs=0.02)
     assert records[0]["bytes_sent"] > 10 * plain_records[0]["bytes_sent"]  # the broadcast is ciphertexts
 

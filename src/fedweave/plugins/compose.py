@@ -90,10 +90,10 @@ def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
                 raise ConfigError(f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} belongs in {where}: {why}")
             reason = getattr(cls, "one_process", None)
             reason = reason(spec.params) if callable(reason) else reason
-            if reason and config.transport.kind != "inmemory":
+            if reason and (apart := deployed(config)):
                 raise ConfigError(
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
-                    f"one process ({reason}); transport {config.transport.kind!r} runs them apart"
+                    f"one process ({reason}); {apart} runs them apart"
                 )
             _check_privacy(config, f"plugins.{point}[{i}]", spec, cls, strategy)
     _check_client_send(plugins.client_send, registry)

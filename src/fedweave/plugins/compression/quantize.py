@@ -7,7 +7,8 @@ rounded (stochastically by default, which makes it unbiased), and travels as int
 values (``name.__values``) plus one float32 scale per bucket (``name.__scales``).
 
 float16 and bfloat16 payloads of different clients line up entry by entry, so they can
-be summed while encoded (secure aggregation, HE); int8's per-client scales cannot.
+be summed while encoded (secure aggregation); int8's per-client scales cannot. (HE adds
+each update into the encrypted model itself, so no compressor may precede it.)
 """
 
 from __future__ import annotations

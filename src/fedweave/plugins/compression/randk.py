@@ -10,7 +10,7 @@ the values are scaled by d/k, which makes the estimate unbiased: E[decode(encode
 Error feedback needs a contraction, so with it the values are sent unscaled
 (Stich et al. 2018). With ``shared_indices`` every client of a round draws the same
 positions, so encoded updates line up and can be summed while encoded (secure
-aggregation, HE); otherwise each client draws its own (lower variance of the average).
+aggregation; not HE, which adds each update into the encrypted model itself); otherwise each client draws its own (lower variance of the average).
 """
 
 from __future__ import annotations

@@ -41,16 +41,20 @@ checks them (:func:`fedweave.validation.check_ciphertexts`: exactly the cipherte
 layouts call for, bounded in size), decrypts them with ``secret.ctx`` (:meth:`HE.unseal`)
 and trains on w_t; a broadcast that does not decrypt into finite values of the
 model's size is refused with a reason. No client is ever asked to decrypt anything and
-send the plaintext back: what a client sends is encrypted (its training loss and a
-federated evaluation's metrics excepted). At the end the server writes the encrypted
+send the plaintext back: what a client sends is encrypted, but for a federated
+evaluation's metrics (a client sends no training loss under HE). At the end the server writes the encrypted
 model (``model.he.pt``); ``fedweave decrypt --keys DIR RUN_DIR``, run where
 ``secret.ctx`` is, writes the plaintext ``model.pt``. A simulation, whose clients and
 their key live in the server's process, writes both.
 
-**What it guarantees.** A server that holds ``public.ctx`` only learns neither an
-update, nor an aggregate, nor the model after round 0, whatever it does: it can
-decrypt nothing, and nothing it can make a client send is in the clear but the
-client's loss and evaluation metrics. **What it does not.** Every client holds the
+**What it guarantees.** A server that holds ``public.ctx`` only and follows the
+protocol (honest but curious) learns neither an update, nor an aggregate, nor the
+model after round 0: it can decrypt nothing. **What it does not.** A server that
+deviates can, with the public key, encrypt any model built from the ciphertexts it
+holds (w_t plus a multiple of one client's update, say) and send it for a federated
+evaluation: the metrics a client answers in the clear are then a function of that one
+update, an oracle a few bits per round wide. (A training loss would be one too, so
+under HE clients send none.) Every client holds the
 same secret key, so one client that colludes with the server (or a server that also
 runs a client) decrypts everything: each update, each aggregate. A threshold key,
 which would close that, is not built. A client's update is checked as far as a
