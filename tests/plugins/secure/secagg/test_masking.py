@@ -20,12 +20,14 @@ def test_a_masked_update_is_uniform_and_uncorrelated_with_the_plaintext() -> Non
     counts = np.histogram(values, bins=16, range=(0, 1))[0]
     expected = len(values) / 16
     chi2 = ((counts - expected) ** 2 / expected).sum()
-    assert chi2 < 37.7  # 15 degrees of freedom, p = 0.001
-    assert abs(np.corrcoef(values, x)[0, 1]) < 4 / np.sqrt(len(x))
+    # The masks come from keys drawn from the OS, so this is a statistical test: thresholds at
+    # p = 1e-6 (chi-square, 15 degrees of freedom) and 5 sigma keep a false alarm out of any CI run.
+    assert chi2 < 56.5
+    assert abs(np.corrcoef(values, x)[0, 1]) < 5 / np.sqrt(len(x))
     # the same update masked in another round looks unrelated to the first masking
     _, _, _, again = masked_round(4, rnd=2, bits=32)
     other = field.from_wire(again[0].tensors[MASKED]).astype(np.float64) / 2**32
-    assert abs(np.corrcoef(values, other)[0, 1]) < 4 / np.sqrt(len(x))
+    assert abs(np.corrcoef(values, other)[0, 1]) < 5 / np.sqrt(len(x))
 
 
 @pytest.mark.parametrize(("bits", "dtype", "max_examples"), [(24, torch.int32, 256), (32, torch.int32, 2**16), (33, torch.int64, 256), (40, torch.int64, 2**16)])
