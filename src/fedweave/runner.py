@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -229,6 +230,22 @@ def _save_sealed(sealer: SealsModel, params: Params, run_dir: Path, simulated: b
     return plain
 
 
+def check_sealed_size(sealer: SealsModel, params: Params, max_message_mb: float) -> None:
+    """Refuse, before any client joins, a model kept encrypted whose messages (the first broadcast, each
+    client's update) a node would refuse as over ``grpc.max_message_mb``: plugin he sends about 57 bytes
+    a model value, so the 2 GiB default holds about 37M values. Ciphertexts compress to sizes that differ by
+    a few bytes: the size it asks for has 1% to spare."""
+    size = sealer.sealed_bytes(params)
+    limit = max_message_mb * (1 << 20)
+    if size > limit:
+        values = sum(t.numel() for t in params.values() if t.is_floating_point())
+        raise ConfigError(
+            f"config key 'grpc.max_message_mb': the encrypted model of {values:,} values travels in messages of "
+            f"{size / (1 << 20):,.1f} MiB ({size / max(values, 1):.0f} bytes a value), over the limit of "
+            f"{max_message_mb:g} MiB; set grpc.max_message_mb to at least {math.ceil(1.01 * size / (1 << 20))}"
+        )
+
+
 def _posts_jobs(topology: Topology) -> PostsJobs | None:
     """The network transport of a deployed star that gives clients one job at a time, else None."""
     if isinstance(topology, Star) and isinstance(topology.transport, PostsJobs):
@@ -246,6 +263,8 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
     task = build_task(config)
     params = initial_params(config, task)
     chains = build_chains(config)
+    if chains.sealer is not None and config.transport.kind == "grpc":
+        check_sealed_size(chains.sealer, params, config.grpc.max_message_mb)
     store = ClientStateStore()
     runtime = build_client_runtime(config, task, chains, store)
     fed_count = max(1, round(config.eval.federated_fraction * config.clients))

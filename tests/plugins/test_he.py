@@ -459,6 +459,36 @@ def test_fedweave_decrypt_writes_the_plaintext_model_and_refuses_bad_keys(
         assert reason in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("degree", [8192, 16384])
+def test_sealed_bytes_is_the_size_of_the_first_broadcast_and_of_an_encrypted_update(degree: int) -> None:
+    he = make("he", poly_degree=degree)  # fresh keys: the server and the client half in one plugin
+    w0 = model()
+    estimate = he.sealed_bytes(w0)
+    broadcast = sum(t.numel() * t.element_size() for t in he.seal(w0).values())
+    upload = sum(t.numel() * t.element_size() for t in he.encode(deltas()[0], ctx(1, 0)).tensors.values())
+    assert abs(estimate - broadcast) < 0.01 * broadcast and abs(estimate - upload) < 0.01 * upload
+    slots = -(-9007 // slot_count(he.server.context)) * slot_count(he.server.context)
+    assert 50 < estimate / slots < 64  # each 8-byte coefficient mod a 60- or 40-bit prime, compressed
+    runner.check_sealed_size(he, w0, 1.01 * estimate / (1 << 20))  # each ciphertext compresses a little otherwise
+    with pytest.raises(ConfigError, match=r"^config key 'grpc.max_message_mb': the encrypted model of 9,007 values"):
+        runner.check_sealed_size(he, w0, 0.99 * estimate / (1 << 20))
+
+
+def test_an_encrypted_model_over_the_message_limit_is_refused_before_the_server_starts(keys: Path,
+                                                                                      tmp_path: Path) -> None:
+    """The model of SMALL (212 values) is one ciphertext of about 230 KB: over a limit of 0.1 MiB, each
+    broadcast and update would be refused by the node receiving it, every round."""
+    server_keys = public_only(keys, tmp_path)
+    config = small_config("transport=grpc", "grpc.max_message_mb=0.1", NO_SERVER_EVAL,
+                          f"plugins.client_send=[{{name: he, keys: {server_keys}}}]")
+    with pytest.raises(ConfigError) as err:
+        runner.prepare(config, tmp_path / "run")
+    line = str(err.value)
+    assert line.startswith("config key 'grpc.max_message_mb': the encrypted model of 212 values") and "\n" not in line
+    assert line.endswith("over the limit of 0.1 MiB; set grpc.max_message_mb to at least 1")
+    assert not (tmp_path / "run").exists()
+
+
 def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path, tmp_path: Path) -> None:
     """Issue 14, item 8: `fedweave server` given public.ctx only keeps the model encrypted with two
     `fedweave client` processes holding secret.ctx; `fedweave decrypt` of its run directory gives plaintext
