@@ -544,3 +544,54 @@ def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path
     assert not any(k in sealed for k, t in plain.params.items() if t.is_floating_point())  # ciphertexts only
     assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
     assert_same_params(torch.load(run_dir / MODEL_FILE), plain.params, atol=CKKS_ATOL)
+
+
+def test_over_grpc_site_leaders_relay_the_encrypted_model_and_updates(keys: Path, tmp_path: Path) -> None:
+    """A deployed hierarchy (sites [[0, 1], [2, 3]]) with plugin he: the server, given public.ctx alone,
+    sends each site leader one job a round (its members' instructions, each carrying the encrypted
+    model) and gets its members' encrypted updates back, relayed; `fedweave decrypt` of its run gives
+    plain FedAvg's model of the same hierarchy within CKKS precision. The leaders run in this process,
+    their members trained in it (in a deployment, the ranks of each site's torch.distributed world)."""
+    from conftest import free_port
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.node import server_topology
+    from fedweave.topologies.deploy import site_handler
+    from fedweave.transports.grpc.client import GrpcClient
+    from fedweave.transports.inmemory import InMemoryTransport
+
+    hierarchy = ["clients=4", "topology={kind: hierarchical, sites: 2}", "rounds=2", "checkpoint.every=0",
+                 NO_SERVER_EVAL]
+    plain_params, _ = run_to_end(tmp_path / "plain", *hierarchy)
+    deployed = [*hierarchy, "topology.inner=torchdist", "transport=grpc", f"grpc.listen=127.0.0.1:{free_port()}",
+                "grpc.heartbeat_interval=0.2", "grpc.poll_timeout=0.5", "grpc.connect_timeout=10",
+                "grpc.join_timeout=30", "grpc.backoff_initial=0.05", "grpc.backoff_max=0.5"]
+    server_keys = public_only(keys, tmp_path)
+    server_config = small_config(*deployed, f"plugins.client_send=[{{name: he, keys: {server_keys}}}]")
+    site_config = small_config(*deployed, f"plugins.client_send=[{{name: he, keys: {keys}}}]")
+    topology = server_topology(server_config)
+    run_dir = tmp_path / "run"
+    r = runner.prepare(server_config, run_dir, topology=topology)
+    task = build_task(site_config)
+
+    def leader(site: int) -> GrpcClient:
+        runtime = build_client_runtime(site_config, task, build_chains(site_config), ClientStateStore())
+        handle = site_handler(InMemoryTransport(runtime.handle), site)
+        return GrpcClient(site_config.grpc, site, handle, role="site", address=topology.transport.address)
+
+    leaders = [leader(0), leader(1)]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in leaders]
+    for thread in threads:
+        thread.start()
+    try:
+        records = runner.run_rounds(r)  # closes the topology at the end
+    finally:
+        for node, thread in zip(leaders, threads):
+            node.stop()
+            thread.join(timeout=10)
+    assert [(x["clients_sampled"], x["clients_completed"]) for x in records] == [(4, 4)] * 2
+    assert r.parts.chains.sealer is not None and r.parts.chains.sealer.server.context.is_private() is False
+    assert not (run_dir / MODEL_FILE).exists()
+    assert max((plain_params[k] - r.params[k]).abs().max().item() for k in plain_params) > 100 * CKKS_ATOL  # w_0
+    assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
+    assert_same_params(torch.load(run_dir / MODEL_FILE), plain_params, atol=CKKS_ATOL)
