@@ -489,6 +489,27 @@ def test_an_encrypted_model_over_the_message_limit_is_refused_before_the_server_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_site_leader_relaying_encrypted_updates_over_the_message_limit_is_refused_before_the_server_starts(
+    keys: Path, tmp_path: Path
+) -> None:
+    """A site leader relays its members' encrypted updates in one message: sites of 2 clients send about
+    460 KB, over a limit of 0.3 MiB that one update (about 230 KB) fits; before, the server started and
+    refused every site's reply (PayloadTooLarge), each round skipped."""
+    server_keys = public_only(keys, tmp_path)
+    config = small_config("transport=grpc", "grpc.max_message_mb=0.3", NO_SERVER_EVAL, "clients=4",
+                          "topology={kind: hierarchical, sites: 2, inner: torchdist}",
+                          f"plugins.client_send=[{{name: he, keys: {server_keys}}}]")
+    from fedweave.build import build_chains, build_task, initial_params
+
+    one = build_chains(config).sealer.sealed_bytes(initial_params(config, build_task(config)))
+    assert one < 0.3 * (1 << 20) < 2 * one
+    with pytest.raises(ConfigError) as err:
+        runner.prepare(config, tmp_path / "run")
+    line = str(err.value)
+    assert line.startswith("config key 'grpc.max_message_mb': the encrypted model of 212 values") and "\n" not in line
+    assert "a site leader relaying 2 members' updates in one), over the limit of 0.3 MiB" in line
+
+
 def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path, tmp_path: Path) -> None:
     """Issue 14, item 8: `fedweave server` given public.ctx only keeps the model encrypted with two
     `fedweave client` processes holding secret.ctx; `fedweave decrypt` of its run directory gives plaintext
