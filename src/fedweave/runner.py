@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any
 from fedweave import rundir
 from fedweave.asynchronous import BufferedServer, run_buffered, run_deployed
 from fedweave.topologies.emulated import emulated_clients
+from fedweave.topologies.hierarchical import leaves, site_tree
 from fedweave.batching.selection import sample_clients
 from fedweave.build import (
     build_chains,
@@ -229,6 +231,32 @@ def _save_sealed(sealer: SealsModel, params: Params, run_dir: Path, simulated: b
     return plain
 
 
+def check_sealed_size(sealer: SealsModel, params: Params, max_message_mb: float, updates: int = 1) -> None:
+    """Refuse, before any client joins, a model kept encrypted whose messages (the first broadcast, a
+    message of ``updates`` encrypted updates) a node would refuse as over ``grpc.max_message_mb``: plugin
+    he sends about 57 bytes a model value, so the 2 GiB default holds about 37M values. Ciphertexts
+    compress to sizes that differ by a few bytes: the size it asks for has 1% to spare."""
+    one = sealer.sealed_bytes(params)
+    size = one * updates
+    if size > max_message_mb * (1 << 20):
+        values = sum(t.numel() for t in params.values() if t.is_floating_point())
+        relayed = f", a site leader relaying {updates} members' updates in one" if updates > 1 else ""
+        raise ConfigError(
+            f"config key 'grpc.max_message_mb': the encrypted model of {values:,} values travels in messages of "
+            f"{size / (1 << 20):,.1f} MiB ({one / max(values, 1):.0f} bytes a value{relayed}), over the limit of "
+            f"{max_message_mb:g} MiB; set grpc.max_message_mb to at least {math.ceil(1.01 * size / (1 << 20))}"
+        )
+
+
+def _updates_a_message(config: Config) -> int:
+    """The most encrypted updates one message carries: one, or all a site leader's sampled members
+    answered (a hierarchy relays the updates of a plugin that combines them encoded)."""
+    if config.topology.kind != "hierarchical":
+        return 1
+    tree = site_tree(config.topology.sites, config.clients)  # type: ignore[arg-type]
+    return min(config.clients_per_round, max(len(leaves(site)) for site in tree))
+
+
 def _posts_jobs(topology: Topology) -> PostsJobs | None:
     """The network transport of a deployed star that gives clients one job at a time, else None."""
     if isinstance(topology, Star) and isinstance(topology.transport, PostsJobs):
@@ -246,6 +274,8 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
     task = build_task(config)
     params = initial_params(config, task)
     chains = build_chains(config)
+    if chains.sealer is not None and config.transport.kind == "grpc":
+        check_sealed_size(chains.sealer, params, config.grpc.max_message_mb, _updates_a_message(config))
     store = ClientStateStore()
     runtime = build_client_runtime(config, task, chains, store)
     fed_count = max(1, round(config.eval.federated_fraction * config.clients))

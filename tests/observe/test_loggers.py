@@ -18,7 +18,7 @@ from fedweave import config as config_mod
 from fedweave.errors import ConfigError
 from fedweave.observe.loggers import Loggers, flat_params, open_loggers, scalars
 
-from .conftest import DATA_PARALLEL, FEDERATED
+from .conftest import DATA_PARALLEL, FEDERATED, fed_record, write_run
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -138,6 +138,27 @@ def test_mlflow_run_has_params_metrics_per_round_and_artifacts(tmp_path: Path, m
     assert {"model.pt", "report"} <= top
     report = {a.path for a in client.list_artifacts(run_id, "report")}
     assert {"report/report.html", "report/report-accuracy-round.png"} <= report
+
+
+def test_mlflow_logs_the_encrypted_model_a_deployed_he_server_writes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployed server of plugin he writes model.he.pt and no model.pt: that file is the run's model."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from fedweave.config import MlflowConfig
+    from fedweave.observe.mlflow import MlflowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run = write_run(tmp_path / "run", {"name": "he", "rounds": 1}, [fed_record(1, 0.5, 1.0)])
+    torch.save({"w": torch.tensor([1, 2, 3], dtype=torch.uint8)}, run / "model.he.pt")
+    logger = MlflowLogger(MlflowConfig(enabled=True), run, "he", {})
+    logger.close(run, finished=True)
+    client = MlflowClient(tracking_uri=(run / "mlruns").as_uri())
+    top = {a.path for a in client.list_artifacts(logger.run_id)}
+    assert "model.he.pt" in top and "model.pt" not in top
+    got = torch.load(client.download_artifacts(logger.run_id, "model.he.pt", str(tmp_path)), weights_only=True)
+    assert got["w"].tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -462,6 +462,57 @@ def test_fedweave_decrypt_writes_the_plaintext_model_and_refuses_bad_keys(
         assert reason in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("degree", [8192, 16384])
+def test_sealed_bytes_is_the_size_of_the_first_broadcast_and_of_an_encrypted_update(degree: int) -> None:
+    he = make("he", poly_degree=degree)  # fresh keys: the server and the client half in one plugin
+    w0 = model()
+    estimate = he.sealed_bytes(w0)
+    broadcast = sum(t.numel() * t.element_size() for t in he.seal(w0).values())
+    upload = sum(t.numel() * t.element_size() for t in he.encode(deltas()[0], ctx(1, 0)).tensors.values())
+    assert abs(estimate - broadcast) < 0.01 * broadcast and abs(estimate - upload) < 0.01 * upload
+    slots = -(-9007 // slot_count(he.server.context)) * slot_count(he.server.context)
+    assert 50 < estimate / slots < 64  # each 8-byte coefficient mod a 60- or 40-bit prime, compressed
+    runner.check_sealed_size(he, w0, 1.01 * estimate / (1 << 20))  # each ciphertext compresses a little otherwise
+    with pytest.raises(ConfigError, match=r"^config key 'grpc.max_message_mb': the encrypted model of 9,007 values"):
+        runner.check_sealed_size(he, w0, 0.99 * estimate / (1 << 20))
+
+
+def test_an_encrypted_model_over_the_message_limit_is_refused_before_the_server_starts(keys: Path,
+                                                                                      tmp_path: Path) -> None:
+    """The model of SMALL (212 values) is one ciphertext of about 230 KB: over a limit of 0.1 MiB, each
+    broadcast and update would be refused by the node receiving it, every round."""
+    server_keys = public_only(keys, tmp_path)
+    config = small_config("transport=grpc", "grpc.max_message_mb=0.1", NO_SERVER_EVAL,
+                          f"plugins.client_send=[{{name: he, keys: {server_keys}}}]")
+    with pytest.raises(ConfigError) as err:
+        runner.prepare(config, tmp_path / "run")
+    line = str(err.value)
+    assert line.startswith("config key 'grpc.max_message_mb': the encrypted model of 212 values") and "\n" not in line
+    assert line.endswith("over the limit of 0.1 MiB; set grpc.max_message_mb to at least 1")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_site_leader_relaying_encrypted_updates_over_the_message_limit_is_refused_before_the_server_starts(
+    keys: Path, tmp_path: Path
+) -> None:
+    """A site leader relays its members' encrypted updates in one message: sites of 2 clients send about
+    460 KB, over a limit of 0.3 MiB that one update (about 230 KB) fits; before, the server started and
+    refused every site's reply (PayloadTooLarge), each round skipped."""
+    server_keys = public_only(keys, tmp_path)
+    config = small_config("transport=grpc", "grpc.max_message_mb=0.3", NO_SERVER_EVAL, "clients=4",
+                          "topology={kind: hierarchical, sites: 2, inner: torchdist}",
+                          f"plugins.client_send=[{{name: he, keys: {server_keys}}}]")
+    from fedweave.build import build_chains, build_task, initial_params
+
+    one = build_chains(config).sealer.sealed_bytes(initial_params(config, build_task(config)))
+    assert one < 0.3 * (1 << 20) < 2 * one
+    with pytest.raises(ConfigError) as err:
+        runner.prepare(config, tmp_path / "run")
+    line = str(err.value)
+    assert line.startswith("config key 'grpc.max_message_mb': the encrypted model of 212 values") and "\n" not in line
+    assert "a site leader relaying 2 members' updates in one), over the limit of 0.3 MiB" in line
+
+
 def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path, tmp_path: Path) -> None:
     """Issue 14, item 8: `fedweave server` given public.ctx only keeps the model encrypted with two
     `fedweave client` processes holding secret.ctx; `fedweave decrypt` of its run directory gives plaintext
@@ -517,3 +568,54 @@ def test_over_grpc_a_server_with_the_public_context_alone_runs_fedavg(keys: Path
     assert not any(k in sealed for k, t in plain.params.items() if t.is_floating_point())  # ciphertexts only
     assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
     assert_same_params(torch.load(run_dir / MODEL_FILE), plain.params, atol=CKKS_ATOL)
+
+
+def test_over_grpc_site_leaders_relay_the_encrypted_model_and_updates(keys: Path, tmp_path: Path) -> None:
+    """A deployed hierarchy (sites [[0, 1], [2, 3]]) with plugin he: the server, given public.ctx alone,
+    sends each site leader one job a round (its members' instructions, each carrying the encrypted
+    model) and gets its members' encrypted updates back, relayed; `fedweave decrypt` of its run gives
+    plain FedAvg's model of the same hierarchy within CKKS precision. The leaders run in this process,
+    their members trained in it (in a deployment, the ranks of each site's torch.distributed world)."""
+    from conftest import free_port
+    from fedweave.build import build_chains, build_client_runtime, build_task
+    from fedweave.client import ClientStateStore
+    from fedweave.node import server_topology
+    from fedweave.topologies.deploy import site_handler
+    from fedweave.transports.grpc.client import GrpcClient
+    from fedweave.transports.inmemory import InMemoryTransport
+
+    hierarchy = ["clients=4", "topology={kind: hierarchical, sites: 2}", "rounds=2", "checkpoint.every=0",
+                 NO_SERVER_EVAL]
+    plain_params, _ = run_to_end(tmp_path / "plain", *hierarchy)
+    deployed = [*hierarchy, "topology.inner=torchdist", "transport=grpc", f"grpc.listen=127.0.0.1:{free_port()}",
+                "grpc.heartbeat_interval=0.2", "grpc.poll_timeout=0.5", "grpc.connect_timeout=10",
+                "grpc.join_timeout=30", "grpc.backoff_initial=0.05", "grpc.backoff_max=0.5"]
+    server_keys = public_only(keys, tmp_path)
+    server_config = small_config(*deployed, f"plugins.client_send=[{{name: he, keys: {server_keys}}}]")
+    site_config = small_config(*deployed, f"plugins.client_send=[{{name: he, keys: {keys}}}]")
+    topology = server_topology(server_config)
+    run_dir = tmp_path / "run"
+    r = runner.prepare(server_config, run_dir, topology=topology)
+    task = build_task(site_config)
+
+    def leader(site: int) -> GrpcClient:
+        runtime = build_client_runtime(site_config, task, build_chains(site_config), ClientStateStore())
+        handle = site_handler(InMemoryTransport(runtime.handle), site)
+        return GrpcClient(site_config.grpc, site, handle, role="site", address=topology.transport.address)
+
+    leaders = [leader(0), leader(1)]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in leaders]
+    for thread in threads:
+        thread.start()
+    try:
+        records = runner.run_rounds(r)  # closes the topology at the end
+    finally:
+        for node, thread in zip(leaders, threads):
+            node.stop()
+            thread.join(timeout=10)
+    assert [(x["clients_sampled"], x["clients_completed"]) for x in records] == [(4, 4)] * 2
+    assert r.parts.chains.sealer is not None and r.parts.chains.sealer.server.context.is_private() is False
+    assert not (run_dir / MODEL_FILE).exists()
+    assert max((plain_params[k] - r.params[k]).abs().max().item() for k in plain_params) > 100 * CKKS_ATOL  # w_0
+    assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
+    assert_same_params(torch.load(run_dir / MODEL_FILE), plain_params, atol=CKKS_ATOL)

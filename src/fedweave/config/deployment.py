@@ -120,7 +120,8 @@ class GrpcConfig:
     )
     chunk_bytes: int = opt(1 << 20, ge=4096, le=64 << 20, help="bytes per streamed chunk of a message")
     max_message_mb: float = opt(
-        2048.0, gt=0, help="largest message a node accepts, in MiB (raise it for a model over ~500M float32 values)"
+        2048.0, gt=0, help="largest message a node accepts, in MiB (raise it for a model over ~500M float32 values; "
+        "plugin he sends ~57 bytes a value: over ~37M values, checked when the server starts)"
     )
     checksum: bool = opt(True, help="CRC-32 on every chunk; a corrupted chunk is rejected")
     heartbeat_interval: float = opt(1.0, gt=0, help="seconds between a client's heartbeats (sent while it trains)")

@@ -1,6 +1,7 @@
 """MLflow tracking of a run (``observe.mlflow``; extra ``mlflow``, i.e. ``mlflow-skinny``):
 the resolved config as params, each record's numbers as metrics at its round or step, and
-at the end the final model and the run's report as artifacts.
+at the end the final model (``model.pt``, and ``model.he.pt`` where the server keeps it encrypted:
+plugin he; a deployed server writes only that one) and the run's report as artifacts.
 
 Without ``tracking_uri`` the run logs to a local ``file:`` store in ``RUN_DIR/mlruns``
 (MLflow keeps that store in maintenance mode and asks for ``MLFLOW_ALLOW_FILE_STORE``,
@@ -19,6 +20,7 @@ from typing import Any
 
 from fedweave.config import MlflowConfig
 from fedweave.errors import ConfigError
+from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +71,13 @@ class MlflowLogger:
             self.client.log_batch(self.run_id, metrics=metrics[start : start + BATCH])
 
     def close(self, run_dir: Path, finished: bool) -> None:
-        """The final model and the report (written now) as artifacts; the run marked ended."""
+        """The final model (plain, encrypted, or both) and the report (written now) as artifacts; the run
+        marked ended."""
         from fedweave.observe.report import REPORT_FILE, write_report
 
-        model = run_dir / "model.pt"
-        if model.is_file():
-            self.client.log_artifact(self.run_id, str(model))
+        for model in (run_dir / MODEL_FILE, run_dir / SEALED_MODEL_FILE):
+            if model.is_file():
+                self.client.log_artifact(self.run_id, str(model))
         report = write_report([run_dir])
         for path in [report, *sorted(run_dir.glob(f"{report.stem}-*.png"))]:
             self.client.log_artifact(self.run_id, str(path), artifact_path="report")

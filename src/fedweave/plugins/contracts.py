@@ -14,8 +14,8 @@ protocol            methods                                         when it is c
 :class:`RunsProtocol`  ``setup``, ``combine(..., exchange)``       a combining plugin with its own
                                                                     control messages (SecAgg), server
 :class:`Answers`    ``answer(control, ctx) -> Control``             its client half
-:class:`SealsModel`  ``seal``, ``unseal``, ``check_encoded``         a combining plugin that keeps the
-                                                                    global model encrypted (HE)
+:class:`SealsModel`  ``seal``, ``unseal``, ``check_encoded``,       a combining plugin that keeps the
+                     ``sealed_bytes``                               global model encrypted (HE)
 :class:`Stateful`   ``state_dict()``, ``load_state_dict(state)``    checkpoints (error feedback)
 :class:`Binds`      ``bind(config)``                                once, when the run is built
 :class:`BeginsRound`  ``begin_round(rnd, client_ids)``              before each round's set-up
@@ -78,13 +78,17 @@ class SealsModel(Protocol):
     """A combining plugin whose server keeps the global model encoded (HE): ``seal`` puts the
     encoded model in place of the plaintext params of each instruction (server), ``unseal``
     takes it back out (client, with the key), ``check_encoded`` refuses, by raising, a
-    still-encoded update that could not be combined with the model (server)."""
+    still-encoded update that could not be combined with the model (server); ``sealed_bytes``
+    is the size of the largest message the encoded model of ``params`` makes (server, at start:
+    checked against a transport's message limit)."""
 
     def seal(self, params: Params) -> Params: ...
 
     def unseal(self, tensors: Params) -> Params: ...
 
     def check_encoded(self, update: Update) -> None: ...
+
+    def sealed_bytes(self, params: Params) -> int: ...
 
 
 @runtime_checkable
@@ -126,7 +130,7 @@ class ReportsMetrics(Protocol):
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("RunsProtocol and Answers", ("setup", "combine", "answer")),
     ("Stateful", ("state_dict", "load_state_dict")),
-    ("SealsModel", ("seal", "unseal", "check_encoded")),
+    ("SealsModel", ("seal", "unseal", "check_encoded", "sealed_bytes")),
 )
 """Capabilities of several methods: a plugin with some of them must have all."""
 

@@ -292,6 +292,18 @@ class HE:
         self._clear = clear
         return {**self.model, **clear}
 
+    def sealed_bytes(self, params: Params) -> int:
+        """Server: the bytes of the largest message the encrypted model of ``params`` makes: the first
+        broadcast, Enc(w_0), each of whose fresh ciphertexts is as large as one of a client's encrypted
+        update (about 57 bytes a value at either ring degree; later broadcasts, one level down, about
+        32), with what travels in the clear. Measured on one ciphertext of the model's first values: a
+        ciphertext's size does not depend on how many of its slots are used."""
+        vector, clear = flatten(params)
+        slots = slot_count(self.server.context)
+        count = math.ceil(vector.numel() / slots)
+        one = len(self.server.encrypt(vector[:slots].numpy())[0]) if count else 0
+        return count * one + sum(t.numel() * t.element_size() for t in clear.values())
+
     def check_encoded(self, update: Update) -> None:
         """Server: raise unless ``update``'s ciphertexts are those of the model (names, sizes) and add
         to it, and what it sends in the clear has the broadcast's layouts, names, shapes and dtypes."""
