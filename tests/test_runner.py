@@ -197,9 +197,11 @@ def test_a_simulation_checkpoints_at_most_every_30_seconds_and_its_last_round(
 
 
 def test_checkpoint_interval_defaults_by_transport() -> None:
-    assert config_mod.load(None, []).checkpoint.interval("inmemory") == SIMULATION_CHECKPOINT_INTERVAL == 30
-    assert config_mod.load(None, []).checkpoint.interval("grpc") == 0
-    assert config_mod.load(None, ["checkpoint.min_interval=5"]).checkpoint.interval("grpc") == 5
+    assert config_mod.load(None, []).checkpoint.interval("inmemory", False) == SIMULATION_CHECKPOINT_INTERVAL == 30
+    assert config_mod.load(None, []).checkpoint.interval("grpc", False) == 0
+    assert config_mod.load(None, ["checkpoint.min_interval=5"]).checkpoint.interval("grpc", False) == 5
+    # a chain drawing from the OS each round: every round checkpointed, also in simulation
+    assert config_mod.load(None, []).checkpoint.interval("inmemory", True) == 0
 
 
 def test_resume_after_a_timed_checkpoint_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,6 +227,24 @@ def test_resume_after_a_timed_checkpoint_equals_uninterrupted(tmp_path: Path, mo
     assert_same_params(whole, resumed.params)
     assert comparable(records) == comparable(whole_records)
     assert comparable(read_lines(tmp_path / "resumed" / "metrics.jsonl")) == comparable(whole_records)
+
+
+def dp_central(target: float, seeded: bool) -> str:
+    return (f"plugins.client_send=[{{name: dp_central, noise_multiplier: 1.0, target_epsilon: {target}, "
+            f"seeded_noise: {str(seeded).lower()}}}]")
+
+
+def test_a_chain_drawing_privacy_noise_from_the_os_is_checkpointed_every_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redoing a round of OS noise would release it twice: the default cadence is every round
+    (10 s a round would give round 4 only)."""
+    clock = RoundClock()
+    saved = checkpointed_rounds(monkeypatch, clock)
+    target = 1000.0
+    r = runner.prepare(small_config("rounds=4", "checkpoint.min_interval=null", dp_central(target, seeded=False)), tmp_path)
+    runner.execute(r, clock.record)
+    assert saved == [1, 2, 3, 4]
 
 
 KILLED_RUN = """

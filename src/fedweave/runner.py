@@ -41,6 +41,8 @@ from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
+from fedweave.plugins import PLUGINS
+from fedweave.plugins.compose import fresh_draws
 from fedweave.plugins.contracts import SealsModel
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
@@ -147,7 +149,8 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     # next round trains. Deployed clients keep the state the next round's instruction accepts:
     # that instruction must not leave before the checkpoint it follows is on disk.
     checkpoints = CheckpointWriter(r.run_dir, background=cfg.transport.kind == "inmemory", covers=[metrics.path])
-    every, interval = cfg.checkpoint.every, cfg.checkpoint.interval(cfg.transport.kind)
+    every = cfg.checkpoint.every
+    interval = cfg.checkpoint.interval(cfg.transport.kind, bool(fresh_draws(cfg, PLUGINS)))
     last_saved = time.monotonic()
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
