@@ -22,6 +22,7 @@ from fedweave import rundir, runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.config.sections import SIMULATION_CHECKPOINT_INTERVAL
 from fedweave.errors import CheckpointError, ConfigError
+from fedweave.plugins.privacy.accountant import epsilon
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
@@ -234,15 +235,36 @@ def dp_central(target: float, seeded: bool) -> str:
             f"seeded_noise: {str(seeded).lower()}}}]")
 
 
+def test_a_run_its_privacy_budget_stops_checkpoints_its_last_round_and_resumes_to_nothing(tmp_path: Path) -> None:
+    """Stopped before round 4 by target_epsilon (all 4 clients a round: sampling rate 1), with no timed
+    checkpoint due: round 3 is checkpointed, the adaptive controller as round 3 left it (not as round
+    4's plan moved it); resumed, it stops again at once: no round redone, no noise drawn again."""
+    target = (epsilon([(1.0, 1.0, 3)], 1e-5) + epsilon([(1.0, 1.0, 4)], 1e-5)) / 2
+    overrides = ("rounds=8", "checkpoint.min_interval=1000", "controller=adaptive", dp_central(target, seeded=True))
+    r = runner.prepare(small_config(*overrides), tmp_path)
+    after: dict[int, Any] = {}
+    records = runner.execute(r, lambda record: after.update({record["round"]: r.parts.controller.state_dict()}))
+    assert [rec["round"] for rec in records] == [1, 2, 3]
+    state = load_checkpoint(tmp_path)
+    assert state["round"] == 3 and state["controller"] == after[3] and after[3]["pending"] == []
+    assert_same_params(state["params"], r.params)
+    resumed = runner.resume(tmp_path)
+    assert resumed.first_round == 4
+    assert runner.execute(resumed) == records[:3]  # the records restored, none added
+    assert_same_params(resumed.params, r.params)
+    assert read_lines(tmp_path / "metrics.jsonl") == records
+    assert load_checkpoint(tmp_path)["round"] == 3
+
+
 def test_a_chain_drawing_privacy_noise_from_the_os_is_checkpointed_every_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Redoing a round of OS noise would release it twice: the default cadence is every round
-    (10 s a round would give round 4 only)."""
+    (10 s a round would give round 4 only), and the run its budget stops keeps its last round."""
     clock = RoundClock()
     saved = checkpointed_rounds(monkeypatch, clock)
-    target = 1000.0
-    r = runner.prepare(small_config("rounds=4", "checkpoint.min_interval=null", dp_central(target, seeded=False)), tmp_path)
+    target = (epsilon([(1.0, 1.0, 4)], 1e-5) + epsilon([(1.0, 1.0, 5)], 1e-5)) / 2
+    r = runner.prepare(small_config("rounds=6", "checkpoint.min_interval=null", dp_central(target, seeded=False)), tmp_path)
     runner.execute(r, clock.record)
     assert saved == [1, 2, 3, 4]
 
