@@ -269,6 +269,17 @@ def test_a_chain_drawing_privacy_noise_from_the_os_is_checkpointed_every_round(
     assert saved == [1, 2, 3, 4]
 
 
+def test_the_model_is_written_after_the_clients_are_told_to_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server killed between the two must find no model when restarted, or it stops no client (node._finished)."""
+    r = runner.prepare(small_config(), tmp_path)
+    events: list[str] = []
+    close, save_result = r.parts.topology.close, runner.save_result
+    monkeypatch.setattr(r.parts.topology, "close", lambda: (events.append("close"), close())[1])
+    monkeypatch.setattr(runner, "save_result", lambda run: (events.append("model"), save_result(run))[1])
+    runner.execute(r)
+    assert events == ["close", "model"] and (tmp_path / rundir.MODEL_FILE).is_file()
+
+
 KILLED_RUN = """
 import os, signal, sys, time, types
 sys.path[:0] = [sys.argv[1], os.path.join(os.path.dirname(sys.argv[1]), "src")]  # tests/, then this checkout's src/

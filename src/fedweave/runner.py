@@ -170,25 +170,27 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
             on_record(record)
 
     try:
-        if r.buffered is None:
-            r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
-        elif (jobs := _posts_jobs(r.parts.topology)) is not None:  # deployed: the real clock
-            r.params = run_deployed(
-                r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round, cfg.grpc.join_timeout
-            )
-        else:
-            r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
-        if every and saved < recorded:  # a run stopped early (privacy budget spent, no client left)
-            _checkpoint(r, checkpoints, recorded, r.params)
-        r.params = save_result(r)  # while the last checkpoint is written
+        try:
+            if r.buffered is None:
+                r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
+            elif (jobs := _posts_jobs(r.parts.topology)) is not None:  # deployed: the real clock
+                r.params = run_deployed(
+                    r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round, cfg.grpc.join_timeout
+                )
+            else:
+                r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
+            if every and saved < recorded:  # a run stopped early (privacy budget spent, no client left)
+                _checkpoint(r, checkpoints, recorded, r.params)
+        finally:
+            try:
+                r.parts.topology.close()
+            finally:
+                checkpoints.close()  # the last checkpoint is on disk when the run returns
+        # Only now, the clients told to stop: a restarted server that finds the model (node._finished) stops none.
+        r.params = save_result(r)
     except BaseException:
         loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
         raise
-    finally:
-        try:
-            r.parts.topology.close()
-        finally:
-            checkpoints.close()  # the last checkpoint is on disk when the run returns
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients
 
