@@ -113,7 +113,8 @@ def test_a_server_rolled_back_past_a_committed_state_is_warned_of_once(caplog: p
         store.settle(1, 2, training=True)
     assert [r.getMessage() for r in caplog.records] == [
         "client 1: its state is of round 3, but the server applied its updates only up to round 2 (a server "
-        "restarted from an older checkpoint: checkpoint.every > 1); the run goes on with the newer state, so it "
+        "restarted from a checkpoint older than its last round: checkpoint.every > 1 or checkpoint.min_interval > 0); "
+        "the run goes on with the newer state, so it "
         "is not the same as an uninterrupted run"
     ]
     assert store.get(1)["x"].item() == 3.0

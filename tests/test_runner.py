@@ -22,6 +22,7 @@ from fedweave import rundir, runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.config.sections import SIMULATION_CHECKPOINT_INTERVAL
 from fedweave.errors import CheckpointError, ConfigError
+from fedweave.plugins.privacy.accountant import epsilon
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
@@ -197,9 +198,11 @@ def test_a_simulation_checkpoints_at_most_every_30_seconds_and_its_last_round(
 
 
 def test_checkpoint_interval_defaults_by_transport() -> None:
-    assert config_mod.load(None, []).checkpoint.interval("inmemory") == SIMULATION_CHECKPOINT_INTERVAL == 30
-    assert config_mod.load(None, []).checkpoint.interval("grpc") == 0
-    assert config_mod.load(None, ["checkpoint.min_interval=5"]).checkpoint.interval("grpc") == 5
+    assert config_mod.load(None, []).checkpoint.interval("inmemory", False) == SIMULATION_CHECKPOINT_INTERVAL == 30
+    assert config_mod.load(None, []).checkpoint.interval("grpc", False) == 0
+    assert config_mod.load(None, ["checkpoint.min_interval=5"]).checkpoint.interval("grpc", False) == 5
+    # a chain drawing from the OS each round: every round checkpointed, also in simulation
+    assert config_mod.load(None, []).checkpoint.interval("inmemory", True) == 0
 
 
 def test_resume_after_a_timed_checkpoint_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,6 +228,56 @@ def test_resume_after_a_timed_checkpoint_equals_uninterrupted(tmp_path: Path, mo
     assert_same_params(whole, resumed.params)
     assert comparable(records) == comparable(whole_records)
     assert comparable(read_lines(tmp_path / "resumed" / "metrics.jsonl")) == comparable(whole_records)
+
+
+def dp_central(target: float, seeded: bool) -> str:
+    return (f"plugins.client_send=[{{name: dp_central, noise_multiplier: 1.0, target_epsilon: {target}, "
+            f"seeded_noise: {str(seeded).lower()}}}]")
+
+
+def test_a_run_its_privacy_budget_stops_checkpoints_its_last_round_and_resumes_to_nothing(tmp_path: Path) -> None:
+    """Stopped before round 4 by target_epsilon (all 4 clients a round: sampling rate 1), with no timed
+    checkpoint due: round 3 is checkpointed, the adaptive controller as round 3 left it (not as round
+    4's plan moved it); resumed, it stops again at once: no round redone, no noise drawn again."""
+    target = (epsilon([(1.0, 1.0, 3)], 1e-5) + epsilon([(1.0, 1.0, 4)], 1e-5)) / 2
+    overrides = ("rounds=8", "checkpoint.min_interval=1000", "controller=adaptive", dp_central(target, seeded=True))
+    r = runner.prepare(small_config(*overrides), tmp_path)
+    after: dict[int, Any] = {}
+    records = runner.execute(r, lambda record: after.update({record["round"]: r.parts.controller.state_dict()}))
+    assert [rec["round"] for rec in records] == [1, 2, 3]
+    state = load_checkpoint(tmp_path)
+    assert state["round"] == 3 and state["controller"] == after[3] and after[3]["pending"] == []
+    assert_same_params(state["params"], r.params)
+    resumed = runner.resume(tmp_path)
+    assert resumed.first_round == 4
+    assert runner.execute(resumed) == records[:3]  # the records restored, none added
+    assert_same_params(resumed.params, r.params)
+    assert read_lines(tmp_path / "metrics.jsonl") == records
+    assert load_checkpoint(tmp_path)["round"] == 3
+
+
+def test_a_chain_drawing_privacy_noise_from_the_os_is_checkpointed_every_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redoing a round of OS noise would release it twice: the default cadence is every round
+    (10 s a round would give round 4 only), and the run its budget stops keeps its last round."""
+    clock = RoundClock()
+    saved = checkpointed_rounds(monkeypatch, clock)
+    target = (epsilon([(1.0, 1.0, 4)], 1e-5) + epsilon([(1.0, 1.0, 5)], 1e-5)) / 2
+    r = runner.prepare(small_config("rounds=6", "checkpoint.min_interval=null", dp_central(target, seeded=False)), tmp_path)
+    runner.execute(r, clock.record)
+    assert saved == [1, 2, 3, 4]
+
+
+def test_the_model_is_written_after_the_clients_are_told_to_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server killed between the two must find no model when restarted, or it stops no client (node._finished)."""
+    r = runner.prepare(small_config(), tmp_path)
+    events: list[str] = []
+    close, save_result = r.parts.topology.close, runner.save_result
+    monkeypatch.setattr(r.parts.topology, "close", lambda: (events.append("close"), close())[1])
+    monkeypatch.setattr(runner, "save_result", lambda run: (events.append("model"), save_result(run))[1])
+    runner.execute(r)
+    assert events == ["close", "model"] and (tmp_path / rundir.MODEL_FILE).is_file()
 
 
 KILLED_RUN = """

@@ -117,7 +117,8 @@ class ClientStateStore:
         if accepted_round is not None and accepted_round < committed:
             log.warning(
                 "client %d: its state is of round %d, but the server applied its updates only up to round %d "
-                "(a server restarted from an older checkpoint: checkpoint.every > 1); the run goes on with "
+                "(a server restarted from a checkpoint older than its last round: checkpoint.every > 1 or "
+                "checkpoint.min_interval > 0); the run goes on with "
                 "the newer state, so it is not the same as an uninterrupted run", client_id, committed, accepted_round,
             )
             self._committed_round[client_id] = accepted_round  # warned once

@@ -146,12 +146,16 @@ def run(
     last_round: int,
     on_round: Callable[[int, Params, Record], None],
 ) -> Params:
-    """Rounds ``first_round..last_round``; ``on_round`` records, checkpoints, reports."""
+    """Rounds ``first_round..last_round``; ``on_round`` records, checkpoints, reports.
+
+    A run stopped by a spent privacy budget returns in the state of its last recorded round."""
     for rnd in range(first_round, last_round + 1):
         start = time.perf_counter()
+        planned = parts.controller.state_dict()  # plan() moves it before the budget is checked
         try:
             params, trained = train_round(parts, rnd, params)
         except BudgetSpent as exc:
+            parts.controller.load_state_dict(planned)
             log.warning("run stopped before round %d: %s", rnd, exc)
             break
         trained.update(parts.chains.metrics())

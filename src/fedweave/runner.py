@@ -2,9 +2,11 @@
 
 ``prepare`` turns a validated :class:`~fedweave.config.Config` into the parts of a
 round (task, strategy, chains, controller, topology) and a run directory;
-``execute`` drives :func:`fedweave.loop.run` and records every round (metrics line,
-atomic checkpoint); ``resume`` rebuilds the same parts from a run directory and
-continues after its last checkpoint.
+``execute`` drives :func:`fedweave.loop.run` and records every round (a metrics line;
+an atomic checkpoint every ``checkpoint.every`` rounds, at most one per
+``checkpoint.min_interval`` seconds, and always of the last round run, also when the
+run stops early); ``resume`` rebuilds the same parts from a run directory and continues
+after its last checkpoint.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
+from fedweave.plugins import PLUGINS
+from fedweave.plugins.compose import fresh_draws
 from fedweave.plugins.contracts import SealsModel
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
@@ -149,57 +153,74 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     # next round trains. Deployed clients keep the state the next round's instruction accepts:
     # that instruction must not leave before the checkpoint it follows is on disk.
     checkpoints = CheckpointWriter(r.run_dir, background=cfg.transport.kind == "inmemory", covers=[metrics.path])
-    every, interval = cfg.checkpoint.every, cfg.checkpoint.interval(cfg.transport.kind)
+    every = cfg.checkpoint.every
+    interval = cfg.checkpoint.interval(cfg.transport.kind, bool(fresh_draws(cfg, PLUGINS)))
     last_saved = time.monotonic()
+    recorded = saved = r.first_round - 1  # the last round recorded, and checkpointed, by this process
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
-        nonlocal last_saved
+        nonlocal last_saved, recorded, saved
         due = bool(every) and (rnd == cfg.rounds or (rnd % every == 0 and time.monotonic() - last_saved >= interval))
         metrics.append(record, sync=rnd == cfg.rounds and not due)  # else synced by the checkpoint that covers it
         loggers.record(record)
         r.records.append(record)
+        recorded = rnd
         if due:
-            checkpoints.save(
-                {
-                    "round": rnd,
-                    "params": params,
-                    "strategy": r.parts.strategy.state_dict(),
-                    "controller": r.parts.controller.state_dict(),
-                    "client_states": r.store.state_dict(),
-                    "client_pending": r.store.pending_state_dict(),
-                    "accepted": r.parts.accepted.state_dict(),
-                    "plugins": r.parts.chains.state_dict(),
-                    "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
-                },
-            )
-            last_saved = time.monotonic()
+            _checkpoint(r, checkpoints, rnd, params)
+            last_saved, saved = time.monotonic(), rnd
         if on_record is not None:
             on_record(record)
 
     try:
-        if r.buffered is None:
-            r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
-        elif (jobs := _posts_jobs(r.parts.topology)) is not None:  # deployed: the real clock
-            r.params = run_deployed(
-                r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round, cfg.grpc.join_timeout
-            )
-        else:
-            r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
-        r.params = save_result(r)  # while the last checkpoint is written
+        try:
+            if r.buffered is None:
+                r.params = run(r.parts, r.params, r.first_round, cfg.rounds, on_round)
+            elif (jobs := _posts_jobs(r.parts.topology)) is not None:  # deployed: the real clock
+                r.params = run_deployed(
+                    r.parts, r.buffered, jobs, r.params, r.first_round, cfg.rounds, on_round, cfg.grpc.join_timeout
+                )
+            else:
+                r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
+            if every and saved < recorded:  # a run stopped early (privacy budget spent, no client left)
+                _checkpoint(r, checkpoints, recorded, r.params)
+        finally:
+            try:
+                r.parts.topology.close()
+            finally:
+                checkpoints.close()  # the last checkpoint is on disk when the run returns
+        # Only now, the clients told to stop: a restarted server that finds the model (node._finished) stops none.
+        r.params = save_result(r)
     except BaseException:
         loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
         raise
-    finally:
-        try:
-            r.parts.topology.close()
-        finally:
-            checkpoints.close()  # the last checkpoint is on disk when the run returns
     if r.records and (cfg.controller.kind != "static" or emulates_clients(cfg)):
         from fedweave.observe.plots import plot_clients
 
         plot_clients(r.records, r.run_dir / CLIENTS_PLOT)
     loggers.close(r.run_dir)
     return r.records
+
+
+def _checkpoint(r: Run, checkpoints: CheckpointWriter, rnd: int, params: Params) -> None:
+    """Save the run's state after round ``rnd``, whose global model is ``params``.
+
+    Each spine returns in such a state, also when it stops early: :func:`~fedweave.loop.run` before
+    a round's set-up (the controller's plan undone); the asynchronous spines with nothing in flight,
+    their state (clock, buffer) a later point of the same model version, from which a resumed run
+    goes on as this one would have."""
+    checkpoints.save(
+        {
+            "round": rnd,
+            "params": params,
+            "strategy": r.parts.strategy.state_dict(),
+            "controller": r.parts.controller.state_dict(),
+            "client_states": r.store.state_dict(),
+            "client_pending": r.store.pending_state_dict(),
+            "accepted": r.parts.accepted.state_dict(),
+            "plugins": r.parts.chains.state_dict(),
+            "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
+        },
+    )
 
 
 def save_result(r: Run) -> Params:

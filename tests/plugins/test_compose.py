@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from conftest import small_config
@@ -40,13 +42,28 @@ REFUSED = [
     (chain("client_send", "{name: clip}", "{name: dp_local}") + " && strategy={name: scaffold, option: I}", r"'plugins.client_send\[1\]': plugin 'dp_local' cannot protect .*the exact gradient of its whole training set \(strategy.option I\), computed from the raw data"),
     (chain("client_receive", "{name: dpsgd}") + " && strategy={name: scaffold, option: I}", r"'plugins.client_receive\[0\]': plugin 'dpsgd' cannot protect .*\(strategy.option I\), computed from the raw data, outside any private training"),
     (chain("client_send", "{name: dp_local, seeded_noise: true}") + " && transport=grpc", r"'plugins.client_send\[0\].seeded_noise': plugin 'dp_local' would draw its noise from the run seed.*transport 'grpc' runs the nodes apart"),
+    (chain("client_send", "{name: dp_local}") + " && checkpoint.min_interval=5", r"^config key 'checkpoint.min_interval': 5 s lets a resumed run redo the rounds since its last checkpoint, and plugin 'dp_local' \(plugins.client_send\[0\]\) draws fresh privacy noise each round, so a round done again is a second privacy release"),
+    (chain("client_send", "{name: clip}", "{name: dp_central}") + " && checkpoint.every=2", r"^config key 'checkpoint.every': 2 lets .* plugin 'dp_central' \(plugins.client_send\[1\]\) draws fresh privacy noise"),
+    (chain("client_receive", "{name: dpsgd}") + " && checkpoint.min_interval=0.5 && transport=grpc", r"^config key 'checkpoint.min_interval': 0.5 s .* plugin 'dpsgd' \(plugins.client_receive\[0\]\) draws fresh privacy noise and batch sampling"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", REFUSED, ids=[f"{i}" for i in range(len(REFUSED))])
 def test_refused_chains_say_where_and_why(overrides: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as refused:
         small_config(*overrides.split(" && "))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_timed_cadence_with_reproducible_or_harmless_draws_loads(caplog: pytest.LogCaptureFixture) -> None:
+    """Seeded noise repeats when a round is redone; secagg's fresh rounding only moves the result a little (warned)."""
+    with caplog.at_level(logging.WARNING, logger="fedweave.plugins.compose"):
+        small_config(chain("client_send", "{name: dp_central, seeded_noise: true}"), "checkpoint.min_interval=5")
+        small_config(chain("client_send", "{name: clip}", "{name: secagg, seeded_noise: true}"), "checkpoint.every=3")
+        assert caplog.text == ""
+        small_config(chain("client_send", "{name: clip}", "{name: secagg}"), "checkpoint.min_interval=5")
+    assert "checkpoint.min_interval 5 s: plugin 'secagg' (plugins.client_send[1]) draws fresh stochastic rounding" in caplog.text
+    assert "differ slightly from an uninterrupted run's" in caplog.text
 
 
 ALLOWED = [

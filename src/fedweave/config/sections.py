@@ -180,16 +180,20 @@ SIMULATION_CHECKPOINT_INTERVAL = 30.0
 class CheckpointConfig:
     every: int = opt(1, ge=0, help="write the server state every N rounds (0: never)")
     min_interval: float | None = opt(
-        None, ge=0, help="seconds at least between two checkpoints of a federated run, the last round's always "
-        f"written (none: {SIMULATION_CHECKPOINT_INTERVAL:g} in simulation, where a resumed run redoes the rounds "
-        "since exactly; 0 over a network transport, whose clients keep the state of the last round)"
+        None, ge=0, help="seconds at least between two checkpoints of a federated run; the last round run is "
+        "always written, also when the run stops early (privacy budget spent, no client left) "
+        f"(none: {SIMULATION_CHECKPOINT_INTERVAL:g} in simulation, where a resumed run redoes the rounds since "
+        "exactly; 0 over a network transport, whose clients keep the state of the last round, and with a plugin "
+        "that draws from the OS each round (privacy noise without seeded_noise, secagg, he), whose rounds done "
+        "again differ; with privacy noise a value > 0 is refused)"
     )
 
-    def interval(self, transport: str) -> float:
-        """``min_interval`` for a run over ``transport`` (``transport.kind``)."""
+    def interval(self, transport: str, fresh_draws: bool) -> float:
+        """``min_interval`` for a run over ``transport`` (``transport.kind``); ``fresh_draws``: a plugin of
+        the run draws from the OS's secure source each round (:func:`fedweave.plugins.compose.fresh_draws`)."""
         if self.min_interval is not None:
             return self.min_interval
-        return SIMULATION_CHECKPOINT_INTERVAL if transport == "inmemory" else 0.0
+        return SIMULATION_CHECKPOINT_INTERVAL if transport == "inmemory" and not fresh_draws else 0.0
 
 
 @dataclass

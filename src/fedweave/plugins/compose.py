@@ -27,6 +27,17 @@ that leaves a client is clipped and noised, ``dp_local``, ``dp_central``;
   makes private but client_send's noise does not reach). Extras do not pass the
   ``client_send`` chain, so such a strategy is refused with the plugins they bypass.
 
+Checkpoint cadence, for the plugins whose rounds draw from the OS's secure source
+(:class:`~fedweave.plugins.contracts.DrawsFresh`): a run resumed from a checkpoint older
+than its last round redoes the rounds since, and such a plugin draws them anew.
+
+- ``checkpoint.min_interval > 0`` or ``checkpoint.every > 1`` with a plugin whose draws are
+  privacy releases (``dp_local``, ``dp_central``, ``dpsgd`` without ``seeded_noise``) is
+  refused: a round done again is a second release of it, which the privacy ledger, restored
+  from the checkpoint, counts once. Their default ``min_interval`` is 0 (every round).
+- with other such plugins (``secagg`` without ``seeded_noise``, ``he``) it is allowed with a
+  logged warning: a resumed run's results differ slightly from an uninterrupted run's.
+
 Control messages of a plugin's own protocol (secure aggregation's key set-up and
 unmasking) need no rule: every topology and transport carries them.
 
@@ -36,9 +47,13 @@ follow a ``secure`` plugin and only summable plugins may precede a combining one
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fedweave.errors import ConfigError
+from fedweave.plugins.contracts import DrawsFresh, FreshDraws
+
+log = logging.getLogger(__name__)
 
 ORDER = ("clip", "noise", "compress", "secure")
 
@@ -97,6 +112,42 @@ def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
                 )
             _check_privacy(config, f"plugins.{point}[{i}]", spec, cls, strategy)
     _check_client_send(plugins.client_send, registry)
+    _check_checkpoint(config, registry)
+
+
+def fresh_draws(config: Any, registry: Any) -> list[tuple[str, str, FreshDraws]]:
+    """``(config key, plugin name, what it draws)`` of each plugin whose rounds draw from the OS's secure source."""
+    found = []
+    for point in ("server_send", "client_receive", "client_send", "server_receive"):
+        for i, spec in enumerate(getattr(config.plugins, point)):
+            cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
+            if isinstance(cls, DrawsFresh) and (draws := cls.fresh_draws(spec.params)) is not None:
+                found.append((f"plugins.{point}[{i}]", spec.name, draws))
+    return found
+
+
+def _check_checkpoint(config: Any, registry: Any) -> None:
+    """A cadence that lets a resumed run redo rounds: refused with privacy releases, else a warning."""
+    ckpt = config.checkpoint
+    if ckpt.min_interval:
+        key, value = "checkpoint.min_interval", f"{ckpt.min_interval:g} s"
+    elif ckpt.every > 1:
+        key, value = "checkpoint.every", str(ckpt.every)
+    else:
+        return
+    for where, name, draws in fresh_draws(config, registry):
+        if draws.releases:
+            raise ConfigError(
+                f"config key '{key}': {value} lets a resumed run redo the rounds since its last checkpoint, and plugin "
+                f"{name!r} ({where}) draws fresh {draws.what} each round, so a round done again is a second privacy "
+                f"release that the ledger restored from the checkpoint counts once; remove {key} (every round is "
+                "checkpointed with such a plugin), or set its seeded_noise: true in a simulation"
+            )
+        log.warning(
+            "%s %s: plugin %r (%s) draws fresh %s each round, so a run resumed from a checkpoint older than its "
+            "last round redoes those rounds with other draws; its results differ slightly from an uninterrupted run's",
+            key, value, name, where, draws.what,
+        )
 
 
 def _check_client_send(specs: list[Any], registry: Any) -> None:

@@ -22,11 +22,14 @@ protocol            methods                                         when it is c
 :class:`Instructs`  ``instruct(ctx) -> dict``                       server, per instruction
 :class:`Observes`   ``observe(updates)``                            server, on every update received
 :class:`ReportsMetrics`  ``metrics() -> dict[str, float]``          after each round (also strategies)
+:class:`DrawsFresh`  ``fresh_draws(params) -> FreshDraws | None``   at load, on the class (checkpoint
+                                                                    cadence, :mod:`.compose`)
 ==================  ==============================================  ==========================
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from fedweave.errors import ConfigError
@@ -125,6 +128,26 @@ class ReportsMetrics(Protocol):
     """Numbers for the round's record (a plugin's ``epsilon``; a strategy's, as ``strategy_<key>``)."""
 
     def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class FreshDraws:
+    """What a plugin draws from the OS's secure source each round: a round done again draws it anew.
+    ``releases``: each draw is a privacy release, so a round done twice is released twice."""
+
+    what: str
+    releases: bool
+
+
+@runtime_checkable
+class DrawsFresh(Protocol):
+    """A plugin whose rounds draw from the OS's secure source (privacy noise, stochastic rounding,
+    encryption): a resumed run that redoes a round does not repeat it. ``fresh_draws(params)``
+    (a static method, asked of the class at load) says what it draws, or None where ``params``
+    make the draws reproducible (``seeded_noise``) or there are none."""
+
+    @staticmethod
+    def fresh_draws(params: Any) -> FreshDraws | None: ...
 
 
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -54,6 +54,7 @@ import torch
 
 from fedweave.errors import ConfigError
 from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import FreshDraws
 from fedweave.plugins.packing import combine_plain
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.plugins.privacy.clip import clip_tensors
@@ -66,6 +67,11 @@ UNCLIPPED = "__dp_unclipped"
 CLIP = "dp_central.clip"
 """Instruction config: the clip norm C the client clips to this round (adaptive clipping)."""
 SEEDED_HELP = "draw the noise from the run seed (reproducible; simulation only: anyone with the config can redraw it)"
+
+
+def fresh_noise(params: DPLocalParams | DPCentralParams) -> FreshDraws | None:
+    """Privacy noise from the OS's secure source, unless seeded: a round done again is a second release."""
+    return None if params.seeded_noise else FreshDraws("privacy noise", releases=True)
 
 
 @dataclass
@@ -129,6 +135,7 @@ class DPLocal:
     points = ("client_send",)
     summable = True
     protects = "update"
+    fresh_draws = staticmethod(fresh_noise)
 
     def __init__(self, hp: DPLocalParams):
         self.hp = hp
@@ -164,6 +171,7 @@ class DPCentral:
     stage = "noise"
     points = ("client_send",)
     protects = "update"
+    fresh_draws = staticmethod(fresh_noise)
 
     def __init__(self, hp: DPCentralParams):
         self.hp = hp

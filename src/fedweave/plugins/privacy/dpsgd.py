@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import FreshDraws
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.schema import opt
 from fedweave.plugins.privacy.noise import NoiseSource, noise_source
@@ -92,6 +93,11 @@ class DPSGD:
     stage = "train"
     points = ("client_receive",)
     protects = "training"
+
+    @staticmethod
+    def fresh_draws(params: DPSGDParams) -> FreshDraws | None:
+        """Noise and batches from the OS's secure source, unless seeded: a round done again is a second release."""
+        return None if params.seeded_noise else FreshDraws("privacy noise and batch sampling", releases=True)
 
     def __init__(self, hp: DPSGDParams):
         self.hp = hp

@@ -82,6 +82,7 @@ import torch
 from fedweave.errors import CheckpointError, ConfigError, RoundError
 from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import FreshDraws
 from fedweave.plugins.secure.ckks_wire import check_vector
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
@@ -261,6 +262,11 @@ class HE:
     stage = "secure"
     points = ("client_send",)
     one_process = staticmethod(_one_process)
+
+    @staticmethod
+    def fresh_draws(params: HEParams) -> FreshDraws:
+        """CKKS encryption is randomized: a round done again decrypts to values that differ in the last bits."""
+        return FreshDraws("encryption randomness", releases=False)
 
     def __init__(self, hp: HEParams):
         self.hp = hp

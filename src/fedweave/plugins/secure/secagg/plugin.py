@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fedweave.plugins.contracts import FreshDraws
 from fedweave.plugins.secure.secagg.client import SecAggClient
 from fedweave.plugins.secure.secagg.masking import Field
 from fedweave.plugins.secure.secagg.neighbours import ring
@@ -24,6 +25,11 @@ class SecAgg(SecAggServer, SecAggClient):
     combines_encoded = True
     stage = "secure"
     points = ("client_send",)
+
+    @staticmethod
+    def fresh_draws(params: SecAggParams) -> FreshDraws | None:
+        """Stochastic rounding from the OS's secure source, unless seeded (the masks cancel in the sum)."""
+        return None if params.seeded_noise else FreshDraws("stochastic rounding", releases=False)
 
     def __init__(self, hp: SecAggParams):
         self.hp = hp
