@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedweave.plugins.compression import randk as randk_mod
 from fedweave.plugins.compression.topk import largest
@@ -332,3 +334,46 @@ def test_a_tensor_of_two_blocks_and_every_codec_s_honest_fields_pass_the_checks(
                                              if p.startswith(k + ".__") and not p.endswith("layout")}, tuple(t.shape))
                  for k, t in tensors.items() if k + ".__layout" in encoded.tensors}
     assert all(torch.equal(decoded[k], v) for k, v in unchecked.items())
+
+
+CODECS = [("topk", {"ratio": 0.05}), ("randk", {"ratio": 0.05}), ("qsgd", {"levels": 7, "bucket": 64}),
+          ("qsgd", {"bucket": 64}), ("quantize", {"bucket": 64}), ("quantize", {"dtype": "float16"}),
+          ("powersgd", {"rank": 2})]
+
+
+def _noise(like: torch.Tensor, size: int, g: torch.Generator) -> torch.Tensor:
+    if like.is_floating_point():
+        return torch.randn(size, generator=g).to(like.dtype)
+    info = torch.iinfo(like.dtype)
+    return torch.randint(max(info.min, -(1 << 31)), min(info.max, (1 << 31) - 1), (size,), generator=g).to(like.dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(codec=st.sampled_from(CODECS), rows=st.integers(1, 40), cols=st.integers(1, 3_000),
+       mutation=st.sampled_from(["none", "resize", "refill", "drop", "layout"]), size=st.integers(0, 300),
+       seed=st.integers(0, 2**31 - 1))
+def test_any_mutated_codec_payload_is_decoded_to_its_layout_or_refused(
+    codec: tuple[str, dict], rows: int, cols: int, mutation: str, size: int, seed: int
+) -> None:
+    """An honest payload with one field resized, refilled with random values, dropped, or its
+    layout changed decodes to tensors of its layout's shape or raises ValueError, nothing else."""
+    name, params = codec
+    plugin = make(name, **params)
+    g = torch.Generator().manual_seed(seed)
+    tensors = dict(plugin.encode(update({"w": torch.randn(rows, cols, generator=g)}), ctx()).tensors)
+    fields = sorted(k for k in tensors if k != "w.__layout")
+    target = fields[seed % len(fields)] if fields else None
+    if mutation == "resize" and target:
+        tensors[target] = _noise(tensors[target], size, g)
+    elif mutation == "refill" and target:
+        tensors[target] = _noise(tensors[target], tensors[target].numel(), g).reshape(tensors[target].shape)
+    elif mutation == "drop" and target:
+        del tensors[target]
+    elif mutation == "layout" and "w.__layout" in tensors:
+        tensors["w.__layout"] = torch.tensor([0, size, seed % 7], dtype=torch.int32)
+    try:
+        out = plugin.decode(update(tensors), ctx(side="server")).tensors
+    except ValueError:
+        return
+    if "w.__layout" in tensors:
+        assert tuple(out["w"].shape) == tuple(tensors["w.__layout"].tolist()[1:])
