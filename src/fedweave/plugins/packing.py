@@ -49,7 +49,13 @@ def _layout(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([_DTYPES.index(dtype), *shape], dtype=torch.int32)
 
 
+MAX_DIMS = 64
+"""The most dimensions a tensor has (torch's limit): a layout holds at most 1 + this many ints."""
+
+
 def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    if value.dtype != torch.int32 or value.dim() != 1 or not 1 <= value.numel() <= 1 + MAX_DIMS:
+        raise ValueError(f"a layout is 1 to {1 + MAX_DIMS} int32 entries, not {value.dtype} of shape {tuple(value.shape)}")
     code, *shape = (int(v) for v in value.tolist())
     if not 0 <= code < len(_DTYPES):
         raise ValueError(f"layout names dtype code {code}, not one of 0..{len(_DTYPES) - 1}")

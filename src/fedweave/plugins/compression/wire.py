@@ -295,7 +295,7 @@ def check_packed(fields: dict[str, torch.Tensor], numel: int, k: int) -> None:
     counts = _field(fields, "blocks")
     if counts.numel() != blocks:
         raise ValueError(f"'blocks' hold {counts.numel()} counts, the layout's tensor has {blocks} blocks")
-    if counts.numel() and (int(counts.min()) < 0 or int(counts.sum(dtype=torch.int64)) != k):
+    if int(counts.min()) < 0 or int(counts.sum(dtype=torch.int64)) != k:
         raise ValueError(f"'blocks' counts are negative or do not sum to the {k} positions")
 
 
