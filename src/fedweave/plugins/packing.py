@@ -50,12 +50,13 @@ def _layout(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 MAX_DIMS = 64
-"""The most dimensions a tensor has (torch's limit): a layout holds at most 1 + this many ints."""
+"""The most dimensions a tensor has (torch's limit): a layout holds at most 1 + this many integers."""
 
 
 def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
-    if value.dtype != torch.int32 or value.dim() != 1 or not 1 <= value.numel() <= 1 + MAX_DIMS:
-        raise ValueError(f"a layout is 1 to {1 + MAX_DIMS} int32 entries, not {value.dtype} of shape {tuple(value.shape)}")
+    integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    if not integer or value.dim() != 1 or not 1 <= value.numel() <= 1 + MAX_DIMS:
+        raise ValueError(f"a layout is 1 to {1 + MAX_DIMS} integers, not {value.dtype} of shape {tuple(value.shape)}")
     code, *shape = (int(v) for v in value.tolist())
     if not 0 <= code < len(_DTYPES):
         raise ValueError(f"layout names dtype code {code}, not one of 0..{len(_DTYPES) - 1}")
