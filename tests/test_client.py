@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -20,6 +21,8 @@ from fedweave.batching.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.plugins.chain import Chain, Chains, PluginContext
+from fedweave.plugins.compression.topk import TopK, TopKParams
+from fedweave.plugins.compression.wire import DELTA
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.task.models import MLP
@@ -324,3 +327,28 @@ def test_control_messages_reach_their_plugin_with_each_clients_private_state(
         served.handle(Message(1, 1, Control("secagg", "advertise")))
     with pytest.raises(ValueError, match=r"client id 9 is outside 0\.\.3"):
         served.handle(Message(1, 9, Control("tally", "count", {"add": torch.tensor([1])})))
+
+
+def test_a_compressed_broadcast_whose_layout_is_not_the_model_s_is_refused_before_it_is_decoded(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    """A server (or anyone speaking for it) sends a top-k delta whose layout claims 2^26 entries
+    for a tensor of the client's model: the client refuses it naming both layouts, in well under a
+    second, before building anything, and still trains on an honest broadcast afterwards."""
+    runtime, params = runtime_and_params
+    plugin = TopK(TopKParams())
+    client = ClientRuntime(runtime.algorithm, runtime.data, runtime.model, runtime.loss_fn, runtime.settings,
+                           Chains(server_send=Chain([plugin])), ClientStateStore(), runtime.seed)
+    dense = train_message(0, params)
+    dense.body.applied = ["topk"]
+    client.handle(dense)  # the dense model, through the plugin: what the client holds from now on
+    name = next(k for k, v in params.items() if v.is_floating_point())
+    forged = {k: v for k, v in params.items() if k != name}
+    forged.update({f"{name}.__layout": torch.tensor([0, 1 << 26], dtype=torch.int32), f"{name}.__values": torch.ones(1),
+                   f"{name}.__indices": torch.tensor([-32768], dtype=torch.int16), DELTA: torch.ones(1, dtype=torch.int8)})
+    message = Message(2, 0, Instruction(2, TaskKind.TRAIN, Work(0, 16), forged, applied=["topk"]))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"the layout of '{name}' is torch.float32 \(67108864,\), the model's"):
+        client.handle(message)
+    assert time.perf_counter() - start < 1.0
+    assert isinstance(client.handle(train_message(0, params, 3)).body, Update)

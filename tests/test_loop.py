@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,8 @@ from fedweave.config import AggregationConfig
 from fedweave.batching.selection import sample_clients
 from fedweave.loop import RECORD_KEYS, AcceptedRounds, Record, RoundParts, federated_evaluate, listed, run, train_round
 from fedweave.errors import RoundError
-from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.chain import Chain, Chains, PluginContext
+from fedweave.plugins.compression.topk import TopK, TopKParams
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
@@ -623,3 +625,34 @@ def test_listed_names_at_most_ten_clients_and_counts_the_rest() -> None:
     assert listed({3}) == "1 client [3]"
     assert listed([5, 1]) == "2 clients [1, 5]"
     assert listed(range(25, 0, -1)) == "25 clients [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] and 15 more"
+
+
+def test_a_compressed_update_whose_layout_is_not_the_model_s_is_refused_before_it_is_decoded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Client 2's top-k payload (18 bytes) claims 'w' is 2^26 float64 entries: the server refuses
+    the layout against the model's before building anything (before, it built 768 MB and only
+    then refused the shape), and the honest compressed updates of the round count."""
+    plugin = TopK(TopKParams(ratio=1.0, error_feedback=False))
+    big = 1 << 26
+
+    def honest(cid: int) -> Update:
+        encoded = plugin.encode(scripted(cid), PluginContext(1, cid, "client"))
+        return dataclasses.replace(encoded, applied=["topk"])
+
+    def forged(cid: int) -> Update:
+        tensors = {"w.__layout": torch.tensor([1, big], dtype=torch.int32), "w.__values": torch.ones(1),
+                   "w.__indices": torch.tensor([-32768], dtype=torch.int16)}
+        return Update(UpdateKind.DELTA, tensors, 3, applied=["topk"])
+
+    handler, _ = clients({0: honest, 1: honest, 2: forged, 3: honest})
+    parts = make_parts(handler)
+    parts.chains = Chains(client_send=Chain([plugin]))
+    start_time = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+        params, record = train_round(parts, 1, start())
+    assert time.perf_counter() - start_time < 1.0
+    assert record["clients_completed"] == 3 and record["rejected"] == {"malformed": 1}
+    assert (f"update of client 2 rejected: the layout of 'w' is torch.float64 ({big},), the model's torch.float64 (2,)"
+            in caplog.text)
+    assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)

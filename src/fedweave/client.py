@@ -42,6 +42,7 @@ from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm
 from fedweave.training import ClientJob, LocalSettings, LossFn
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update
+from fedweave.validation import specs_of
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,8 @@ class ClientRuntime:
         if not 0 <= cid < len(self.data):
             raise ValueError(f"client id {cid} is outside 0..{len(self.data) - 1}")
         state = self.plugin_state.setdefault(cid, {})
-        ctx = PluginContext(round=msg.round, client_id=cid, side="client", state=state)
+        expected = specs_of(self.model.state_dict())  # what a broadcast may decode to: this client's model
+        ctx = PluginContext(round=msg.round, client_id=cid, side="client", state=state, expected=expected)
         if isinstance(msg.body, Control):
             return Message(msg.round, cid, self.chains.answer(msg.body, ctx))
         instruction = self.chains.to_client(msg.body, ctx)

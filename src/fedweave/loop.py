@@ -255,9 +255,10 @@ def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collectio
 def combine_checked(parts: RoundParts, rnd: int, params: Params, updates: list[Update], traffic: RoundTraffic) -> Update:
     """The round's encoded updates combined by their plugin and decoded, checked in full; one
     that does not fit the run's schema skips the round (:class:`~fedweave.errors.RoundError`)."""
-    combined = parts.chains.combine(updates, PluginContext(rnd, -1, "server"), traffic.control)
+    schema = parts.checks.schema or UpdateSchema.of(params)
+    combined = parts.chains.combine(updates, PluginContext(rnd, -1, "server", expected=schema.tensors), traffic.control)
     try:
-        check_update(combined, parts.checks.schema or UpdateSchema.of(params))
+        check_update(combined, schema)
     except Rejected as exc:
         parts.rejected[exc.reason] += 1
         raise RoundError(f"the combined update is rejected ({exc.reason}): {exc}") from None
@@ -377,7 +378,8 @@ def accept_updates(
                 raise Rejected("malformed", f"expected an update, got {type(reply.body).__name__}")
             ids = check_senders(reply.body, cid, may_stand_for(cid) if may_stand_for else {cid}, counted)
             try:
-                update = chains.to_server(reply.body, PluginContext(reply.round, cid, "server"))
+                ctx = PluginContext(reply.round, cid, "server", expected=schema.tensors)
+                update = chains.to_server(reply.body, ctx)
             except Exception as exc:  # a decoder's complaint: the update is malformed
                 raise Rejected("malformed", str(exc)) from None
             encoded = bool(update.applied)

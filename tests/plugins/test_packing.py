@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -46,3 +48,20 @@ def test_a_layout_reads_back_and_a_dtype_code_out_of_range_is_refused() -> None:
     for code in (-1, 4, 2**31 - 1):
         with pytest.raises(ValueError, match=f"dtype code {code},"):
             read_layout(torch.tensor([code, 2, 3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("value,reason", [
+    (torch.zeros(10_000_000, dtype=torch.int64), r"not torch.int64 of shape \(10000000,\)"),
+    (torch.zeros(0, dtype=torch.int32), r"not torch.int32 of shape \(0,\)"),
+    (torch.tensor([True, False]), "not torch.bool"),
+    (torch.tensor([0.0, 3.0]), "not torch.float32"),
+    (torch.zeros(2, 2, dtype=torch.int32), r"of shape \(2, 2\)"),
+    (torch.tensor([0, 4, -3], dtype=torch.int32), r"shape \(4, -3\), with a negative size"),
+])
+def test_a_layout_that_no_tensor_has_is_refused_before_it_is_read(value: torch.Tensor, reason: str) -> None:
+    """A peer's layout is 1 + at most 64 integers: ten million of them are not turned into
+    Python ints (hundreds of MB) to be refused afterwards."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=reason):
+        read_layout(value)
+    assert time.perf_counter() - start < 0.1

@@ -70,7 +70,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedweave.plugins.contracts import (
     Answers,
@@ -87,6 +87,9 @@ from fedweave.plugins.contracts import (
 )
 from fedweave.types import Control, Instruction, Update
 
+if TYPE_CHECKING:
+    from fedweave.validation import Specs
+
 POINTS = ("server_send", "client_receive", "client_send", "server_receive")
 
 Payload = TypeVar("Payload", Instruction, Update)
@@ -102,6 +105,9 @@ class PluginContext:
     side: str  # "server" or "client"
     state: dict[str, Any] | None = field(default=None, compare=False)  # client side: its private plugin state
     config: Mapping[str, Any] = field(default_factory=dict, compare=False)  # client side: the instruction's config
+    # what a decoded payload may hold (the run's update schema on the server, the model on a
+    # client): a decoder refuses a layout of any other name, shape or dtype before it allocates
+    expected: Specs | None = field(default=None, compare=False)
 
 
 ControlExchange = Callable[[dict[int, Control]], dict[int, Control]]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedweave.types import Params
+
+if TYPE_CHECKING:
+    from fedweave.validation import Specs
 
 SEP = ".__"
 LAYOUT = "layout"
@@ -46,10 +49,19 @@ def _layout(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([_DTYPES.index(dtype), *shape], dtype=torch.int32)
 
 
+MAX_DIMS = 64
+"""The most dimensions a tensor has (torch's limit): a layout holds at most 1 + this many integers."""
+
+
 def read_layout(value: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    if not integer or value.dim() != 1 or not 1 <= value.numel() <= 1 + MAX_DIMS:
+        raise ValueError(f"a layout is 1 to {1 + MAX_DIMS} integers, not {value.dtype} of shape {tuple(value.shape)}")
     code, *shape = (int(v) for v in value.tolist())
     if not 0 <= code < len(_DTYPES):
         raise ValueError(f"layout names dtype code {code}, not one of 0..{len(_DTYPES) - 1}")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"layout names shape {tuple(shape)}, with a negative size")
     return _DTYPES[code], tuple(shape)
 
 
@@ -104,11 +116,19 @@ def decode_each(
 def decode_all(
     tensors: Params,
     decompress: Callable[[list[str], list[dict[str, torch.Tensor]], list[tuple[int, ...]]], list[torch.Tensor]],
+    expected: Specs | None = None,
 ) -> Params:
     """:func:`decode_each` with one call that rebuilds all the encoded tensors at once
-    (names, their fields, their shapes -> the float tensors, in that order)."""
+    (names, their fields, their shapes -> the float tensors, in that order). With
+    ``expected`` (what the decoded payload may hold), every layout is checked against it
+    (:func:`check_layouts`) before anything is decompressed."""
     encoded, _ = group(tensors)
+    for name, fields in encoded.items():
+        if LAYOUT not in fields:
+            raise ValueError(f"encoded tensor {name!r} has no layout")
     layouts = {name: read_layout(fields.pop(LAYOUT)) for name, fields in encoded.items()}
+    if expected is not None:
+        check_layouts(layouts, expected)
     names = list(encoded)
     rebuilt = decompress(names, [encoded[n] for n in names], [layouts[n][1] for n in names])
     if len(rebuilt) != len(names):
@@ -123,6 +143,18 @@ def decode_all(
             dtype, shape = layouts[name]
             out[name] = decoded.pop(name).reshape(shape).to(dtype)
     return out
+
+
+def check_layouts(layouts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], expected: Specs) -> None:
+    """Raise ``ValueError`` unless each layout (name -> dtype, shape) is that of the tensor of
+    ``expected`` it names, so a peer's layout cannot make the receiver build a tensor other
+    than, or larger than, the model's."""
+    for name, (dtype, shape) in layouts.items():
+        spec = expected.get(name)
+        if spec is None:
+            raise ValueError(f"the payload encodes {name!r}, which is not a tensor of the model")
+        if (dtype, shape) != (spec.dtype, spec.shape):
+            raise ValueError(f"the layout of {name!r} is {dtype} {shape}, the model's {spec.dtype} {spec.shape}")
 
 
 def flatten(tensors: Params, out: Any = None) -> tuple[torch.Tensor, Params]:

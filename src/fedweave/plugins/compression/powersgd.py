@@ -14,12 +14,13 @@ Vectors (biases) and matrices too small to gain travel dense.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fedweave.plugins.compression.wire import Compressor, Site
+from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 
 
@@ -53,6 +54,16 @@ class PowerSGDCodec:
 
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"p": torch.float32, "q": torch.float32}
+
+    def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        if len(shape) < 2:
+            raise ValueError("a tensor of fewer than two dimensions travels dense")
+        n, m = shape[0], math.prod(shape[1:])
+        rank = min(self.hp.rank, n, m)
+        require(fields, {"p": n * rank, "q": m * rank})
+        if fields["p"].shape != (n, rank) or fields["q"].shape != (m, rank):
+            raise ValueError(f"'p' is {tuple(fields['p'].shape)} and 'q' {tuple(fields['q'].shape)}, "
+                             f"the layout's tensor sends {(n, rank)} and {(m, rank)}")
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return (fields["p"] @ fields["q"].T).reshape(shape)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.plugins.compression.buckets import Buckets, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site
+from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 
 
@@ -54,6 +54,11 @@ class QSGDCodec:
         s = self.hp.levels
         levels = {"nibbles": torch.uint8} if s <= 7 else {"levels": torch.int8 if s <= 127 else torch.int16}
         return {**levels, "norms": torch.float32}
+
+    def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        numel = math.prod(shape)
+        levels = {"nibbles": -(-numel // 2)} if self.hp.levels <= 7 else {"levels": numel}
+        require(fields, {**levels, "norms": -(-numel // self.hp.bucket)})
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return self.decompress_many([fields], [shape])[0]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from fedweave.plugins.compression.buckets import Buckets, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site
+from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
@@ -46,6 +46,11 @@ class QuantizeCodec:
         if self.hp.dtype in CASTS:
             return {"values": CASTS[self.hp.dtype]}
         return {"values": torch.int8, "scales": torch.float32}
+
+    def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        numel = math.prod(shape)
+        scales = {} if self.hp.dtype in CASTS else {"scales": -(-numel // self.hp.bucket)}
+        require(fields, {"values": numel, **scales})
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return self.decompress_many([fields], [shape])[0]

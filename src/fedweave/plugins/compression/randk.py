@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fedweave.plugins.compression.wire import Compressor, Site
+from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 
 
@@ -54,6 +54,13 @@ class RandKCodec:
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"values": torch.float32, "seed": torch.int64}
 
+    def k(self, numel: int) -> int:
+        """How many entries of a tensor of ``numel`` entries are sent."""
+        return max(1, int(self.hp.ratio * numel))
+
+    def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        require(fields, {"values": self.k(math.prod(shape)), "seed": 1})
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         numel = math.prod(shape)
         out = torch.zeros(numel, dtype=torch.float32)
@@ -72,7 +79,7 @@ class RandKCodec:
         key = (seed, numel)
         if key in self.drawn:
             return self.drawn[key]
-        k = max(1, int(self.hp.ratio * numel))
+        k = self.k(numel)
         dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
         positions = torch.randperm(numel, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k].clone()
         while self.drawn and self.held + k > HELD_POSITIONS:

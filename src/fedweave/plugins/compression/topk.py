@@ -12,13 +12,14 @@ count per block in ``name.__blocks``). At ratio 1 % with float32 values that is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from fedweave.plugins.compression.wire import Compressor, Site, pack_indices, unpack_indices
+from fedweave.plugins.compression.wire import Compressor, Site, check_packed, pack_indices, require, unpack_indices
 from fedweave.schema import opt
 
 VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,23 +36,33 @@ class TopKCodec:
     def __init__(self, hp: TopKParams):
         self.hp = hp
 
+    def k(self, numel: int) -> int:
+        """How many entries of a tensor of ``numel`` entries are sent."""
+        return max(1, int(self.hp.ratio * numel))
+
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
         flat = x.reshape(-1)
-        k = max(1, int(self.hp.ratio * flat.numel()))
+        k = self.k(flat.numel())
         indices = largest(flat.abs(), k)
         return {"values": flat.index_select(0, indices).to(VALUE_DTYPES[self.hp.values]), **pack_indices(indices, flat.numel())}
 
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"values": VALUE_DTYPES[self.hp.values], "indices": torch.int16, "blocks": torch.int32}
 
+    def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        numel = math.prod(shape)
+        require(fields, {"values": self.k(numel)})
+        check_packed(fields, numel, self.k(numel))
+
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        indices = unpack_indices(fields, math.prod(shape))
         out = torch.zeros(shape, dtype=torch.float32).reshape(-1)
-        out[unpack_indices(fields)] = fields["values"].to(torch.float32)
+        out[indices] = fields["values"].to(torch.float32)
         return out.reshape(shape)
 
     def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
         flat = x.view(-1)
-        indices = unpack_indices(fields)
+        indices = unpack_indices(fields, flat.numel())
         flat[indices] = flat.index_select(0, indices) - fields["values"].to(torch.float32)
 
 

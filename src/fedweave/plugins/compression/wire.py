@@ -91,6 +91,16 @@ class TypedCodec(Protocol):
     def field_dtypes(self) -> dict[str, torch.dtype]: ...
 
 
+@runtime_checkable
+class CheckedCodec(Protocol):
+    """A codec that checks a peer's fields against the layout they claim before anything is
+    built from them: a field the shape implies but missing, or of another size than the
+    codec sends for that shape, is refused (``ValueError``), so a few bytes cannot make the
+    receiver allocate for a tensor the fields do not hold."""
+
+    def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None: ...
+
+
 class Compressor:
     """A compression plugin: a codec driven in both directions (see the module doc)."""
 
@@ -106,6 +116,7 @@ class Compressor:
         self.many = codec if isinstance(codec, ManyCodec) else None
         self.sparse = codec if isinstance(codec, SparseCodec) else None
         self.typed = codec if isinstance(codec, TypedCodec) else None
+        self.checked = codec if isinstance(codec, CheckedCodec) else None
         self.error_feedback = error_feedback
         self.seed = 0
         self.residuals: dict[int, Params] = {}  # client side, uplink
@@ -124,7 +135,7 @@ class Compressor:
 
     def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
         if isinstance(payload, Update):
-            return replace(payload, tensors=decode_all(payload.tensors, self._decompress_many))
+            return replace(payload, tensors=decode_all(payload.tensors, self._decompress_many, ctx.expected))
         if payload.task is TaskKind.TRAIN:
             return self._decode_broadcast(payload, ctx)
         return replace(payload)
@@ -172,7 +183,7 @@ class Compressor:
                 f"plugin {self.name!r}: a compressed broadcast for client {ctx.client_id}, which holds no model yet"
             )
         encoded = {k: v for k, v in ins.params.items() if k != DELTA}
-        model = _advance(held, decode_all(encoded, self._decompress_many))
+        model = _advance(held, decode_all(encoded, self._decompress_many, ctx.expected))
         self.held[ctx.client_id] = model
         return replace(ins, params=_copy(model))
 
@@ -191,6 +202,12 @@ class Compressor:
     ) -> list[torch.Tensor]:
         if self.typed is not None:
             self._check_dtypes(names, fields, self.typed.field_dtypes())
+        if self.checked is not None:
+            for name, parts, shape in zip(names, fields, shapes):
+                try:
+                    self.checked.check_fields(parts, shape)
+                except ValueError as exc:
+                    raise ValueError(f"plugin {self.name!r}: fields of {name!r} {shape}: {exc}") from None
         if self.many is not None and fields:
             return self.many.decompress_many(fields, shapes)
         return [self.codec.decompress(f, shape) for f, shape in zip(fields, shapes)]
@@ -262,9 +279,46 @@ def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def unpack_indices(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+def check_packed(fields: dict[str, torch.Tensor], numel: int, k: int) -> None:
+    """Raise ``ValueError`` unless ``fields`` can be :func:`pack_indices`' packing of ``k``
+    positions in a tensor of ``numel`` entries: ``k`` offsets and, past one block, one count
+    per block, none negative, summing to ``k``. O(blocks): the offsets are checked as they
+    are unpacked (:func:`unpack_indices`)."""
+    indices = _field(fields, "indices")
+    if indices.numel() != k:
+        raise ValueError(f"'indices' hold {indices.numel()} positions, the layout's tensor sends {k}")
+    blocks = -(-numel // BLOCK)
+    if numel <= BLOCK:
+        if "blocks" in fields:
+            raise ValueError(f"'blocks' for a tensor of {numel} entries, which is one block")
+        return
+    counts = _field(fields, "blocks")
+    if counts.numel() != blocks:
+        raise ValueError(f"'blocks' hold {counts.numel()} counts, the layout's tensor has {blocks} blocks")
+    if int(counts.min()) < 0 or int(counts.sum(dtype=torch.int64)) != k:
+        raise ValueError(f"'blocks' counts are negative or do not sum to the {k} positions")
+
+
+def unpack_indices(fields: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
+    """The positions :func:`pack_indices` packed (``fields`` passed :func:`check_packed`);
+    ``ValueError`` unless they are strictly increasing and below ``numel``, as packed."""
     low = fields["indices"].numpy().astype(np.int64) + BLOCK // 2
-    if "blocks" not in fields:
-        return torch.from_numpy(low)
-    blocks = fields["blocks"].numpy()
-    return torch.from_numpy(low + np.repeat(np.arange(blocks.size, dtype=np.int64) * BLOCK, blocks))
+    if "blocks" in fields:
+        blocks = fields["blocks"].numpy()
+        low += np.repeat(np.arange(blocks.size, dtype=np.int64) * BLOCK, blocks)
+    if low.size and (low[-1] >= numel or not bool(np.all(low[1:] > low[:-1]))):
+        raise ValueError(f"'indices' are not increasing positions below {numel}")
+    return torch.from_numpy(low)
+
+
+def _field(fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
+    if part not in fields:
+        raise ValueError(f"field {part!r} is missing")
+    return fields[part]
+
+
+def require(fields: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
+    """Raise ``ValueError`` unless ``fields`` hold each field of ``sizes`` with that many entries."""
+    for part, size in sizes.items():
+        if _field(fields, part).numel() != size:
+            raise ValueError(f"{part!r} hold {fields[part].numel()} entries, the layout's tensor sends {size}")
