@@ -85,6 +85,7 @@ from fedweave.plugins.contracts import (
     SealsModel,
     Stateful,
 )
+from fedweave.plugins.packing import check_layouts, clear_layouts
 from fedweave.types import Control, Instruction, Update
 
 if TYPE_CHECKING:
@@ -199,6 +200,8 @@ class Chains:
             raise ValueError(f"update was not encoded by {combiner.name!r}, which this server combines")
         cut = update.applied.index(combiner.name) + 1
         partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
+        if ctx.expected is not None:  # one client's forged layout must not fail the round's combine
+            check_layouts(clear_layouts(partial.tensors), ctx.expected)
         if isinstance(combiner, SealsModel):
             combiner.check_encoded(partial)
         return replace(partial, applied=update.applied[:cut])

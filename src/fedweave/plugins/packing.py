@@ -145,6 +145,18 @@ def decode_all(
     return out
 
 
+def clear_layouts(tensors: Params) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The layouts of model tensors an encoded-sum payload carries in the clear (a codec's, or a
+    tensor's place in the flattened vector), by tensor name. The place of a codec's field in the
+    vector (``w.__values.__flat``) describes no model tensor and is left to the codec's decoder."""
+    out = {}
+    for key, value in tensors.items():
+        name, _, part = key.rpartition(SEP)
+        if part == LAYOUT or (part == FLAT and SEP not in name):
+            out[name] = read_layout(value)
+    return out
+
+
 def check_layouts(layouts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], expected: Specs) -> None:
     """Raise ``ValueError`` unless each layout (name -> dtype, shape) is that of the tensor of
     ``expected`` it names, so a peer's layout cannot make the receiver build a tensor other

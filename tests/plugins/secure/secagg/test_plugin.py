@@ -281,3 +281,26 @@ def test_in_a_run_a_client_failing_the_set_up_does_not_train(tmp_path: Path) -> 
     records = runner.execute(r)
     assert trained == [0, 1, 3, 4]
     assert records[0]["clients_completed"] == 4 and not records[0]["skipped"]
+
+
+def test_a_masked_update_whose_clear_layout_is_not_the_model_s_is_refused_alone() -> None:
+    """A client that forges the layout carried in the clear (here 'w' as 2^20 values) is refused on
+    receipt, before the round's combine, where it would make the clients disagree and fail the round."""
+    import dataclasses
+
+    from fedweave.plugins.chain import Chain, Chains
+    from fedweave.plugins.packing import FLAT, SEP, layout
+    from fedweave.validation import UpdateSchema
+
+    plugin, fed, plain, masked = masked_round(3)
+    chains = Chains(client_send=Chain([plugin]))
+    expected = UpdateSchema.of(plain[0].tensors).tensors
+    server = PluginContext(1, 0, "server", expected=expected)
+    masked = [dataclasses.replace(m, applied=["secagg"]) for m in masked]  # as the client's chain marks them
+    for m in masked:  # the honest ones pass
+        chains.to_server(m, server)
+    name = next(k for k in plain[0].tensors if plain[0].tensors[k].is_floating_point())
+    forged = Update(masked[0].kind, {**masked[0].tensors, f"{name}{SEP}{FLAT}": layout(torch.zeros(1 << 20))},
+                    masked[0].num_examples, client_id=0, applied=list(masked[0].applied))
+    with pytest.raises(ValueError, match=f"the layout of '{name}' is torch.float32 \\(1048576,\\)"):
+        chains.to_server(forged, server)
