@@ -93,8 +93,17 @@ def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
     """Raise a ConfigError for the first plugin placed or ordered against the rules."""
     plugins = config.plugins
     for point in ("server_send", "client_receive", "client_send", "server_receive"):
+        compressor = None
         for i, spec in enumerate(getattr(plugins, point)):
             cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
+            if getattr(cls, "stage", None) == "compress":
+                if compressor is not None:
+                    raise ConfigError(
+                        f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} would compress what {compressor!r} "
+                        "already encoded, whose fields no codec reads back; one compressor per chain (top-k sends "
+                        "its values at float16 or bfloat16 with its own 'values' option)"
+                    )
+                compressor = spec.name
             points = getattr(cls, "points", None)
             if points is not None and point not in points:
                 where = " or ".join(f"plugins.{p}" for p in points)
