@@ -195,6 +195,9 @@ class ClientRuntime:
         self.chains = chains
         self.store = store
         self.seed = seed
+        # What a broadcast may decode to: this client's model, whose entries never change shape or
+        # dtype (load_state_dict copies into them); read once, not per message (~40 µs each).
+        self._expected = specs_of(model.state_dict())
         self.plugin_state: dict[int, dict[str, Any]] = {}  # client id -> its plugins' private state
 
     def handle(self, msg: Message) -> Message:
@@ -217,8 +220,7 @@ class ClientRuntime:
         if not 0 <= cid < len(self.data):
             raise ValueError(f"client id {cid} is outside 0..{len(self.data) - 1}")
         state = self.plugin_state.setdefault(cid, {})
-        expected = specs_of(self.model.state_dict())  # what a broadcast may decode to: this client's model
-        ctx = PluginContext(round=msg.round, client_id=cid, side="client", state=state, expected=expected)
+        ctx = PluginContext(round=msg.round, client_id=cid, side="client", state=state, expected=self._expected)
         if isinstance(msg.body, Control):
             return Message(msg.round, cid, self.chains.answer(msg.body, ctx))
         instruction = self.chains.to_client(msg.body, ctx)
