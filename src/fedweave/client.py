@@ -40,7 +40,7 @@ from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm
-from fedweave.training import ClientJob, LocalSettings, LossFn
+from fedweave.training import ClientJob, LocalSettings, LossFn, rows
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update
 from fedweave.validation import specs_of
 
@@ -74,14 +74,14 @@ class ClientData:
     def split(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x_train, y_train, x_test, y_test`` of one client."""
         train = self.train_idx[client_id]
-        return self.x[train], self.y[train], *self._test_rows(client_id)
+        return rows(self.x, train), rows(self.y, train), *self._test_rows(client_id)
 
     def _test_rows(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         test = self.test_idx[client_id]
         kept = self._tests.get(client_id)
         if kept is not None and kept[0] is test and kept[3] == self._versions(test, kept[1], kept[2]):
             return kept[1], kept[2]
-        x, y = self.x[test], self.y[test]
+        x, y = rows(self.x, test), rows(self.y, test)
         self._tests[client_id] = (test, x, y, self._versions(test, x, y))
         return x, y
 
