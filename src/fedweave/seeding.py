@@ -8,6 +8,7 @@ consumed, so a resumed run draws exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import threading
 import zlib
 
 import numpy as np
@@ -56,16 +57,19 @@ def _mix(x: int, y: int) -> int:
 # The hash constant does not depend on the entropy: step k of the pool's mixing xors with
 # _HASH_A[k] and multiplies by _HASH_A[k + 1], whatever the words (computed once, not per seed).
 _HASH_A = [_INIT_A]
+_HASH_A_GROWING = threading.Lock()  # codecs draw seeds from several threads; entries, once there, never change
 
 
 def _hash_a(steps: int) -> list[int]:
     """The hash constants of the first ``steps`` + 1 mixing steps."""
-    while len(_HASH_A) <= steps:
-        _HASH_A.append((_HASH_A[-1] * _MULT_A) & _MASK)
+    if len(_HASH_A) <= steps:
+        with _HASH_A_GROWING:
+            while len(_HASH_A) <= steps:
+                _HASH_A.append((_HASH_A[-1] * _MULT_A) & _MASK)
     return _HASH_A
 
 
-_hash_a(_POOL * _POOL)
+_hash_a(_POOL * _POOL + 16 * _POOL)  # enough for 20 entropy words
 _FILL = [(_HASH_A[i], _HASH_A[i + 1]) for i in range(_POOL)]
 _CROSS = [
     (src, dst, _HASH_A[_POOL + k], _HASH_A[_POOL + k + 1])
