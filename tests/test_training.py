@@ -15,6 +15,7 @@ from fedweave.training import (
     TrainResult,
     delta_update,
     model_delta,
+    rows,
     train_local,
 )
 from fedweave.types import UpdateKind
@@ -223,3 +224,13 @@ def test_delta_update_sends_the_change_of_the_model_with_the_counts_of_its_train
     assert (update.num_examples, update.local_steps, update.metrics) == (12, 3, {"train_loss": 0.75})
     assert list(update.extras) == ["c"] and update.extras["c"].item() == 4.0
     assert delta_update(TrainResult(steps=0, num_examples=0, mean_loss=0.0), {}).extras == {}
+
+
+def test_rows_is_indexing() -> None:
+    x = torch.arange(24.0).reshape(6, 2, 2)
+    for index in (torch.tensor([4, 0, 4]), torch.randperm(6)[1:4], torch.tensor([], dtype=torch.long)):
+        got = rows(x, index)
+        assert torch.equal(got, x[index]) and got.stride() == x[index].stride()
+    assert torch.equal(rows(x, torch.tensor([1, 3], dtype=torch.int32)), x[[1, 3]])  # other index dtypes: x[index]
+    assert torch.equal(rows(x, torch.tensor([True, False, True, False, False, True])), x[[0, 2, 5]])
+    assert torch.equal(rows(torch.arange(6), torch.tensor([5, 1])), torch.tensor([5, 1]))

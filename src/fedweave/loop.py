@@ -33,6 +33,7 @@ from typing import Any
 
 from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
+from fedweave.conforms import Conforms
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.plugins.contracts import ReportsMetrics
@@ -64,6 +65,8 @@ from fedweave.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+_reports_metrics, _knows_absent, _relaying = Conforms(ReportsMetrics), Conforms(KnowsAbsent), Conforms(Relaying)
 
 Record = dict[str, Any]
 
@@ -171,7 +174,7 @@ def run(
 
 def strategy_metrics(strategy: Strategy) -> Record:
     """The strategy's own numbers of the round (its optional ``metrics()``), as ``strategy_<key>``."""
-    if not isinstance(strategy, ReportsMetrics):
+    if not _reports_metrics(strategy):
         return {}
     return {f"strategy_{key}": float(value) for key, value in strategy.metrics().items()}
 
@@ -241,13 +244,13 @@ def listed(ids: Collection[int], most: int = 10) -> str:
 def absent_clients(topology: Topology, wait_for: int = 0) -> frozenset[int]:
     """The clients the topology's transport knows are gone (none in simulation): no round samples them.
     With fewer than ``wait_for`` present, the transport first waits a bounded time for them to come back."""
-    return topology.absent(wait_for) if isinstance(topology, KnowsAbsent) else frozenset()
+    return topology.absent(wait_for) if _knows_absent(topology) else frozenset()
 
 
 def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:
     """Sender -> the clients of ``cohort`` its update may stand for: its site's in a
     :class:`~fedweave.topologies.base.Relaying` topology, else itself alone."""
-    if isinstance(topology, Relaying):
+    if _relaying(topology):
         return lambda sender: topology.site_members(sender) & cohort
     return lambda sender: {sender}
 

@@ -8,6 +8,7 @@ consumed, so a resumed run draws exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import threading
 import zlib
 
 import numpy as np
@@ -53,48 +54,65 @@ def _mix(x: int, y: int) -> int:
     return result ^ (result >> 16)
 
 
-def _absorb(pool: list[int], hash_const: int, word: int) -> int:
-    """Mix one more entropy word into every word of ``pool`` (in place); the new hash constant."""
+# The hash constant does not depend on the entropy: step k of the pool's mixing xors with
+# _HASH_A[k] and multiplies by _HASH_A[k + 1], whatever the words (computed once, not per seed).
+_HASH_A = [_INIT_A]
+_HASH_A_GROWING = threading.Lock()  # codecs draw seeds from several threads; entries, once there, never change
+
+
+def _hash_a(steps: int) -> list[int]:
+    """The hash constants of the first ``steps`` + 1 mixing steps."""
+    if len(_HASH_A) <= steps:
+        with _HASH_A_GROWING:
+            while len(_HASH_A) <= steps:
+                _HASH_A.append((_HASH_A[-1] * _MULT_A) & _MASK)
+    return _HASH_A
+
+
+_hash_a(_POOL * _POOL + 16 * _POOL)  # enough for 20 entropy words
+_FILL = [(_HASH_A[i], _HASH_A[i + 1]) for i in range(_POOL)]
+_CROSS = [
+    (src, dst, _HASH_A[_POOL + k], _HASH_A[_POOL + k + 1])
+    for k, (src, dst) in enumerate((s, d) for s in range(_POOL) for d in range(_POOL) if s != d)
+]
+
+
+def _absorb(pool: list[int], step: int, word: int) -> int:
+    """Mix one more entropy word into every word of ``pool`` (in place), from mixing step
+    ``step`` on; the next step."""
+    consts = _hash_a(step + _POOL)
     for dst in range(_POOL):
-        value = word ^ hash_const
-        hash_const = (hash_const * _MULT_A) & _MASK
-        value = (value * hash_const) & _MASK
+        value = ((word ^ consts[step + dst]) * consts[step + dst + 1]) & _MASK
         pool[dst] = _mix(pool[dst], value ^ (value >> 16))
-    return hash_const
+    return step + _POOL
 
 
 @functools.lru_cache(maxsize=1024)
 def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """The pool and the hash constant after the entropy words ``words``."""
+    """The pool after the entropy words ``words``, and the next mixing step."""
     if len(words) > _POOL:
-        head, hash_const = _pool(words[:-1])
+        head, step = _pool(words[:-1])
         pool = list(head)
-        hash_const = _absorb(pool, hash_const, words[-1])
-        return tuple(pool), hash_const
-    hash_const = _INIT_A
+        step = _absorb(pool, step, words[-1])
+        return tuple(pool), step
     pool = []
-    for i in range(_POOL):
-        value = (words[i] if i < len(words) else 0) ^ hash_const
-        hash_const = (hash_const * _MULT_A) & _MASK
-        value = (value * hash_const) & _MASK
+    for i, (pre, post) in enumerate(_FILL):
+        value = (((words[i] if i < len(words) else 0) ^ pre) * post) & _MASK
         pool.append(value ^ (value >> 16))
-    for src in range(_POOL):
-        for dst in range(_POOL):
-            if src != dst:
-                value = pool[src] ^ hash_const
-                hash_const = (hash_const * _MULT_A) & _MASK
-                value = (value * hash_const) & _MASK
-                pool[dst] = _mix(pool[dst], value ^ (value >> 16))
-    return tuple(pool), hash_const
+    for src, dst, pre, post in _CROSS:  # _mix inlined: this loop is most of a seed's cost
+        value = ((pool[src] ^ pre) * post) & _MASK
+        mixed = (_MIX_L * pool[dst] - _MIX_R * (value ^ (value >> 16))) & _MASK
+        pool[dst] = mixed ^ (mixed >> 16)
+    return tuple(pool), _POOL * _POOL
 
 
 def _seed_sequence(entropy: list[int]) -> int:
     """``int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])``."""
     words = tuple(w for value in entropy for w in _words(value))
     if len(words) > _POOL:  # the last word (a tensor's name, ...) is the one streams differ by
-        head, hash_const = _pool(words[:-1])
+        head, step = _pool(words[:-1])
         pool = list(head)
-        _absorb(pool, hash_const, words[-1])
+        _absorb(pool, step, words[-1])
     else:
         pool = list(_pool(words)[0])
     hash_const = _INIT_B

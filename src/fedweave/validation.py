@@ -110,16 +110,16 @@ def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | Non
     reason of a wrong name, shape or dtype (``extras`` for an extras tensor)."""
     if not isinstance(tensors, Mapping):
         raise Rejected("malformed", f"its {what}s are a {type(tensors).__name__}, not named tensors")
-    missing = sorted(set(expected) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected), key=str)
-    if missing or unknown:
+    if tensors.keys() != expected.keys():  # sets compared; the names told only when they differ
+        missing = sorted(set(expected) - set(tensors))
+        unknown = sorted(set(tensors) - set(expected), key=str)
         parts = [f"lacks {what}s {missing}" if missing else "", f"holds undeclared {what}s {unknown}" if unknown else ""]
         raise Rejected(reason or "names", "; ".join(p for p in parts if p)[:300])
     for name, spec in expected.items():
         tensor = tensors[name]
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             raise Rejected("malformed", f"{what} {name!r} is not a dense tensor")
-        if tuple(tensor.shape) != spec.shape:
+        if tensor.shape != spec.shape:  # a torch.Size equals the tuple of its sizes
             raise Rejected(reason or "shape", f"{what} {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         if tensor.dtype != spec.dtype:
             raise Rejected(reason or "dtype", f"{what} {name!r} is {tensor.dtype}, expected {spec.dtype}")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from fedweave.conforms import Conforms
 from fedweave.transports.base import Exchange, KnowsAbsent, Transport
 from fedweave.types import Message
+
+_knows_absent = Conforms(KnowsAbsent)
 
 
 class Star:
@@ -18,7 +21,7 @@ class Star:
     def absent(self, wait_for: int = 0) -> frozenset[int]:
         """The clients its transport knows are gone (none, for a transport that cannot tell); with
         ``wait_for``, after waiting a bounded time for that many to be present."""
-        return self.transport.absent(wait_for) if isinstance(self.transport, KnowsAbsent) else frozenset()
+        return self.transport.absent(wait_for) if _knows_absent(self.transport) else frozenset()
 
     def close(self) -> None:
         self.transport.close()
