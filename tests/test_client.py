@@ -49,14 +49,21 @@ COUNTING = f"{__name__}:Counting"
 # --------------------------------------------------------------------------- the store
 
 
-def test_client_data_splits_a_client_into_its_train_and_test_rows() -> None:
+def test_client_data_keeps_test_rows_until_something_edits_them() -> None:
     x, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)
     data = ClientData(x, y, train_idx=[torch.tensor([0, 1, 2])], test_idx=[torch.tensor([3, 4])])
-    x_train, y_train, x_test, y_test = data.split(0)
-    assert torch.equal(x_train, x[:3]) and torch.equal(y_train, y[:3])
-    assert torch.equal(x_test, torch.tensor([[6.0, 7.0], [8.0, 9.0]])) and torch.equal(y_test, torch.tensor([3, 4]))
-    x_test.mul_(0)  # a job's copy: an in-place edit never reaches the dataset or the next job
-    assert torch.equal(data.split(0)[2], torch.tensor([[6.0, 7.0], [8.0, 9.0]]))
+    first = data.split(0)
+    assert torch.equal(first[0], x[:3]) and torch.equal(first[1], y[:3])
+    assert torch.equal(first[2], torch.tensor([[6.0, 7.0], [8.0, 9.0]])) and torch.equal(first[3], torch.tensor([3, 4]))
+    again = data.split(0)
+    assert again[2] is first[2] and again[3] is first[3]  # gathered once
+    again[2].mul_(0)  # a job's in-place edit never reaches the next job
+    edited = data.split(0)
+    assert edited[2] is not again[2] and torch.equal(edited[2], torch.tensor([[6.0, 7.0], [8.0, 9.0]]))
+    x[3] = 100.0  # nor is an edit of the dataset missed
+    assert torch.equal(data.split(0)[2], torch.tensor([[100.0, 100.0], [8.0, 9.0]]))
+    data.test_idx[0] = torch.tensor([5])
+    assert torch.equal(data.split(0)[2], torch.tensor([[10.0, 11.0]])) and torch.equal(data.split(0)[3], torch.tensor([5]))
 
 
 def test_store_keeps_copies_not_aliases() -> None:
