@@ -286,7 +286,7 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_the_cli_starts_without_torch() -> None:
     """``fedweave --help`` stays fast: registering ``deploy`` imports no torch."""
-    code = "import sys, fedweave.cli; fedweave.cli._parser(); print('torch' in sys.modules)"
+    code = "import sys, fedweave.cli.parser; fedweave.cli.parser.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 
