@@ -263,9 +263,7 @@ class ClientRuntime:
         start = time.perf_counter()
         update = self.algorithm.train(job)
         update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
-        # A training loss is a function of the data that no noise reaches; under HE it is also the
-        # loss of whatever model the server encrypted, an oracle on ciphertexts the server chose.
-        if self.chains.private or self.chains.sealer is not None:
+        if self.chains.withholds_metrics:
             update.metrics = {}
         if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
             update.metrics = {**update.metrics, **job.settings.privacy.report()}

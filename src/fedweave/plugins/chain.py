@@ -174,11 +174,15 @@ class Chains:
         return self.server_send.encode(instruction, ctx)
 
     @cached_property
-    def private(self) -> bool:
-        """Whether a client's training or update is differentially private (``dp_local``,
-        ``dp_central``, ``dpsgd``: a plugin that declares ``protects``, as the rules of
-        :mod:`fedweave.plugins.compose` read it): then its update carries no metric computed from its data."""
-        return any(getattr(p, "protects", None) for point in POINTS for p in getattr(self, point).plugins)
+    def withholds_metrics(self) -> bool:
+        """Whether a client's update carries no metric computed from its data: under differential
+        privacy (``dp_local``, ``dp_central``, ``dpsgd``: a plugin that declares ``protects``, as the
+        rules of :mod:`fedweave.plugins.compose` read it), which no clip or noise of a loss would
+        cover, and under a sealed model (HE), where a loss is that of whatever model the server
+        encrypted, an oracle on ciphertexts it chose."""
+        return self.sealer is not None or any(
+            getattr(p, "protects", None) for point in POINTS for p in getattr(self, point).plugins
+        )
 
     def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
         """Client side of the downlink: decode the server's encoding, unseal the model, then filter."""
