@@ -193,7 +193,8 @@ def combining_plugins(config: Any) -> None:
 def sealed_model(config: Any) -> None:
     """A plugin that keeps the global model encrypted on the server (he) leaves it nothing to evaluate
     and no step but the clients' mean delta."""
-    for point, i, spec, plugin in _plugins(config):
+    plugins = _plugins(config)
+    for point, i, spec, plugin in plugins:
         if point != "client_send" or not isinstance(plugin, SealsModel):
             continue
         if config.eval.every:
@@ -217,7 +218,7 @@ def sealed_model(config: Any) -> None:
                 f"config key 'plugins.server_send': plugin {spec.name!r} broadcasts the global model encrypted, "
                 "which no plugin can compress or transform; leave plugins.server_send empty"
             )
-        for at, j, earlier, cls in _plugins(config):
+        for at, j, earlier, cls in plugins:
             if at == "client_send" and j < i and getattr(cls, "stage", None) == "compress":
                 raise ConfigError(
                     f"config key 'plugins.client_send[{j}]': plugin {spec.name!r} adds every value of the update into "
