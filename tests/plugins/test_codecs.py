@@ -108,7 +108,7 @@ def reference(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return magnitude.topk(k, sorted=False).indices.sort().values
 
 
-@pytest.mark.parametrize("case", ["normal", "zeros", "ties at the threshold", "nan", "few distinct", "small"])
+@pytest.mark.parametrize("case", ["normal", "zeros", "ties at the threshold", "nan", "nan in the sample", "few distinct", "small"])
 def test_largest_picks_the_positions_topk_picks(case: str) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(100_000, generator=g).abs()
@@ -118,6 +118,8 @@ def test_largest_picks_the_positions_topk_picks(case: str) -> None:
         x = x.clamp(max=2.0)  # ~4,500 entries equal 2.0, k = 1,000 of them
     elif case == "nan":
         x[[17, 40_000]] = float("nan")
+    elif case == "nan in the sample":
+        x[[0, 24 * 7]] = float("nan")  # the strided sample reads every 24th entry
     elif case == "few distinct":
         x = (x * 4).floor()
     elif case == "small":

@@ -19,7 +19,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedweave.plugins.compression.wire import Compressor, Site, check_packed, pack_indices, require, unpack_indices
+from fedweave.plugins.compression.indices import check_packed, pack_indices, unpack_indices
+from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 
 VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -41,10 +42,30 @@ class TopKCodec:
         return max(1, int(self.hp.ratio * numel))
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
-        flat = x.reshape(-1)
-        k = self.k(flat.numel())
-        indices = largest(flat.abs(), k)
-        return {"values": flat.index_select(0, indices).to(VALUE_DTYPES[self.hp.values]), **pack_indices(indices, flat.numel())}
+        return self._select(x.reshape(-1))[0]
+
+    def compress_many(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
+        return [self._select(x.reshape(-1))[0] for x in xs]
+
+    def compress_keeping_rest(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
+        """The fields of each x, and x (the caller's, contiguous) left holding what they do not
+        carry: at the sent positions x less the sent value (zero unless the values travel in
+        fewer bits), elsewhere x as it was."""
+        out = []
+        for x in xs:
+            flat = x.view(-1)
+            fields, indices, exact = self._select(flat)
+            flat.index_put_((indices,), exact.sub_(fields["values"].to(torch.float32)))
+            out.append(fields)
+        return out
+
+    def _select(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The fields of the vector ``flat``, the sorted positions they carry, and ``flat``'s
+        entries there in float32 (a tensor of their own)."""
+        indices = largest(flat.abs(), self.k(flat.numel()))
+        exact = flat.index_select(0, indices)
+        fields = {"values": exact.to(VALUE_DTYPES[self.hp.values], copy=True), **pack_indices(indices, flat.numel())}
+        return fields, indices, exact
 
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"values": VALUE_DTYPES[self.hp.values], "indices": torch.int16, "blocks": torch.int32}
@@ -55,15 +76,17 @@ class TopKCodec:
         check_packed(fields, numel, self.k(numel))
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        indices = unpack_indices(fields, math.prod(shape))
-        out = torch.zeros(shape, dtype=torch.float32).reshape(-1)
-        out[indices] = fields["values"].to(torch.float32)
-        return out.reshape(shape)
+        return self.decompress_many([fields], [shape])[0]
 
-    def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
-        flat = x.view(-1)
-        indices = unpack_indices(fields, flat.numel())
-        flat[indices] = flat.index_select(0, indices) - fields["values"].to(torch.float32)
+    def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Every tensor of a payload scattered into one zeroed buffer (views of it, one per tensor)."""
+        numels = [math.prod(shape) for shape in shapes]
+        out = torch.zeros(sum(numels), dtype=torch.float32)
+        values = torch.cat([f["values"] for f in fields]).to(torch.float32)
+        out.index_put_((torch.from_numpy(unpack_indices(fields, numels)),), values)
+        flat = out.numpy()
+        ends = np.cumsum(numels).tolist()
+        return [torch.from_numpy(flat[end - n : end]).view(shape) for n, end, shape in zip(numels, ends, shapes)]
 
 
 SAMPLE = 4096
@@ -76,25 +99,26 @@ def largest(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     ``torch.topk`` over the whole vector costs a selection pass over every entry on one
     core; here a strided sample of it bounds from below where the k largest begin, and
     only the entries above that floor (a few times k) are searched for the k-th largest
-    value. When exactly k entries are at or above it (no tie at the threshold, no NaN),
-    they are the set ``topk`` over everything picks, already in order; otherwise, or when
-    the floor was too high, ``topk`` over everything decides, so the positions never
-    depend on which path ran.
+    value. When exactly k entries are at or above it (no tie at the threshold, no NaN among
+    them; a NaN anywhere counts as one, since it is not below the floor), they are the set
+    ``topk`` over everything picks, already in order; otherwise, or when the floor was too
+    high, ``topk`` over everything decides, so the positions never depend on which path ran.
     """
     numel = magnitude.numel()
     stride = numel // SAMPLE
-    if stride > 1 and 8 * k < numel and not bool(magnitude.sum().isnan()):
+    if stride > 1 and 8 * k < numel:
         values = magnitude.numpy()
         sample = values[::stride]
         rank = min(sample.size, 2 * (k * sample.size // numel) + 16)
         floor = np.partition(sample, sample.size - rank)[sample.size - rank]
-        candidates = np.flatnonzero(values >= floor)
+        candidates = np.flatnonzero(~(values < floor))  # a NaN is a candidate, and sends it to topk below
         if candidates.size >= k:
             above = values[candidates]
-            kth = np.partition(above, above.size - k)[above.size - k]
-            chosen = candidates[above >= kth]
-            if chosen.size == k:
-                return torch.from_numpy(chosen)
+            if not np.isnan(above).any():
+                kth = np.partition(above, above.size - k)[above.size - k]
+                chosen = candidates[above >= kth]
+                if chosen.size == k:
+                    return torch.from_numpy(chosen)
     return magnitude.topk(k, sorted=False).indices.sort().values
 
 

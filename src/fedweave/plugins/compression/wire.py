@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from fedweave.plugins.chain import Payload, PluginContext
@@ -76,11 +75,13 @@ class ManyCodec(Protocol):
 
 @runtime_checkable
 class SparseCodec(Protocol):
-    """A codec whose fields name the entries they carry: error feedback then subtracts
-    them from the residual in place rather than through a dense decoded tensor."""
+    """A codec whose fields carry some entries of a tensor where they lie: error feedback
+    asks it for the fields and the residual at once, the residual made in place from the
+    positions it has at hand rather than through a dense decoded tensor."""
 
-    def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
-        """``x -= decompress(fields, x.shape)``, in place."""
+    def compress_keeping_rest(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
+        """The fields of each x (contiguous, the caller's), and each x left holding
+        ``x - decompress(fields, x.shape)``, in place."""
 
 
 @runtime_checkable
@@ -115,7 +116,7 @@ class Compressor:
         self.codec = codec
         self.many = codec if isinstance(codec, ManyCodec) else None
         self.sparse = codec if isinstance(codec, SparseCodec) else None
-        self.typed = codec if isinstance(codec, TypedCodec) else None
+        self.sends = codec.field_dtypes() if isinstance(codec, TypedCodec) else None  # its fields and their dtypes
         self.checked = codec if isinstance(codec, CheckedCodec) else None
         self.error_feedback = error_feedback
         self.seed = 0
@@ -154,9 +155,15 @@ class Compressor:
         residual = self.residuals.get(ctx.client_id, {}) if self.error_feedback else {}
         names = [name for name, tensor in update.tensors.items() if _compressible(tensor)]
         xs = [_accumulated(update.tensors[name], residual.get(name), copy=self.error_feedback) for name in names]
-        fields = self._compress_many(xs, [self._site("up", ctx, name) for name in names])
-        if self.error_feedback:  # what was not sent: each x, owned here, less what its fields decode to
+        sites = [self._site("up", ctx, name) for name in names]
+        if self.error_feedback and self.sparse is not None and xs:
+            fields = self.sparse.compress_keeping_rest(xs, sites)
+            self.residuals[ctx.client_id] = dict(zip(names, xs))
+        elif self.error_feedback:  # what was not sent: each x, owned here, less what its fields decode to
+            fields = self._compress_many(xs, sites)
             self.residuals[ctx.client_id] = {name: self._unsent(x, f) for name, x, f in zip(names, xs, fields)}
+        else:
+            fields = self._compress_many(xs, sites)
         return replace(update, tensors=encode_fields(update.tensors, dict(zip(names, fields))))
 
     # ---------------------------------------------------------------- downlink
@@ -200,8 +207,8 @@ class Compressor:
     def _decompress_many(
         self, names: list[str], fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]
     ) -> list[torch.Tensor]:
-        if self.typed is not None:
-            self._check_dtypes(names, fields, self.typed.field_dtypes())
+        if self.sends is not None:
+            self._check_dtypes(names, fields, self.sends)
         if self.checked is not None:
             for name, parts, shape in zip(names, fields, shapes):
                 try:
@@ -227,9 +234,6 @@ class Compressor:
         """``x`` (owned) less what ``fields`` decode to, in place: the residual error feedback keeps."""
         if fields is None:
             return x - x
-        if self.sparse is not None:
-            self.sparse.subtract_sent(x, fields)
-            return x
         return x.sub_(self.codec.decompress(fields, tuple(x.shape)).reshape(x.shape))
 
 
@@ -265,53 +269,8 @@ def _codec_state(codec: Codec) -> Any:
     return codec.state_dict() if hasattr(codec, "state_dict") else None
 
 
-BLOCK = 1 << 16
-
-
-def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
-    """Sorted flat positions in 2 bytes each: as offsets within blocks of 65,536 entries
-    (stored as int16 shifted by −32,768), with one int32 count per block when the tensor
-    has more than one block."""
-    positions = indices.numpy()
-    out = {"indices": torch.from_numpy((positions % BLOCK - BLOCK // 2).astype(np.int16))}
-    if numel > BLOCK:
-        out["blocks"] = torch.from_numpy(np.bincount(positions // BLOCK, minlength=-(-numel // BLOCK)).astype(np.int32))
-    return out
-
-
-def check_packed(fields: dict[str, torch.Tensor], numel: int, k: int) -> None:
-    """Raise ``ValueError`` unless ``fields`` can be :func:`pack_indices`' packing of ``k``
-    positions in a tensor of ``numel`` entries: ``k`` offsets and, past one block, one count
-    per block, none negative, summing to ``k``. O(blocks): the offsets are checked as they
-    are unpacked (:func:`unpack_indices`)."""
-    indices = _field(fields, "indices")
-    if indices.numel() != k:
-        raise ValueError(f"'indices' hold {indices.numel()} positions, the layout's tensor sends {k}")
-    blocks = -(-numel // BLOCK)
-    if numel <= BLOCK:
-        if "blocks" in fields:
-            raise ValueError(f"'blocks' for a tensor of {numel} entries, which is one block")
-        return
-    counts = _field(fields, "blocks")
-    if counts.numel() != blocks:
-        raise ValueError(f"'blocks' hold {counts.numel()} counts, the layout's tensor has {blocks} blocks")
-    if int(counts.min()) < 0 or int(counts.sum(dtype=torch.int64)) != k:
-        raise ValueError(f"'blocks' counts are negative or do not sum to the {k} positions")
-
-
-def unpack_indices(fields: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
-    """The positions :func:`pack_indices` packed (``fields`` passed :func:`check_packed`);
-    ``ValueError`` unless they are strictly increasing and below ``numel``, as packed."""
-    low = fields["indices"].numpy().astype(np.int64) + BLOCK // 2
-    if "blocks" in fields:
-        blocks = fields["blocks"].numpy()
-        low += np.repeat(np.arange(blocks.size, dtype=np.int64) * BLOCK, blocks)
-    if low.size and (low[-1] >= numel or not bool(np.all(low[1:] > low[:-1]))):
-        raise ValueError(f"'indices' are not increasing positions below {numel}")
-    return torch.from_numpy(low)
-
-
-def _field(fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
+def named(fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
+    """Field ``part`` of a peer's ``fields``; ``ValueError`` when it is missing."""
     if part not in fields:
         raise ValueError(f"field {part!r} is missing")
     return fields[part]
@@ -320,5 +279,5 @@ def _field(fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
 def require(fields: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
     """Raise ``ValueError`` unless ``fields`` hold each field of ``sizes`` with that many entries."""
     for part, size in sizes.items():
-        if _field(fields, part).numel() != size:
+        if named(fields, part).numel() != size:
             raise ValueError(f"{part!r} hold {fields[part].numel()} entries, the layout's tensor sends {size}")
