@@ -9,6 +9,7 @@ since both come from a peer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,29 +56,29 @@ def unpack_indices(fields: Sequence[dict[str, torch.Tensor]], numels: Sequence[i
     are offset by the entries of the tensors before it. One pass over all of them, however
     many tensors. ``ValueError`` unless each tensor's are strictly increasing and below its
     ``numel``, as packed."""
-    ends = np.cumsum(numels, dtype=np.int64)
+    ends = list(itertools.accumulate(numels))
+    sizes = [parts["indices"].numel() for parts in fields]
     starts: list[int] = []  # where each block begins in the tensors laid end to end
     counts: list[int] = []  # how many positions each block holds
-    for parts, end, numel in zip(fields, ends.tolist(), numels):
+    for parts, end, numel, size in zip(fields, ends, numels, sizes):
         begin = end - numel
         if "blocks" in parts:
             blocks = parts["blocks"]
-            starts.extend(range(begin, begin + BLOCK * blocks.numel(), BLOCK))
+            starts.extend(range(begin + BLOCK // 2, begin + BLOCK // 2 + BLOCK * blocks.numel(), BLOCK))
             counts.extend(blocks.tolist())
         else:
-            starts.append(begin)
-            counts.append(parts["indices"].numel())
+            starts.append(begin + BLOCK // 2)
+            counts.append(size)
     positions = np.concatenate([parts["indices"].numpy() for parts in fields]).astype(np.int64)
-    positions += np.repeat(np.array(starts, dtype=np.int64) + BLOCK // 2, counts)
+    positions += np.repeat(np.array(starts, dtype=np.int64), counts)
     # increasing overall, and each tensor's last below its end: each tensor's within it, increasing
     # (and, the other way round, every tensor's so makes them so overall: the loop names the one)
-    sizes = [parts["indices"].numel() for parts in fields]
-    lasts = np.cumsum(sizes) - 1
-    sent = np.array(sizes) > 0
+    lasts = [last - 1 for last, size in zip(itertools.accumulate(sizes), sizes) if size]
     if positions.size and not (
-        bool(np.all(positions[1:] > positions[:-1])) and bool(np.all(positions[lasts[sent]] < ends[sent]))
+        bool(np.all(positions[1:] > positions[:-1]))
+        and bool(np.all(positions[lasts] < np.array([end for end, size in zip(ends, sizes) if size])))
     ):
-        for mine, end, numel in zip(np.split(positions, lasts[:-1] + 1), ends.tolist(), numels):
+        for mine, end, numel in zip(np.split(positions, list(itertools.accumulate(sizes))[:-1]), ends, numels):
             if mine.size and (mine[-1] >= end or not bool(np.all(mine[1:] > mine[:-1]))):
                 raise ValueError(f"'indices' are not increasing positions below {numel}")
     return positions
