@@ -105,7 +105,8 @@ _streams = threading.local()  # per thread: an MT19937 re-seeded for each draw (
 def randperm_head(seed: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.randperm(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k]``
     (a tensor of its own), by :func:`fisher_yates_head` where that is cheaper: it costs
-    O(k log k) where the whole permutation costs O(n), a third for k = n / 10."""
+    O(k log k) where the whole permutation costs O(n); for k = n / 10 of 100,352 entries, a
+    third of randperm's time with warm caches, 0.6 of it between two clients' training."""
     if HEAD_FROM <= n < RANDPERM_32BIT and 1 <= 8 * k <= n and -(1 << 63) <= seed < 1 << 64:
         return torch.from_numpy(fisher_yates_head(seed, n, k)).to(dtype)
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k].clone()
@@ -124,8 +125,9 @@ def fisher_yates_head(seed: int, n: int, k: int) -> np.ndarray:
     whose ``random_raw`` then hands out the same r_i.
 
     Which value step i moves into a[i], without the n-entry array: the one at j_i just before
-    step i. A position v >= i holds v until a step aims at it; once step t has (j_t = v), it
-    holds what step t read at a[t], call it d(t). So
+    step i. A position v >= i holds v until a step aims at it; after step t aims at it
+    (j_t = v), it holds what step t read at a[t], call it d(t), until the next step aiming at
+    it. So
 
     - out[i] = j_i, unless an earlier step aimed at j_i: then d(t) for the last such t;
     - d(t) = t, unless an earlier step aimed at t: then d(p) for the last such p < t.
@@ -149,19 +151,19 @@ def fisher_yates_head(seed: int, n: int, k: int) -> np.ndarray:
     keys |= steps
     keys.sort()
     aim = keys >> kind(shift)
-    repeat = np.flatnonzero(aim[1:] == aim[:-1])
+    repeat = (aim[1:] == aim[:-1]).nonzero()[0]
     out = target.view(np.int32)
     if repeat.size == 0:
         return out
     mask = kind((1 << shift) - 1)
     later, earlier = keys[repeat + 1] & mask, keys[repeat] & mask  # earlier: the last step before later aiming there
-    inside = keys[: keys.searchsorted(kind(k << shift))]  # the steps aiming at a step's own position
+    inside = keys[: keys.searchsorted(kind(k << shift))]  # the steps aiming below k, where steps read
     aim, step = inside >> kind(shift), inside & mask
     aimed = step < aim
     aim, step = aim[aimed], step[aimed]
     previous = np.arange(k, dtype=kind)  # previous[t]: the last step before t aiming at t (t if none)
     if aim.size:
-        last = np.flatnonzero(aim[1:] != aim[:-1])
+        last = (aim[1:] != aim[:-1]).nonzero()[0]
         previous[aim[last]] = step[last]
         previous[aim[-1]] = step[-1]
     while True:
