@@ -16,9 +16,11 @@ aggregation; not HE, which adds each update into the encrypted model itself); ot
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedweave.plugins.compression.wire import Compressor, Site, require
@@ -63,14 +65,14 @@ class RandKCodec:
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         numel = math.prod(shape)
-        out = torch.zeros(numel, dtype=torch.float32)
-        out[self._positions(int(fields["seed"].item()), numel)] = fields["values"].to(torch.float32)
-        return out.reshape(shape)
+        positions = self._positions(int(fields["seed"].item()), numel).long()
+        values = fields["values"].to(torch.float32).reshape(-1)
+        return torch.zeros(numel, dtype=torch.float32).scatter_(0, positions, values).reshape(shape)
 
     def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
         flat = x.view(-1)
         positions = self._positions(int(fields["seed"].item()), flat.numel())
-        flat[positions] = flat.index_select(0, positions) - fields["values"].to(torch.float32)
+        flat.index_add_(0, positions, fields["values"].to(torch.float32), alpha=-1)  # x + -1 * v is x - v, bit for bit
 
     def _positions(self, seed: int, numel: int) -> torch.Tensor:
         """The first k of a seeded permutation. Drawing them is most of the codec's work, and
@@ -81,13 +83,97 @@ class RandKCodec:
             return self.drawn[key]
         k = self.k(numel)
         dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
-        positions = torch.randperm(numel, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k].clone()
+        positions = randperm_head(seed, numel, k, dtype)
         while self.drawn and self.held + k > HELD_POSITIONS:
             self.held -= self.drawn.pop(next(iter(self.drawn))).numel()
         if k <= HELD_POSITIONS:
             self.drawn[key] = positions
             self.held += k
         return positions
+
+
+RANDPERM_32BIT = (1 << 32) // 20
+"""``torch.randperm`` draws one 32-bit number per step for fewer entries than this, 64-bit ones from it."""
+
+HEAD_FROM = 1 << 15
+"""The head of a permutation of at least this many entries, and at most an eighth of them, is
+drawn by :func:`fisher_yates_head`; the whole permutation is cheaper to draw otherwise (as
+measured between two clients' training, with cold caches: warm, the head wins from 2**13)."""
+
+_streams = threading.local()  # per thread: an MT19937 re-seeded for each draw (making one costs ~70 us)
+
+
+def randperm_head(seed: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.randperm(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k]``
+    (a tensor of its own), by :func:`fisher_yates_head` where that is cheaper: it costs
+    O(k log k) where the whole permutation costs O(n); for k = n / 10 of 100,352 entries, a
+    third of randperm's time with warm caches, 0.6 of it between two clients' training."""
+    if HEAD_FROM <= n < RANDPERM_32BIT and 1 <= 8 * k <= n and -(1 << 63) <= seed < 1 << 64:
+        return torch.from_numpy(fisher_yates_head(seed, n, k)).to(dtype)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)[:k].clone()
+
+
+def fisher_yates_head(seed: int, n: int, k: int) -> np.ndarray:
+    """The first ``k`` entries (int32) of torch's CPU ``randperm(n)`` drawn with a generator
+    seeded with ``seed``, for 1 <= k <= n < :data:`RANDPERM_32BIT`, in O(k log k).
+
+    torch shuffles ``a = [0, 1, ..., n - 1]`` forward (aten ``randperm_cpu``): step
+    i = 0 .. n - 2 swaps a[i] with a[j_i], j_i = i + r_i % (n - i), where r_i is the
+    generator's next raw 32-bit MT19937 output. No step touches a position below its own,
+    so a[i] is final after step i and the head depends on the first k outputs only (a step
+    n - 1 would swap a[n - 1] with itself: counting it changes nothing). torch seeds its
+    MT19937 with ``init_genrand(seed mod 2**32)``, as ``RandomState.seed`` seeds NumPy's,
+    whose ``random_raw`` then hands out the same r_i.
+
+    Which value step i moves into a[i], without the n-entry array: the one at j_i just before
+    step i. A position v >= i holds v until a step aims at it; after step t aims at it
+    (j_t = v), it holds what step t read at a[t], call it d(t), until the next step aiming at
+    it. So
+
+    - out[i] = j_i, unless an earlier step aimed at j_i: then d(t) for the last such t;
+    - d(t) = t, unless an earlier step aimed at t: then d(p) for the last such p < t.
+
+    "The last earlier step aiming at the same position" is a step's predecessor once the
+    steps are sorted by (target, step); following p from t to a step no earlier step aimed
+    at gives d(t), and each hop goes to an earlier step, so the walk ends.
+    """
+    bits = getattr(_streams, "bits", None)
+    if bits is None:
+        bits = _streams.bits = np.random.MT19937()
+        _streams.seeder = np.random.RandomState(bits)
+    _streams.seeder.seed(seed & 0xFFFFFFFF)
+    raw = bits.random_raw(k).astype(np.uint32)
+    steps = np.arange(k, dtype=np.uint32)
+    target = raw % (n - steps)
+    target += steps
+    shift = (k - 1).bit_length()  # (target, step) sorts as target << shift | step, below n << shift
+    kind = np.uint32 if n << shift < 1 << 32 else np.uint64
+    keys = target.astype(kind) << kind(shift)
+    keys |= steps
+    keys.sort()
+    aim = keys >> kind(shift)
+    repeat = (aim[1:] == aim[:-1]).nonzero()[0]
+    out = target.view(np.int32)
+    if repeat.size == 0:
+        return out
+    mask = kind((1 << shift) - 1)
+    later, earlier = keys[repeat + 1] & mask, keys[repeat] & mask  # earlier: the last step before later aiming there
+    inside = keys[: keys.searchsorted(kind(k << shift))]  # the steps aiming below k, where steps read
+    aim, step = inside >> kind(shift), inside & mask
+    aimed = step < aim
+    aim, step = aim[aimed], step[aimed]
+    previous = np.arange(k, dtype=kind)  # previous[t]: the last step before t aiming at t (t if none)
+    if aim.size:
+        last = (aim[1:] != aim[:-1]).nonzero()[0]
+        previous[aim[last]] = step[last]
+        previous[aim[-1]] = step[-1]
+    while True:
+        back = previous[earlier]
+        if (back == earlier).all():
+            break
+        earlier = back
+    out[later] = earlier
+    return out
 
 
 def _summable(params: Any) -> bool:
