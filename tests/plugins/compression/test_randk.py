@@ -117,17 +117,22 @@ def test_decode_is_the_index_write_bit_for_bit(n: int, ratio: float) -> None:
     assert torch.equal(bits(out), bits(expected))
 
 
-@pytest.mark.parametrize("n,ratio", [(100352, 0.1), (1280, 0.5), (10, 0.1)])
-def test_error_feedback_subtracts_what_was_sent_bit_for_bit(n: int, ratio: float) -> None:
-    codec = RandKCodec(RandKParams(ratio=ratio, error_feedback=True))
+@pytest.mark.parametrize("n,ratio,feedback", [(100352, 0.1, True), (1280, 0.5, True), (10, 0.1, True), (1280, 0.5, False)])
+def test_the_rest_kept_is_x_less_what_was_sent_bit_for_bit(n: int, ratio: float, feedback: bool) -> None:
+    """With error feedback the values go unscaled and leave x - x there (0, or NaN for ±inf);
+    without, the rest is x less the scaled values, as decompress would give them."""
+    codec = RandKCodec(RandKParams(ratio=ratio, error_feedback=feedback))
     x = awkward(n, 2)
-    k = codec.k(n)
-    sent = {"values": awkward(k, 3), "seed": torch.tensor([7])}
-    positions = torch_head(7, n, k)
-    expected = x.clone()
-    expected[positions] = x[positions] - sent["values"]
-    codec.subtract_sent(x, sent)
+    original = x.clone()
+    site = randk_mod.Site("randk", 0, "up", 1, 4, "w")
+    [fields] = codec.compress_keeping_rest([x], [site])
+    plain = codec.compress(original, site)
+    assert torch.equal(fields["seed"], plain["seed"]) and torch.equal(bits(fields["values"]), bits(plain["values"]))
+    positions = torch_head(int(fields["seed"].item()), n, codec.k(n))
+    expected = original.clone()
+    expected[positions] = original[positions] - fields["values"]
     assert torch.equal(bits(x), bits(expected))
+    assert torch.equal(bits(x), bits(original - codec.decompress(fields, (n,))))
 
 
 def test_the_codec_sends_the_values_at_torchs_positions() -> None:

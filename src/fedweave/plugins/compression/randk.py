@@ -45,13 +45,29 @@ class RandKCodec:
         self.held = 0  # positions in ``drawn``
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
-        flat = x.reshape(-1)
+        return self._select(x.reshape(-1), site)[0]
+
+    def compress_keeping_rest(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
+        """The fields of each x, and x (the caller's, contiguous) left holding what they do not
+        carry: at the drawn positions x less the sent value (zero there with error feedback,
+        which sends values unscaled), elsewhere x as it was."""
+        out = []
+        for x, site in zip(xs, sites):
+            flat = x.view(-1)
+            fields, positions = self._select(flat, site)
+            flat.index_add_(0, positions, fields["values"], alpha=-1)  # x + -1 * v is x - v, bit for bit
+            out.append(fields)
+        return out
+
+    def _select(self, flat: torch.Tensor, site: Site) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The fields of the vector ``flat`` and the positions they carry."""
         keys = (site.name,) if self.hp.shared_indices else (site.client_id, site.name)
         seed = site.seed_for(*keys)
         indices = self._positions(seed, flat.numel())
         scale = 1.0 if self.hp.error_feedback else flat.numel() / indices.numel()
         values = flat.index_select(0, indices)
-        return {"values": values if self.hp.error_feedback else values.mul_(scale), "seed": torch.tensor([seed], dtype=torch.int64)}
+        fields = {"values": values if self.hp.error_feedback else values.mul_(scale), "seed": torch.tensor([seed], dtype=torch.int64)}
+        return fields, indices
 
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"values": torch.float32, "seed": torch.int64}
@@ -68,11 +84,6 @@ class RandKCodec:
         positions = self._positions(int(fields["seed"].item()), numel).long()
         values = fields["values"].to(torch.float32).reshape(-1)
         return torch.zeros(numel, dtype=torch.float32).scatter_(0, positions, values).reshape(shape)
-
-    def subtract_sent(self, x: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
-        flat = x.view(-1)
-        positions = self._positions(int(fields["seed"].item()), flat.numel())
-        flat.index_add_(0, positions, fields["values"].to(torch.float32), alpha=-1)  # x + -1 * v is x - v, bit for bit
 
     def _positions(self, seed: int, numel: int) -> torch.Tensor:
         """The first k of a seeded permutation. Drawing them is most of the codec's work, and
