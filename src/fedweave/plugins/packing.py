@@ -141,7 +141,9 @@ def decode_all(
             out[key] = value
         elif name in decoded:
             dtype, shape = layouts[name]
-            out[name] = decoded.pop(name).reshape(shape).to(dtype)
+            tensor = decoded.pop(name)  # reshaped and cast only where it is not already (a call costs µs)
+            tensor = tensor if tensor.shape == shape else tensor.reshape(shape)
+            out[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
     return out
 
 

@@ -24,10 +24,10 @@ def pack_indices(indices: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
     """Sorted flat positions in a tensor of ``numel`` entries, as fields ``indices`` (and,
     past one block, ``blocks``)."""
     positions = indices.numpy()
-    out = {"indices": torch.from_numpy((positions % BLOCK - BLOCK // 2).astype(np.int16))}
-    if numel > BLOCK:
-        out["blocks"] = torch.from_numpy(np.bincount(positions // BLOCK, minlength=-(-numel // BLOCK)).astype(np.int32))
-    return out
+    if numel <= BLOCK:  # the offsets are the positions
+        return {"indices": torch.from_numpy((positions - BLOCK // 2).astype(np.int16))}
+    blocks = np.bincount(positions // BLOCK, minlength=-(-numel // BLOCK)).astype(np.int32)
+    return {"indices": torch.from_numpy((positions % BLOCK - BLOCK // 2).astype(np.int16)), "blocks": torch.from_numpy(blocks)}
 
 
 def check_packed(fields: dict[str, torch.Tensor], numel: int, k: int) -> None:

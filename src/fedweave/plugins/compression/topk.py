@@ -49,23 +49,25 @@ class TopKCodec:
 
     def compress_keeping_rest(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
         """The fields of each x, and x (the caller's, contiguous) left holding what they do not
-        carry: at the sent positions x less the sent value (zero unless the values travel in
+        carry: at the sent positions x less the sent value (x - x unless the values travel in
         fewer bits), elsewhere x as it was."""
         out = []
         for x in xs:
             flat = x.view(-1)
             fields, indices, exact = self._select(flat)
-            flat.index_put_((indices,), exact.sub_(fields["values"].to(torch.float32)))
+            sent = fields["values"]
+            flat.index_put_((indices,), exact - (sent if sent.dtype == torch.float32 else sent.to(torch.float32)))
             out.append(fields)
         return out
 
     def _select(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """The fields of the vector ``flat``, the sorted positions they carry, and ``flat``'s
-        entries there in float32 (a tensor of their own)."""
+        entries there in float32 (the values field itself when it is float32)."""
         indices = largest(flat.abs(), self.k(flat.numel()))
         exact = flat.index_select(0, indices)
-        fields = {"values": exact.to(VALUE_DTYPES[self.hp.values], copy=True), **pack_indices(indices, flat.numel())}
-        return fields, indices, exact
+        dtype = VALUE_DTYPES[self.hp.values]
+        values = exact if dtype == torch.float32 else exact.to(dtype)
+        return {"values": values, **pack_indices(indices, flat.numel())}, indices, exact
 
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"values": VALUE_DTYPES[self.hp.values], "indices": torch.int16, "blocks": torch.int32}

@@ -246,9 +246,11 @@ def _compressible(tensor: torch.Tensor) -> bool:
 def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool) -> torch.Tensor:
     """``tensor`` in float32 plus the ``residual`` carried to it, added into the residual (the
     plugin's own, spent by this sum); without one, a new tensor when ``copy``. Contiguous,
-    so that error feedback can update it in place through a flat view."""
+    so that error feedback can update it in place through a flat view. (A call that would
+    change nothing is not made: each costs microseconds, once per tensor of every update.)"""
     if residual is not None:
-        return residual.add_(tensor.to(torch.float32)).contiguous()
+        residual.add_(tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32))
+        return residual if residual.is_contiguous() else residual.contiguous()
     return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
 
 
