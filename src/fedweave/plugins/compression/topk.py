@@ -84,11 +84,10 @@ class TopKCodec:
         """Every tensor of a payload scattered into one zeroed buffer (views of it, one per tensor)."""
         numels = [math.prod(shape) for shape in shapes]
         out = torch.zeros(sum(numels), dtype=torch.float32)
-        values = torch.cat([f["values"] for f in fields]).to(torch.float32)
+        values = torch.cat([f["values"] for f in fields])
+        values = values if values.dtype == torch.float32 else values.to(torch.float32)
         out.index_put_((torch.from_numpy(unpack_indices(fields, numels)),), values)
-        flat = out.numpy()
-        ends = np.cumsum(numels).tolist()
-        return [torch.from_numpy(flat[end - n : end]).view(shape) for n, end, shape in zip(numels, ends, shapes)]
+        return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(out.split(numels), shapes)]
 
 
 SAMPLE = 4096
