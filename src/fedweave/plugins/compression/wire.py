@@ -251,6 +251,8 @@ def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool
     if residual is not None:
         residual.add_(tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32))
         return residual if residual.is_contiguous() else residual.contiguous()
+    if not copy and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        return tensor
     return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=copy)
 
 
