@@ -78,3 +78,13 @@ def tensors(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     if len(xs) > 2 and xs[2].dim() == 2:
         xs[2] = xs[2].t()
     return xs
+
+
+def straddling_noise(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two draws for each entry of ``scaled`` that decide its rounding by the last bit of
+    its fractional part: the fraction itself (not below it: round down) and the float just
+    under it (below it, where it is positive: round up). A rounding one ulp away from the
+    definition's, anywhere, moves a level."""
+    frac = scaled - torch.floor(scaled)
+    below = torch.where(frac > 0, torch.nextafter(frac, torch.zeros_like(frac)), frac)
+    return frac, below

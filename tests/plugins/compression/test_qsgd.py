@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams
+from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, levels as qsgd_levels
 
 from . import reference as ref
 
@@ -57,6 +57,20 @@ def test_decoded_values_are_level_times_norm_over_s_whether_fields_share_a_buffe
         out = codec.decompress_many(parts, layout)
         assert [tuple(t.shape) for t in out] == layout, how
         assert all(same(got.reshape(-1), w) for got, w in zip(out, want)), how
+
+
+@pytest.mark.parametrize("s", [2, 7, 127, 300])
+def test_levels_are_magnitude_over_norm_then_times_s_to_the_last_bit(s: int) -> None:
+    g = torch.Generator().manual_seed(s)
+    magnitudes = torch.rand(64, 33, generator=g) * torch.logspace(-6, 6, 64).view(-1, 1)
+    magnitudes[5] = 0.0
+    norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
+    scaled = magnitudes / torch.where(norms > 0, norms, torch.ones_like(norms)) * s  # (|v| / n) * s
+    for noise, up in zip(ref.straddling_noise(scaled), (False, True)):
+        rows = magnitudes.clone()
+        assert same(qsgd_levels(rows, s, noise.clone()), norms)
+        want = torch.floor(scaled) + (up & (scaled > torch.floor(scaled)))
+        assert same(rows, want)
 
 
 def test_a_zero_tensor_and_zero_buckets_encode_to_zero_levels_and_zero_norms() -> None:

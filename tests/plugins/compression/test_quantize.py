@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedweave.plugins.compression.quantize import QuantizeCodec, QuantizeParams
+from fedweave.plugins.compression.quantize import QuantizeCodec, QuantizeParams, int8_values
 
 from . import reference as ref
 
@@ -40,6 +40,18 @@ def test_values_scales_and_decoded_floats_are_the_definitions(stochastic: bool, 
         out = codec.decompress_many(parts, layout)
         assert [tuple(t.shape) for t in out] == layout
         assert all(same(got.reshape(-1), w) for got, w in zip(out, want))
+
+
+def test_values_are_entry_over_scale_in_one_rounding_to_the_last_bit() -> None:
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(64, 33, generator=g) * torch.logspace(-6, 6, 64).view(-1, 1)
+    rows[5] = 0.0
+    scales = rows.abs().amax(dim=1, keepdim=True) / 127
+    scaled = rows / torch.where(scales > 0, scales, torch.ones_like(scales))
+    for noise, up in zip(ref.straddling_noise(scaled), (False, True)):
+        want = torch.floor(scaled) + (up & (scaled > torch.floor(scaled)))
+        assert same(int8_values(rows.clone(), scales, noise.clone()), want.clamp(-127, 127).to(torch.int8))
+    assert same(int8_values(rows.clone(), scales, None), torch.round(scaled).clamp(-127, 127).to(torch.int8))
 
 
 def test_a_zero_bucket_has_scale_zero_and_decodes_to_zero() -> None:

@@ -63,13 +63,10 @@ class QuantizeCodec:
         rows, _ = buckets.matrix(xs)
         magnitudes = rows.abs()  # then the noise: one buffer less
         scales = magnitudes.amax(dim=1, keepdim=True).div_(127)
-        rows.div_(nonzero(scales))
+        noise = None
         if self.hp.stochastic:
-            seeds = [site.seed_for(site.client_id, site.name) for site in sites]
-            rounded = stochastic_round(rows, buckets.draws(seeds, out=magnitudes))
-        else:
-            rounded = rows.round_()
-        values = rounded.clamp_(-127, 127).to(torch.int8).view(-1)
+            noise = buckets.draws([site.seed_for(site.client_id, site.name) for site in sites], out=magnitudes)
+        values = int8_values(rows, scales, noise).view(-1)
         return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales.view(-1)))]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -82,6 +79,16 @@ class QuantizeCodec:
             for i, entries in zip(scaled, buckets.entries(rows.view(-1))):
                 out[i] = entries.view(shapes[i])
         return out
+
+
+def int8_values(rows: torch.Tensor, scales: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    """The int8 values of ``rows``, each row over its scale (one rounding; a row of scale
+    0 as it is) rounded down or up at random, up where ``noise`` is below the fractional
+    part (or to the nearest, ties to even, without ``noise``), then kept within ±127.
+    Consumes ``rows`` and ``noise``."""
+    rows.div_(nonzero(scales))
+    rounded = rows.round_() if noise is None else stochastic_round(rows, noise)
+    return rounded.clamp_(-127, 127).to(torch.int8)
 
 
 def _summable(params: Any) -> bool:
