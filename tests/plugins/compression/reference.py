@@ -8,6 +8,16 @@ import torch
 from fedweave.plugins.compression.wire import Site
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bits (0.0 and -0.0 differ, a NaN equals itself)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(width), b.view(width)
+    return torch.equal(a, b)
+
+
 def site(name: str, client: int = 3, rnd: int = 5) -> Site:
     return Site("test", 11, "up", rnd, client, name)
 
@@ -37,9 +47,10 @@ def qsgd(x: torch.Tensor, s: int, size: int, where: Site) -> tuple[torch.Tensor,
 
 
 def qsgd_decoded(levels: torch.Tensor, norms: torch.Tensor, s: int, size: int) -> torch.Tensor:
-    """level · norm / s, entry by entry, with its bucket's norm."""
+    """level · norm / s, entry by entry, with its bucket's norm (levels as the integers
+    they travel as)."""
     per_entry = norms.repeat_interleave(size)[: levels.numel()]
-    return levels.to(torch.float32) * per_entry / s
+    return levels.to(torch.int32).to(torch.float32) * per_entry / s
 
 
 def nibbles(levels: torch.Tensor) -> torch.Tensor:

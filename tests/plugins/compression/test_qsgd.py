@@ -10,12 +10,9 @@ import torch
 from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, levels as qsgd_levels
 
 from . import reference as ref
+from .reference import same
 
 SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def encode(s: int, size: int, xs: list[torch.Tensor]) -> tuple[QSGDCodec, list[dict[str, torch.Tensor]], list]:

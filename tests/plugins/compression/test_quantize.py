@@ -10,12 +10,9 @@ import torch
 from fedweave.plugins.compression.quantize import QuantizeCodec, QuantizeParams, int8_values
 
 from . import reference as ref
+from .reference import same
 
 SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("stochastic", [True, False])
