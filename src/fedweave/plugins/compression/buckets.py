@@ -9,7 +9,9 @@ random draws stay those of each tensor's own generator, row range by row range, 
 encoding of every tensor is the one it would have had on its own.
 
 The layout of a list of tensor sizes is built once (:func:`layout`): a federation
-quantizes the same model's tensors round after round.
+quantizes the same model's tensors round after round. Fields that never left the
+process (views of the encoder's matrix) are decoded where they lie
+(:meth:`Buckets.joined`), without gathering them into a new matrix first.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ class Buckets:
         :meth:`per_bucket` of one matrix return, as a codec's fields are when they never
         left the process. Else None. Its padding holds whatever the buffer holds there,
         so it is read through the entries only."""
-        starts, width, numels = (self.row_starts, 1, self.rows) if per_bucket else (self.starts, self.size, self.numels)
         if not tensors:
             return None
+        starts, width, numels = (self.row_starts, 1, self.rows) if per_bucket else (self.starts, self.size, self.numels)
         first = tensors[0]
         base = first.storage_offset()
         ptr = first.untyped_storage().data_ptr()

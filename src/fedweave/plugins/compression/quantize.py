@@ -61,7 +61,7 @@ class QuantizeCodec:
             return [{"values": x.to(CASTS[self.hp.dtype])} for x in xs]
         buckets = layout(tuple(x.numel() for x in xs), self.hp.bucket)
         rows, _ = buckets.matrix(xs)
-        magnitudes = rows.abs()  # then the noise: one buffer less
+        magnitudes = rows.abs()  # its buffer then takes the noise
         scales = magnitudes.amax(dim=1, keepdim=True).div_(127)
         noise = None
         if self.hp.stochastic:
