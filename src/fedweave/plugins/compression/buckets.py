@@ -7,13 +7,21 @@ quantize the whole update in a few passes of torch kernels, where one pass per t
 would pay the same fixed cost for a 10-entry bias as for the 100,000-entry weight. The
 random draws stay those of each tensor's own generator, row range by row range, so the
 encoding of every tensor is the one it would have had on its own.
+
+The layout of a list of tensor sizes is built once (:func:`layout`): a federation
+quantizes the same model's tensors round after round. Fields that never left the
+process (views of the encoder's matrix) are decoded where they lie
+(:meth:`Buckets.joined`), without gathering them into a new matrix first.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
+
+ONE = torch.tensor(1.0)
 
 
 class Buckets:
@@ -26,42 +34,79 @@ class Buckets:
         self.total = sum(self.rows)
         # the flattened matrix as [entries of tensor 1, its padding, entries of tensor 2, ...]
         self.pieces = [part for n, rows in zip(self.numels, self.rows) for part in (n, rows * size - n)]
+        self.padded = [i for i, padding in enumerate(self.pieces[1::2]) if padding]
+        # where each tensor's entries, and its values per bucket, start in the flattened matrix and column
+        self.starts = [size * sum(self.rows[:i]) for i in range(len(self.rows))]
+        self.row_starts = [sum(self.rows[:i]) for i in range(len(self.rows))]
 
     def matrix(
         self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True, magnitudes: bool = False
-    ) -> torch.Tensor:
-        """A float32 ``(buckets, size)`` matrix of ``tensors``' entries (their absolute values
-        with ``magnitudes``), each tensor zero-padded to whole buckets (``padded``; else the
-        padding is left as it comes: for a result only read through :meth:`entries`).
-        ``ValueError`` when a tensor does not hold its number of entries."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A new float32 ``(buckets, size)`` matrix of ``tensors``' entries (their absolute
+        values with ``magnitudes``), each tensor zero-padded to whole buckets (``padded``;
+        else the padding is left as it comes: for a result only read through its entries),
+        and the flat views of each tensor's entries in it. ``ValueError`` when a tensor does
+        not hold its number of entries."""
         for tensor, n in zip(tensors, self.numels):
             if tensor.numel() != n:
                 raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
         out = torch.empty(self.total, self.size, dtype=torch.float32)
         pieces = out.view(-1).split(self.pieces)
-        for tensor, entries, padding in zip(tensors, pieces[0::2], pieces[1::2]):
+        entries = list(pieces[0::2])
+        for tensor, piece in zip(tensors, entries):
             if magnitudes:
-                torch.abs(tensor.reshape(-1), out=entries)
+                torch.abs(tensor.reshape(-1), out=piece)
             else:
-                entries.copy_(tensor.reshape(-1))
-            if padded and padding.numel():
-                padding.zero_()
-        return out
+                piece.copy_(tensor.reshape(-1))
+        if padded:
+            for i in self.padded:
+                pieces[2 * i + 1].zero_()
+        return out, entries
 
     def column(self, per_bucket: Sequence[torch.Tensor], what: str) -> torch.Tensor:
-        """One value per bucket of each tensor (a norm, a scale), as a ``(buckets, 1)`` column."""
+        """One value per bucket of each tensor (a norm, a scale), as a float32 ``(buckets, 1)`` column."""
         for values, rows in zip(per_bucket, self.rows):
             if values.numel() != rows:
                 raise ValueError(f"{what} hold {values.numel()} entries, the layout's buckets are {rows}")
-        return torch.cat([v.reshape(-1) for v in per_bucket]).to(torch.float32).reshape(-1, 1)
+        out = torch.empty(self.total, 1, dtype=torch.float32)
+        return torch.cat([v.reshape(-1) for v in per_bucket], out=out.view(-1)).view(-1, 1)
 
-    def draws(self, generators: Sequence[torch.Generator]) -> torch.Tensor:
-        """Uniform [0, 1) noise of the matrix's shape: each tensor's rows drawn from its own
-        generator, as ``torch.rand((rows, size), generator=...)`` draws them."""
-        noise = torch.empty(self.total, self.size, dtype=torch.float32)
-        for generator, rows in zip(generators, noise.split(self.rows)):
-            rows.uniform_(generator=generator)
+    def draws(self, seeds: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Uniform [0, 1) noise of the matrix's shape (into ``out``, a float32 matrix of
+        it, when given): each tensor's rows the numbers ``torch.rand((rows, size),
+        generator=torch.Generator().manual_seed(seed))`` draws with its own seed (one
+        generator, seeded afresh for each tensor: seeding resets all of its state)."""
+        noise = torch.empty(self.total, self.size, dtype=torch.float32) if out is None else out
+        generator = torch.Generator()
+        for seed, rows in zip(seeds, noise.split(self.rows)):
+            rows.uniform_(generator=generator.manual_seed(seed))
         return noise
+
+    def joined(self, tensors: Sequence[torch.Tensor], per_bucket: bool = False) -> torch.Tensor | None:
+        """The ``(buckets, size)`` matrix (``(buckets, 1)`` column with ``per_bucket``) of
+        which ``tensors`` are the entries (the values per bucket), as a view, when they are
+        views of one buffer at the places this layout gives them: what :meth:`entries` and
+        :meth:`per_bucket` of one matrix return, as a codec's fields are when they never
+        left the process. Else None. Its padding holds whatever the buffer holds there,
+        so it is read through the entries only."""
+        if not tensors:
+            return None
+        starts, width, numels = (self.row_starts, 1, self.rows) if per_bucket else (self.starts, self.size, self.numels)
+        first = tensors[0]
+        base = first.storage_offset()
+        ptr = first.untyped_storage().data_ptr()
+        for tensor, start, n in zip(tensors, starts, numels):
+            if (
+                tensor.numel() != n
+                or tensor.dtype != first.dtype
+                or not tensor.is_contiguous()
+                or tensor.storage_offset() != base + start
+                or tensor.untyped_storage().data_ptr() != ptr
+            ):
+                return None
+        if (base + self.total * width) * first.element_size() > first.untyped_storage().nbytes():
+            return None
+        return first.as_strided((self.total, width), (width, 1), base)
 
     def entries(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's entries of the flattened matrix ``flat`` (views, padding left out)."""
@@ -72,9 +117,40 @@ class Buckets:
         return list(values.split(self.rows))
 
 
-def stochastic_round(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def layout(numels: tuple[int, ...], size: int) -> Buckets:
+    """The :class:`Buckets` of tensors of ``numels`` entries, built once per layout."""
+    return Buckets(numels, size)
+
+
+def nonzero(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (norms or scales, none negative) with 1 wherever one is not positive
+    (0, or NaN): each bucket's divisor, so that a bucket of zeros stays zeros."""
+    return torch.where(values > 0, values, ONE)
+
+
+def products(
+    buckets: Buckets, values: Sequence[torch.Tensor], per_bucket: Sequence[torch.Tensor], what: str, whats: str
+) -> torch.Tensor:
+    """A new float32 ``(buckets, size)`` matrix: each tensor's entries ``values`` (float32,
+    or integers, converted exactly) times its buckets' values ``per_bucket`` (float32),
+    one rounding each. ``ValueError`` when a tensor does not hold its number of entries
+    (``what``) or buckets (``whats``). Fields that never left the process are read where
+    they lie (:meth:`Buckets.joined`), others gathered into a matrix first."""
+    column = buckets.joined(per_bucket, per_bucket=True)
+    if column is None or column.dtype != torch.float32:
+        column = buckets.column(per_bucket, whats)
+    rows = buckets.joined(values)
+    if rows is None or rows.is_floating_point():
+        return buckets.matrix(values, what, padded=False)[0].mul_(column)
+    return rows.to(torch.float32).mul_(column)
+
+
+def stochastic_round(scaled: torch.Tensor, noise: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``scaled`` rounded down or up at random, up where ``noise`` (uniform in [0, 1)) is
-    below its fractional part (unbiased). Works in place: ``scaled`` holds its fractional
-    part afterwards, ``noise`` the ups."""
+    below its fractional part (unbiased): ``floor(v) + (u < v - floor(v))`` (the
+    difference exact for v >= 0). Into ``out`` (which may be ``scaled``) or a
+    new tensor; ``scaled`` holds its fractional part afterwards, ``noise`` the ups."""
     lower = scaled.floor()
-    return lower.add_(noise.lt_(scaled.sub_(lower)))
+    noise.lt_(scaled.sub_(lower))
+    return torch.add(lower, noise, out=out) if out is not None else lower.add_(noise)

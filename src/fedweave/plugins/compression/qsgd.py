@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedweave.plugins.compression.buckets import Buckets, stochastic_round
+from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
 from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 
@@ -64,29 +64,36 @@ class QSGDCodec:
         return self.decompress_many([fields], [shape])[0]
 
     def compress_many(self, xs: list[torch.Tensor], sites: list[Site]) -> list[dict[str, torch.Tensor]]:
-        """Every tensor of an update in one pass over the matrix of their buckets."""
-        s = self.hp.levels
-        buckets = Buckets([x.numel() for x in xs], self.hp.bucket)
-        magnitudes = buckets.matrix(xs, magnitudes=True)  # the norms of |x| are those of x
-        norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
-        scaled = magnitudes.div_(torch.where(norms > 0, norms, 1.0)).mul_(s)
-        noise = buckets.draws([site.generator(site.client_id, site.name) for site in sites])
-        levels = stochastic_round(scaled, noise).view(-1)
-        for signed, x in zip(buckets.entries(levels), xs):
+        """Every tensor of an update in one pass of each kernel over the matrix of their buckets."""
+        buckets = layout(tuple(x.numel() for x in xs), self.hp.bucket)
+        magnitudes, entries = buckets.matrix(xs, magnitudes=True)  # the norms of |x| are those of x
+        noise = buckets.draws([site.seed_for(site.client_id, site.name) for site in sites])
+        norms = levels(magnitudes, self.hp.levels, noise)
+        for signed, x in zip(entries, xs):
             signed.copysign_(x.reshape(-1))
         per_tensor = buckets.per_bucket(norms.view(-1))
-        if s <= 7:
-            return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
-        levels = levels.to(self.field_dtypes()["levels"])
-        return [{"levels": v, "norms": n} for v, n in zip(buckets.entries(levels), per_tensor)]
+        if self.hp.levels <= 7:
+            return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(entries, per_tensor)]
+        codes = magnitudes.to(self.field_dtypes()["levels"]).view(-1)
+        return [{"levels": v, "norms": n} for v, n in zip(buckets.entries(codes), per_tensor)]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         numels = [math.prod(shape) for shape in shapes]
-        buckets = Buckets(numels, self.hp.bucket)
-        levels = [unpack_nibbles(f["nibbles"], n) if "nibbles" in f else f["levels"] for f, n in zip(fields, numels)]
-        rows = buckets.matrix(levels, "levels", padded=False).mul_(buckets.column([f["norms"] for f in fields], "norms"))
-        rows.div_(self.hp.levels)
+        buckets = layout(tuple(numels), self.hp.bucket)
+        codes = [unpack_nibbles(f["nibbles"], n) if "nibbles" in f else f["levels"] for f, n in zip(fields, numels)]
+        rows = products(buckets, codes, [f["norms"] for f in fields], "levels", "norms").div_(self.hp.levels)
         return [v.view(shape) for v, shape in zip(buckets.entries(rows.view(-1)), shapes)]
+
+
+def levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Tensor:
+    """QSGD's levels of a matrix of magnitudes, in place: each entry ``|v|`` of a row of
+    norm ``n`` becomes ``|v| / n * s`` (two roundings, in that order; ``|v| * s`` in a
+    zero row) rounded up where ``noise`` is below its fractional part, down elsewhere.
+    Returns the norms, a ``(rows, 1)`` column; ``noise`` is spent."""
+    norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
+    magnitudes.div_(nonzero(norms)).mul_(s)
+    stochastic_round(magnitudes, noise, out=magnitudes)
+    return norms
 
 
 class QSGD(Compressor):

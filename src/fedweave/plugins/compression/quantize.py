@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.plugins.compression.buckets import Buckets, stochastic_round
+from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
 from fedweave.plugins.compression.wire import Compressor, Site, require
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
@@ -59,27 +59,36 @@ class QuantizeCodec:
         """Casts tensor by tensor; int8 for every tensor in one pass over the matrix of their buckets."""
         if self.hp.dtype in CASTS:
             return [{"values": x.to(CASTS[self.hp.dtype])} for x in xs]
-        buckets = Buckets([x.numel() for x in xs], self.hp.bucket)
-        rows = buckets.matrix(xs)
-        scales = rows.abs().amax(dim=1, keepdim=True).div_(127)
-        rows.div_(torch.where(scales > 0, scales, 1.0))
+        buckets = layout(tuple(x.numel() for x in xs), self.hp.bucket)
+        rows, _ = buckets.matrix(xs)
+        magnitudes = rows.abs()  # its buffer then takes the noise
+        scales = magnitudes.amax(dim=1, keepdim=True).div_(127)
+        noise = None
         if self.hp.stochastic:
-            rounded = stochastic_round(rows, buckets.draws([site.generator(site.client_id, site.name) for site in sites]))
-        else:
-            rounded = rows.round_()
-        values = rounded.clamp_(-127, 127).to(torch.int8).view(-1)
+            noise = buckets.draws([site.seed_for(site.client_id, site.name) for site in sites], out=magnitudes)
+        values = int8_values(rows, scales, noise).view(-1)
         return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales.view(-1)))]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         out = [f["values"].to(torch.float32).reshape(shape) if "scales" not in f else None for f, shape in zip(fields, shapes)]
         scaled = [i for i, f in enumerate(fields) if "scales" in f]
         if scaled:
-            buckets = Buckets([math.prod(shapes[i]) for i in scaled], self.hp.bucket)
-            rows = buckets.matrix([fields[i]["values"] for i in scaled], padded=False)
-            rows.mul_(buckets.column([fields[i]["scales"] for i in scaled], "scales"))
-            for i, values in zip(scaled, buckets.entries(rows.view(-1))):
-                out[i] = values.view(shapes[i])
+            buckets = layout(tuple(math.prod(shapes[i]) for i in scaled), self.hp.bucket)
+            values = [fields[i]["values"] for i in scaled]
+            rows = products(buckets, values, [fields[i]["scales"] for i in scaled], "values", "scales")
+            for i, entries in zip(scaled, buckets.entries(rows.view(-1))):
+                out[i] = entries.view(shapes[i])
         return out
+
+
+def int8_values(rows: torch.Tensor, scales: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    """The int8 values of ``rows``, each row over its scale (one rounding; a row of scale
+    0 as it is) rounded down or up at random, up where ``noise`` is below the fractional
+    part (or to the nearest, ties to even, without ``noise``), then kept within ±127.
+    Consumes ``rows`` and ``noise``."""
+    rows.div_(nonzero(scales))
+    rounded = rows.round_() if noise is None else stochastic_round(rows, noise)
+    return rounded.clamp_(-127, 127).to(torch.int8)
 
 
 def _summable(params: Any) -> bool:

@@ -1,0 +1,71 @@
+"""The bucket layout: the matrix, the draws, and reading fields that share one buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedweave.plugins.compression.buckets import Buckets, layout, nonzero, products, stochastic_round
+
+
+def test_matrix_lays_tensors_out_as_zero_padded_rows_and_refuses_a_wrong_size() -> None:
+    b = Buckets([5, 3], 4)
+    assert (b.rows, b.total, b.pieces) == ([2, 1], 3, [5, 3, 3, 1])
+    rows, entries = b.matrix([torch.arange(1.0, 6.0), -torch.ones(3)], magnitudes=True)
+    assert torch.equal(rows, torch.tensor([[1.0, 2, 3, 4], [5, 0, 0, 0], [1, 1, 1, 0]]))
+    assert [e.tolist() for e in entries] == [[1.0, 2, 3, 4, 5], [1.0, 1, 1]]
+    with pytest.raises(ValueError, match="hold 4 entries, the layout 3"):
+        b.matrix([torch.zeros(5), torch.zeros(4)])
+
+
+def test_layouts_are_built_once() -> None:
+    assert layout((5, 3), 4) is layout((5, 3), 4) and layout((5, 3), 4) is not layout((5, 3), 2)
+
+
+def test_draws_are_torch_rand_of_each_tensors_rows_from_a_generator_of_its_seed() -> None:
+    b = Buckets([5, 3, 9], 4)
+    seeds = [7, 2**62 + 5, 7]
+    noise = b.draws(seeds)
+    want = [torch.rand((rows, 4), generator=torch.Generator().manual_seed(seed)) for seed, rows in zip(seeds, b.rows)]
+    assert torch.equal(noise, torch.cat(want))
+    out = torch.empty(6, 4)
+    assert b.draws(seeds, out=out) is out and torch.equal(out, noise)
+
+
+def test_joined_is_a_view_of_the_buffer_only_when_the_fields_lie_where_the_layout_puts_them() -> None:
+    b = Buckets([5, 3], 4)
+    buffer = torch.arange(12, dtype=torch.int8)
+    fields = b.entries(buffer)
+    joined = b.joined(fields)
+    assert joined is not None and joined.data_ptr() == buffer.data_ptr() and torch.equal(joined, buffer.view(3, 4))
+    column = b.joined(b.per_bucket(torch.arange(3.0)), per_bucket=True)
+    assert column is not None and torch.equal(column, torch.arange(3.0).view(3, 1))
+    assert b.joined([f.clone() for f in fields]) is None  # separate tensors
+    assert b.joined(fields[::-1]) is None  # in another order
+    assert b.joined([fields[0], buffer[9:12]]) is None  # one starts elsewhere
+    assert b.joined([fields[0], buffer[8:10]]) is None  # one of another size
+    short = torch.arange(11, dtype=torch.int8)  # the last tensor's padding past the buffer's end
+    assert b.joined([short[0:5], short[8:11]]) is None and b.joined([buffer[0:5], buffer[8:11]]) is not None
+
+
+def test_products_are_the_same_one_rounding_whether_or_not_the_fields_share_a_buffer() -> None:
+    b = Buckets([5, 3], 4)
+    codes = torch.tensor([3, -7, 127, 0, -128, 5, 9, -1, 0, 0, 0, 0], dtype=torch.int8)
+    per = torch.tensor([0.1, 1e-30, 3.3])
+    want = codes.to(torch.float32).view(3, 4) * per.view(3, 1)
+    shared = products(b, b.entries(codes), b.per_bucket(per), "levels", "norms")
+    copied = products(b, [c.clone() for c in b.entries(codes)], [p.clone() for p in b.per_bucket(per)], "levels", "norms")
+    for got in (shared, copied):
+        assert got.dtype == torch.float32
+        assert all(torch.equal(g, w) for g, w in zip(b.entries(got.view(-1)), b.entries(want.view(-1))))
+    with pytest.raises(ValueError, match="norms hold 2 entries, the layout's buckets are 1"):
+        products(b, b.entries(codes), [per[:2], per[:2]], "levels", "norms")
+
+
+def test_nonzero_and_stochastic_round() -> None:
+    assert torch.equal(nonzero(torch.tensor([0.0, 2.5, float("nan")])), torch.tensor([1.0, 2.5, 1.0]))
+    scaled = torch.tensor([0.25, 1.75, 3.0, 2.5])
+    noise = torch.tensor([0.2, 0.8, 0.0, 0.5])  # up where below the fraction: 0.2 < 0.25, 0.8 > 0.75, 0 = 0, 0.5 = 0.5
+    assert torch.equal(stochastic_round(scaled.clone(), noise.clone()), torch.tensor([1.0, 1.0, 3.0, 2.0]))
+    out = torch.empty(4)
+    assert stochastic_round(scaled, noise, out=out) is out and torch.equal(out, torch.tensor([1.0, 1.0, 3.0, 2.0]))

@@ -1,0 +1,87 @@
+"""QSGD's one-matrix encoding of a whole update against the definition, tensor by tensor:
+the same levels, norms and decoded floats bit for bit, for several shapes, bucket sizes
+that do not divide them, zeros, and 4-bit, 8-bit and 16-bit levels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, levels as qsgd_levels
+
+from . import reference as ref
+from .reference import same
+
+SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
+
+
+def encode(s: int, size: int, xs: list[torch.Tensor]) -> tuple[QSGDCodec, list[dict[str, torch.Tensor]], list]:
+    codec = QSGDCodec(QSGDParams(levels=s, bucket=size))
+    sites = [ref.site(f"t{i}") for i in range(len(xs))]
+    return codec, codec.compress_many(xs, sites), sites
+
+
+@pytest.mark.parametrize("s", [2, 7, 127, 300])
+@pytest.mark.parametrize("size", [1, 7, 64, 512])
+def test_levels_and_norms_of_every_tensor_are_the_definitions(s: int, size: int) -> None:
+    xs = ref.tensors(s * size, SHAPES)
+    codec, fields, sites = encode(s, size, xs)
+    for x, f, where in zip(xs, fields, sites):
+        levels, norms = ref.qsgd(x, s, size, where)
+        assert same(f["norms"], norms)
+        if s <= 7:
+            assert f.keys() == {"nibbles", "norms"} and same(f["nibbles"], ref.nibbles(levels))
+        else:
+            assert f.keys() == {"levels", "norms"}
+            assert same(f["levels"], levels.to(torch.int8 if s <= 127 else torch.int16))
+        alone = codec.compress(x, where)  # the tensor on its own: the same fields
+        assert alone.keys() == f.keys() and all(same(alone[k], f[k]) for k in f)
+
+
+@pytest.mark.parametrize("s", [2, 7, 127, 300])
+@pytest.mark.parametrize("size", [1, 7, 512])
+def test_decoded_values_are_level_times_norm_over_s_whether_fields_share_a_buffer_or_not(s: int, size: int) -> None:
+    xs = ref.tensors(1000 + s + size, SHAPES)
+    codec, fields, sites = encode(s, size, xs)
+    shapes = [tuple(x.shape) for x in xs]
+    expected = [ref.qsgd_decoded(*ref.qsgd(x, s, size, where), s, size) for x, where in zip(xs, sites)]
+    received = {
+        "as encoded (views of one buffer)": (fields, shapes, expected),
+        "copied (as from a peer)": ([{k: v.clone() for k, v in f.items()} for f in fields], shapes, expected),
+        "in another order": (fields[::-1], shapes[::-1], expected[::-1]),
+    }
+    for how, (parts, layout, want) in received.items():
+        out = codec.decompress_many(parts, layout)
+        assert [tuple(t.shape) for t in out] == layout, how
+        assert all(same(got.reshape(-1), w) for got, w in zip(out, want)), how
+
+
+@pytest.mark.parametrize("s", [2, 7, 127, 300])
+def test_levels_are_magnitude_over_norm_then_times_s_to_the_last_bit(s: int) -> None:
+    g = torch.Generator().manual_seed(s)
+    magnitudes = torch.rand(64, 33, generator=g) * torch.logspace(-6, 6, 64).view(-1, 1)
+    magnitudes[5] = 0.0
+    norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
+    scaled = magnitudes / torch.where(norms > 0, norms, torch.ones_like(norms)) * s  # (|v| / n) * s
+    for noise, up in zip(ref.straddling_noise(scaled), (False, True)):
+        rows = magnitudes.clone()
+        assert same(qsgd_levels(rows, s, noise.clone()), norms)
+        want = torch.floor(scaled) + (up & (scaled > torch.floor(scaled)))
+        assert same(rows, want)
+
+
+def test_a_zero_tensor_and_zero_buckets_encode_to_zero_levels_and_zero_norms() -> None:
+    x = torch.zeros(10)
+    x[7] = -2.0  # buckets of 4: [0 0 0 0] [0 0 0 -2] [0 0]
+    codec, (f,), _ = encode(127, 4, [x])
+    assert same(f["norms"], torch.tensor([0.0, 2.0, 0.0]))
+    assert same(f["levels"], torch.tensor([0, 0, 0, 0, 0, 0, 0, -127, 0, 0], dtype=torch.int8))
+    assert same(codec.decompress_many([f], [(10,)])[0], x)
+
+
+def test_fields_of_the_wrong_size_are_refused_even_when_they_share_the_senders_buffer() -> None:
+    codec, fields, _ = encode(127, 7, ref.tensors(5, SHAPES))
+    short = [dict(f) for f in fields]
+    short[1]["levels"] = fields[1]["levels"][:-1]  # a view into the same buffer, one entry short
+    with pytest.raises(ValueError, match="levels hold"):
+        codec.decompress_many(short, [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)])
