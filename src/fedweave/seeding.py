@@ -49,11 +49,6 @@ def _words(value: int) -> list[int]:
     return words
 
 
-def _mix(x: int, y: int) -> int:
-    result = (_MIX_L * x - _MIX_R * y) & _MASK
-    return result ^ (result >> 16)
-
-
 # The hash constant does not depend on the entropy: step k of the pool's mixing xors with
 # _HASH_A[k] and multiplies by _HASH_A[k + 1], whatever the words (computed once, not per seed).
 _HASH_A = [_INIT_A]
@@ -81,9 +76,10 @@ def _absorb(pool: list[int], step: int, word: int) -> int:
     """Mix one more entropy word into every word of ``pool`` (in place), from mixing step
     ``step`` on; the next step."""
     consts = _hash_a(step + _POOL)
-    for dst in range(_POOL):
+    for dst in range(_POOL):  # the mix of two words, inlined
         value = ((word ^ consts[step + dst]) * consts[step + dst + 1]) & _MASK
-        pool[dst] = _mix(pool[dst], value ^ (value >> 16))
+        mixed = (_MIX_L * pool[dst] - _MIX_R * (value ^ (value >> 16))) & _MASK
+        pool[dst] = mixed ^ (mixed >> 16)
     return step + _POOL
 
 
@@ -99,7 +95,7 @@ def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     for i, (pre, post) in enumerate(_FILL):
         value = (((words[i] if i < len(words) else 0) ^ pre) * post) & _MASK
         pool.append(value ^ (value >> 16))
-    for src, dst, pre, post in _CROSS:  # _mix inlined: this loop is most of a seed's cost
+    for src, dst, pre, post in _CROSS:  # the mix of two words, inlined: this loop is most of a seed's cost
         value = ((pool[src] ^ pre) * post) & _MASK
         mixed = (_MIX_L * pool[dst] - _MIX_R * (value ^ (value >> 16))) & _MASK
         pool[dst] = mixed ^ (mixed >> 16)
@@ -108,7 +104,9 @@ def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
 
 def _seed_sequence(entropy: list[int]) -> int:
     """``int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])``."""
-    words = tuple(w for value in entropy for w in _words(value))
+    words: tuple[int, ...] = ()
+    for value in entropy:  # most are one word: no generator per value (a seed per tensor per update)
+        words += (value,) if 0 <= value <= _MASK else tuple(_words(value))
     if len(words) > _POOL:  # the last word (a tensor's name, ...) is the one streams differ by
         head, step = _pool(words[:-1])
         pool = list(head)
