@@ -85,3 +85,34 @@ def test_fields_of_the_wrong_size_are_refused_even_when_they_share_the_senders_b
     short[1]["levels"] = fields[1]["levels"][:-1]  # a view into the same buffer, one entry short
     with pytest.raises(ValueError, match="levels hold"):
         codec.decompress_many(short, [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)])
+
+
+@pytest.mark.parametrize("s", [7, 127])
+def test_a_bucket_too_small_to_square_keeps_its_levels_within_s_and_its_signs(s: int) -> None:
+    """Entries around 1e-22 square to subnormals: the float32 norm of [-1e-22, 1e-23, 0, -1e-24]
+    comes out below 1e-22 (about 0.99e-22), so |v| / n * s passed s and the int8 or 4-bit code wrapped to the
+    other sign. The levels stop at s; the decoded entries keep their signs."""
+    x = torch.tensor([-1e-22, 1e-23, 0.0, -1e-24])
+    norm = torch.linalg.vector_norm(x)
+    assert 0 < norm < 1e-22  # the norm is under the largest magnitude: what this guards against
+    codec, fields, _ = encode(s, 4, [x])
+    codes = qsgd_codes(fields[0], 4)
+    assert codes.abs().max() <= s and codes[0] == -s
+    decoded = codec.decompress(fields[0], (4,))
+    assert decoded[0] < 0 and decoded[1] >= 0 and decoded[3] <= 0
+    assert torch.equal(decoded[0], -norm)  # s levels of the norm
+
+
+def test_an_ordinary_bucket_is_not_clamped_the_norm_is_at_least_every_magnitude() -> None:
+    """Above the lossy norms a level reaches s only at the bucket's one nonzero entry."""
+    x = torch.tensor([0.0, -2.5, 0.0, 0.0])
+    _, fields, _ = encode(127, 4, [x])
+    assert qsgd_codes(fields[0], 4).tolist() == [0, -127, 0, 0]
+
+
+def qsgd_codes(fields: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
+    """The signed levels a tensor's fields carry, as integers (4-bit ones unpacked)."""
+    if "nibbles" in fields:
+        packed = fields["nibbles"].long()
+        return torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:numel] - 8
+    return fields["levels"].long()

@@ -85,14 +85,24 @@ class QSGDCodec:
         return [v.view(shape) for v, shape in zip(buckets.entries(rows.view(-1)), shapes)]
 
 
+LOSSY_NORM = 2 * torch.finfo(torch.float32).tiny ** 0.5
+"""Below this a row's norm may come out under its largest magnitude: that entry's square is
+subnormal and lost bits (all of them below ~1e-23), so ``|v| / n * s`` may pass ``s``,
+which int8 and 4-bit codes would wrap to the wrong sign. With such a row the levels are
+clamped to ``s`` (which changes none of the other rows'); above it a float32 norm is at least every magnitude of its row (a sum of squares, each
+correctly rounded, is at least the largest), so no other encoding changes."""
+
+
 def levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Tensor:
     """QSGD's levels of a matrix of magnitudes, in place: each entry ``|v|`` of a row of
     norm ``n`` becomes ``|v| / n * s`` (two roundings, in that order; ``|v| * s`` in a
-    zero row) rounded up where ``noise`` is below its fractional part, down elsewhere.
-    Returns the norms, a ``(rows, 1)`` column; ``noise`` is spent."""
+    zero row) rounded up where ``noise`` is below its fractional part, down elsewhere, and
+    never past ``s`` (:data:`LOSSY_NORM`). Returns the norms, a ``(rows, 1)`` column; ``noise`` is spent."""
     norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
     magnitudes.div_(nonzero(norms)).mul_(s)
     stochastic_round(magnitudes, noise, out=magnitudes)
+    if bool((norms < LOSSY_NORM).any()):
+        magnitudes.clamp_(max=s)
     return norms
 
 
