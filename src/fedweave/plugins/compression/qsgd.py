@@ -101,7 +101,8 @@ def levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Tenso
     norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
     magnitudes.div_(nonzero(norms)).mul_(s)
     stochastic_round(magnitudes, noise, out=magnitudes)
-    if bool((norms < LOSSY_NORM).any()):
+    lossy = norms < LOSSY_NORM
+    if bool(lossy.any()) and bool(norms[lossy].any()):  # a row of zero norm gives |v| * s < 1e-18
         magnitudes.clamp_(max=s)
     return norms
 
