@@ -10,7 +10,6 @@ import torch
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 from fedweave.plugins.compression.wire import DELTA
-from fedweave.plugins.packing import decode_each, encode_each
 from fedweave.types import Instruction, TaskKind, Work, params_nbytes
 
 from .helpers import ctx, make, model_tensors, roundtrip, update
@@ -129,13 +128,6 @@ def test_integer_tensors_travel_untouched_and_shapes_come_back() -> None:
         assert out.keys() == tensors.keys()
         assert all(out[k].shape == tensors[k].shape and out[k].dtype == tensors[k].dtype for k in tensors)
         assert torch.equal(out["bn.num_batches_tracked"], tensors["bn.num_batches_tracked"])
-
-
-def test_encode_each_leaves_a_tensor_dense_when_the_codec_declines() -> None:
-    tensors = {"a": torch.ones(3), "b": torch.arange(4.0)}
-    encoded = encode_each(tensors, lambda name, t: None if name == "a" else {"v": t * 2})
-    assert set(encoded) == {"a", "b.__layout", "b.__v"}
-    assert torch.equal(decode_each(encoded, lambda name, f, shape: f["v"] / 2)["b"], tensors["b"])
 
 
 def instruction(params: dict, rnd: int, cid: int, task: TaskKind = TaskKind.TRAIN) -> Instruction:

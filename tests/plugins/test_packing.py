@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedweave.plugins.packing import flatten, layout, read_layout, unflatten
+from fedweave.plugins.packing import decode_all, encode_fields, flatten, layout, read_layout, unflatten
 
 
 def payload() -> dict[str, torch.Tensor]:
@@ -65,3 +65,11 @@ def test_a_layout_that_no_tensor_has_is_refused_before_it_is_read(value: torch.T
     with pytest.raises(ValueError, match=reason):
         read_layout(value)
     assert time.perf_counter() - start < 0.1
+
+
+def test_a_tensor_without_fields_travels_dense_and_the_others_decode_to_their_layout() -> None:
+    tensors = {"a": torch.ones(3), "b": torch.arange(4.0).reshape(2, 2)}
+    encoded = encode_fields(tensors, {"a": None, "b": {"v": tensors["b"].reshape(-1) * 2}})
+    assert list(encoded) == ["a", "b.__layout", "b.__v"]
+    decoded = decode_all(encoded, lambda names, fields, shapes: [f["v"] / 2 for f in fields])
+    assert list(decoded) == ["a", "b"] and decoded["a"] is tensors["a"] and torch.equal(decoded["b"], tensors["b"])

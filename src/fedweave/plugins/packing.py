@@ -78,16 +78,6 @@ def group(tensors: Params) -> tuple[dict[str, dict[str, torch.Tensor]], Params]:
     return encoded, plain
 
 
-def encode_each(
-    tensors: Params, compress: Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None]
-) -> Params:
-    """Replace each floating tensor by the fields ``compress(name, tensor)`` returns.
-
-    ``compress`` may return None to send a tensor as it is (too small to be worth it).
-    """
-    return encode_fields(tensors, {name: compress(name, t) for name, t in tensors.items() if t.is_floating_point()})
-
-
 def encode_fields(tensors: Params, fields: Mapping[str, dict[str, torch.Tensor] | None]) -> Params:
     """``tensors`` with each tensor that ``fields`` maps to fields replaced by them (and its
     layout), in order; the others (not named, or None) as they are."""
@@ -103,23 +93,14 @@ def encode_fields(tensors: Params, fields: Mapping[str, dict[str, torch.Tensor] 
     return out
 
 
-def decode_each(
-    tensors: Params,
-    decompress: Callable[[str, dict[str, torch.Tensor], tuple[int, ...]], torch.Tensor],
-) -> Params:
-    """Undo :func:`encode_each`: rebuild every encoded tensor (in its dtype and shape)."""
-    return decode_all(
-        tensors, lambda names, fields, shapes: [decompress(*args) for args in zip(names, fields, shapes)]
-    )
-
-
 def decode_all(
     tensors: Params,
     decompress: Callable[[list[str], list[dict[str, torch.Tensor]], list[tuple[int, ...]]], list[torch.Tensor]],
     expected: Specs | None = None,
 ) -> Params:
-    """:func:`decode_each` with one call that rebuilds all the encoded tensors at once
-    (names, their fields, their shapes -> the float tensors, in that order). With
+    """Undo :func:`encode_fields`: rebuild every encoded tensor (in its dtype and shape),
+    all with one call (names, their fields, their shapes -> the float tensors, in that
+    order). With
     ``expected`` (what the decoded payload may hold), every layout is checked against it
     (:func:`check_layouts`) before anything is decompressed."""
     encoded, _ = group(tensors)
