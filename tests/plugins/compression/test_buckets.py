@@ -69,3 +69,13 @@ def test_nonzero_and_stochastic_round() -> None:
     assert torch.equal(stochastic_round(scaled.clone(), noise.clone()), torch.tensor([1.0, 1.0, 3.0, 2.0]))
     out = torch.empty(4)
     assert stochastic_round(scaled, noise, out=out) is out and torch.equal(out, torch.tensor([1.0, 1.0, 3.0, 2.0]))
+
+
+def test_products_of_float32_fields_sharing_a_buffer_leave_the_fields_as_they_were() -> None:
+    """Joined float32 fields would be their own float32 copy: the product must not land in them."""
+    b = Buckets([5, 3], 4)
+    buffer = torch.arange(12.0)
+    per = torch.tensor([2.0, 3.0, 0.5])
+    got = products(b, b.entries(buffer), b.per_bucket(per), "values", "scales")
+    assert torch.equal(buffer, torch.arange(12.0)) and torch.equal(per, torch.tensor([2.0, 3.0, 0.5]))
+    assert [e.tolist() for e in b.entries(got.view(-1))] == [[0.0, 2, 4, 6, 12], [4.0, 4.5, 5]]

@@ -135,8 +135,10 @@ def products(
     """A new float32 ``(buckets, size)`` matrix: each tensor's entries ``values`` (float32,
     or integers, converted exactly) times its buckets' values ``per_bucket`` (float32),
     one rounding each. ``ValueError`` when a tensor does not hold its number of entries
-    (``what``) or buckets (``whats``). Fields that never left the process are read where
-    they lie (:meth:`Buckets.joined`), others gathered into a matrix first."""
+    (``what``) or buckets (``whats``). Integer fields that never left the process are read
+    where they lie (:meth:`Buckets.joined`), others gathered into a matrix first: float32
+    ones are gathered even then, since ``.to(float32)`` of them is the fields themselves,
+    which the product would overwrite."""
     column = buckets.joined(per_bucket, per_bucket=True)
     if column is None or column.dtype != torch.float32:
         column = buckets.column(per_bucket, whats)
