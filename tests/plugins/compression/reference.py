@@ -1,11 +1,16 @@
 """QSGD and int8 quantization written out from their definitions, one tensor at a time:
-what the codecs' one-matrix encodings must equal bit for bit."""
+what the codecs' one-matrix encodings must equal bit for bit; and what the codecs' tests
+share (bit-for-bit comparison, sites, test tensors)."""
 
 from __future__ import annotations
 
 import torch
 
 from fedweave.plugins.compression.wire import Site
+
+SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
+"""The shapes of the tensors :func:`tensors` makes for the codecs' tests: several buckets,
+one entry, a transposable matrix."""
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

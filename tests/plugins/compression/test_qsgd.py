@@ -10,9 +10,7 @@ import torch
 from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, levels as qsgd_levels
 
 from . import reference as ref
-from .reference import same
-
-SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
+from .reference import SHAPES, same
 
 
 def encode(s: int, size: int, xs: list[torch.Tensor]) -> tuple[QSGDCodec, list[dict[str, torch.Tensor]], list]:
@@ -84,7 +82,7 @@ def test_fields_of_the_wrong_size_are_refused_even_when_they_share_the_senders_b
     short = [dict(f) for f in fields]
     short[1]["levels"] = fields[1]["levels"][:-1]  # a view into the same buffer, one entry short
     with pytest.raises(ValueError, match="levels hold"):
-        codec.decompress_many(short, [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)])
+        codec.decompress_many(short, SHAPES)
 
 
 @pytest.mark.parametrize("s", [7, 127])

@@ -10,9 +10,7 @@ import torch
 from fedweave.plugins.compression.quantize import QuantizeCodec, QuantizeParams, int8_values
 
 from . import reference as ref
-from .reference import same
-
-SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
+from .reference import SHAPES, same
 
 
 @pytest.mark.parametrize("stochastic", [True, False])
