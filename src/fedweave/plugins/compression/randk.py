@@ -137,7 +137,8 @@ def fisher_yates_head(seed: int, n: int, k: int) -> np.ndarray:
     whose ``random_raw`` then hands out the same r_i.
 
     Which value step i moves into a[i], without the n-entry array: the one at j_i just before
-    step i. A position v >= i holds v until a step aims at it; after step t aims at it
+    step i. A position v >= i is touched by an earlier step t only when t aims at it (t's own
+    position is below i): it holds v until a step aims at it; after step t aims at it
     (j_t = v), it holds what step t read at a[t], call it d(t), until the next step aiming at
     it. So
 
@@ -146,7 +147,9 @@ def fisher_yates_head(seed: int, n: int, k: int) -> np.ndarray:
 
     "The last earlier step aiming at the same position" is a step's predecessor once the
     steps are sorted by (target, step); following p from t to a step no earlier step aimed
-    at gives d(t), and each hop goes to an earlier step, so the walk ends.
+    at gives d(t), and each hop goes to an earlier step, so the walk ends. Some earlier
+    step aimed at position t < k with probability about t / n, so for k <= n / 8 a walk
+    goes on at each hop with probability under 1/8: the walks are short, the sort is the cost.
     """
     bits = getattr(_streams, "bits", None)
     if bits is None:
