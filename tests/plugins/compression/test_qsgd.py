@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, levels as qsgd_levels
+from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, to_levels
 
 from . import reference as ref
 from .reference import SHAPES, same
@@ -63,7 +63,7 @@ def test_levels_are_magnitude_over_norm_then_times_s_to_the_last_bit(s: int) -> 
     scaled = magnitudes / torch.where(norms > 0, norms, torch.ones_like(norms)) * s  # (|v| / n) * s
     for noise, up in zip(ref.straddling_noise(scaled), (False, True)):
         rows = magnitudes.clone()
-        assert same(qsgd_levels(rows, s, noise.clone()), norms)
+        assert same(to_levels(rows, s, noise.clone()), norms)
         want = torch.floor(scaled) + (up & (scaled > torch.floor(scaled)))
         assert same(rows, want)
 

@@ -68,7 +68,7 @@ class QSGDCodec:
         buckets = layout(tuple(x.numel() for x in xs), self.hp.bucket)
         magnitudes, entries = buckets.matrix(xs, magnitudes=True)  # the norms of |x| are those of x
         noise = buckets.draws([site.seed_for(site.client_id, site.name) for site in sites])
-        norms = levels(magnitudes, self.hp.levels, noise)
+        norms = to_levels(magnitudes, self.hp.levels, noise)
         for signed, x in zip(entries, xs):
             signed.copysign_(x.reshape(-1))
         per_tensor = buckets.per_bucket(norms.view(-1))
@@ -93,7 +93,7 @@ clamped to ``s`` (which changes none of the other rows'); above it a float32 nor
 correctly rounded, is at least the largest), so no other encoding changes."""
 
 
-def levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Tensor:
+def to_levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Tensor:
     """QSGD's levels of a matrix of magnitudes, in place: each entry ``|v|`` of a row of
     norm ``n`` becomes ``|v| / n * s`` (two roundings, in that order; ``|v| * s`` in a
     zero row) rounded up where ``noise`` is below its fractional part, down elsewhere, and
