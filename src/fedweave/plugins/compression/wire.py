@@ -156,7 +156,7 @@ class Compressor:
         names = [name for name, tensor in update.tensors.items() if _compressible(tensor)]
         xs = [_accumulated(update.tensors[name], residual.get(name), copy=self.error_feedback) for name in names]
         sites = [self._site("up", ctx, name) for name in names]
-        if self.error_feedback and self.sparse is not None and xs:
+        if self.error_feedback and self.sparse is not None:
             fields = self.sparse.compress_keeping_rest(xs, sites)
             self.residuals[ctx.client_id] = dict(zip(names, xs))
         elif self.error_feedback:  # what was not sent: each x, owned here, less what its fields decode to
