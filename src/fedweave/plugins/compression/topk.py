@@ -6,8 +6,9 @@ Compression", ICLR 2018 (https://arxiv.org/abs/1712.01887).
 
 Each tensor travels as ``name.__values`` (the k values) and ``name.__indices`` (their
 flat positions, sorted, 2 bytes each: offsets within blocks of 65,536 entries, with a
-count per block in ``name.__blocks``). At ratio 1 % with float32 values that is about
-6 bytes per sent entry, some 66x fewer bytes than dense; float16 values give about 100x.
+count per block in ``name.__blocks``; :mod:`fedweave.plugins.compression.indices`). At
+ratio 1 % with float32 values that is about 6 bytes per sent entry, some 66x fewer bytes
+than dense; float16 values give about 100x.
 """
 
 from __future__ import annotations
