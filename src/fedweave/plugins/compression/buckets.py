@@ -10,8 +10,9 @@ encoding of every tensor is the one it would have had on its own.
 
 The layout of a list of tensor sizes is built once (:func:`layout`): a federation
 quantizes the same model's tensors round after round. Fields that never left the
-process (views of the encoder's matrix) are decoded where they lie
-(:meth:`Buckets.joined`), without gathering them into a new matrix first.
+process (views of the encoder's matrix: int8 values, 8- and 16-bit QSGD levels, norms and
+scales) are decoded where they lie (:meth:`Buckets.joined`), without gathering them into
+a new matrix first.
 """
 
 from __future__ import annotations
