@@ -280,6 +280,13 @@ def named(fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
     return fields[part]
 
 
+def vectors(fields: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless each of a peer's ``fields`` is a vector, as a codec that sends vectors sent it."""
+    for part, tensor in fields.items():
+        if tensor.dim() != 1:
+            raise ValueError(f"{part!r} is of shape {tuple(tensor.shape)}, not a vector")
+
+
 def require(fields: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
     """Raise ``ValueError`` unless ``fields`` hold each field of ``sizes`` with that many entries."""
     for part, size in sizes.items():
