@@ -190,7 +190,12 @@ class Compressor:
                 f"plugin {self.name!r}: a compressed broadcast for client {ctx.client_id}, which holds no model yet"
             )
         encoded = {k: v for k, v in ins.params.items() if k != DELTA}
-        model = _advance(held, decode_all(encoded, self._decompress_many, ctx.expected))
+        delta = decode_all(encoded, self._decompress_many, ctx.expected)
+        if not _same_layout(held, delta):  # the held model's tensors, shapes and dtypes, as the server encodes them
+            raise ValueError(
+                f"plugin {self.name!r}: a compressed broadcast that is not a difference of the model client {ctx.client_id} holds"
+            )
+        model = _advance(held, delta)
         self.held[ctx.client_id] = model
         return replace(ins, params=_copy(model))
 
