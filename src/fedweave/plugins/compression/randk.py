@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.compression.wire import Compressor, Site, require
+from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
 from fedweave.plugins.packing import SEP
 from fedweave.schema import opt
 from fedweave.types import Update
@@ -80,6 +80,7 @@ class RandKCodec:
         return max(1, int(self.hp.ratio * numel))
 
     def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        vectors(fields)
         require(fields, {"values": self.k(math.prod(shape)), "seed": 1})
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
