@@ -76,6 +76,7 @@ from fedweave.plugins.contracts import (
     Answers,
     BeginsRound,
     Binds,
+    ChecksSummed,
     Combines,
     Instructs,
     Observes,
@@ -206,6 +207,9 @@ class Chains:
         partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
         if ctx.expected is not None:  # one client's forged layout must not fail the round's combine
             check_layouts(clear_layouts(partial.tensors), ctx.expected)
+            for plugin in self.client_send.plugins[: self.client_send.plugins.index(combiner)]:
+                if isinstance(plugin, ChecksSummed):  # nor the fields a compressor before it left
+                    plugin.check_summed(partial.tensors, ctx.expected)
         if isinstance(combiner, SealsModel):
             combiner.check_encoded(partial)
         return replace(partial, applied=update.applied[:cut])

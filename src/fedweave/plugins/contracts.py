@@ -37,6 +37,7 @@ from fedweave.types import Control, Params, Update, UpdateKind
 
 if TYPE_CHECKING:
     from fedweave.plugins.chain import ControlExchange, Payload, PluginContext
+    from fedweave.validation import Specs
 
 
 @runtime_checkable
@@ -67,6 +68,16 @@ class RunsProtocol(Protocol):
     def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]: ...
 
     def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update: ...
+
+
+@runtime_checkable
+class ChecksSummed(Protocol):
+    """A plugin that precedes a combining one (``summable``): ``check_summed`` refuses, by raising
+    ``ValueError``, a still-encoded update whose fields this plugin left (the floating ones as their
+    layouts in the summed vector, the others in the clear) are not those it sends for the model's
+    tensors (``expected``), so that one client's cannot fail the round's combine (server, on receipt)."""
+
+    def check_summed(self, tensors: Params, expected: Specs) -> None: ...
 
 
 @runtime_checkable

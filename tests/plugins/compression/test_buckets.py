@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -16,6 +18,19 @@ def test_matrix_lays_tensors_out_as_zero_padded_rows_and_refuses_a_wrong_size() 
     assert [e.tolist() for e in entries] == [[1.0, 2, 3, 4, 5], [1.0, 1, 1]]
     with pytest.raises(ValueError, match="hold 4 entries, the layout 3"):
         b.matrix([torch.zeros(5), torch.zeros(4)])
+
+
+def test_where_each_tensor_starts_and_a_layout_of_many_tensors_built_in_one_pass() -> None:
+    """A peer picks which of the model's tensors it encodes, and each new pick builds a layout:
+    the starts were each a sum over every earlier tensor, 1.7 s for 20,000 tensors."""
+    b = Buckets([5, 3, 9], 4)
+    assert (b.row_starts, b.starts) == ([0, 2, 3], [0, 8, 12])
+    numels = [1 + i % 9 for i in range(9 * 5_556)]  # buckets of 4: 1, 1, 1, 1, 2, 2, 2, 2, 3 rows
+    begin = time.perf_counter()
+    many = Buckets(numels, 4)
+    assert time.perf_counter() - begin < 1.0
+    assert many.row_starts[9 * 1000 + 5] == 15 * 1000 + 6 and many.starts[-1] == 4 * many.row_starts[-1]
+    assert many.total == many.row_starts[-1] + 3
 
 
 def test_layouts_are_built_once() -> None:

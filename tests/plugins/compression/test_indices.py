@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedweave.plugins.compression.indices import BLOCK, check_packed, pack_indices, unpack_indices
 
@@ -65,3 +67,47 @@ def test_counts_are_checked_before_unpacking() -> None:
         check_packed(fields, 70_001, 3)
     with pytest.raises(ValueError, match="one block"):
         check_packed(fields, 100, 2)
+
+
+def _alone(parts: dict[str, torch.Tensor], numel: int) -> np.ndarray | None:
+    """The positions one tensor's fields name, by the definition (None unless increasing and below ``numel``)."""
+    low = parts["indices"].numpy().astype(np.int64) + BLOCK // 2
+    if "blocks" in parts:
+        low += np.repeat(np.arange(parts["blocks"].numel(), dtype=np.int64) * BLOCK, parts["blocks"].numpy())
+    return low if not low.size or (low[-1] < numel and bool(np.all(low[1:] > low[:-1]))) else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(numels=st.lists(st.sampled_from([1, 3, 40, BLOCK, BLOCK + 1, 2 * BLOCK + 7]), min_size=1, max_size=4),
+       seed=st.integers(0, 2**32 - 1), edits=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6),
+                                                                 st.sampled_from([-2, -1, 1, 2, 40_000, -40_000])), max_size=3))
+def test_forged_offsets_and_counts_of_several_tensors_unpack_as_each_alone_or_are_refused(
+    numels: list[int], seed: int, edits: list[tuple[int, int, int]]
+) -> None:
+    """Offsets moved a little or past their block, counts moved between blocks: each tensor's
+    positions come out as its own fields name them, offset by the tensors before it, or the
+    payload is refused; none lands in another tensor's entries."""
+    rng = np.random.default_rng(seed)
+    fields = []
+    for n in numels:
+        chosen = np.sort(rng.choice(n, size=int(rng.integers(1, min(n, 30) + 1)), replace=False))
+        fields.append({k: v.clone() for k, v in pack_indices(torch.from_numpy(chosen), n).items()})
+    for which, where, by in edits:
+        parts = fields[which % len(fields)]
+        if "blocks" in parts and by in (-1, 1):  # a count moved to the next or previous block
+            counts = parts["blocks"]
+            at = where % counts.numel()
+            if counts[at] > 0:
+                counts[at] -= 1
+                counts[(at + by) % counts.numel()] += 1
+            continue
+        offsets = parts["indices"]
+        at = where % offsets.numel()
+        offsets[at] = int(np.clip(int(offsets[at]) + by, -(BLOCK // 2), BLOCK // 2 - 1))
+    alone = [_alone(parts, n) for parts, n in zip(fields, numels)]
+    if any(a is None for a in alone):
+        with pytest.raises(ValueError, match="not increasing positions below"):
+            unpack_indices(fields, numels)
+        return
+    starts = np.cumsum([0, *numels[:-1]])
+    assert np.array_equal(unpack_indices(fields, numels), np.concatenate([a + s for a, s in zip(alone, starts)]))

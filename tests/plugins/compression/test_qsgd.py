@@ -4,11 +4,16 @@ that do not divide them, zeros, and 4-bit, 8-bit and 16-bit levels."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, to_levels
+from fedweave.validation import UpdateSchema
 
+from ..helpers import ctx, make, update
 from . import reference as ref
 from .reference import SHAPES, same
 
@@ -114,3 +119,21 @@ def qsgd_codes(fields: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
         packed = fields["nibbles"].long()
         return torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:numel] - 8
     return fields["levels"].long()
+
+
+@pytest.mark.parametrize("s,name,part,shape", [(7, "pair", "nibbles", ()), (7, "w", "nibbles", (1, -1)),
+                                               (7, "w", "norms", (-1, 1)), (127, "w", "levels", (2, -1))])
+def test_a_field_of_its_size_that_is_not_a_vector_is_refused_with_a_reason(s: int, name: str, part: str, shape: tuple) -> None:
+    """QSGD sends vectors: 4-bit levels of a 2-entry tensor as a 0-d byte raised an IndexError
+    from inside the decode, and a row of them decoded its high nibbles first, not as sent."""
+    plugin = make("qsgd", levels=s, bucket=4)
+    g = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(3, 6, generator=g), "pair": torch.randn(2, generator=g)}
+    encoded = plugin.encode(update(model), ctx()).tensors
+    server = PluginContext(1, 0, "server", expected=UpdateSchema.of(model).tensors)
+    plugin.decode(update(encoded), server)  # as sent: decodes
+    key = f"{name}.__{part}"
+    forged = {**encoded, key: encoded[key].reshape(shape)}
+    reason = f"fields of {name!r} {tuple(model[name].shape)}: {part!r} is of shape {tuple(forged[key].shape)}, not a vector"
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        plugin.decode(update(forged), server)

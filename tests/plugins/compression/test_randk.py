@@ -5,14 +5,18 @@ feedback equal, bit for bit, to the plain index writes they replace."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.randk import HEAD_FROM, RandKCodec, RandKParams, fisher_yates_head, randperm_head
 from fedweave.plugins.compression.wire import Site
 
+from ..helpers import make, update
+from ..secure.secagg.rounds import Federation
 from .reference import same
 
 
@@ -140,3 +144,31 @@ def test_the_codec_sends_the_values_at_torchs_positions() -> None:
     fields = codec.compress(x, site)
     positions = torch_head(int(fields["seed"].item()), x.numel(), 10035)
     assert torch.equal(fields["values"], x.reshape(-1)[positions] * (x.numel() / 10035))
+
+
+def test_one_clients_seed_does_not_move_the_positions_of_a_securely_summed_round() -> None:
+    """With shared_indices the clients' values are summed where they lie (secure aggregation),
+    and the seeds, sent in the clear, are combined by their maximum: a client that sent a larger
+    seed than the round's would place every client's values, at positions no honest encoder of
+    the round draws. The server decodes at the round's own positions, whatever seed arrived."""
+    secagg, randk = make("secagg", clients=3), make("randk", ratio=0.25, shared_indices=True)
+    g = torch.Generator().manual_seed(0)
+    plain = [update({"w": torch.randn(40, generator=g).clamp(-1, 1)}, client_id=i) for i in range(3)]
+    server = PluginContext(1, -1, "server")
+    decoded, seeds = [], []
+    for forged in (None, (1 << 63) - 1):
+        fed = Federation(secagg)
+        secagg.setup(1, [0, 1, 2], fed.exchange)
+        masked = []
+        for u in plain:
+            encoded = randk.encode(u, fed.ctx(u.client_id))
+            seeds.append(int(encoded.tensors["w.__seed"]))
+            if forged is not None and u.client_id == 2:
+                encoded = replace(encoded, tensors={**encoded.tensors, "w.__seed": torch.tensor([forged])})
+            masked.append(secagg.encode(encoded, fed.ctx(u.client_id)))
+        combined = secagg.decode(secagg.combine(masked, server, fed.exchange), server)
+        assert (int(combined.tensors["w.__seed"]) == forged) == (forged is not None)  # the largest seed came through
+        decoded.append(randk.decode(combined, server).tensors["w"])
+    assert len(set(seeds)) == 1  # the round's, drawn by every client
+    assert decoded[0].nonzero().view(-1).tolist() == sorted(torch_head(seeds[0], 40, 10).tolist())
+    assert torch.equal(decoded[1].nonzero(), decoded[0].nonzero())

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
+from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.topk import TopKCodec, TopKParams
 from fedweave.plugins.compression.wire import Site
+from fedweave.validation import UpdateSchema
+
+from ..helpers import ctx, make, update
 
 SITE = Site("topk", 0, "up", 1, 0, "w")
 
@@ -50,3 +57,24 @@ def test_a_payload_s_tensors_decode_at_once_into_their_own_shapes() -> None:
     fields = [codec.compress(x, SITE) for x in xs]
     got = codec.decompress_many(fields, [tuple(x.shape) for x in xs])
     assert [g.tolist() for g in got] == [[[0.0, 2.0], [-3.0, 0.0]], [5.0, 0.0, 0.0], [-7.0]]
+
+
+@pytest.mark.parametrize("name,part,shape", [
+    ("big", "values", (1, -1)), ("big", "values", (-1, 1)), ("big", "indices", (1, -1)), ("big", "indices", (-1, 1)),
+    ("big", "blocks", (1, -1)), ("one", "values", ()), ("one", "indices", ()), ("one", "indices", (1, 1)),
+])
+def test_a_field_of_its_size_that_is_not_a_vector_is_refused_with_a_reason(name: str, part: str, shape: tuple) -> None:
+    """top-k sends vectors; a peer's field of the right size as a row, a column or a 0-d tensor
+    is refused as the field it is, not by an IndexError or a RuntimeError from inside the decode
+    (a row of positions passed the increasing check, which compares along the first dimension)."""
+    plugin = make("topk", ratio=0.01)
+    g = torch.Generator().manual_seed(0)
+    model = {"big": torch.randn(2, 65_536, generator=g), "one": torch.randn(50, generator=g)}  # k = 1310 and 1
+    encoded = plugin.encode(update(model), ctx()).tensors
+    server = PluginContext(1, 0, "server", expected=UpdateSchema.of(model).tensors)
+    plugin.decode(update(encoded), server)  # as sent: decodes
+    key = f"{name}.__{part}"
+    forged = {**encoded, key: encoded[key].reshape(shape)}
+    reason = f"fields of {name!r} {tuple(model[name].shape)}: {part!r} is of shape {tuple(forged[key].shape)}, not a vector"
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        plugin.decode(update(forged), server)

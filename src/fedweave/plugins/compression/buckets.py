@@ -18,6 +18,7 @@ a new matrix first.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -37,8 +38,8 @@ class Buckets:
         self.pieces = [part for n, rows in zip(self.numels, self.rows) for part in (n, rows * size - n)]
         self.padded = [i for i, padding in enumerate(self.pieces[1::2]) if padding]
         # where each tensor's entries, and its values per bucket, start in the flattened matrix and column
-        self.starts = [size * sum(self.rows[:i]) for i in range(len(self.rows))]
-        self.row_starts = [sum(self.rows[:i]) for i in range(len(self.rows))]
+        self.row_starts = [0, *itertools.accumulate(self.rows)][: len(self.rows)]
+        self.starts = [size * start for start in self.row_starts]
 
     def matrix(
         self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True, magnitudes: bool = False

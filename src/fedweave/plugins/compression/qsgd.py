@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site, require
+from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
 from fedweave.schema import opt
 
 
@@ -58,6 +58,7 @@ class QSGDCodec:
     def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
         numel = math.prod(shape)
         levels = {"nibbles": -(-numel // 2)} if self.hp.levels <= 7 else {"levels": numel}
+        vectors(fields)
         require(fields, {**levels, "norms": -(-numel // self.hp.bucket)})
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:

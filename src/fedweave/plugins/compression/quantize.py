@@ -51,6 +51,8 @@ class QuantizeCodec:
         numel = math.prod(shape)
         scales = {} if self.hp.dtype in CASTS else {"scales": -(-numel // self.hp.bucket)}
         require(fields, {"values": numel, **scales})
+        if not scales and fields["values"].shape != shape:  # a cast of the tensor, in its shape
+            raise ValueError(f"'values' is of shape {tuple(fields['values'].shape)}, the layout's tensor {shape}")
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         return self.decompress_many([fields], [shape])[0]

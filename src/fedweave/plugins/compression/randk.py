@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedweave.plugins.compression.wire import Compressor, Site, require
+from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
+from fedweave.plugins.packing import SEP
 from fedweave.schema import opt
+from fedweave.types import Update
 
 
 @dataclass
@@ -77,6 +80,7 @@ class RandKCodec:
         return max(1, int(self.hp.ratio * numel))
 
     def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        vectors(fields)
         require(fields, {"values": self.k(math.prod(shape)), "seed": 1})
 
     def decompress(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -204,3 +208,13 @@ class RandK(Compressor):
     def __init__(self, hp: RandKParams):
         super().__init__(RandKCodec(hp), hp.error_feedback)
         self.hp = hp
+
+    def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
+        """With ``shared_indices`` an update is decoded at the round's positions, whatever seed it
+        carries: secure aggregation combines the clients' seeds by their maximum, so one client's
+        larger seed would otherwise place every client's values."""
+        if self.hp.shared_indices and isinstance(payload, Update):
+            seeds = {k: self._site("up", ctx, k[: -len(SEP + "seed")]) for k in payload.tensors if k.endswith(SEP + "seed")}
+            own = {k: torch.tensor([site.seed_for(site.name)], dtype=torch.int64) for k, site in seeds.items()}
+            payload = replace(payload, tensors={**payload.tensors, **own})
+        return super().decode(payload, ctx)

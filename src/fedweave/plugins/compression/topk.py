@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedweave.plugins.compression.indices import check_packed, pack_indices, unpack_indices
-from fedweave.plugins.compression.wire import Compressor, Site, require
+from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
 from fedweave.schema import opt
 
 VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,6 +75,7 @@ class TopKCodec:
 
     def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
         numel = math.prod(shape)
+        vectors(fields)
         require(fields, {"values": self.k(numel)})
         check_packed(fields, numel, self.k(numel))
 

@@ -23,15 +23,19 @@ each client one copy of its own): memory grows with the clients reached.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.packing import decode_all, encode_fields
+from fedweave.plugins.packing import FLAT, LAYOUT, SEP, decode_all, encode_fields, read_layout
 from fedweave.seeding import derive_seed
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
+
+if TYPE_CHECKING:
+    from fedweave.validation import Specs
 
 DELTA = "__delta"
 """Marks a broadcast that carries a compressed difference rather than the dense model."""
@@ -190,7 +194,12 @@ class Compressor:
                 f"plugin {self.name!r}: a compressed broadcast for client {ctx.client_id}, which holds no model yet"
             )
         encoded = {k: v for k, v in ins.params.items() if k != DELTA}
-        model = _advance(held, decode_all(encoded, self._decompress_many, ctx.expected))
+        delta = decode_all(encoded, self._decompress_many, ctx.expected)
+        if not _same_layout(held, delta):  # the held model's tensors, shapes and dtypes, as the server encodes them
+            raise ValueError(
+                f"plugin {self.name!r}: a compressed broadcast that is not a difference of the model client {ctx.client_id} holds"
+            )
+        model = _advance(held, delta)
         self.held[ctx.client_id] = model
         return replace(ins, params=_copy(model))
 
@@ -204,9 +213,38 @@ class Compressor:
             return self.many.compress_many(xs, sites)
         return [self.codec.compress(x, site) for x, site in zip(xs, sites)]
 
+    def check_summed(self, tensors: Params, expected: Specs) -> None:
+        """Raise ``ValueError`` unless ``tensors`` (a client's update as this plugin, summable, encoded
+        it and a combining plugin after it carries it, on receipt) encode each floating tensor of
+        ``expected`` with entries as the fields this codec sends for its shape: the floating ones as
+        their layouts in the summed vector (``name.__part.__flat``), the others in the clear. One
+        client's other fields would make the clients disagree when the round's updates are combined."""
+        fields: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            name, _, part = key.rpartition(SEP)
+            if part == FLAT and SEP in name:  # a field in the summed vector: its layout stands for it
+                name, _, part = name.rpartition(SEP)
+                dtype, shape = read_layout(value)
+                value = torch.empty(shape, dtype=dtype, device="meta")
+            if name and part not in (LAYOUT, FLAT):
+                fields.setdefault(name, {})[part] = value
+        names = [n for n, spec in expected.items() if spec.dtype.is_floating_point and math.prod(spec.shape)]
+        laid = {key.rpartition(SEP)[0] for key in tensors if key.endswith(SEP + LAYOUT)}
+        if fields.keys() != set(names) or laid != set(names):
+            raise ValueError(f"plugin {self.name!r}: the update encodes {sorted(fields)[:5]}, not the model's "
+                             f"floating tensors {sorted(names)[:5]}")
+        self._check(names, [fields[n] for n in names], [expected[n].shape for n in names])
+
     def _decompress_many(
         self, names: list[str], fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]
     ) -> list[torch.Tensor]:
+        self._check(names, fields, shapes)
+        if self.many is not None and fields:
+            return self.many.decompress_many(fields, shapes)
+        return [self.codec.decompress(f, shape) for f, shape in zip(fields, shapes)]
+
+    def _check(self, names: list[str], fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> None:
+        """Raise ``ValueError`` unless each tensor's fields are those the codec sends for its shape."""
         if self.sends is not None:
             self._check_dtypes(names, fields, self.sends)
         if self.checked is not None:
@@ -215,9 +253,6 @@ class Compressor:
                     self.checked.check_fields(parts, shape)
                 except ValueError as exc:
                     raise ValueError(f"plugin {self.name!r}: fields of {name!r} {shape}: {exc}") from None
-        if self.many is not None and fields:
-            return self.many.decompress_many(fields, shapes)
-        return [self.codec.decompress(f, shape) for f, shape in zip(fields, shapes)]
 
     def _check_dtypes(
         self, names: list[str], fields: list[dict[str, torch.Tensor]], sent: dict[str, torch.dtype]
@@ -278,6 +313,13 @@ def named(fields: dict[str, torch.Tensor], part: str) -> torch.Tensor:
     if part not in fields:
         raise ValueError(f"field {part!r} is missing")
     return fields[part]
+
+
+def vectors(fields: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless each of a peer's ``fields`` is a vector, as a codec that sends vectors sent it."""
+    for part, tensor in fields.items():
+        if tensor.dim() != 1:
+            raise ValueError(f"{part!r} is of shape {tuple(tensor.shape)}, not a vector")
 
 
 def require(fields: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
