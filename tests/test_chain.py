@@ -17,6 +17,8 @@ from fedweave.plugins.chain import Chain, Chains, Payload, PluginContext
 from fedweave.plugins.identity import Identity, IdentityParams
 from fedweave.strategies.fedavg import FedAvg
 from fedweave.types import Instruction, TaskKind, Update, UpdateKind, Work
+from plugins.helpers import make
+from plugins.helpers import update as plugin_update
 
 CTX = PluginContext(round=1, client_id=0, side="server")
 
@@ -217,3 +219,13 @@ def test_a_metric_two_plugins_report_is_named_by_each_plugin() -> None:
     )
     assert chains.metrics() == {"dpsgd.epsilon": 2.0, "dp_central.epsilon": 5.0, "clip_norm": 0.5}
     assert Chains(client_send=chains.client_send).metrics() == {"epsilon": 5.0, "clip_norm": 0.5}
+
+
+@pytest.mark.parametrize("applied", [["secagg"], ["secagg", "randk"], ["randk", "secagg", "randk"], []])
+def test_an_update_that_names_another_chain_than_the_run_s_is_refused_alone_on_receipt(applied: list[str]) -> None:
+    """The round's sum is decoded as its first update says it was encoded: one client claiming
+    only secagg left the sum encoded and skipped the round. Now that update is refused on receipt."""
+    chains = Chains(client_send=Chain([make("randk", ratio=0.25, shared_indices=True), make("secagg", clients=3)]))
+    forged = replace(plugin_update({"w": torch.zeros(40)}, client_id=1), applied=applied)
+    with pytest.raises(ValueError, match=r"not by this run's client_send chain \['randk', 'secagg'\]"):
+        chains.to_server(forged, PluginContext(1, 1, "server"))

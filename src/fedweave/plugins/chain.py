@@ -175,6 +175,14 @@ class Chains:
         return self.server_send.encode(instruction, ctx)
 
     @cached_property
+    def summed_checkers(self) -> list[ChecksSummed]:
+        """The plugins before the combiner that check, on receipt, the fields they left in an update to be summed."""
+        plugins = self.client_send.plugins
+        combiner = self.client_send.combiner
+        before = plugins[: plugins.index(combiner)] if combiner is not None else []
+        return [p for p in before if isinstance(p, ChecksSummed)]
+
+    @cached_property
     def withholds_metrics(self) -> bool:
         """Whether a client's update carries no metric computed from its data: under differential
         privacy (``dp_local``, ``dp_central``, ``dpsgd``: a plugin that declares ``protects``, as the
@@ -201,17 +209,17 @@ class Chains:
         combiner = self.client_send.combiner
         if combiner is None:
             return self.server_receive.filter(self.client_send.decode(update, ctx), ctx)
-        if combiner.name not in update.applied:
-            raise ValueError(f"update was not encoded by {combiner.name!r}, which this server combines")
+        sent = [p.name for p in self.client_send.plugins]
+        if update.applied != sent:  # the sum is decoded as the round's first update says it was encoded
+            raise ValueError(f"update was encoded by {update.applied}, not by this run's client_send chain {sent}")
         cut = update.applied.index(combiner.name) + 1
         partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
         if ctx.expected is not None:  # one client's forged layout must not fail the round's combine
             check_layouts(clear_layouts(partial.tensors), ctx.expected)
-            for plugin in self.client_send.plugins[: self.client_send.plugins.index(combiner)]:
-                if isinstance(plugin, ChecksSummed):  # nor the fields a compressor before it left
-                    plugin.check_summed(partial.tensors, ctx.expected)
-        if isinstance(combiner, SealsModel):
-            combiner.check_encoded(partial)
+            for plugin in self.summed_checkers:  # nor the fields a compressor before it left
+                plugin.check_summed(partial.tensors, ctx.expected)
+        if (sealer := self.sealer) is not None:
+            sealer.check_encoded(partial)
         return replace(partial, applied=update.applied[:cut])
 
     def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:
