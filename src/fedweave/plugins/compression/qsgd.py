@@ -100,10 +100,10 @@ def to_levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Te
     zero row) rounded up where ``noise`` is below its fractional part, down elsewhere, and
     never past ``s`` (:data:`LOSSY_NORM`). Returns the norms, a ``(rows, 1)`` column; ``noise`` is spent."""
     norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
-    magnitudes.div_(nonzero(norms)).mul_(s)
+    divisors = nonzero(norms)
+    magnitudes.div_(divisors).mul_(s)
     stochastic_round(magnitudes, noise, out=magnitudes)
-    lossy = norms < LOSSY_NORM
-    if bool(lossy.any()) and bool(norms[lossy].any()):  # a row of zero norm gives |v| * s < 1e-18
+    if float(divisors.min()) < LOSSY_NORM:  # not a row of zero norm (divisor 1): its |v| * s < 1e-18
         magnitudes.clamp_(max=s)
     return norms
 
