@@ -1,12 +1,20 @@
 """QSGD and int8 quantization written out from their definitions, one tensor at a time:
 what the codecs' one-matrix encodings must equal bit for bit; and what the codecs' tests
-share (bit-for-bit comparison, sites, test tensors)."""
+share (bit-for-bit comparison, sites, test tensors, a reshaped field's refusal)."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+import pytest
 import torch
 
+from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.wire import Site
+from fedweave.validation import UpdateSchema
+
+from ..helpers import ctx, update
 
 SHAPES = [(37, 11), (100,), (6, 9), (1,), (2, 3, 5)]
 """The shapes of the tensors :func:`tensors` makes for the codecs' tests: several buckets,
@@ -104,3 +112,16 @@ def straddling_noise(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     frac = scaled - torch.floor(scaled)
     below = torch.where(frac > 0, torch.nextafter(frac, torch.zeros_like(frac)), frac)
     return frac, below
+
+
+def refuses_reshaped_field(plugin: Any, model: dict[str, torch.Tensor], name: str, part: str, shape: tuple) -> None:
+    """``plugin``'s encoding of ``model`` decodes on a server as sent, and is refused, naming
+    the field, once field ``part`` of tensor ``name`` is reshaped to ``shape`` (its size kept)."""
+    encoded = plugin.encode(update(model), ctx()).tensors
+    server = PluginContext(1, 0, "server", expected=UpdateSchema.of(model).tensors)
+    plugin.decode(update(encoded), server)  # as sent: decodes
+    key = f"{name}.__{part}"
+    forged = {**encoded, key: encoded[key].reshape(shape)}
+    reason = f"fields of {name!r} {tuple(model[name].shape)}: {part!r} is of shape {tuple(forged[key].shape)}, not a vector"
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        plugin.decode(update(forged), server)

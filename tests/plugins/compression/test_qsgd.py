@@ -4,16 +4,12 @@ that do not divide them, zeros, and 4-bit, 8-bit and 16-bit levels."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, to_levels
-from fedweave.validation import UpdateSchema
 
-from ..helpers import ctx, make, update
+from ..helpers import make
 from . import reference as ref
 from .reference import SHAPES, same
 
@@ -129,11 +125,4 @@ def test_a_field_of_its_size_that_is_not_a_vector_is_refused_with_a_reason(s: in
     plugin = make("qsgd", levels=s, bucket=4)
     g = torch.Generator().manual_seed(0)
     model = {"w": torch.randn(3, 6, generator=g), "pair": torch.randn(2, generator=g)}
-    encoded = plugin.encode(update(model), ctx()).tensors
-    server = PluginContext(1, 0, "server", expected=UpdateSchema.of(model).tensors)
-    plugin.decode(update(encoded), server)  # as sent: decodes
-    key = f"{name}.__{part}"
-    forged = {**encoded, key: encoded[key].reshape(shape)}
-    reason = f"fields of {name!r} {tuple(model[name].shape)}: {part!r} is of shape {tuple(forged[key].shape)}, not a vector"
-    with pytest.raises(ValueError, match=re.escape(reason)):
-        plugin.decode(update(forged), server)
+    ref.refuses_reshaped_field(plugin, model, name, part, shape)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.topk import TopKCodec, TopKParams
 from fedweave.plugins.compression.wire import Site
-from fedweave.validation import UpdateSchema
 
-from ..helpers import ctx, make, update
+from ..helpers import make
+from . import reference as ref
 
 SITE = Site("topk", 0, "up", 1, 0, "w")
 
@@ -70,11 +67,4 @@ def test_a_field_of_its_size_that_is_not_a_vector_is_refused_with_a_reason(name:
     plugin = make("topk", ratio=0.01)
     g = torch.Generator().manual_seed(0)
     model = {"big": torch.randn(2, 65_536, generator=g), "one": torch.randn(50, generator=g)}  # k = 1310 and 1
-    encoded = plugin.encode(update(model), ctx()).tensors
-    server = PluginContext(1, 0, "server", expected=UpdateSchema.of(model).tensors)
-    plugin.decode(update(encoded), server)  # as sent: decodes
-    key = f"{name}.__{part}"
-    forged = {**encoded, key: encoded[key].reshape(shape)}
-    reason = f"fields of {name!r} {tuple(model[name].shape)}: {part!r} is of shape {tuple(forged[key].shape)}, not a vector"
-    with pytest.raises(ValueError, match=re.escape(reason)):
-        plugin.decode(update(forged), server)
+    ref.refuses_reshaped_field(plugin, model, name, part, shape)
