@@ -7,7 +7,8 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,19 @@ def reference(config: config_mod.Config) -> tuple[dict[str, torch.Tensor], dict[
         opt.step()
         sampler.advance(total)
     return model.state_dict(), evaluate(model, ds.x_test, ds.y_test, loss_fn)
+
+
+def poll(check: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Call ``check`` every ``interval`` seconds until it holds, for at most ``timeout`` seconds
+    (and ``timeout / interval`` + 1 calls); whether it held."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return bool(check())
 
 
 def free_port() -> int:

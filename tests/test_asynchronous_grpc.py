@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_settled_state import FAST_GRPC
 
-from conftest import free_port, small_config
+from conftest import free_port, poll, small_config
 from fedweave import config as config_mod
 from fedweave import rundir, runner
 from fedweave.topologies.emulated import emulated_handler
@@ -237,16 +237,12 @@ def test_a_killed_client_gets_no_job_until_it_registers_again(
     def on_record(record: dict[str, Any]) -> None:  # in the server's thread, between its steps
         if record["round"] == 2:
             proc.send_signal(signal.SIGKILL)
-            until = time.monotonic() + 10
-            while 2 not in transport.absent() and time.monotonic() < until:
-                time.sleep(0.02)
+            poll(lambda: 2 in transport.absent(), 10, 0.02)
             events.seen.append(("mark", "gone"))
         elif record["round"] == 6:
             comeback.append(threading.Thread(target=again.run, daemon=True))
             comeback[0].start()
-            until = time.monotonic() + 10
-            while 2 in transport.absent() and time.monotonic() < until:
-                time.sleep(0.02)
+            poll(lambda: 2 not in transport.absent(), 10, 0.02)
             events.seen.append(("mark", "back"))
 
     try:
@@ -298,9 +294,7 @@ def test_when_every_client_is_gone_the_server_waits_for_one_up_to_the_join_timeo
         if record["round"] == 1:
             nodes[0].stop()
             nodes[1].stop()
-            until = time.monotonic() + 10
-            while transport.absent() != {0, 1} and time.monotonic() < until:
-                time.sleep(0.02)
+            poll(lambda: transport.absent() == {0, 1}, 10, 0.02)
             if comes_back:
                 threading.Timer(0.5, threads[2].start).start()
 

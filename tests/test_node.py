@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import poll
 from fedweave import config as config_mod
 from fedweave import node
 from fedweave.errors import ConfigError
@@ -114,9 +115,8 @@ def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, capl
     caplog.clear()
     with caplog.at_level("INFO"), grpc_clients(config, f"127.0.0.1:{port}"):
         again = node.serve(config, tmp_path)
-        until = time.monotonic() + 10  # each client logs the end as its call returns, a moment after the server
-        while caplog.text.count("the server ended the run") < 2 and time.monotonic() < until:
-            time.sleep(0.05)
+        # each client logs the end as its call returns, a moment after the server
+        poll(lambda: caplog.text.count("the server ended the run") >= 2, 10)
         assert caplog.text.count("the server ended the run") == 2  # both clients told, before they are stopped
     assert again.first_round == 4 and (tmp_path / rundir.METRICS_FILE).read_text() == metrics
     restored = rundir.load_model(tmp_path)

@@ -21,14 +21,13 @@ import pwd
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, poll
 
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_RUN = Path("/run/munge")
@@ -84,14 +83,8 @@ def missing() -> str | None:
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
     """Poll ``check`` until it holds, at most ``timeout`` seconds and ``timeout / interval`` times."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        if check():
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+    if not poll(check, timeout, interval):
+        raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import free_port
+from conftest import free_port, poll
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,11 +73,8 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.1)
+    if not poll(check, timeout, 0.1):
+        pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def alive(pid: int) -> bool:

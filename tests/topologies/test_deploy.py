@@ -10,14 +10,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import free_port, small_config
+from conftest import free_port, poll, small_config
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.batching.selection import sample_clients
@@ -181,14 +180,10 @@ def test_the_members_of_a_killed_site_leader_are_not_sampled_until_it_registers_
         if record["round"] == 1:
             proc.send_signal(signal.SIGKILL)
             proc.wait(5)
-            until = time.monotonic() + 5
-            while 2 not in transport.absent() and time.monotonic() < until:
-                time.sleep(0.02)
+            poll(lambda: 2 in transport.absent(), 5, 0.02)
         elif record["round"] == 3:
             threads[2].start()
-            until = time.monotonic() + 10
-            while 2 in transport.absent() and time.monotonic() < until:
-                time.sleep(0.02)
+            poll(lambda: 2 not in transport.absent(), 10, 0.02)
 
     caplog.set_level(logging.INFO, logger="fedweave")
     try:

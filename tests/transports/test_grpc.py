@@ -26,6 +26,7 @@ import grpc
 import pytest
 import torch
 
+from conftest import poll
 from fedweave import config as config_mod
 from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
@@ -236,9 +237,7 @@ def test_a_dead_client_costs_the_heartbeat_timeout_once_not_every_round() -> Non
             assert took < 0.5 and later.waited == pytest.approx(took, abs=0.05)
         release.set()
         back_again = [c.start(1), c.start(2)]  # registered again, they serve the next round
-        until = time.monotonic() + 5
-        while any(client._session is None for client in back_again) and time.monotonic() < until:
-            time.sleep(0.02)
+        poll(lambda: all(client._session is not None for client in back_again), 5, 0.02)
         back = c.server.exchange(jobs([0, 1, 2], PARAMS, 4), timeout=30)
         assert back.failures == {} and len(back.replies) == 3
 
@@ -255,9 +254,7 @@ def test_the_server_knows_which_nodes_are_gone_until_they_are_heard_from_again()
         time.sleep(c.settings.heartbeat_timeout + 0.2)
         assert c.server.absent() == frozenset({1, 2})
         c.start(2)
-        until = time.monotonic() + 5
-        while 2 in c.server.absent() and time.monotonic() < until:
-            time.sleep(0.02)
+        poll(lambda: 2 not in c.server.absent(), 5, 0.02)
         assert c.server.absent() == frozenset({1})
 
 
@@ -916,14 +913,10 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
         if record["round"] == 1:
             procs[0].send_signal(signal.SIGKILL)
             procs[0].wait(5)
-            until = time.monotonic() + 5
-            while 3 not in transport.absent() and time.monotonic() < until:
-                time.sleep(0.05)
+            poll(lambda: 3 in transport.absent(), 5)
         elif record["round"] == 3:
             procs.append(client_process())
-            until = time.monotonic() + 60
-            while 3 in transport.absent() and time.monotonic() < until:
-                time.sleep(0.05)
+            poll(lambda: 3 not in transport.absent(), 60)
 
     caplog.set_level(logging.INFO, logger="fedweave")
     try:
