@@ -327,7 +327,7 @@ class HE:
                 flat and not torch.equal(tensor, model)
             ):
                 raise ValueError(f"he: its clear tensor {key!r} does not match the model's")
-        size = sum(math.prod(read_layout(v)[1]) for k, v in self._clear.items() if k.endswith(SEP + FLAT))
+        size = _flat_size(self._clear)
         for name, n in zip(self.model, chunk_sizes(size, slot_count(self.server.context))):
             try:
                 self.server.check(_tensor_bytes(ciphertexts[name]), n)
@@ -357,7 +357,7 @@ class HE:
         """Server: the plaintext step of a combined update (zeros where the model is encrypted)."""
         if any(k.startswith(CHUNK) for k in payload.tensors):
             raise ValueError("he decodes only the combined step of a round, never one client's ciphertexts")
-        size = sum(math.prod(read_layout(v)[1]) for k, v in payload.tensors.items() if k.endswith(SEP + FLAT))
+        size = _flat_size(payload.tensors)
         return replace(payload, tensors=unflatten(torch.zeros(size, dtype=torch.float64), payload.tensors))
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
@@ -381,12 +381,9 @@ class HE:
         ciphertexts = {k: t for k, t in tensors.items() if k.startswith(CHUNK)}
         clear = {k: t for k, t in tensors.items() if not k.startswith(CHUNK)}
         try:
-            shapes = [read_layout(v)[1] for k, v in clear.items() if k.endswith(SEP + FLAT)]
-        except Exception:  # a layout that is no layout: wrong dtype code, not a tensor
+            size = _flat_size(clear)
+        except Exception:  # a layout that is no layout: wrong dtype code, a negative size, not a tensor
             raise ValueError("he: the broadcast's layouts are malformed") from None
-        if any(d < 0 for shape in shapes for d in shape):
-            raise ValueError("he: the broadcast's layouts have a negative dimension")
-        size = sum(math.prod(shape) for shape in shapes)
         context = self._client_context()
         slots = slot_count(context)
         count = -(-size // slots)  # compared before naming them: a layout may claim 2^80 values
@@ -457,6 +454,11 @@ def _context(data: bytes, where: str) -> Any:
         return tenseal().context_from(data)
     except Exception:  # TenSEAL's parser raises several types
         raise ConfigError(f"plugin 'he': {where} holds no CKKS context; make the keys with `fedweave keys --out DIR`") from None
+
+
+def _flat_size(tensors: Params) -> int:
+    """The values of the flattened vector whose layouts (``name.__flat``) ``tensors`` carry."""
+    return sum(math.prod(read_layout(v)[1]) for k, v in tensors.items() if k.endswith(SEP + FLAT))
 
 
 def _first_line(exc: Exception) -> str:
