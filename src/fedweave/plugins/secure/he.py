@@ -79,7 +79,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.errors import CheckpointError, ConfigError, RoundError
+from fedweave.errors import CheckpointError, ConfigError, RoundError, first_line
 from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.contracts import FreshDraws
@@ -229,7 +229,7 @@ class HEServer:
             # the cached zero on the left: TenSEAL may switch the right operand's level in place
             (self._zero(size) + vector) * 1.0
         except Exception as exc:  # TenSEAL's parser and evaluator raise several types
-            raise ValueError(_first_line(exc)) from None
+            raise ValueError(first_line(exc)) from None
 
     def _zero(self, size: int) -> Any:
         if size not in self._zeros:
@@ -349,7 +349,7 @@ class HE:
             }
             clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
         except Exception as exc:  # TenSEAL's evaluator raises several types
-            raise RoundError(f"he: the encrypted updates could not be added to the model: {_first_line(exc)}") from None
+            raise RoundError(f"he: the encrypted updates could not be added to the model: {first_line(exc)}") from None
         self.model = model
         return Update(kind=updates[0].kind, tensors=clear, num_examples=total, applied=list(updates[0].applied))
 
@@ -399,7 +399,7 @@ class HE:
             try:
                 values.extend(open_vector(context, _tensor_bytes(ciphertexts[name]), n).decrypt())
             except Exception as exc:  # the framing's reason, or TenSEAL's parser (several types)
-                raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {_first_line(exc)}") from None
+                raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {first_line(exc)}") from None
         vector = torch.tensor(values, dtype=torch.float64)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("he: the broadcast model decrypts to NaN or infinite values")
@@ -459,11 +459,6 @@ def _context(data: bytes, where: str) -> Any:
 def _flat_size(tensors: Params) -> int:
     """The values of the flattened vector whose layouts (``name.__flat``) ``tensors`` carry."""
     return sum(math.prod(read_layout(v)[1]) for k, v in tensors.items() if k.endswith(SEP + FLAT))
-
-
-def _first_line(exc: Exception) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
