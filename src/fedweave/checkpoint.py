@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from fedweave.errors import CheckpointError
+from fedweave.errors import CheckpointError, first_line
 from fedweave.files import atomic_write, sync_file
 from fedweave.types import Update, UpdateKind
 
@@ -116,8 +116,7 @@ def _reason(exc: Exception) -> str:
     refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
     if refused:
         return f"it calls for {refused.group(1)}, which is not checkpoint data (refused, nothing unpickled)"
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    return first_line(exc)
 
 
 def check_params(saved: Mapping[str, Any], expected: Mapping[str, torch.Tensor], where: str) -> None:

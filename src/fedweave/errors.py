@@ -39,3 +39,10 @@ class PayloadMismatch(SerializationError):
 
 class TransportError(FedweaveError):
     """A node cannot reach or stay connected to its peer, or its credentials are refused."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of ``exc``'s message, stripped (its type's name when there is none):
+    a library's error spanning a page (torch, TenSEAL) told in one line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

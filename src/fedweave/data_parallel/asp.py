@@ -53,7 +53,7 @@ import torch.distributed as dist
 from fedweave.batching.dynamic import BatchController
 from fedweave.batching.sampler import GlobalSampler
 from fedweave.data_parallel.gradients import copy_flat, float_buffers, local_contribution, trainable
-from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
+from fedweave.data_parallel.group import DataParallelError, Stopped, launcher_store, worker_store
 from fedweave.data_parallel.parameter_server import Arrival, Assignment, ParameterServer, Ranges
 from fedweave.data_parallel.records import (
     PLOT_FILE,
@@ -74,6 +74,7 @@ from fedweave.data_parallel.workers import (
     worker_process,
     worker_setup,
 )
+from fedweave.errors import first_line
 from fedweave.observe.metrics import MetricsWriter
 from fedweave.rundir import METRICS_FILE
 from fedweave.seeding import derive_seed

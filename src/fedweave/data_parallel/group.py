@@ -16,18 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fedweave.errors import FedweaveError
+from fedweave.errors import FedweaveError, first_line
 
 log = logging.getLogger(__name__)
 
 
 class DataParallelError(FedweaveError):
     """A data-parallel run could not continue (too few workers left, a worker failed to start)."""
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (its type's name when the message is empty)."""
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 class PeerFailure(Exception):

@@ -30,12 +30,12 @@ from fedweave.config import Config
 from fedweave.data_parallel import asp
 from fedweave.data_parallel.bsp import Worker, worker_main
 from fedweave.data_parallel.elastic import WORKER_IDS_KEY, await_announcements, supervise, turn_away
-from fedweave.data_parallel.group import DataParallelError, Stopped, first_line, launcher_store, worker_store
+from fedweave.data_parallel.group import DataParallelError, Stopped, launcher_store, worker_store
 from fedweave.data_parallel.records import PLOT_FILE, DataParallelRun, Record
 from fedweave.data_parallel.workers import (
     Shared, load_data, make_model, release_workers, resolve_backend, spawn_workers,
 )
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import CheckpointError, ConfigError, first_line
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail
 
 log = logging.getLogger(__name__)

@@ -40,10 +40,10 @@ from fedweave import rundir
 from fedweave.checkpoint import CHECKPOINT, load_checkpoint
 from fedweave.config import Config
 from fedweave.data_parallel.bsp import Worker
-from fedweave.data_parallel.group import DataParallelError, Group, PeerFailure, first_line
+from fedweave.data_parallel.group import DataParallelError, Group, PeerFailure
 from fedweave.data_parallel.records import save_checkpoint
 from fedweave.data_parallel.workers import Shared
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import CheckpointError, ConfigError, first_line
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE
 
 log = logging.getLogger(__name__)

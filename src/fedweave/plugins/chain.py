@@ -251,14 +251,22 @@ class Chains:
                     return plugin.answer(control, ctx)
         raise ValueError(f"no plugin of this client answers control messages of {control.plugin!r}")
 
+    @cached_property
+    def _found(self) -> dict[type, list[tuple[str, Any]]]:
+        return {}
+
     def _having(self, protocol: type[T]) -> list[tuple[str, T]]:
-        """``(point[index], plugin)`` of every plugin that follows ``protocol``, in chain order."""
-        return [
-            (f"{point}[{i}]", plugin)
-            for point in POINTS
-            for i, plugin in enumerate(getattr(self, point).plugins)
-            if isinstance(plugin, protocol)
-        ]
+        """``(point[index], plugin)`` of every plugin that follows ``protocol``, in chain order; found
+        once per protocol (asked per round and per instruction; a runtime protocol check costs µs a plugin)."""
+        found = self._found.get(protocol)
+        if found is None:
+            found = self._found[protocol] = [
+                (f"{point}[{i}]", plugin)
+                for point in POINTS
+                for i, plugin in enumerate(getattr(self, point).plugins)
+                if isinstance(plugin, protocol)
+            ]
+        return found
 
     def bind(self, config: Any) -> None:
         for _, plugin in self._having(Binds):
@@ -285,12 +293,7 @@ class Chains:
     def metrics(self) -> dict[str, float]:
         """Every plugin's metrics; a name two plugins report (both DP plugins' ``epsilon``)
         becomes ``<plugin>.<name>`` for each, so neither hides the other."""
-        reports = [
-            (plugin.name, plugin.metrics())
-            for point in POINTS
-            for plugin in getattr(self, point).plugins
-            if isinstance(plugin, ReportsMetrics)
-        ]
+        reports = [(plugin.name, plugin.metrics()) for _, plugin in self._having(ReportsMetrics)]
         seen: dict[str, int] = {}
         for _, report in reports:
             for key in report:

@@ -51,6 +51,7 @@ import logging
 from typing import Any
 
 from fedweave.errors import ConfigError
+from fedweave.plugins.chain import POINTS
 from fedweave.plugins.contracts import DrawsFresh, FreshDraws
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def deployed(config: Any) -> str | None:
 def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
     """Raise a ConfigError for the first plugin placed or ordered against the rules."""
     plugins = config.plugins
-    for point in ("server_send", "client_receive", "client_send", "server_receive"):
+    for point in POINTS:
         compressor = None
         for i, spec in enumerate(getattr(plugins, point)):
             cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
@@ -127,7 +128,7 @@ def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
 def fresh_draws(config: Any, registry: Any) -> list[tuple[str, str, FreshDraws]]:
     """``(config key, plugin name, what it draws)`` of each plugin whose rounds draw from the OS's secure source."""
     found = []
-    for point in ("server_send", "client_receive", "client_send", "server_receive"):
+    for point in POINTS:
         for i, spec in enumerate(getattr(config.plugins, point)):
             cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
             if isinstance(cls, DrawsFresh) and (draws := cls.fresh_draws(spec.params)) is not None:

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 from fedweave.config import Config
+from fedweave.conforms import Conforms
 from fedweave.errors import ConfigError, TransportError
 from fedweave.topologies.hierarchical import (
     Site,
@@ -43,6 +44,8 @@ from fedweave.transports.torchdist import (
 from fedweave.types import Message, Update
 
 log = logging.getLogger(__name__)
+
+_knows_absent = Conforms(KnowsAbsent)  # asked every round (fedweave.conforms)
 
 
 def site_ranks(config: Config) -> list[tuple[list[int], dict[int, int]]]:
@@ -227,7 +230,7 @@ class SiteBatches:
         smallest of them would hold that many members."""
         sizes = sorted(len(members) for members in self.sites)
         sites = next((k for k in range(len(sizes) + 1) if sum(sizes[:k]) >= wait_for), len(sizes))
-        gone = self.transport.absent(sites) if isinstance(self.transport, KnowsAbsent) else frozenset()
+        gone = self.transport.absent(sites) if _knows_absent(self.transport) else frozenset()
         return frozenset(cid for s in gone if 0 <= s < len(self.sites) for cid in self.sites[s])
 
     def close(self) -> None:

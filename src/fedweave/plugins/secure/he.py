@@ -79,7 +79,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave.errors import CheckpointError, ConfigError, RoundError
+from fedweave.errors import CheckpointError, ConfigError, RoundError, first_line
 from fedweave.files import atomic_write_bytes
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.contracts import FreshDraws
@@ -229,7 +229,7 @@ class HEServer:
             # the cached zero on the left: TenSEAL may switch the right operand's level in place
             (self._zero(size) + vector) * 1.0
         except Exception as exc:  # TenSEAL's parser and evaluator raise several types
-            raise ValueError(_first_line(exc)) from None
+            raise ValueError(first_line(exc)) from None
 
     def _zero(self, size: int) -> Any:
         if size not in self._zeros:
@@ -327,7 +327,7 @@ class HE:
                 flat and not torch.equal(tensor, model)
             ):
                 raise ValueError(f"he: its clear tensor {key!r} does not match the model's")
-        size = sum(math.prod(read_layout(v)[1]) for k, v in self._clear.items() if k.endswith(SEP + FLAT))
+        size = _flat_size(self._clear)
         for name, n in zip(self.model, chunk_sizes(size, slot_count(self.server.context))):
             try:
                 self.server.check(_tensor_bytes(ciphertexts[name]), n)
@@ -349,7 +349,7 @@ class HE:
             }
             clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
         except Exception as exc:  # TenSEAL's evaluator raises several types
-            raise RoundError(f"he: the encrypted updates could not be added to the model: {_first_line(exc)}") from None
+            raise RoundError(f"he: the encrypted updates could not be added to the model: {first_line(exc)}") from None
         self.model = model
         return Update(kind=updates[0].kind, tensors=clear, num_examples=total, applied=list(updates[0].applied))
 
@@ -357,7 +357,7 @@ class HE:
         """Server: the plaintext step of a combined update (zeros where the model is encrypted)."""
         if any(k.startswith(CHUNK) for k in payload.tensors):
             raise ValueError("he decodes only the combined step of a round, never one client's ciphertexts")
-        size = sum(math.prod(read_layout(v)[1]) for k, v in payload.tensors.items() if k.endswith(SEP + FLAT))
+        size = _flat_size(payload.tensors)
         return replace(payload, tensors=unflatten(torch.zeros(size, dtype=torch.float64), payload.tensors))
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
@@ -381,12 +381,9 @@ class HE:
         ciphertexts = {k: t for k, t in tensors.items() if k.startswith(CHUNK)}
         clear = {k: t for k, t in tensors.items() if not k.startswith(CHUNK)}
         try:
-            shapes = [read_layout(v)[1] for k, v in clear.items() if k.endswith(SEP + FLAT)]
-        except Exception:  # a layout that is no layout: wrong dtype code, not a tensor
+            size = _flat_size(clear)
+        except Exception:  # a layout that is no layout: wrong dtype code, a negative size, not a tensor
             raise ValueError("he: the broadcast's layouts are malformed") from None
-        if any(d < 0 for shape in shapes for d in shape):
-            raise ValueError("he: the broadcast's layouts have a negative dimension")
-        size = sum(math.prod(shape) for shape in shapes)
         context = self._client_context()
         slots = slot_count(context)
         count = -(-size // slots)  # compared before naming them: a layout may claim 2^80 values
@@ -402,7 +399,7 @@ class HE:
             try:
                 values.extend(open_vector(context, _tensor_bytes(ciphertexts[name]), n).decrypt())
             except Exception as exc:  # the framing's reason, or TenSEAL's parser (several types)
-                raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {_first_line(exc)}") from None
+                raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {first_line(exc)}") from None
         vector = torch.tensor(values, dtype=torch.float64)
         if not bool(torch.isfinite(vector).all()):
             raise ValueError("he: the broadcast model decrypts to NaN or infinite values")
@@ -459,9 +456,9 @@ def _context(data: bytes, where: str) -> Any:
         raise ConfigError(f"plugin 'he': {where} holds no CKKS context; make the keys with `fedweave keys --out DIR`") from None
 
 
-def _first_line(exc: Exception) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+def _flat_size(tensors: Params) -> int:
+    """The values of the flattened vector whose layouts (``name.__flat``) ``tensors`` carry."""
+    return sum(math.prod(read_layout(v)[1]) for k, v in tensors.items() if k.endswith(SEP + FLAT))
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
