@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedweave.seeding import derive_seed, numpy_rng, torch_generator
+from fedweave.seeding import derive_seed, derive_seeds, numpy_rng, torch_generator
 
 
 def test_pinned_values() -> None:
@@ -57,3 +57,10 @@ def test_seeds_are_numpys_seed_sequence(entropy: list[int]) -> None:
     the same 64 bits as NumPy's, for any number of words of any size."""
     expected = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) & (2**63 - 1)
     assert derive_seed(*entropy) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**40), st.text(max_size=8)), max_size=6),
+       st.lists(st.one_of(st.integers(0, 2**40), st.text(max_size=8)), max_size=5))
+def test_seeds_of_streams_sharing_their_first_keys_are_each_derive_seed(keys: list, lasts: list) -> None:
+    assert derive_seeds(7, keys, lasts) == [derive_seed(7, *keys, last) for last in lasts]

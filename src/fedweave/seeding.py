@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,7 +24,14 @@ def derive_seed(seed: int, *keys: int | str) -> int:
     """A 63-bit seed for the stream named by ``keys`` under run seed ``seed``: the first
     64 bits of ``np.random.SeedSequence([seed, *keys]).generate_state(1, np.uint64)``
     (strings as their CRC-32), computed as :func:`_seed_sequence` does."""
-    return _seed_sequence([seed, *(_key(k) for k in keys)]) & ((1 << 63) - 1)
+    return _seed_sequence(_words_of([seed, *(_key(k) for k in keys)])) & _SEED_MASK
+
+
+def derive_seeds(seed: int, keys: Sequence[int | str], lasts: Sequence[int | str]) -> list[int]:
+    """``[derive_seed(seed, *keys, last) for last in lasts]``, the words of the common keys
+    read once (the streams of one update's tensors: a seed per tensor of every update)."""
+    head = _words_of([seed, *(_key(k) for k in keys)])
+    return [_seed_sequence(head + _words_of([_key(last)])) & _SEED_MASK for last in lasts]
 
 
 # NumPy's SeedSequence (numpy/random/bit_generator.pyx; O'Neill's seed_seq_fe) with a pool of
@@ -32,6 +40,7 @@ def derive_seed(seed: int, *keys: int | str) -> int:
 # a purpose, a round, a client...) is shared by many streams (the tensors of one update),
 # so it is kept.
 _MASK = 0xFFFFFFFF
+_SEED_MASK = (1 << 63) - 1
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
 _MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
 _POOL = 4
@@ -102,11 +111,17 @@ def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     return tuple(pool), _POOL * _POOL
 
 
-def _seed_sequence(entropy: list[int]) -> int:
-    """``int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])``."""
+def _words_of(entropy: Sequence[int]) -> tuple[int, ...]:
+    """The 32-bit words SeedSequence reads from ``entropy``, in order."""
     words: tuple[int, ...] = ()
     for value in entropy:  # most are one word: no generator per value (a seed per tensor per update)
         words += (value,) if 0 <= value <= _MASK else tuple(_words(value))
+    return words
+
+
+def _seed_sequence(words: tuple[int, ...]) -> int:
+    """``int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])`` of the
+    ``entropy`` of these words (:func:`_words_of`)."""
     if len(words) > _POOL:  # the last word (a tensor's name, ...) is the one streams differ by
         head, step = _pool(words[:-1])
         pool = list(head)

@@ -12,10 +12,14 @@ from fedweave.plugins.compression.buckets import Buckets, layout, nonzero, produ
 
 def test_matrix_lays_tensors_out_as_zero_padded_rows_and_refuses_a_wrong_size() -> None:
     b = Buckets([5, 3], 4)
-    assert (b.rows, b.total, b.pieces) == ([2, 1], 3, [5, 3, 3, 1])
+    assert (b.rows, b.total, b.padding_rows.tolist()) == ([2, 1], 3, [1, 2])
     rows, entries = b.matrix([torch.arange(1.0, 6.0), -torch.ones(3)], magnitudes=True)
     assert torch.equal(rows, torch.tensor([[1.0, 2, 3, 4], [5, 0, 0, 0], [1, 1, 1, 0]]))
     assert [e.tolist() for e in entries] == [[1.0, 2, 3, 4, 5], [1.0, 1, 1]]
+    assert all(e.data_ptr() >= rows.data_ptr() for e in entries)  # views of the matrix
+    rows, entries = Buckets([6, 4], 2).matrix([-torch.arange(6.0).view(2, 3), torch.ones(2, 2)])
+    assert torch.equal(rows, torch.tensor([[-0.0, -1], [-2, -3], [-4, -5], [1, 1], [1, 1]]))
+    assert [e.shape for e in entries] == [(2, 3), (2, 2)] and Buckets([6, 4], 2).padding_rows is None
     with pytest.raises(ValueError, match="hold 4 entries, the layout 3"):
         b.matrix([torch.zeros(5), torch.zeros(4)])
 

@@ -109,6 +109,17 @@ def test_an_ordinary_bucket_is_not_clamped_the_norm_is_at_least_every_magnitude(
     assert qsgd_codes(fields[0], 4).tolist() == [0, -127, 0, 0]
 
 
+@pytest.mark.parametrize("s", [7, 127])
+def test_a_bucket_with_a_nan_keeps_its_levels_within_s(s: int) -> None:
+    """A NaN makes its bucket's norm NaN (divisor 1): the other entries' |v| * s passed s and
+    wrapped to the other sign. They stop at s; the NaN norm travels, so the bucket decodes to NaN."""
+    x = torch.tensor([float("nan"), -3.0, 1.5, 0.0, 1.0, 2.0, 0.0, 0.0])
+    codec, fields, _ = encode(s, 4, [x])
+    codes = qsgd_codes(fields[0], 8)
+    assert codes[1:4].tolist() == [-s, s, 0] and codes[1:].abs().max() <= s  # (the NaN: whatever NaN converts to)
+    assert codec.decompress(fields[0], (8,))[:4].isnan().all()
+
+
 def qsgd_codes(fields: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
     """The signed levels a tensor's fields carry, as integers (4-bit ones unpacked)."""
     if "nibbles" in fields:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fedweave.plugins.chain import Chain, Chains, PluginContext
+from fedweave.plugins.compression.wire import Site, tensor_seeds
 from fedweave.plugins.contracts import Plugin
 from fedweave.types import Instruction, TaskKind, Update, Work
 from fedweave.validation import UpdateSchema
@@ -93,3 +94,11 @@ def test_a_field_left_in_the_summed_vector_not_as_the_compressor_sends_it_is_ref
     accepted = [chains.to_server(m, replace(server, client_id=m.client_id)) for m in masked[:2]]
     combined = chains.combine(accepted, server, fed.exchange)
     assert combined.tensors["w"].shape == (40,) and combined.tensors["b"].shape == (8,)
+
+
+def test_each_tensors_seed_is_its_sites_whether_the_sites_share_a_payload_or_not() -> None:
+    one = [Site("qsgd", 5, "up", 3, 2, name) for name in ("w", "b", "0.weight")]
+    mixed = [*one, Site("qsgd", 5, "down", 3, 2, "w"), Site("qsgd", 5, "up", 4, 2, "w")]
+    for sites in (one, mixed, one[:1], []):
+        assert tensor_seeds(sites) == [site.seed_for(site.client_id, site.name) for site in sites]
+    assert len(set(tensor_seeds(mixed))) == 5

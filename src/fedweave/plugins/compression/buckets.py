@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -34,12 +35,12 @@ class Buckets:
         self.numels = list(numels)
         self.rows = [-(-n // size) for n in self.numels]
         self.total = sum(self.rows)
-        # the flattened matrix as [entries of tensor 1, its padding, entries of tensor 2, ...]
-        self.pieces = [part for n, rows in zip(self.numels, self.rows) for part in (n, rows * size - n)]
-        self.padded = [i for i, padding in enumerate(self.pieces[1::2]) if padding]
         # where each tensor's entries, and its values per bucket, start in the flattened matrix and column
         self.row_starts = [0, *itertools.accumulate(self.rows)][: len(self.rows)]
         self.starts = [size * start for start in self.row_starts]
+        # the rows that end in padding: each padded tensor's last
+        last = [start + rows - 1 for n, rows, start in zip(self.numels, self.rows, self.row_starts) if n % size]
+        self.padding_rows = torch.tensor(last, dtype=torch.int64) if last else None
 
     def matrix(
         self, tensors: Sequence[torch.Tensor], what: str = "values", padded: bool = True, magnitudes: bool = False
@@ -47,22 +48,20 @@ class Buckets:
         """A new float32 ``(buckets, size)`` matrix of ``tensors``' entries (their absolute
         values with ``magnitudes``), each tensor zero-padded to whole buckets (``padded``;
         else the padding is left as it comes: for a result only read through its entries),
-        and the flat views of each tensor's entries in it. ``ValueError`` when a tensor does
-        not hold its number of entries."""
+        and the views of each tensor's entries in it, in the tensor's shape. ``ValueError``
+        when a tensor does not hold its number of entries."""
         for tensor, n in zip(tensors, self.numels):
             if tensor.numel() != n:
                 raise ValueError(f"{what} hold {tensor.numel()} entries, the layout {n}")
         out = torch.empty(self.total, self.size, dtype=torch.float32)
-        pieces = out.view(-1).split(self.pieces)
-        entries = list(pieces[0::2])
+        if padded and self.padding_rows is not None:  # zeros, then the entries written over them
+            out.index_fill_(0, self.padding_rows, 0.0)
+        entries = self.entries(out, [tuple(tensor.shape) for tensor in tensors])
         for tensor, piece in zip(tensors, entries):
             if magnitudes:
-                torch.abs(tensor.reshape(-1), out=piece)
+                torch.abs(tensor, out=piece)
             else:
-                piece.copy_(tensor.reshape(-1))
-        if padded:
-            for i in self.padded:
-                pieces[2 * i + 1].zero_()
+                piece.copy_(tensor)
         return out, entries
 
     def column(self, per_bucket: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -110,13 +109,25 @@ class Buckets:
             return None
         return first.as_strided((self.total, width), (width, 1), base)
 
-    def entries(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor's entries of the flattened matrix ``flat`` (views, padding left out)."""
-        return list(flat.split(self.pieces)[0::2])
+    def entries(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]] | None = None) -> list[torch.Tensor]:
+        """Each tensor's entries of the matrix ``flat`` (contiguous, or flattened), padding
+        left out: views, flat or of ``shapes``. (One ``as_strided`` per tensor: a split and a view
+        of each piece cost twice the calls, ~5 us each with the caches cold after training.)"""
+        base = flat.storage_offset()
+        if shapes is None:
+            return [flat.as_strided((n,), (1,), base + start) for n, start in zip(self.numels, self.starts)]
+        return [flat.as_strided(shape, _strides(shape), base + start) for shape, start in zip(shapes, self.starts)]
 
     def per_bucket(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor's part of one value per bucket (views)."""
-        return list(values.split(self.rows))
+        """Each tensor's part of one value per bucket of ``values`` (a contiguous vector or column; views)."""
+        base = values.storage_offset()
+        return [values.as_strided((rows,), (1,), base + start) for rows, start in zip(self.rows, self.row_starts)]
+
+
+@functools.lru_cache(maxsize=256)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 @functools.lru_cache(maxsize=64)

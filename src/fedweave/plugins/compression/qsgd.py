@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
+from fedweave.plugins.compression.wire import Compressor, Site, require, tensor_seeds, vectors
 from fedweave.schema import opt
 
 
@@ -68,14 +68,14 @@ class QSGDCodec:
         """Every tensor of an update in one pass of each kernel over the matrix of their buckets."""
         buckets = layout(tuple(x.numel() for x in xs), self.hp.bucket)
         magnitudes, entries = buckets.matrix(xs, magnitudes=True)  # the norms of |x| are those of x
-        noise = buckets.draws([site.seed_for(site.client_id, site.name) for site in sites])
+        noise = buckets.draws(tensor_seeds(sites))
         norms = to_levels(magnitudes, self.hp.levels, noise)
         for signed, x in zip(entries, xs):
-            signed.copysign_(x.reshape(-1))
-        per_tensor = buckets.per_bucket(norms.view(-1))
+            signed.copysign_(x)
+        per_tensor = buckets.per_bucket(norms)
         if self.hp.levels <= 7:
-            return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(entries, per_tensor)]
-        codes = magnitudes.to(self.field_dtypes()["levels"]).view(-1)
+            return [{"nibbles": pack_nibbles(v), "norms": n} for v, n in zip(buckets.entries(magnitudes), per_tensor)]
+        codes = magnitudes.to(self.field_dtypes()["levels"])
         return [{"levels": v, "norms": n} for v, n in zip(buckets.entries(codes), per_tensor)]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -83,15 +83,16 @@ class QSGDCodec:
         buckets = layout(tuple(numels), self.hp.bucket)
         codes = [unpack_nibbles(f["nibbles"], n) if "nibbles" in f else f["levels"] for f, n in zip(fields, numels)]
         rows = products(buckets, codes, [f["norms"] for f in fields], "levels", "norms").div_(self.hp.levels)
-        return [v.view(shape) for v, shape in zip(buckets.entries(rows.view(-1)), shapes)]
+        return buckets.entries(rows, shapes)
 
 
 LOSSY_NORM = 2 * torch.finfo(torch.float32).tiny ** 0.5
 """Below this a row's norm may come out under its largest magnitude: that entry's square is
 subnormal and lost bits (all of them below ~1e-23), so ``|v| / n * s`` may pass ``s``,
-which int8 and 4-bit codes would wrap to the wrong sign. With such a row the levels are
-clamped to ``s`` (which changes none of the other rows'); above it a float32 norm is at least every magnitude of its row (a sum of squares, each
-correctly rounded, is at least the largest), so no other encoding changes."""
+which int8 and 4-bit codes would wrap to the wrong sign. With such a row (or one of zero
+or NaN norm) the levels are clamped to ``s``, which changes none of the other rows'; above
+it a float32 norm is at least every magnitude of its row (a sum of squares, each correctly
+rounded, is at least the largest), so no other encoding changes."""
 
 
 def to_levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Tensor:
@@ -100,10 +101,13 @@ def to_levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Te
     zero row) rounded up where ``noise`` is below its fractional part, down elsewhere, and
     never past ``s`` (:data:`LOSSY_NORM`). Returns the norms, a ``(rows, 1)`` column; ``noise`` is spent."""
     norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
-    divisors = nonzero(norms)
+    low = float(norms.min())  # NaN when a norm is
+    divisors = norms if low >= LOSSY_NORM else nonzero(norms)  # (the usual case first: a where costs ~15 us cold)
     magnitudes.div_(divisors).mul_(s)
     stochastic_round(magnitudes, noise, out=magnitudes)
-    if float(divisors.min()) < LOSSY_NORM:  # not a row of zero norm (divisor 1): its |v| * s < 1e-18
+    # a lossy row, or a NaN one (divisor 1: its other entries' |v| * s passed s); not only rows of
+    # zero norm (divisor 1: their |v| * s < 1e-18)
+    if divisors is not norms and (low != 0 or float(divisors.min()) < LOSSY_NORM):
         magnitudes.clamp_(max=s)
     return norms
 

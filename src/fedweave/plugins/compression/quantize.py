@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site, require
+from fedweave.plugins.compression.wire import Compressor, Site, require, tensor_seeds
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
@@ -67,9 +67,9 @@ class QuantizeCodec:
         scales = magnitudes.amax(dim=1, keepdim=True).div_(127)
         noise = None
         if self.hp.stochastic:
-            noise = buckets.draws([site.seed_for(site.client_id, site.name) for site in sites], out=magnitudes)
-        values = int8_values(rows, scales, noise).view(-1)
-        return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales.view(-1)))]
+            noise = buckets.draws(tensor_seeds(sites), out=magnitudes)
+        values = int8_values(rows, scales, noise)
+        return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales))]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         out = [f["values"].to(torch.float32).reshape(shape) if "scales" not in f else None for f, shape in zip(fields, shapes)]
@@ -78,8 +78,8 @@ class QuantizeCodec:
             buckets = layout(tuple(math.prod(shapes[i]) for i in scaled), self.hp.bucket)
             values = [fields[i]["values"] for i in scaled]
             rows = products(buckets, values, [fields[i]["scales"] for i in scaled], "values", "scales")
-            for i, entries in zip(scaled, buckets.entries(rows.view(-1))):
-                out[i] = entries.view(shapes[i])
+            for i, entries in zip(scaled, buckets.entries(rows, [shapes[i] for i in scaled])):
+                out[i] = entries
         return out
 
 
@@ -88,7 +88,7 @@ def int8_values(rows: torch.Tensor, scales: torch.Tensor, noise: torch.Tensor | 
     0 as it is) rounded down or up at random, up where ``noise`` is below the fractional
     part (or to the nearest, ties to even, without ``noise``), then kept within ±127.
     Consumes ``rows`` and ``noise``."""
-    rows.div_(nonzero(scales))
+    rows.div_(scales if float(scales.min()) > 0 else nonzero(scales))  # the min: ~2x cheaper than a where, cold
     rounded = rows.round_() if noise is None else stochastic_round(rows, noise)
     return rounded.clamp_(-127, 127).to(torch.int8)
 

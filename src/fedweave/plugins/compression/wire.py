@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from fedweave.plugins.chain import Payload, PluginContext
 from fedweave.plugins.packing import FLAT, LAYOUT, SEP, decode_all, encode_fields, read_layout
-from fedweave.seeding import derive_seed
+from fedweave.seeding import derive_seed, derive_seeds
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
 
 if TYPE_CHECKING:
@@ -57,6 +58,19 @@ class Site:
 
     def generator(self, *keys: int | str) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed_for(*keys))
+
+    def stream(self) -> tuple[str, int, str, int, int]:
+        """What names this site's streams but its tensor."""
+        return self.plugin, self.seed, self.direction, self.round, self.client_id
+
+
+def tensor_seeds(sites: Sequence[Site]) -> list[int]:
+    """Each site's ``seed_for(client_id, name)``, its tensor's own stream; the keys that
+    the sites of one payload share are read once."""
+    if not sites or any(site.stream() != sites[0].stream() for site in sites):
+        return [site.seed_for(site.client_id, site.name) for site in sites]
+    plugin, seed, direction, rnd, client = sites[0].stream()
+    return derive_seeds(seed, (plugin, direction, rnd, client), [site.name for site in sites])
 
 
 class Codec(Protocol):
