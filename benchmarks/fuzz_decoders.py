@@ -84,6 +84,7 @@ def messages() -> list[Message]:
         Message(2, 0, ser.SiteJob(members, timeout=30.0)),
         Message(2, 0, ser.SiteReply(replies[:1], failures={4: "lost"})),
         Message(2, 0, ser.SiteReply(replies)),
+        Message(2, 0, ser.SiteReply([], {3: "site group broken: gone", 4: "site group broken: gone"}, "gone")),
     ]
 
 

@@ -182,7 +182,10 @@ def strategy_metrics(strategy: Strategy) -> Record:
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
     absent = absent_clients(parts.topology, parts.min_clients)
     if absent:
-        log.info("round %d: %s gone (silent past the heartbeat timeout); sampling the others", rnd, listed(absent))
+        log.info(
+            "round %d: %s gone (silent past the heartbeat timeout, or in a broken site); sampling the others",
+            rnd, listed(absent),
+        )
     plan = parts.controller.plan(rnd, absent)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
     traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
@@ -191,7 +194,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     try:
         if absent and len(plan) < parts.min_clients:
             raise RoundError(
-                f"{listed(absent)} gone (silent past the heartbeat timeout), the {len(plan)} present "
+                f"{listed(absent)} gone (silent past the heartbeat timeout, or in a broken site), the {len(plan)} present "
                 f"are fewer than min_clients {parts.min_clients}"
             )
         ready = set(parts.chains.setup(rnd, [w.client_id for w in plan], traffic.control))  # e.g. SecAgg's keys

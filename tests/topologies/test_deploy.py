@@ -1,5 +1,5 @@
 """SiteBatches: one job per top-level site, whose answer stands for its members (or fails them all);
-the members of a site whose leader is gone are not sampled."""
+the members of a site whose leader is gone, or whose group broke, are not sampled."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from conftest import free_port, poll, small_config
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.batching.selection import sample_clients
-from fedweave.build import build_chains, build_client_runtime, build_task
+from fedweave.build import build_chains, build_client_runtime, build_task, strategy_class
 from fedweave.client import ClientStateStore
 from fedweave.node import server_topology
 from fedweave.seeding import numpy_rng
-from fedweave.topologies.deploy import SiteBatches, site_handler
+from fedweave.topologies.deploy import SiteBatches, TorchDistHierarchy, site_handler
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.base import Exchange
+from fedweave.transports.inmemory import InMemoryTransport
 from fedweave.transports.serialization import SiteJob, SiteReply
 from fedweave.types import Instruction, Message, TaskKind, Update, UpdateKind, Work
 
@@ -103,6 +104,29 @@ def test_the_members_of_a_gone_site_are_gone() -> None:
     assert SiteBatches([[0, 1], [3]], Link()).absent() == frozenset()  # a link that cannot tell
 
 
+class OneWorld:
+    """A torch.distributed world that never runs a collective: its site groups are placeholders."""
+
+    def site_groups(self, ranks: list[list[int]]) -> list[tuple[None, None]]:
+        return [(None, None) for _ in ranks]
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def test_in_one_world_the_members_of_a_site_whose_group_broke_are_gone() -> None:
+    """Rank 0 leads every site of one torch.distributed world: a site's broken group (a collective
+    failed, :class:`TorchDistLeader` tells why) takes its members out of the draw, the others stay."""
+    config = small_config("clients=6", "topology={kind: hierarchical, sites: 3}", "topology.inner=torchdist")
+    topology = TorchDistHierarchy(config, OneWorld(), strategy_class(config))  # type: ignore[arg-type]
+    assert topology.absent() == frozenset()
+    topology.links[2].broken = "RuntimeError: not every rank of [0, 5, 6] took part in a gather within 6 s"
+    assert topology.absent(4) == frozenset(topology.links[2].members) == frozenset({4, 5})
+    assert {4, 5} & set(sample_clients(numpy_rng(1, "sample", 2), 6, 3))  # the seeded draw takes one of them
+    cohort = sample_clients(numpy_rng(1, "sample", 2), 6, 3, topology.absent())
+    assert len(cohort) == 3 and not {4, 5} & set(cohort)
+
+
 SITE_LEADER = textwrap.dedent(
     """
     import os
@@ -137,7 +161,6 @@ def test_the_members_of_a_killed_site_leader_are_not_sampled_until_it_registers_
     pick 4 or 5 in both) and lose nobody. Site 2 registering again after round 3, rounds 4 and 5
     sample as the seeded draw does."""
     from fedweave.transports.grpc.client import GrpcClient
-    from fedweave.transports.inmemory import InMemoryTransport
 
     port = free_port()
     config = small_config(
@@ -199,5 +222,100 @@ def test_the_members_of_a_killed_site_leader_are_not_sampled_until_it_registers_
     assert [(x["clients_sampled"], x["clients_completed"]) for x in records] == [(3, 3)] * 5
     assert sorted(trained[1]) == [c for c in seeded[1] if c < 4]  # site 2's members trained in its process
     assert {rnd: sorted(trained[rnd]) for rnd in (2, 3, 4, 5)} == {**around, 4: seeded[4], 5: seeded[5]}
-    assert "round 2: 2 clients [4, 5] gone (silent past the heartbeat timeout); sampling the others" in caplog.text
+    assert "round 2: 2 clients [4, 5] gone (silent past the heartbeat timeout, or in a broken site); sampling the others" in caplog.text
     assert all(x["round_time"] < 2 for x in records[1:3])  # nobody waited for the dead site
+
+
+class BreakingGroup:
+    """A site's group in its leader's process: the members train until ``breaks`` is set, then the
+    group is broken for good and fails every member at once, as a TorchDistLeader whose collective failed."""
+
+    def __init__(self, members: InMemoryTransport) -> None:
+        self.members = members
+        self.breaks = False
+        self.broken: str | None = None
+
+    def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        if self.breaks and self.broken is None:
+            self.broken = "RuntimeError: not every rank of [0, 1, 2] took part in a gather within 6 s"
+        if self.broken is not None:
+            return Exchange(failures={m.client_id: f"site group broken: {self.broken}" for m in messages})
+        return self.members.exchange(messages, timeout)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def test_the_members_of_a_site_whose_group_broke_are_not_sampled_until_it_is_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sites [[0, 1], [2, 3], [4, 5]], 3 of 6 clients a round. Site 2's group breaks in round 2 (a
+    member died; its leader stays heard from): the members of it drawn that round fail, and the
+    server logs why once. Round 3 samples 3 of clients 0-3 (the seeded draw would take 4 or 5)
+    and loses nobody. Site 2 restarted after round 3 (a fresh group, its leader registered
+    again), rounds 4 and 5 sample as the seeded draw does."""
+    from fedweave.transports.grpc.client import GrpcClient
+
+    config = small_config(
+        "clients=6", "topology={kind: hierarchical, sites: 3}", "topology.inner=torchdist", "sample_fraction=0.5",
+        "min_clients=1", "rounds=5", "seed=1", "checkpoint.every=0", "transport=grpc", "grpc.listen=127.0.0.1:0",
+        "grpc.heartbeat_interval=0.1", "grpc.heartbeat_timeout=1.0", "grpc.poll_timeout=0.5", "grpc.rpc_timeout=2",
+        "grpc.connect_timeout=3", "grpc.join_timeout=60", "grpc.backoff_initial=0.05", "grpc.backoff_max=0.5",
+    )
+    seeded = {rnd: sample_clients(numpy_rng(1, "sample", rnd), 6, 3) for rnd in range(1, 6)}
+    around = sample_clients(numpy_rng(1, "sample", 3), 6, 3, {4, 5})
+    assert all({4, 5} & set(seeded[rnd]) for rnd in (2, 3))
+    topology = server_topology(config)
+    r = runner.prepare(config, tmp_path / "run", topology=topology)
+    transport = topology.transport
+    task = build_task(config)
+    trained: dict[int, list[int]] = {}  # round -> the members that trained
+
+    def members() -> InMemoryTransport:
+        runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
+
+        def member(msg: Any) -> Any:
+            trained.setdefault(msg.round, []).append(msg.client_id)
+            return runtime.handle(msg)
+
+        return InMemoryTransport(member)
+
+    group = BreakingGroup(members())
+    inner = [members(), members(), group, members()]  # site 2 restarted: a fresh group
+    leaders = [
+        GrpcClient(config.grpc, site, site_handler(inner[i], site), role="site", address=transport.address)
+        for i, site in enumerate((0, 1, 2, 2))
+    ]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in leaders]
+    for thread in threads[:3]:
+        thread.start()
+
+    def between_rounds(record: dict[str, Any]) -> None:
+        if record["round"] == 1:
+            group.breaks = True
+        elif record["round"] == 2:  # exactly site 2's members are gone, site 2 still heard from
+            assert topology.absent() == frozenset({4, 5}) and transport.absent() == frozenset({2})
+        elif record["round"] == 3:
+            leaders[2].stop()
+            threads[2].join(10)
+            threads[3].start()
+            assert poll(lambda: 2 not in transport.absent(), 10, 0.02)
+
+    caplog.set_level(logging.INFO, logger="fedweave")
+    try:
+        records = runner.run_rounds(r, between_rounds)  # closes the topology at the end
+    finally:
+        for node, thread in zip(leaders, threads):
+            node.stop()
+            if thread.is_alive():
+                thread.join(timeout=10)
+    lost = len({4, 5} & set(seeded[2]))
+    assert [(x["clients_sampled"], x["clients_completed"]) for x in records] == [(3, 3), (3, 3 - lost), (3, 3), (3, 3), (3, 3)]
+    assert {rnd: sorted(trained[rnd]) for rnd in range(1, 6)} == {
+        1: seeded[1], 2: [c for c in seeded[2] if c < 4], 3: around, 4: seeded[4], 5: seeded[5]
+    }
+    why = "RuntimeError: not every rank of [0, 1, 2] took part in a gather within 6 s"
+    assert caplog.text.count(f"site 2 reports its group broken ({why})") == 1
+    assert "round 3: 2 clients [4, 5] gone (silent past the heartbeat timeout, or in a broken site)" in caplog.text
+    assert "round 4: 2 clients" not in caplog.text
+

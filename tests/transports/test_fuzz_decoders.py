@@ -41,6 +41,7 @@ def corpus() -> list[bytes]:
         Message(1, 2, Control("secagg", "keys", {"pk": torch.arange(8, dtype=torch.uint8)})),
         Message(1, 0, ser.SiteJob(members, timeout=5.0)),
         Message(1, 0, ser.SiteReply([Message(1, 2, Update(UpdateKind.WEIGHTS, PARAMS, 4, client_id=2))], {3: "lost"})),
+        Message(1, 0, ser.SiteReply([], {2: "site group broken: gone", 3: "site group broken: gone"}, "gone")),
     ]
     return [bytes(ser.encode(m)) for m in bodies]
 

@@ -31,11 +31,12 @@ from fedweave import config as config_mod
 from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import ConfigError, SerializationError, TransportError
-from fedweave.topologies.deploy import SiteBatches
+from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.transports.grpc.server import GrpcServerTransport
+from fedweave.transports.inmemory import InMemoryTransport
 from fedweave.transports.serialization import FRAME, HEADER, SiteJob, SiteReply, encode, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
@@ -931,7 +932,7 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     sampled = {rec["round"]: [x["id"] for x in rec["clients"]] for rec in records}
     assert [(rec["clients_sampled"], rec["clients_completed"]) for rec in records] == [(3, 3)] * 5
     assert sampled == {1: seeded[1], 2: [0, 1, 2], 3: [0, 1, 2], 4: seeded[4], 5: seeded[5]}
-    assert "round 2: 1 client [3] gone (silent past the heartbeat timeout); sampling the others" in caplog.text
+    assert "round 2: 1 client [3] gone (silent past the heartbeat timeout, or in a broken site); sampling the others" in caplog.text
     assert not re.search(r"round [23]: client 3 failed", caplog.text)  # neither trained nor evaluated
     assert all(rec["federated_accuracy"] is not None for rec in records)
     assert all(rec["round_time"] < 2 for rec in records[1:3])  # nobody waited for the dead client
@@ -1069,6 +1070,40 @@ def test_a_site_reply_may_not_stand_for_clients_outside_its_job_or_twice(caplog:
             result = topology.exchange(jobs([0, 1, 2, 3], PARAMS), timeout=20)
             assert set(result.failures) == {0, 1} and [r.client_id for r in result.replies] == [2, 3]
             assert f"stands for clients {members}" in result.failures[0]
+
+
+def test_a_site_can_report_only_its_own_group_broken_and_only_as_a_site_that_answers_for_nobody(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A report of a broken group is refused, with the reason, when site 0 makes it as site 1, with
+    answers of its members, or with a reason that is not text: no site's members become absent,
+    and site 1 answers all along."""
+    caplog.set_level(logging.WARNING, logger="fedweave")
+
+    def broken(site: int, answers: bool = False, reason: Any = "RuntimeError: gone") -> Handler:
+        def handle(msg: Message) -> Message:
+            assert isinstance(msg.body, SiteJob)
+            if answers:
+                return Message(msg.round, site, SiteReply([echo(m) for m in msg.body.messages], {}, reason))
+            failures = {m.client_id: f"site group broken: {reason}" for m in msg.body.messages}
+            return Message(msg.round, site, SiteReply([], failures, reason))
+
+        return handle
+
+    refusals = [
+        (broken(1), "reply is for node 1 round 1, expected node 0 round 1"),
+        (broken(0, answers=True), "broken is neither null nor the reason (a non-empty string) of a site that answers"),
+        (broken(0, reason=5), "broken is neither null nor the reason"),
+    ]
+    for forged, why in refusals:
+        caplog.clear()
+        with sites(settings(), [forged, site_handler(InMemoryTransport(echo), 1)]) as (topology, c):
+            result = topology.exchange(jobs([0, 1, 2, 3], PARAMS), timeout=20)
+            assert set(result.failures) == {0, 1} and why in result.failures[0]
+            assert [r.client_id for r in result.replies] == [2, 3]  # the other site is unaffected
+            assert not {2, 3} & topology.absent()
+            assert all(node.broken is None for node in topology.transport._clients.values())
+            assert "reply of site 0 refused" in caplog.text and "reports its group broken" not in caplog.text
 
 
 def control_echo(msg: Message) -> Message:

@@ -548,6 +548,21 @@ def test_a_site_reply_round_trips_with_its_failures() -> None:
         ser.decode(ser.encode(site_job({"w": torch.ones(2)})), expected={"v": (2,)})
 
 
+def broken_reply() -> Message:
+    """A site whose group is broken: every member of its job failed, and why the group broke."""
+    why = "RuntimeError: not every rank of [0, 1, 2] took part in a gather within 6 s"
+    return Message(3, 1, ser.SiteReply([], {c: f"site group broken: {why}" for c in (4, 5)}, why))
+
+
+def test_a_site_reply_says_whether_its_site_s_group_is_broken() -> None:
+    for decoded in decoders(broken_reply()):
+        body = decoded.body
+        assert isinstance(body, ser.SiteReply) and body.messages == [] and body.failures == broken_reply().body.failures
+        assert body.broken == "RuntimeError: not every rank of [0, 1, 2] took part in a gather within 6 s"
+    for decoded in decoders(site_reply(), expected={"w": (2, 3)}):
+        assert decoded.body.broken is None  # a whole site's reply
+
+
 def test_site_batches_hold_only_their_kind_of_message() -> None:
     with pytest.raises(SerializationError, match="a site_job cannot hold a message of kind 'update'"):
         ser.encode(Message(3, 1, ser.SiteJob([site_reply().body.messages[0]])))
@@ -625,13 +640,20 @@ BATCH_MALFORMED = {
     "failure of a superscript two": ("reply", lambda m: m["fields"]["failures"].update({"²": "x"}), "failure '²'"),
     "failure of an Arabic-Indic five": ("reply", lambda m: m["fields"]["failures"].update({"\u0665": "x"}), "failure '\u0665'"),
     "failure named twice": ("reply", lambda m: m["fields"]["failures"].update({"07": "x"}), "failure '07'"),
+    "broken site that answers": ("reply", lambda m: m["fields"].update(broken="x"), "broken is neither null nor the reason"),
+    "broken not a reason": ("broken", lambda m: m["fields"].update(broken=5), "broken is neither null nor the reason"),
+    "broken without a reason": ("broken", lambda m: m["fields"].update(broken=""), "broken is neither null nor the reason"),
+    "broken field missing": ("broken", lambda m: m["fields"].pop("broken"), r"site_reply fields are not \['broken', 'failures', 'items'\]"),
 }
 
 
 @pytest.mark.parametrize("name", list(BATCH_MALFORMED))
 def test_malformed_site_batches_are_rejected(name: str) -> None:
     which, change, why = BATCH_MALFORMED[name]
-    batches = {"reply": site_reply, "job": lambda: site_job({"w": torch.ones(3)}), "control_job": control_job, "control_reply": control_reply}
+    batches = {
+        "reply": site_reply, "job": lambda: site_job({"w": torch.ones(3)}), "control_job": control_job,
+        "control_reply": control_reply, "broken": broken_reply,
+    }
     meta, data = batch_meta(batches[which]())
     change(meta)
     with pytest.raises(SerializationError, match=f"malformed message metadata: .*{why}"):

@@ -32,7 +32,7 @@ from fedweave.topologies.hierarchical import (
     site_tree,
     top_site_members,
 )
-from fedweave.transports.base import Exchange, KnowsAbsent, Transport
+from fedweave.transports.base import BreaksWhole, Exchange, KnowsAbsent, Transport
 from fedweave.transports.serialization import SiteJob, SiteReply
 from fedweave.transports.torchdist import (
     Handler,
@@ -99,6 +99,11 @@ class TorchDistHierarchy:
 
     def site_members(self, client_id: int) -> frozenset[int]:
         return top_site_members(self.root, client_id)
+
+    def absent(self, wait_for: int = 0) -> frozenset[int]:
+        """The members of every site whose group is broken (its leader logged why): later rounds sample
+        around them for the rest of the run, one world being joined once. Nothing to wait for."""
+        return frozenset(cid for link in self.links if link.broken is not None for cid in link.members)
 
     def close(self) -> None:
         for link in self.links:
@@ -187,7 +192,9 @@ class SiteBatches:
     each failed member's reason. A site that fails as a whole (lost, late, refused)
     fails each of its clients. Replies come back in the order of the messages. The members
     of a site whose leader the link knows is gone are gone too (:meth:`absent`): the server
-    reaches them only through it.
+    reaches them only through it. So are those of a site whose leader reported its group broken
+    (over gRPC, until the leader registers again): the link knows the site by its index, so a
+    site's report speaks for its own members alone.
     """
 
     def __init__(self, tree: list[Any], link: Transport):
@@ -225,7 +232,7 @@ class SiteBatches:
         return frozenset({client_id}) if site is None else self.sites[site]
 
     def absent(self, wait_for: int = 0) -> frozenset[int]:
-        """The clients of every site whose leader the link knows is gone (none, for a link that cannot tell).
+        """The clients of every site whose leader the link knows is gone or broken (none, for a link that cannot tell).
         With ``wait_for`` clients asked for, the link first waits (bounded) for enough sites that even the
         smallest of them would hold that many members."""
         sizes = sorted(len(members) for members in self.sites)
@@ -245,7 +252,8 @@ site's answer to reach the server."""
 def site_handler(leader: Transport, site: int) -> Handler:
     """A site leader's job handler: the members' messages go to ``leader`` (a
     :class:`TorchDistLeader`, which pre-aggregates when it was built to), their replies and
-    failures come back as one :class:`SiteReply`."""
+    failures come back as one :class:`SiteReply`, which says so when the site's group is broken
+    (the server then samples around the site's members until its leader registers again)."""
 
     def handle(msg: Message) -> Message:
         job = msg.body
@@ -260,7 +268,8 @@ def site_handler(leader: Transport, site: int) -> Handler:
             site, msg.round, answered, len(job.messages),
             ", ".join(f"{n} {kind}(s)" for kind, n in sorted(kinds.items())) or "nothing",
         )
-        return Message(msg.round, site, SiteReply(ex.replies, ex.failures))
+        broken = leader.broken if isinstance(leader, BreaksWhole) else None
+        return Message(msg.round, site, SiteReply(ex.replies, ex.failures, broken))
 
     return handle
 

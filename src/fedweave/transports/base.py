@@ -35,10 +35,19 @@ class Transport(Protocol):
 @runtime_checkable
 class KnowsAbsent(Protocol):
     """A transport that knows which of its nodes are gone (a networked server: silent past its
-    heartbeat timeout), so that rounds sample the others until they are heard from again; with
-    ``wait_for``, it first waits a bounded time for that many to be present."""
+    heartbeat timeout, or a site leader that reported its site's group broken), so that rounds
+    sample the others until they are back (heard from again; a broken site's leader: registered
+    again); with ``wait_for``, it first waits a bounded time for that many to be present."""
 
     def absent(self, wait_for: int = 0) -> frozenset[int]: ...
+
+
+@runtime_checkable
+class BreaksWhole(Protocol):
+    """A transport that fails as a whole (a site's torch.distributed group, once a collective failed):
+    ``broken`` says why, and from then on it reaches none of its nodes."""
+
+    broken: str | None
 
 
 @runtime_checkable

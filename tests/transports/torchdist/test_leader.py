@@ -19,6 +19,7 @@ from conftest import free_port
 
 from fedweave.config import TorchDistConfig
 from fedweave.errors import TransportError
+from fedweave.topologies.deploy import site_handler
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports import serialization
 from fedweave.transports.torchdist import leader as leader_mod
@@ -265,6 +266,10 @@ def test_a_member_past_the_timeout_fails_its_client_alone_and_a_stopped_one_fail
         assert time.monotonic() - started < 5
         assert sorted(ex.failures) == [0, 1, 2] and not ex.replies
         assert "site group broken: RuntimeError: not every rank of [0, 1, 2] took part in a" in ex.failures[2]
+        # a gRPC site leader's reply says so, for the server to sample around the site's members
+        reply = site_handler(site.leader, 0)(Message(4, 0, serialization.SiteJob(messages(4, p), timeout=1.0))).body
+        assert isinstance(reply, serialization.SiteReply) and not reply.messages and sorted(reply.failures) == [0, 1, 2]
+        assert reply.broken == site.leader.broken and reply.broken.startswith("RuntimeError: not every rank of [0, 1, 2]")
     finally:
         for proc in site.procs:
             proc.kill()

@@ -14,7 +14,9 @@ replies are dropped when their exchange returns, so memory does not grow with ro
 With ``role="site"`` the nodes are the site leaders of a hierarchical deployment (top-level
 site indices, each authenticated like a client with credentials of its own): each job is
 a :class:`~fedweave.transports.serialization.SiteJob` and its reply must be a
-:class:`~fedweave.transports.serialization.SiteReply` that accounts for every member.
+:class:`~fedweave.transports.serialization.SiteReply` that accounts for every member. A site
+leader whose reply says its site's group is broken is absent until it registers again (a
+restarted site: a fresh group), as one silent past ``heartbeat_timeout`` is until heard from.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Client:
     peer: str
     last_seen: float
     told_to_stop: bool = False
+    broken: str | None = None  # a site leader's report that its site's group is broken, for this session
 
 
 @dataclass
@@ -256,8 +259,9 @@ class GrpcServerTransport:
 
     def absent(self, wait_for: int = 0) -> frozenset[int]:
         """The nodes known to be gone: silent for more than heartbeat_timeout, as :meth:`_expire`
-        judges a job's node (one never registered, since the first round began). None before
-        the first round; a node is present again once it registers or is heard from. While
+        judges a job's node (one never registered, since the first round began), or site leaders
+        that reported their site's group broken. None before the first round; a silent node is
+        present again once it registers or is heard from, a broken site once it registers. While
         fewer than ``wait_for`` nodes are present, it first waits for them to come back, at
         most ``grpc.join_timeout`` s: a round short of min_clients is otherwise skipped at
         once, and an outage of every client skipped all the rounds left in a moment."""
@@ -277,12 +281,13 @@ class GrpcServerTransport:
             return gone
 
     def _gone(self, now: float) -> frozenset[int]:
-        """The nodes silent past heartbeat_timeout at ``now`` (lock held)."""
+        """The nodes silent past heartbeat_timeout at ``now``, and the broken sites (lock held)."""
         if self._first_round is None:
             return frozenset()
         seen = {cid: self._first_round for cid in range(self.num_nodes)}
         seen.update((cid, c.last_seen) for cid, c in self._clients.items())
-        return frozenset(cid for cid, t in seen.items() if now - t > self.settings.heartbeat_timeout)
+        broken = {cid for cid, c in self._clients.items() if c.broken is not None}
+        return frozenset(cid for cid, t in seen.items() if now - t > self.settings.heartbeat_timeout or cid in broken)
 
     def node_counts(self) -> tuple[int, int]:
         """(registered, alive) nodes, alive meaning heard from within heartbeat_timeout (for monitoring)."""
@@ -514,8 +519,22 @@ class GrpcServerTransport:
         except self._grpc.RpcError as exc:
             log.info("round %d: reply of %s %d broke off (%s); it may push again", rnd, self.role, cid, exc)
             context.abort(codes.ABORTED, "the reply stream broke off")
+        if isinstance(reply.body, SiteReply) and reply.body.broken is not None:  # known before its round ends
+            self._mark_broken(cid, dict(context.invocation_metadata()).get(p.SESSION_KEY), reply.body.broken)
         self._close_job(job, reply=reply, received=decoder.stream.received)
         return p.encode_json({"ok": True})
+
+    def _mark_broken(self, cid: int, session: str | None, reason: str) -> None:
+        """Site ``cid`` reports its group broken: absent until it registers again (a new session)."""
+        with self._cond:
+            client = self._clients.get(cid)
+            if client is None or client.session != session or client.broken is not None:
+                return  # registered again meanwhile (a restarted site), or already known
+            client.broken = reason[:500]
+        log.warning(
+            "site %d reports its group broken (%s): later rounds sample around its members until it registers again",
+            cid, client.broken,
+        )
 
     @staticmethod
     def _check_reply(job: _Job, reply: Message) -> None:

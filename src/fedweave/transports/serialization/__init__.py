@@ -35,8 +35,8 @@ identifiers, and one group of tensors, which its plugin checks.
 
 Site batches: a :class:`SiteJob` (a gRPC site leader's round: every member's instruction,
 or every member's control step) and a :class:`SiteReply` (the members' updates,
-evaluations or control answers, or one pre-aggregated update, and each failed member's
-reason) are one message each. Their metadata lists the
+evaluations or control answers, or one pre-aggregated update, each failed member's
+reason, and why the site's group is broken, when it is) are one message each. Their metadata lists the
 inner messages (``items``: client id, body kind, fields, and per tensor group a name ->
 pool index map); their tensors are a ``pool`` in which a tensor shared by several inner
 messages (the global model every member receives) travels once. Decoding checks every

@@ -120,7 +120,7 @@ _FIELDS = {
     "evaluation": {"num_examples", "metrics", "client_id"},
     "control": {"plugin", "step"},
     "site_job": {"items", "timeout"},
-    "site_reply": {"items", "failures"},
+    "site_reply": {"items", "failures", "broken"},
 }
 
 
@@ -258,6 +258,11 @@ def _check_batch(layout: Layout) -> None:
             cid = ascii_id(c)
             check(cid is not None and cid not in ids and isinstance(why, str), f"failure {c!r} is not a reason of another client")
             ids.add(cid)
+        broken = f["broken"]
+        check(
+            broken is None or (isinstance(broken, str) and broken != "" and not items),
+            "broken is neither null nor the reason (a non-empty string) of a site that answers for no member",
+        )
 
 
 def _check_expected(layout: Layout, expected: Expected) -> None:
@@ -298,7 +303,7 @@ def build_message(layout: Layout, values: dict[tuple[str, str], torch.Tensor]) -
         if layout.body == "site_job":
             return Message(layout.round, layout.client_id, SiteJob(messages, f["timeout"]))
         failures = {int(c): why for c, why in f["failures"].items()}
-        return Message(layout.round, layout.client_id, SiteReply(messages, failures))
+        return Message(layout.round, layout.client_id, SiteReply(messages, failures, f["broken"]))
     groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS[layout.body]}
     for t in layout.tensors:
         value = values[(t.group, t.name)]

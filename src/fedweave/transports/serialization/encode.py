@@ -107,7 +107,7 @@ def _batch_fields(body: SiteJob | SiteReply) -> tuple[str, dict[str, Any], dict[
     extra: dict[str, Any] = (
         {"timeout": body.timeout}
         if isinstance(body, SiteJob)
-        else {"failures": {str(c): str(why) for c, why in body.failures.items()}}
+        else {"failures": {str(c): str(why) for c, why in body.failures.items()}, "broken": body.broken}
     )
     return kind, {"items": items, **extra}, {"pool": {str(i): t for i, t in pool.values()}}
 

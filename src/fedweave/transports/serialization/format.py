@@ -11,8 +11,9 @@ import torch
 from fedweave.types import Message
 
 MAGIC = b"FWMS"
-VERSION = 2
-"""2: updates name the clients behind them (``members``); site-job, site-reply and control bodies."""
+VERSION = 3
+"""2: updates name the clients behind them (``members``); site-job, site-reply and control bodies.
+3: a site reply says whether its site's group is broken (``broken``)."""
 HEADER = struct.Struct("<4sHHIIQ")
 ALIGN = 64
 CHUNK_BYTES = 1 << 20
@@ -69,7 +70,9 @@ class SiteJob:
 class SiteReply:
     """A site leader to the server: its members' replies (updates, evaluations, control answers;
     or one pre-aggregated update standing for ``clients`` of them, named in its ``members``) and
-    each failed member's reason."""
+    each failed member's reason. ``broken``: why the site's own group is broken (it reaches none
+    of its members until the site is restarted; then it answers for none), else None."""
 
     messages: list[Message]
     failures: dict[int, str] = field(default_factory=dict)
+    broken: str | None = None

@@ -27,7 +27,8 @@ torchrun and Slurm set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE
 ``SLURM_LAUNCH_NODE_IPADDR``). ``backend: auto`` picks NCCL when CUDA is available, else gloo.
 A failed or timed-out collective breaks the site's group: the exchange reports every
 member of the site as failed (the round goes on with the other sites) and later
-exchanges fail at once.
+exchanges fail at once; the leader's ``broken`` says why, so that the server samples
+around the site's members (a gRPC site leader's reply carries it).
 
 An exchange's ``timeout`` travels with the round: each member runs its jobs in a thread
 of their own and answers when they are done or the timeout has passed, whichever comes

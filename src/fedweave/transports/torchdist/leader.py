@@ -31,6 +31,8 @@ class TorchDistLeader(SiteGroup):
 
     ``pre_aggregate``: answer one update, the weighted mean computed by a reduce, when the
     members' updates allow it exactly (see the module doc); else relay every reply.
+    ``broken``: why the group broke (a collective failed), after which every exchange fails at once
+    (:class:`~fedweave.transports.base.BreaksWhole`).
     """
 
     def __init__(
