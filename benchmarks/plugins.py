@@ -19,7 +19,8 @@ against plaintext FedAvg with the same 100 clients and local work, and HE with 1
 timings; accuracies and bytes are exact for the seed. For the configurations in
 ``PAIRED`` a second measurement follows the table, steadier under load: the plugin's
 rounds and the dense rounds interleaved in one process, CPU and wall seconds of each round,
-and the medians of the per-round ratios (``--paired-rounds``, 0 to skip): the codecs
+and the medians of the per-round ratios, the CPU one with its interquartile range
+(``--paired-rounds``, 0 to skip): the codecs
 (top-k 1 %, random-k 10 %, QSGD-8, int8, with the table's federation) and SecAgg+. Its last
 column, for SecAgg+, is the floor no SecAgg+ implementation goes under on this machine: the dense round plus
 the cryptography alone (per client a key pair, k X25519 agreements and k + 1 AES-CTR
@@ -142,7 +143,9 @@ def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Pat
         dense, plugin = seconds[0][1:], seconds[1][1:]
         out_[f"dense_{what}"] = statistics.median(dense)
         out_[f"plugin_{what}"] = statistics.median(plugin)
-        out_[f"{what}_ratio"] = statistics.median(p / d for d, p in zip(dense, plugin))
+        ratios = [p / d for d, p in zip(dense, plugin)]
+        out_[f"{what}_ratio"] = statistics.median(ratios)
+        out_[f"{what}_q1"], _, out_[f"{what}_q3"] = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor)) if floor else float("nan")
     return out_
 
@@ -222,10 +225,10 @@ def main() -> None:
         paired = [n for n in names if n in PAIRED] if args.paired_rounds > 0 else []
         if paired:
             print(
-                f"\n| paired rounds ({args.paired_rounds}) | dense CPU s / round | plugin CPU s / round | CPU × "
+                f"\n| paired rounds ({args.paired_rounds}) | dense CPU s / round | plugin CPU s / round | CPU × | its IQR "
                 "| dense wall s / round | plugin wall s / round | wall × | crypto floor × |"
             )
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name in paired:
             federation, plugins = CONFIGS[name]
             if not any(o.startswith("clients=") for o in federation):
@@ -233,7 +236,7 @@ def main() -> None:
             c = paired_cost(federation, plugins, args.paired_rounds, Path(tmp) / name)
             floor = "-" if math.isnan(c["floor_ratio"]) else f"{c['floor_ratio']:.2f}"
             print(
-                f"| {name} | {c['dense_cpu']:.3f} | {c['plugin_cpu']:.3f} | {c['cpu_ratio']:.2f} "
+                f"| {name} | {c['dense_cpu']:.3f} | {c['plugin_cpu']:.3f} | {c['cpu_ratio']:.2f} | {c['cpu_q1']:.2f}–{c['cpu_q3']:.2f} "
                 f"| {c['dense_wall']:.3f} | {c['plugin_wall']:.3f} | {c['wall_ratio']:.2f} | {floor} |",
                 flush=True,
             )
