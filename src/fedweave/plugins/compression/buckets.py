@@ -114,8 +114,7 @@ class Buckets:
         left out: views, flat or of ``shapes``. (One ``as_strided`` per tensor: a split and a view
         of each piece cost twice the calls, ~5 us each with the caches cold after training.)"""
         base = flat.storage_offset()
-        if shapes is None:
-            return [flat.as_strided((n,), (1,), base + start) for n, start in zip(self.numels, self.starts)]
+        shapes = [(n,) for n in self.numels] if shapes is None else shapes
         return [flat.as_strided(shape, _strides(shape), base + start) for shape, start in zip(shapes, self.starts)]
 
     def per_bucket(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -136,9 +135,13 @@ def layout(numels: tuple[int, ...], size: int) -> Buckets:
     return Buckets(numels, size)
 
 
-def nonzero(values: torch.Tensor) -> torch.Tensor:
+def nonzero(values: torch.Tensor, low: float | None = None) -> torch.Tensor:
     """``values`` (norms or scales, none negative) with 1 wherever one is not positive
-    (0, or NaN): each bucket's divisor, so that a bucket of zeros stays zeros."""
+    (0, or NaN): each bucket's divisor, so that a bucket of zeros stays zeros. ``values``
+    itself when all are positive (the usual case: its minimum, ``low`` when the caller has
+    it, costs half a ``where`` with the caches cold after training)."""
+    if (float(values.min()) if low is None else low) > 0:
+        return values
     return torch.where(values > 0, values, ONE)
 
 

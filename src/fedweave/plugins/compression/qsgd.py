@@ -102,12 +102,12 @@ def to_levels(magnitudes: torch.Tensor, s: int, noise: torch.Tensor) -> torch.Te
     never past ``s`` (:data:`LOSSY_NORM`). Returns the norms, a ``(rows, 1)`` column; ``noise`` is spent."""
     norms = torch.linalg.vector_norm(magnitudes, dim=1, keepdim=True)
     low = float(norms.min())  # NaN when a norm is
-    divisors = norms if low >= LOSSY_NORM else nonzero(norms)  # (the usual case first: a where costs ~15 us cold)
+    divisors = nonzero(norms, low)
     magnitudes.div_(divisors).mul_(s)
     stochastic_round(magnitudes, noise, out=magnitudes)
     # a lossy row, or a NaN one (divisor 1: its other entries' |v| * s passed s); not only rows of
     # zero norm (divisor 1: their |v| * s < 1e-18)
-    if divisors is not norms and (low != 0 or float(divisors.min()) < LOSSY_NORM):
+    if not low >= LOSSY_NORM and (low != 0 or float(divisors.min()) < LOSSY_NORM):
         magnitudes.clamp_(max=s)
     return norms
 

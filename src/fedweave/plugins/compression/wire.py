@@ -24,8 +24,8 @@ each client one copy of its own): memory grows with the clients reached.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
