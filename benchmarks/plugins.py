@@ -145,7 +145,8 @@ def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Pat
         out_[f"plugin_{what}"] = statistics.median(plugin)
         ratios = [p / d for d, p in zip(dense, plugin)]
         out_[f"{what}_ratio"] = statistics.median(ratios)
-        out_[f"{what}_q1"], _, out_[f"{what}_q3"] = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        if what == "cpu":  # its interquartile range, printed beside it
+            out_["cpu_q1"], _, out_["cpu_q3"] = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     out_["floor_ratio"] = statistics.median(1 + f / d for d, f in zip(cpu[0][1:], floor)) if floor else float("nan")
     return out_
 
