@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedweave.errors import ConfigError
-from fedweave.plugins.chain import POINTS
+from fedweave.plugins.compose import check_chains, configured
 from fedweave.plugins.contracts import BeginsRound, SealsModel, check_plugin_class
 
 RING_OBSERVERS = ("fedavg", "fedprox")
@@ -43,11 +43,7 @@ def _plugins(config: Any) -> list[tuple[str, int, Any, Any]]:
     """``(point, index, spec, class)`` of every configured plugin, in chain order."""
     from fedweave.plugins import PLUGINS
 
-    return [
-        (point, i, spec, PLUGINS.get(spec.name, f"plugins.{point}[{i}].name"))
-        for point in POINTS
-        for i, spec in enumerate(getattr(config.plugins, point))
-    ]
+    return list(configured(config, PLUGINS))
 
 
 def launcher_transport(config: Any) -> None:
@@ -242,7 +238,6 @@ def plugin_order(config: Any) -> None:
     """Where each plugin may stand and in what order, and the privacy rules: seeded noise only in
     simulation, no extras that bypass the privacy plugins (:mod:`fedweave.plugins.compose`)."""
     from fedweave.plugins import PLUGINS
-    from fedweave.plugins.compose import check_chains
 
     check_chains(config, PLUGINS, _strategy(config))
 

@@ -48,6 +48,7 @@ follow a ``secure`` plugin and only summable plugins may precede a combining one
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from fedweave.errors import ConfigError
@@ -90,50 +91,53 @@ def deployed(config: Any) -> str | None:
     return None
 
 
+def configured(config: Any, registry: Any) -> Iterator[tuple[str, int, Any, Any]]:
+    """``(point, index, spec, class)`` of every configured plugin, in chain order; an unknown
+    name raises (a ConfigError naming its key) when the walk reaches it."""
+    for point in POINTS:
+        for i, spec in enumerate(getattr(config.plugins, point)):
+            yield point, i, spec, registry.get(spec.name, f"plugins.{point}[{i}].name")
+
+
 def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
     """Raise a ConfigError for the first plugin placed or ordered against the rules."""
-    plugins = config.plugins
-    for point in POINTS:
-        compressor = None
-        for i, spec in enumerate(getattr(plugins, point)):
-            cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
-            if getattr(cls, "stage", None) == "compress":
-                if compressor is not None:
-                    raise ConfigError(
-                        f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} would compress what {compressor!r} "
-                        "already encoded, whose fields no codec reads back; one compressor per chain (top-k sends "
-                        "its values at float16 or bfloat16 with its own 'values' option)"
-                    )
-                compressor = spec.name
-            points = getattr(cls, "points", None)
-            if points is not None and point not in points:
-                where = " or ".join(f"plugins.{p}" for p in points)
-                why = f"its class declares points = {tuple(points)!r}"
-                stage = getattr(cls, "stage", "")
-                if stage in WHY_POINT and (stage != "compress" or point in ("client_receive", "server_receive")):
-                    why = WHY_POINT[stage]
-                raise ConfigError(f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} belongs in {where}: {why}")
-            reason = getattr(cls, "one_process", None)
-            reason = reason(spec.params) if callable(reason) else reason
-            if reason and (apart := deployed(config)):
+    compressors: dict[str, str] = {}  # point -> the compressor already in its chain
+    for point, i, spec, cls in configured(config, registry):
+        if getattr(cls, "stage", None) == "compress":
+            if point in compressors:
                 raise ConfigError(
-                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
-                    f"one process ({reason}); {apart} runs them apart"
+                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} would compress what {compressors[point]!r} "
+                    "already encoded, whose fields no codec reads back; one compressor per chain (top-k sends "
+                    "its values at float16 or bfloat16 with its own 'values' option)"
                 )
-            _check_privacy(config, f"plugins.{point}[{i}]", spec, cls, strategy)
-    _check_client_send(plugins.client_send, registry)
+            compressors[point] = spec.name
+        points = getattr(cls, "points", None)
+        if points is not None and point not in points:
+            where = " or ".join(f"plugins.{p}" for p in points)
+            why = f"its class declares points = {tuple(points)!r}"
+            stage = getattr(cls, "stage", "")
+            if stage in WHY_POINT and (stage != "compress" or point in ("client_receive", "server_receive")):
+                why = WHY_POINT[stage]
+            raise ConfigError(f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} belongs in {where}: {why}")
+        reason = getattr(cls, "one_process", None)
+        reason = reason(spec.params) if callable(reason) else reason
+        if reason and (apart := deployed(config)):
+            raise ConfigError(
+                f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
+                f"one process ({reason}); {apart} runs them apart"
+            )
+        _check_privacy(config, f"plugins.{point}[{i}]", spec, cls, strategy)
+    _check_client_send(config.plugins.client_send, registry)
     _check_checkpoint(config, registry)
 
 
 def fresh_draws(config: Any, registry: Any) -> list[tuple[str, str, FreshDraws]]:
     """``(config key, plugin name, what it draws)`` of each plugin whose rounds draw from the OS's secure source."""
-    found = []
-    for point in POINTS:
-        for i, spec in enumerate(getattr(config.plugins, point)):
-            cls = registry.get(spec.name, f"plugins.{point}[{i}].name")
-            if isinstance(cls, DrawsFresh) and (draws := cls.fresh_draws(spec.params)) is not None:
-                found.append((f"plugins.{point}[{i}]", spec.name, draws))
-    return found
+    return [
+        (f"plugins.{point}[{i}]", spec.name, draws)
+        for point, i, spec, cls in configured(config, registry)
+        if isinstance(cls, DrawsFresh) and (draws := cls.fresh_draws(spec.params)) is not None
+    ]
 
 
 def _check_checkpoint(config: Any, registry: Any) -> None:
