@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_node_flags(args: argparse.Namespace) -> None:
     """Addresses, ports and tokens given on the command line, checked before anything starts."""
+    if all(getattr(args, flag, None) is None for flag in ("listen", "address", "port", "token")):
+        return  # (most commands take none: no imports for them)
     from fedweave.transports.grpc.certs import check_token
     from fedweave.config import parse_address
 

@@ -26,7 +26,7 @@ def node_command(args: argparse.Namespace) -> int:
         return 0
     from fedweave import node
 
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(level=args.log_level)
     if not os.environ.get(node.PARENT_ENV):
         return _serve_node(args)
     # A node started by the process launcher: its work is saved when it returns, so it

@@ -13,9 +13,11 @@ from fedweave import __version__
 from fedweave.errors import ConfigError
 
 
-def log_to_stderr(verbose: bool) -> None:
-    """The library's log lines on stderr: INFO with -v, WARNING otherwise."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def log_to_stderr(verbose: bool = False, level: str | None = None) -> None:
+    """The library's log lines on stderr: from ``level`` when given (a node's --log-level), else
+    INFO with -v, WARNING otherwise."""
+    level = level or ("INFO" if verbose else "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
 def run(args: argparse.Namespace) -> int:
