@@ -160,6 +160,7 @@ class Chains:
     client_receive: Chain = field(default_factory=Chain)
     client_send: Chain = field(default_factory=Chain)
     server_receive: Chain = field(default_factory=Chain)
+    _found: dict[type, list[tuple[str, Any]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @cached_property  # read for every instruction and update; a runtime protocol check costs ~30 µs
     def sealer(self) -> SealsModel | None:
@@ -245,15 +246,10 @@ class Chains:
 
     def answer(self, control: Control, ctx: PluginContext) -> Control:
         """Client side: the answer of the plugin ``control`` is addressed to."""
-        for point in POINTS:
-            for plugin in getattr(self, point).plugins:
-                if plugin.name == control.plugin and isinstance(plugin, Answers):
-                    return plugin.answer(control, ctx)
+        for _, plugin in self._having(Answers):
+            if plugin.name == control.plugin:
+                return plugin.answer(control, ctx)
         raise ValueError(f"no plugin of this client answers control messages of {control.plugin!r}")
-
-    @cached_property
-    def _found(self) -> dict[type, list[tuple[str, Any]]]:
-        return {}
 
     def _having(self, protocol: type[T]) -> list[tuple[str, T]]:
         """``(point[index], plugin)`` of every plugin that follows ``protocol``, in chain order; found
