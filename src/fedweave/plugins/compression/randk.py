@@ -64,13 +64,17 @@ class RandKCodec:
 
     def _select(self, flat: torch.Tensor, site: Site) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The fields of the vector ``flat`` and the positions they carry."""
-        keys = (site.name,) if self.hp.shared_indices else (site.client_id, site.name)
-        seed = site.seed_for(*keys)
+        seed = self.seed(site)
         indices = self._positions(seed, flat.numel())
         scale = 1.0 if self.hp.error_feedback else flat.numel() / indices.numel()
         values = flat.index_select(0, indices)
         fields = {"values": values if self.hp.error_feedback else values.mul_(scale), "seed": torch.tensor([seed], dtype=torch.int64)}
         return fields, indices
+
+    def seed(self, site: Site) -> int:
+        """The seed of the positions of ``site``'s tensor: the round's for every client with
+        ``shared_indices``, else the client's own."""
+        return site.seed_for(site.name) if self.hp.shared_indices else site.seed_for(site.client_id, site.name)
 
     def field_dtypes(self) -> dict[str, torch.dtype]:
         return {"values": torch.float32, "seed": torch.int64}
@@ -91,8 +95,8 @@ class RandKCodec:
 
     def _positions(self, seed: int, numel: int) -> torch.Tensor:
         """The first k of a seeded permutation. Drawing them is most of the codec's work, and
-        in one process the same positions are needed again (the error feedback's residual,
-        the server's decode in simulation): the latest draws are kept, oldest dropped first."""
+        in one process the same positions are needed again (the server's decode in
+        simulation): the latest draws are kept, oldest dropped first."""
         key = (seed, numel)
         if key in self.drawn:
             return self.drawn[key]
@@ -215,6 +219,6 @@ class RandK(Compressor):
         larger seed would otherwise place every client's values."""
         if self.hp.shared_indices and isinstance(payload, Update):
             seeds = {k: self._site("up", ctx, k[: -len(SEP + "seed")]) for k in payload.tensors if k.endswith(SEP + "seed")}
-            own = {k: torch.tensor([site.seed_for(site.name)], dtype=torch.int64) for k, site in seeds.items()}
+            own = {k: torch.tensor([self.codec.seed(site)], dtype=torch.int64) for k, site in seeds.items()}
             payload = replace(payload, tensors={**payload.tensors, **own})
         return super().decode(payload, ctx)
