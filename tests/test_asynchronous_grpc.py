@@ -161,9 +161,7 @@ def test_a_client_killed_mid_training_does_not_stop_the_run(tmp_path: Path, capl
     )
 
     def kill_when_training() -> None:
-        deadline = time.monotonic() + 60
-        while transport.node_counts()[0] < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll(lambda: transport.node_counts()[0] >= 3, 60)
         time.sleep(0.5)  # its job arrived at once; at speed 1 of 8 it trains for seconds
         proc.send_signal(signal.SIGKILL)
 
@@ -341,9 +339,7 @@ def test_a_killed_server_started_again_resumes_at_its_last_server_step(tmp_path:
         with logs[0].open("wb") as out:
             first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = time.monotonic() + 60
-            while len(steps()) < 3 and time.monotonic() < deadline and first.poll() is None:
-                time.sleep(0.02)
+            poll(lambda: len(steps()) >= 3 or first.poll() is not None, 60, 0.02)
             first.send_signal(signal.SIGKILL)
             first.wait(5)
         finally:
