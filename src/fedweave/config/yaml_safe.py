@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.errors import ConfigError
+from fedweave.errors import ConfigError, first_line
 
 
 MAX_YAML_VALUES = 1_000_000
@@ -72,7 +72,7 @@ def parse_yaml(text: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)
     except ValueError as exc:  # a value YAML reads but Python cannot build: a 5000-digit integer, 2026-13-45
-        raise yaml.constructor.ConstructorError(problem=str(exc).splitlines()[0]) from None
+        raise yaml.constructor.ConstructorError(problem=first_line(exc)) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
