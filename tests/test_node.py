@@ -159,3 +159,34 @@ def test_a_server_started_on_a_finished_he_run_writes_no_plaintext_model(tmp_pat
     assert again.keys() == sealed.keys() and all(torch.equal(again[k], sealed[k]) for k in sealed)
     assert not (run_dir / rundir.MODEL_FILE).exists()
 
+
+def test_a_server_no_client_reached_fails_with_one_line_and_writes_no_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 8: `fedweave server` that no client reached skipped every round, exited 0 and wrote
+    w_0 as the run's model.pt. Now it exits 1 with one line, writes no model, and its run directory
+    resumes from its start (a checkpoint of round 0, the skipped rounds' metrics lines dropped)."""
+    from test_settled_state import FAST_GRPC
+
+    from conftest import free_port, small_config
+    from fedweave import rundir, runner
+    from fedweave.checkpoint import load_checkpoint
+    from fedweave.cli import main
+
+    config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{free_port()}", "clients=2", "rounds=2",
+                          "grpc.join_timeout=1", "grpc.heartbeat_timeout=1", "checkpoint.every=1")
+    path = tmp_path / "server.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    run_dir = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["server", str(path), "--run-dir", str(run_dir), "-q"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedweave: error:")]
+    assert errors == [
+        "fedweave: error: the run trained nothing: each of the 2 rounds it ran was skipped (too few clients "
+        f"answered); no model was written, and the run resumes from its start: fedweave server --resume {run_dir}"
+    ]
+    assert not (run_dir / rundir.MODEL_FILE).exists() and load_checkpoint(run_dir)["round"] == 0
+    assert (run_dir / rundir.METRICS_FILE).read_text() == ""
+    again = runner.resume(run_dir)
+    again.parts.topology.close()
+    assert (again.first_round, again.records) == (1, [])
