@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from fedweave.errors import TaskError
 from fedweave.task.sources.table import Columns, column_array
 
@@ -19,5 +17,5 @@ def read(path: str, *, split: str = "train") -> Columns:
         if split not in loaded:
             raise TaskError(f"task.dataset_options.split: {path} has no split '{split}'; it has {', '.join(loaded)}")
         loaded = loaded[split]
-    table = loaded.with_format("numpy")
-    return {name: column_array(list(np.asarray(v) for v in table[name]), path, name) for name in table.column_names}
+    columns = loaded.with_format("numpy")[:]
+    return {name: column_array(values, path, name) for name, values in columns.items()}

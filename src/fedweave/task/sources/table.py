@@ -75,5 +75,5 @@ def class_ids(samples: Samples, classes: list[str] | None) -> np.ndarray:
         return np.asarray([index[v] for v in y.tolist()], dtype=np.int64)
     whole = np.isfinite(y) & (y == np.round(y)) & (y >= 0)
     if not whole.all():
-        raise TaskError(f"{path}: label {y[~whole][0]!r} is not a class id (a whole number >= 0)")
+        raise TaskError(f"{path}: label {y[~whole][0].item()!r} is not a class id (a whole number >= 0)")
     return y.astype(np.int64)
