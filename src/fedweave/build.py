@@ -33,7 +33,7 @@ from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_los
 from fedweave.errors import ConfigError
 from fedweave.task.assignment import read_assignment
 from fedweave.task.datasets import synthetic_means, synthetic_options
-from fedweave.task.files import FileData, load_files
+from fedweave.task.files import FileData, SiteData, load_files, simulation_paths
 from fedweave.task.generated import GeneratedClients
 from fedweave.task.partition import natural
 from fedweave.task.schema import DataSchema
@@ -57,6 +57,12 @@ class TaskBundle:
     """What each site's data must look like (``task.dataset: files``); None for the other datasets."""
 
 
+def use_threads(config: Config) -> None:
+    """torch's intra-op threads of this process: ``threads`` (0: torch's default)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+
 def data_seed(config: Config) -> int:
     """The seed of the data split (holdout, partition, local test splits): ``task.partition.seed``,
     else the run's ``seed``, so a fixed partition can be trained under several seeds."""
@@ -66,15 +72,15 @@ def data_seed(config: Config) -> int:
 
 def build_task(config: Config) -> TaskBundle:
     """Load the dataset and split it across clients, seeded by :func:`data_seed`."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    use_threads(config)
     task = config.task
     seed = data_seed(config)
     files = None
     if task.dataset == "files":
+        options = task.file_options()
         files = load_files(
-            task.file_options(),
-            clients=config.clients,
+            options,
+            simulation_paths(options, config.clients),
             by=task.partition.by,
             natural=task.partition.scheme == "natural",
         )
@@ -83,12 +89,7 @@ def build_task(config: Config) -> TaskBundle:
         dataset = load_dataset(
             task.dataset, seed=seed, test_fraction=task.test_fraction, root=task.data_root, options=task.dataset_options
         )
-
-    def make_model() -> torch.nn.Module:
-        return build_model(
-            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
-        )
-
+    make_model = _model_factory(config, dataset)
     if task.dataset == "synthetic" and task.dataset_options.get("per_client"):
         generated = generated_clients(config)
         return TaskBundle(dataset, generated, make_model, make_loss(task.loss), generated.summary())
@@ -111,6 +112,71 @@ def build_task(config: Config) -> TaskBundle:
         partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes, label_counts=shares_labels),
         schema=None if files is None else files.schema,
     )
+
+
+def reads_own_data(config: Config) -> bool:
+    """Whether each client of the run reads only its own files (``task.dataset: files`` with a
+    ``{client}`` path, or none: each deployed client gives its own ``--data``)."""
+    if config.task.dataset != "files":
+        return False
+    options = config.task.file_options()
+    return options.path is None or options.template
+
+
+def build_site_task(config: Config, client_id: int, data: str | None = None) -> TaskBundle:
+    """The task of deployed client ``client_id`` reading only its own file: ``data`` (its ``--data``),
+    else its file of the ``{client}`` template. Its rows and local test split are those the
+    simulation of the same files gives it; the file is checked against the federation's schema."""
+    use_threads(config)
+    task = config.task
+    options = task.file_options()
+    path = data if data is not None else options.path_of(client_id) if options.template else None
+    if path is None:
+        raise ConfigError(
+            f"task.dataset_options.path: client {client_id} reads only its own data: give --data PATH, or a path "
+            "with {client}"
+        )
+    files = load_files(options, [path], test=False, deployed=True)
+    dataset, rows = files.dataset, np.arange(len(files.dataset.y_train), dtype=np.int64)
+    if len(rows) < task.partition.min_samples:
+        raise ConfigError(f"task.partition.min_samples: {path} has {len(rows)} rows, fewer than {task.partition.min_samples}")
+    train, test = split_local(rows, task.local_test_fraction, numpy_rng(data_seed(config), "local-split", client_id))
+    summary = summarize([train], dataset.y_train.numpy(), dataset.num_classes, label_counts=options.share_label_counts)
+    return TaskBundle(
+        dataset=dataset,
+        clients=SiteData(client_id, config.clients, dataset, train, test),
+        make_model=_model_factory(config, dataset),
+        loss_fn=make_loss(task.loss),
+        partition_summary=summary,
+        schema=files.schema,
+    )
+
+
+def build_server_task(config: Config) -> TaskBundle:
+    """The task of a server whose clients read their own data: the model, the loss and the central
+    test set (``test_path``) or none; no training row and no client's size."""
+    use_threads(config)
+    task = config.task
+    files = load_files(task.file_options(), [], deployed=True)
+    return TaskBundle(
+        dataset=files.dataset,
+        clients=ClientData(files.dataset.x_train, files.dataset.y_train, [], []),
+        make_model=_model_factory(config, files.dataset),
+        loss_fn=make_loss(task.loss),
+        partition_summary={"clients": config.clients, "own_data": True},
+        schema=files.schema,
+    )
+
+
+def _model_factory(config: Config, dataset: Dataset) -> Callable[[], torch.nn.Module]:
+    task = config.task
+
+    def make_model() -> torch.nn.Module:
+        return build_model(
+            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+        )
+
+    return make_model
 
 
 def client_parts(config: Config, labels: np.ndarray, files: FileData | None) -> list[np.ndarray]:

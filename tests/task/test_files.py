@@ -9,11 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.build import build_task
+from fedweave.build import build_server_task, build_site_task, build_task
 from fedweave.errors import ConfigError, TaskError
+from fedweave.task import format_summary, load_dataset
+from fedweave.task.schema import DataSchema
 
 from .conftest import blobs, write_csv, write_leaf
 
@@ -162,7 +165,6 @@ def test_partition_seed_fixes_the_split_while_seed_varies(tmp_path: Path) -> Non
     [
         (["task.dataset_options={path: a.csv, label: y, colour: red}"],
          "unknown config key 'task.dataset_options.colour'"),
-        (["task.dataset_options={label: y}"], "config key 'task.dataset_options.path' is required"),
         (["task.dataset_options={path: a.csv, format: csv}"],
          "config key 'task.dataset_options.label': format csv needs the label column's name"),
         (["task.dataset_options={path: 'a_{client}.csv', label: y}", "task.partition=dirichlet"],
@@ -181,3 +183,41 @@ def test_partition_seed_fixes_the_split_while_seed_varies(tmp_path: Path) -> Non
 def test_config_errors_at_load(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=f"^{message}"):
         config_mod.load(None, ["task.dataset=files", *overrides])
+
+
+def test_data_parallel_has_no_files_dataset() -> None:
+    with pytest.raises(TaskError, match="^dataset 'files': the sites' own files are read by each federated client"):
+        load_dataset("files", seed=0)
+
+
+def test_a_simulation_needs_the_clients_path(tmp_path: Path) -> None:
+    with pytest.raises(TaskError, match="^task.dataset_options.path: a simulation reads the clients' data from path"):
+        build_task(files_config(tmp_path, {"label": "label", "num_classes": 3}))
+
+
+def test_a_deployed_site_reads_only_its_file_and_gets_the_simulations_split(tmp_path: Path) -> None:
+    options = three_csvs(tmp_path) | {"num_classes": 3}
+    simulated = build_task(files_config(tmp_path, options)).clients
+    alone = files_config(tmp_path, options | {"path": None, "test_path": str(tmp_path / "absent.csv")})
+    for client in range(3):
+        site = build_site_task(alone, client, str(tmp_path / f"site_{client}.csv"))
+        assert all(torch.equal(a, b) for a, b in zip(site.clients.split(client), simulated.split(client)))
+        assert site.schema == DataSchema((4,), 3) and site.clients.train_size(client) == simulated.train_size(client)
+    with pytest.raises(ValueError, match="holds the data of client 2 only"):
+        site.clients.split(0)
+    by_template = build_site_task(files_config(tmp_path, options), 1)  # no --data: its file of the template
+    assert torch.equal(by_template.clients.split(1)[0], simulated.split(1)[0])
+    with pytest.raises(TaskError, match="^task.dataset_options.num_classes: a deployed node reads only its own data"):
+        build_site_task(files_config(tmp_path, three_csvs(tmp_path)), 0)
+
+
+def test_a_server_of_sites_reads_the_test_set_only(tmp_path: Path) -> None:
+    options = three_csvs(tmp_path) | {"num_classes": 3, "path": None}
+    server = build_server_task(files_config(tmp_path, options))
+    assert len(server.dataset.y_train) == 0 and len(server.dataset.y_test) == 60 and len(server.clients) == 0
+    assert server.schema == DataSchema((4,), 3)
+    assert format_summary(server.partition_summary) == "3 clients, each reading its own data (their sizes stay at the sites)"
+    blind = build_server_task(files_config(tmp_path, {"num_classes": 3, "input_shape": [4], "label": "label"}))
+    assert (len(blind.dataset.y_test), blind.dataset.input_shape) == (0, (4,))
+    with pytest.raises(TaskError, match="^task.dataset_options.input_shape: a node that reads no data needs"):
+        build_server_task(files_config(tmp_path, {"num_classes": 3, "label": "label"}))

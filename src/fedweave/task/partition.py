@@ -302,7 +302,10 @@ def summarize(parts: list[np.ndarray], labels: np.ndarray, num_classes: int, *, 
 
 
 def format_summary(summary: dict[str, Any], max_rows: int = 10) -> str:
-    """A compact text table of ``summarize``'s result: one row per client, then totals."""
+    """A compact text table of ``summarize``'s result: one row per client, then totals (a server
+    whose clients read their own data knows only how many there are)."""
+    if "counts" not in summary:
+        return f"{summary['clients']} clients, each reading its own data (their sizes stay at the sites)"
     counts = summary["counts"]
     histograms = summary.get("histograms")
     width = max(len("n"), len(str(summary["max"])))

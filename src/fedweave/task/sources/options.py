@@ -25,8 +25,10 @@ Format = Literal["csv", "parquet", "npz", "jsonl", "imagefolder", "leaf", "hf"]
 
 @dataclass
 class FileOptions:
-    path: str = opt(
-        help="a file or folder of training data; in a simulation '{client}' in it is replaced by each client's id"
+    path: str | None = opt(
+        None,
+        help="a file or folder of training data; in a simulation '{client}' in it is replaced by each client's id "
+        "(none: a deployed node, whose client gives its own --data)",
     )
     format: Format | None = opt(
         None, help="csv | parquet | npz | jsonl | imagefolder | leaf | hf (none: from the path's suffix or contents)"
@@ -43,10 +45,11 @@ class FileOptions:
     @property
     def template(self) -> bool:
         """Whether each client of a simulation reads its own file (``{client}`` in ``path``)."""
-        return CLIENT in self.path
+        return self.path is not None and CLIENT in self.path
 
     def path_of(self, client: int) -> str:
         """Client ``client``'s file: ``path`` with its id in place of ``{client}``."""
+        assert self.path is not None  # a simulation's (fedweave.task.files.simulation_paths)
         return self.path.replace(CLIENT, str(client))
 
     def validate(self, prefix: str) -> None:
