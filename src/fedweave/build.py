@@ -21,6 +21,7 @@ from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
+from fedweave.errors import ConfigError
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
@@ -30,7 +31,6 @@ from fedweave.strategies import STRATEGIES
 from fedweave.strategies.base import ChecksModel, DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
 from fedweave.task import Dataset, build_model, evaluate, load_dataset, make_loss, partition, split_local, summarize
-from fedweave.errors import ConfigError
 from fedweave.task.assignment import read_assignment
 from fedweave.task.datasets import synthetic_means, synthetic_options
 from fedweave.task.files import FileData, SiteData, load_files, simulation_paths
@@ -112,15 +112,6 @@ def build_task(config: Config) -> TaskBundle:
         partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes, label_counts=shares_labels),
         schema=None if files is None else files.schema,
     )
-
-
-def reads_own_data(config: Config) -> bool:
-    """Whether each client of the run reads only its own files (``task.dataset: files`` with a
-    ``{client}`` path, or none: each deployed client gives its own ``--data``)."""
-    if config.task.dataset != "files":
-        return False
-    options = config.task.file_options()
-    return options.path is None or options.template
 
 
 def build_site_task(config: Config, client_id: int, data: str | None = None) -> TaskBundle:
