@@ -146,7 +146,8 @@ def test_strategy_and_plugin_settings_are_parsed_and_checked() -> None:
         (
             ["task.partition.scheme=dirichlett"],
             "config key 'task.partition.scheme': 'dirichlett' is not allowed; expected one of "
-            "'iid', 'dirichlet', 'shards', 'quantity' (did you mean 'dirichlet'?)",
+            "'iid', 'dirichlet', 'shards', 'quantity', 'inner_dirichlet', 'pathological', 'linear', 'square', "
+            "'exponential', 'natural', 'from_file' (did you mean 'dirichlet'?)",
         ),
         (["task.loss=mse"], "config key 'task.loss': 'mse' is not a loss; valid: cross_entropy, nll, bce or package.module:function"),
         (["strategy=[fedavg]"], "config key 'strategy': expected a name or a mapping, got ['fedavg']"),

@@ -31,6 +31,7 @@ from fedweave.build import (
     build_controller,
     build_strategy,
     build_task,
+    federated_eval_every,
     global_evaluator,
     initial_params,
     update_checks,
@@ -258,7 +259,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         timeout=config.round_timeout,
         evaluate_global=global_evaluator(config, task) if chains.sealer is None else _no_plaintext_model,
         eval_every=config.eval.every,
-        federated_eval_every=config.eval.federated_every,
+        federated_eval_every=federated_eval_every(config, task),
         federated_eval_clients=lambda rnd, absent: sample_clients(
             numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count, absent
         ),
