@@ -15,7 +15,8 @@ current global model and, when it finishes, its update goes into a buffer. Every
               staleness τ = server steps taken since it got its model
     buffer    kept unless τ > max_staleness, or it failed, or it missed the deadline
               (round_timeout: the server gives up on it at start + round_timeout)
-    step      when K updates are buffered:
+    step      when K updates are buffered: each claim bounded (aggregation.weight_policy; the
+              cohort: the buffer and the latest counted claim of every other client), then
               x ← x + η_g · (A(x, {s(τ_i) · Δ_i}) − x)
               A = the strategy's aggregate (FedAvg: x + Σ n_i s(τ_i) Δ_i / Σ n_i),
               s(τ) = (1 + τ)^-½ by default, η_g = ``server_lr``;
@@ -66,6 +67,7 @@ from fedweave.loop import (
     RoundParts,
     absent_clients,
     accept_updates,
+    bound_weights,
     encode_instructions,
     evaluate_round,
     stand_for,
@@ -154,6 +156,7 @@ class BufferedServer:
         self.arrived = 0  # arrivals since the previous server step, dropped ones included
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.claims: dict[int, float] = {}  # client -> its latest counted claim per client it stood for
 
     @classmethod
     def from_config(cls, config: Config) -> BufferedServer:
@@ -249,9 +252,10 @@ class BufferedServer:
         """Aggregate the full buffer: the next model version and its record."""
         flights = sorted(self.buffer, key=lambda f: (f.client_id, f.seq))  # summed in a fixed order
         self.buffer = []
-        updates = cap_weight_share([f.update for f in flights if f.update is not None], parts.checks.max_weight_share)
-        staleness = [self.version - f.version for f in flights]
         rnd = self.version + 1
+        flights, updates, capped = self.bounded(parts, rnd, flights)
+        updates = cap_weight_share(updates, parts.checks.max_weight_share)
+        staleness = [self.version - f.version for f in flights]
         record: Record = {
             **dict.fromkeys(RECORD_KEYS),
             "round": rnd,
@@ -262,6 +266,7 @@ class BufferedServer:
             "skipped": False,
             "round_time": self.clock - self.last_step,
             "rejected": rejection_counts(parts.rejected),  # since the previous step
+            "capped": capped,
             "clock": self.clock,
             "clients": [
                 {"id": f.client_id, "steps": u.local_steps, "batch": min(f.batch, u.num_examples),
@@ -270,6 +275,8 @@ class BufferedServer:
             ],
         }
         try:
+            if not updates:
+                raise RoundError("every buffered update was refused for its claimed examples")
             params = buffered_step(parts.strategy, rnd, params, updates, staleness, self.settings)
         except RoundError as exc:
             log.error("server step %d skipped: %s; global model kept", rnd, exc)
@@ -288,6 +295,22 @@ class BufferedServer:
         self.arrived = self.bytes_sent = self.bytes_received = 0
         parts.rejected.clear()
         return params, record
+
+    def bounded(self, parts: RoundParts, rnd: int, flights: list[Flight]) -> tuple[list[Flight], list[Update], int]:
+        """The buffer's ``flights`` and their updates with each claim within its bound
+        (:func:`~fedweave.loop.bound_weights`): the cohort is the buffer with the latest counted
+        claim per client of every other client (``claims``), so that a small buffer is bounded
+        by the federation, not by itself; the refused ones dropped; how many were capped."""
+        arrived = [f for f in flights if f.update is not None]
+        inside = {f.client_id for f in arrived}
+        reference = [v for cid, v in sorted(self.claims.items()) if cid not in inside]
+        updates, capped = bound_weights(
+            rnd, [f.update for f in arrived if f.update is not None], parts.checks, {}, parts.rejected, reference
+        )
+        kept = {u.client_id for u in updates}
+        for update in updates:
+            self.claims[update.client_id] = update.num_examples / update.clients
+        return [f for f in arrived if f.client_id in kept], updates, capped
 
     # ------------------------------------------------------------------ deployed: the real clock
 
@@ -339,6 +362,7 @@ class BufferedServer:
             "arrived": self.arrived,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "claims": dict(self.claims),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -352,6 +376,7 @@ class BufferedServer:
         self.arrived = int(state["arrived"])
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_received = int(state["bytes_received"])
+        self.claims = {int(c): float(v) for c, v in state.get("claims", {}).items()}  # absent before weight bounds
 
 
 def run_buffered(

@@ -33,7 +33,7 @@ from fedweave.task.datasets import synthetic_means, synthetic_options
 from fedweave.task.generated import GeneratedClients
 from fedweave.training import LocalSettings, LossFn
 from fedweave.types import Params
-from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema
+from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema, WeightPolicy
 
 
 @dataclass
@@ -128,7 +128,7 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
     """What the server checks each update against (:mod:`fedweave.validation`): the strategy's
     schema (by default every entry of the model's ``params``), the example limits (in an
     in-memory simulation the server holds every client's data, so it knows each one's
-    size), the weight share."""
+    size), the weight share, the bound of each claim relative to its cohort."""
     cls = strategy_class(config)
     if isinstance(cls, DeclaresUpdate):
         with torch.random.fork_rng(devices=[]):  # a model for its layers; the run's draws are untouched
@@ -140,6 +140,7 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
         schema=dataclasses.replace(schema, kind=cls.update_kind),
         limits=ExampleLimits(config.aggregation.max_examples, size_of),
         max_weight_share=config.aggregation.max_weight_share,
+        weights=WeightPolicy(config.aggregation.weight_policy, config.aggregation.max_ratio_to_median),
     )
 
 

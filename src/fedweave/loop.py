@@ -6,6 +6,7 @@
     send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
+    updates = bound_weights(updates)             (aggregation.weight_policy: each claim within its cohort's bound)
     updates = cap_weight_share(updates)          (aggregation.max_weight_share)
           or [chains.combine(updates, control)]  (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
@@ -84,6 +85,7 @@ RECORD_KEYS = (
     "round_time",
     "clients",
     "rejected",
+    "capped",
 )
 """Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
 
@@ -205,6 +207,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
             parts.chains, exchange.replies, exchange.failures, params, parts.checks,
             stand_for(parts.topology, {w.client_id for w in plan}), parts.rejected,
         )
+        updates, record["capped"] = bound_weights(rnd, updates, parts.checks, exchange.failures, parts.rejected)
         record["clients_completed"] = sum(u.clients for u in updates)
         if record["clients_completed"] < parts.min_clients:
             reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
@@ -404,6 +407,31 @@ def accept_updates(
         counted.update(ids)
         updates.append(update)
     return updates
+
+
+def bound_weights(
+    rnd: int,
+    updates: list[Update],
+    checks: UpdateChecks,
+    failures: dict[int, str],
+    rejected: Counter[str],
+    reference: Collection[float] = (),
+) -> tuple[list[Update], int]:
+    """``updates``, one cohort, with each claim within its bound (``checks.weights``,
+    :meth:`~fedweave.validation.WeightPolicy.bound`; ``reference``: other clients' latest claims
+    per client), and how many were capped; a refused one is logged, counted in ``rejected``
+    (``examples``) and in ``failures``."""
+    bounded = checks.weights.bound(updates, list(reference))
+    claims = {u.client_id: u.num_examples for u in updates}
+    counted = {u.client_id: u.num_examples for u in bounded.kept}
+    for cid in bounded.capped:
+        log.warning("round %d: client %d claims %d examples, above its cohort's bound: counted as %d",
+                    rnd, cid, claims[cid], counted[cid])
+    for cid, why in bounded.refused.items():
+        log.warning("round %d: update of client %d rejected: %s (examples)", rnd, cid, why)
+        failures[cid] = f"rejected: {why}"
+        rejected["examples"] += 1
+    return bounded.kept, len(bounded.capped)
 
 
 def weighted_metric(updates: list[Update], name: str) -> float | None:
