@@ -70,6 +70,7 @@ from fedweave.loop import (
     bound_weights,
     encode_instructions,
     evaluate_round,
+    missed_deadline,
     stand_for,
     strategy_metrics,
     weighted_metric,
@@ -315,11 +316,13 @@ class BufferedServer:
     # ------------------------------------------------------------------ deployed: the real clock
 
     def post(self, parts: RoundParts, params: Params, jobs: PostsJobs, absent: Collection[int] = ()) -> None:
-        """Fill the free slots: each drawn client (none ``absent``) gets its job on ``params`` now;
-        it arrives when it answers."""
+        """Fill the free slots: each drawn client (none ``absent``) gets its job on ``params`` now,
+        with the run's job deadline (:mod:`fedweave.deadlines`; else round_timeout); it arrives
+        when it answers."""
+        timeout = parts.timeout if parts.deadlines is None else parts.deadlines.deadline(parts.timeout)
         while (job := self.next_job(parts, params, absent)) is not None:
             cid, work, messages = job
-            jobs.post(messages, parts.timeout)
+            jobs.post(messages, timeout)
             self.flights.append(Flight(0.0, self.dispatches, cid, self.version, self.clock, work.batch_size, None))
 
     def received(self, parts: RoundParts, params: Params, exchange: Exchange) -> list[Flight]:
@@ -327,6 +330,8 @@ class BufferedServer:
         (None: failed or rejected, with the reason); they are no longer in flight."""
         self.bytes_sent += exchange.bytes_sent
         self.bytes_received += exchange.bytes_received
+        if parts.deadlines is not None:
+            parts.deadlines.observe(self.version + 1, exchange.elapsed, missed_deadline(exchange))
         ended = {m.client_id for m in exchange.replies} | set(exchange.failures)
         landed = [f for f in self.flights if f.client_id in ended]
         self.flights = [f for f in self.flights if f.client_id not in ended]
@@ -466,7 +471,7 @@ def run_deployed(
         absent = absent_clients(parts.topology)
         _log_absent(gone, absent)
         gone = absent
-        server.post(parts, params, jobs, absent)
+        server.post(parts, params, jobs, absent | _backing_off(parts, server, absent))
         if not server.flights:
             waiting_since = _await_return(server, waiting_since, rejoin_timeout)
             if waiting_since is None:
@@ -480,6 +485,15 @@ def run_deployed(
                 params = _step(parts, server, params, last_round, on_round, started)
                 started = time.perf_counter()
     return params
+
+
+def _backing_off(parts: RoundParts, server: BufferedServer, absent: frozenset[int]) -> frozenset[int]:
+    """The clients that missed their deadlines and get no job before server step ``version + 1``
+    (:mod:`fedweave.deadlines`), none when no other idle client is present to train instead."""
+    if parts.deadlines is None:
+        return frozenset()
+    out = parts.deadlines.excluded(server.version + 1) - absent
+    return out if set(server.idle()) - absent - out else frozenset()
 
 
 def _log_absent(before: frozenset[int], now: frozenset[int]) -> None:

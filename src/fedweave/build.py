@@ -20,6 +20,7 @@ from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
+from fedweave.deadlines import Deadlines
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
@@ -168,6 +169,16 @@ def build_strategy(config: Config) -> Any:
     """The server half of the configured strategy."""
     context = StrategyContext(num_clients=config.clients, seed=config.seed, average=averager(config.aggregation))
     return strategy_class(config)(config.strategy.params, context)
+
+
+def build_deadlines(config: Config) -> Deadlines | None:
+    """The job deadlines and back-off of a run over gRPC (:mod:`fedweave.deadlines`); None in
+    simulation, whose clients always answer, and with ``grpc.job_deadline_factor`` none."""
+    g = config.grpc
+    if config.transport.kind != "grpc" or g.job_deadline_factor is None:
+        return None
+    return Deadlines(config.clients, g.job_deadline_factor, g.job_deadline_quantile, g.job_deadline_min,
+                     g.missed_deadline_backoff, config.seed)
 
 
 def build_controller(config: Config) -> Controller:

@@ -35,12 +35,14 @@ from typing import Any
 from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
 from fedweave.conforms import Conforms
+from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Relaying, Topology
+from fedweave.topologies.emulated import DEADLINE
 from fedweave.transports.base import Exchange, KnowsAbsent
 from fedweave.types import (
     ACCEPTED_ROUND,
@@ -142,6 +144,7 @@ class RoundParts:
     accepted: AcceptedRounds = field(default_factory=AcceptedRounds)
     checks: UpdateChecks = field(default_factory=UpdateChecks)
     rejected: Counter[str] = field(default_factory=Counter)  # updates rejected since the last record, by reason
+    deadlines: Deadlines | None = None  # a networked run's job deadlines and back-off
 
 
 def run(
@@ -188,10 +191,14 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
             "round %d: %s gone (silent past the heartbeat timeout, or in a broken site); sampling the others",
             rnd, listed(absent),
         )
-    plan = parts.controller.plan(rnd, absent)
+    backing_off = backing_off_clients(parts, rnd, absent)
+    plan = parts.controller.plan(rnd, absent | backing_off)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
-    traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
+    timeout = parts.timeout if parts.deadlines is None else parts.deadlines.deadline(parts.timeout)
+    traffic = RoundTraffic(parts.topology, rnd, timeout)
     record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
+    if parts.deadlines is not None:
+        record.update(deadline=timeout, backing_off=sorted(backing_off))
     parts.rejected.clear()
     try:
         if absent and len(plan) < parts.min_clients:
@@ -203,6 +210,8 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         plan = [w for w in plan if w.client_id in ready]
         instructions = parts.strategy.configure(rnd, params, plan)
         exchange = traffic.exchange(encode_instructions(parts.chains, instructions, parts.accepted))
+        if parts.deadlines is not None:
+            parts.deadlines.observe(rnd, exchange.elapsed, missed_deadline(exchange))
         updates = accept_updates(
             parts.chains, exchange.replies, exchange.failures, params, parts.checks,
             stand_for(parts.topology, {w.client_id for w in plan}), parts.rejected,
@@ -236,8 +245,28 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     parts.controller.observe(rnd, updates)
     record["train_loss"] = weighted_metric(updates, "train_loss")
     record["rejected"] = rejection_counts(parts.rejected)
-    record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
+    record.update(client_timings(plan, updates, timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
+
+
+def backing_off_clients(parts: RoundParts, rnd: int, absent: Collection[int]) -> frozenset[int]:
+    """The clients that missed their deadlines and sit round ``rnd`` out (:mod:`fedweave.deadlines`),
+    none while leaving them out would leave fewer than min_clients of those not ``absent``."""
+    if parts.deadlines is None:
+        return frozenset()
+    out = parts.deadlines.excluded(rnd) - set(absent)
+    if out and parts.deadlines.num_clients - len(set(absent) | out) < parts.min_clients:
+        log.info("round %d: clients %s back off, but without them fewer than min_clients %d are left: "
+                 "sampling them too", rnd, sorted(out), parts.min_clients)
+        return frozenset()
+    if out:
+        log.info("round %d: clients %s back off after missing their deadlines: not sampled", rnd, sorted(out))
+    return out
+
+
+def missed_deadline(exchange: Exchange) -> list[int]:
+    """The nodes whose job in ``exchange`` failed for its deadline."""
+    return [cid for cid, why in exchange.failures.items() if why.startswith(DEADLINE)]
 
 
 def listed(ids: Collection[int], most: int = 10) -> str:

@@ -30,6 +30,7 @@ from fedweave.build import (
     build_chains,
     build_client_runtime,
     build_controller,
+    build_deadlines,
     build_strategy,
     build_task,
     global_evaluator,
@@ -315,6 +316,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         ),
         eval_batch_size=config.eval.batch_size,
         checks=update_checks(config, task, params),
+        deadlines=build_deadlines(config),
     )
     run_ = Run(
         config=config,
