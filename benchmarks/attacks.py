@@ -11,10 +11,14 @@ clients (0 and 1) attack (config ``attacks``, :mod:`fedweave.plugins.attacks.poi
 - ``noise std 3``: each adds N(0, 9) to every entry of its update;
 - ``label flip``: each trains on labels 9 − y;
 - ``count inflation``: ONE client (0) trains on flipped labels and claims 1,000,000
-  examples, three times: as every in-memory run does, with the server capping the
-  claim at the client's true partition size; as a server that knows no sizes and sets
-  no cap (a deployment without ``aggregation.max_examples``); and as such a server with
-  ``aggregation.max_weight_share: 0.2``.
+  examples: as every in-memory run does, with the server capping the claim at the
+  client's true partition size; as a server that knows no sizes (a deployment), with its
+  default cohort bound (``aggregation.weight_policy: cap``, 3 x the median claim), with
+  ``weight_policy: trust`` (no bound), and with ``aggregation.max_weight_share: 0.2``;
+- ``deployed``: the same attacker over gRPC (a server and ten client threads on
+  127.0.0.1, the server knowing no size), synchronous and FedBuff (buffer of 5, ten
+  clients training at once), each beside its clean run, with the default bound and
+  with ``trust``.
 
 Rules: ``mean`` (weighted by examples), ``median``, ``trimmed_mean`` (β = 0.2: two values
 dropped at each end of every coordinate), ``krum`` and ``multi_krum`` (f = 2; Multi-Krum
@@ -24,6 +28,7 @@ of the mean.
 
     python benchmarks/attacks.py                       # 20 rounds, 1 seed
     python benchmarks/attacks.py --rounds 30 --seeds 2
+    python benchmarks/attacks.py --rules mean --attacks "none,gRPC: none,gRPC: 1 inflates (default cap)"
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ import logging
 import platform
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
+from fedweave.build import build_chains, build_client_runtime, build_task
+from fedweave.client import ClientStateStore
 from fedweave.validation import ExampleLimits
 
 BASE = [
@@ -63,29 +71,67 @@ RULES = {
 }
 
 TWO = "attacks.clients=[0, 1]"
-ATTACKS = {  # row: (overrides, whether the server knows no client's size)
-    "none": ([], False),
-    "sign flip x10": (["attacks.kind=sign_flip", "attacks.scale=10", TWO], False),
-    "scaling x10": (["attacks.kind=scaling", "attacks.scale=10", TWO], False),
-    "noise std 3": (["attacks.kind=noise", "attacks.std=3", TWO], False),
-    "label flip": (["attacks.kind=label_flip", TWO], False),
-    "1 inflates: capped at its size": (["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"], False),
-    "1 inflates: no cap": (["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"], True),
-    "1 inflates: max_weight_share 0.2": (
-        ["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]", "aggregation.max_weight_share=0.2"],
-        True,
-    ),
+INFLATE = ["attacks.kind=[label_flip, inflate_examples]", "attacks.clients=[0]"]
+TRUST = "aggregation.weight_policy=trust"
+GRPC = ["transport=grpc", "grpc.listen=127.0.0.1:0", "grpc.heartbeat_interval=0.2", "grpc.poll_timeout=0.5",
+        "grpc.join_timeout=60"]
+FEDBUFF = [*GRPC, "asynchronous.enabled=true", "asynchronous.buffer_size=5"]
+ATTACKS = {  # row: (overrides, where: memory | blind (in memory, the server knowing no size) | deployed)
+    "none": ([], "memory"),
+    "sign flip x10": (["attacks.kind=sign_flip", "attacks.scale=10", TWO], "memory"),
+    "scaling x10": (["attacks.kind=scaling", "attacks.scale=10", TWO], "memory"),
+    "noise std 3": (["attacks.kind=noise", "attacks.std=3", TWO], "memory"),
+    "label flip": (["attacks.kind=label_flip", TWO], "memory"),
+    "1 inflates: capped at its size": (INFLATE, "memory"),
+    "1 inflates: no size known (default cap)": (INFLATE, "blind"),
+    "1 inflates: no size known (trust)": ([*INFLATE, TRUST], "blind"),
+    "1 inflates: max_weight_share 0.2": ([*INFLATE, TRUST, "aggregation.max_weight_share=0.2"], "blind"),
+    "gRPC: none": (GRPC, "deployed"),
+    "gRPC: 1 inflates (default cap)": ([*GRPC, *INFLATE], "deployed"),
+    "gRPC: 1 inflates (trust)": ([*GRPC, *INFLATE, TRUST], "deployed"),
+    "FedBuff gRPC: none": (FEDBUFF, "deployed"),
+    "FedBuff gRPC: 1 inflates (default cap)": ([*FEDBUFF, *INFLATE], "deployed"),
+    "FedBuff gRPC: 1 inflates (trust)": ([*FEDBUFF, *INFLATE, TRUST], "deployed"),
 }
 
 
-def accuracy(overrides: list[str], blind: bool) -> float:
-    """The final test accuracy of one run; ``blind``: the server knows no client's partition size."""
+def accuracy(overrides: list[str], where: str) -> float:
+    """The final test accuracy of one run, in memory, in memory with the server knowing no
+    client's partition size (``blind``), or ``deployed`` over gRPC to client threads."""
     with tempfile.TemporaryDirectory() as out:
         config = config_mod.load(None, [*BASE, *overrides, f"output_dir={out}"])
+        if where == "deployed":
+            return deployed_accuracy(config)
         run = runner.prepare(config)
-        if blind:
+        if where == "blind":
             run.parts.checks = dataclasses.replace(run.parts.checks, limits=ExampleLimits(config.aggregation.max_examples))
         records = runner.run_rounds(run)
+    return float(records[-1]["test_accuracy"])
+
+
+def deployed_accuracy(config: config_mod.Config) -> float:
+    """The final test accuracy of a run served over gRPC on 127.0.0.1 to a thread per client."""
+    from fedweave.node import server_topology
+    from fedweave.transports.grpc.client import GrpcClient
+
+    run = runner.prepare(config, topology=server_topology(config))
+    task = build_task(config)
+    address = run.parts.topology.transport.address
+    nodes = [
+        GrpcClient(config.grpc, cid, build_client_runtime(config, task, build_chains(config), ClientStateStore()).handle,
+                   address=address)
+        for cid in range(config.clients)
+    ]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in nodes]
+    for thread in threads:
+        thread.start()
+    try:
+        records = runner.run_rounds(run)
+    finally:
+        for node in nodes:
+            node.stop()
+        for thread in threads:
+            thread.join(timeout=10)
     return float(records[-1]["test_accuracy"])
 
 
@@ -103,11 +149,11 @@ def main() -> None:
     started = time.perf_counter()
     table: dict[str, dict[str, float]] = {}
     for row in rows:
-        overrides, blind = ATTACKS[row]
+        overrides, where = ATTACKS[row]
         table[row] = {}
         for rule in rules:
             runs = [
-                accuracy([*overrides, *RULES[rule], f"rounds={args.rounds}", f"seed={seed}"], blind)
+                accuracy([*overrides, *RULES[rule], f"rounds={args.rounds}", f"seed={seed}"], where)
                 for seed in range(args.seeds)
             ]
             table[row][rule] = statistics.mean(runs)
