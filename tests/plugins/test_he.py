@@ -699,3 +699,19 @@ def test_a_ciphertext_under_another_key_is_refused_and_false_reports_cannot_skip
     server.combine(four, SERVER, checked_by(SimpleNamespace(answer=liar), client, SimpleNamespace(answer=garbled), client))
     assert server.model.keys() == before.keys() and not torch.equal(server.model[CHUNK + "00000"], before[CHUNK + "00000"])
     assert server.metrics() == {"he_refused": 1.0}  # 2 accept, 1 refuses, 1 not counted
+
+
+def test_max_value_bounds_the_model_a_client_accepts_and_its_verdict_says_out_of_range(keys: Path, tmp_path: Path) -> None:
+    """A model inside the context's bound (2^20) but past ``max_value`` is refused as out of range: a
+    scaled update must then stay within the bound the federation sets."""
+    from fedweave.plugins.secure.he import OUT_OF_RANGE, Refused
+
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    sealed = server.seal(model())
+    largest = float(torch.cat([model()["w"].flatten(), model()["b"]]).abs().max())
+    assert_same_params(make("he", keys=str(keys), max_value=largest + 0.01).unseal(sealed), model(), atol=CKKS_ATOL)
+    with pytest.raises(Refused, match=r"beyond max_value=1\b") as refused:
+        make("he", keys=str(keys), max_value=1.0).unseal(sealed)
+    assert refused.value.verdict == OUT_OF_RANGE and largest > 1.0
+    answer = make("he", keys=str(keys), max_value=1.0).answer(Control("he", "check", sealed), ctx(1, 0))
+    assert answer.tensors["verdict"].tolist() == [OUT_OF_RANGE]
