@@ -15,7 +15,7 @@ from fedweave.asynchronous import _backing_off
 from fedweave.build import build_chains, build_client_runtime, build_deadlines, build_task
 from fedweave.client import ClientStateStore
 from fedweave.deadlines import Deadlines, backoff_rounds, job_deadline, quantile
-from fedweave.node import server_topology
+from fedweave.reach import server_topology
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.types import Message
 from test_settled_state import FAST_GRPC
