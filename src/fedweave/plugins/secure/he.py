@@ -396,8 +396,8 @@ class HE:
         verdicts: dict[int, int] = {}
         for c, body in sorted(answers.items()):
             tensor = body.tensors.get(VERDICT)
-            if set(body.tensors) != {VERDICT} or tensor is None or tensor.dtype != torch.int8 or tensor.shape != (1,) or (
-                int(tensor) not in VERDICTS
+            if set(body.tensors) != {VERDICT} or not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int8 or (
+                tensor.shape != (1,) or int(tensor) not in VERDICTS
             ):
                 log.warning("round %d: client %d's verdict on the combined model is malformed; not counted", rnd, c)
                 continue

@@ -85,7 +85,7 @@ def secret_values(states: dict[int, dict[str, Any]]) -> tuple[list[Any], list[by
             values.append(mine.key.private_bytes_raw())
         values += [v for v in (mine.self_seed, mine.record_key) if v is not None]
         values += [*mine.seeds.values(), *mine.channels.values()]
-        values += [share_bytes(s) for s in mine.shares.values()]
+        values += [share_bytes([(v, 0)])[:32] for pairs in mine.shares.values() for pair in pairs for v in pair]
     return keys, values
 
 
@@ -110,4 +110,5 @@ def assert_holds_none(root: Any, keys: list[Any], values: list[bytes]) -> None:
     assert not {id(k) for k in keys} & {id(o) for o in objects}
     blobs = [bytes(o) for o in objects if isinstance(o, (bytes, bytearray))]
     blobs += [o.tobytes() for o in objects if isinstance(o, np.ndarray) and o.size]
+    blobs += [o.to_bytes(32, "big") for o in objects if type(o) is int and 1 << 64 < o < 1 << 256]  # shares in GF(Q)
     assert not [v for v in values for b in blobs if v in b]
