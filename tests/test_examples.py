@@ -46,3 +46,14 @@ def test_example_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     accuracy = last["test_accuracy"] if config.eval.every or r.parts.chains.sealer is None else last["federated_accuracy"]
     assert 0.0 <= accuracy <= 1.0
     assert (tmp_path / "run" / "model.pt").is_file()
+
+
+def test_the_files_csv_data_is_its_scripts_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/data/files-csv holds exactly what examples/files_csv_data.py writes."""
+    monkeypatch.syspath_prepend(str(EXAMPLES_DIR))
+    import files_csv_data
+
+    files_csv_data.write(tmp_path)
+    committed = EXAMPLES_DIR / "data" / "files-csv"
+    assert sorted(p.name for p in committed.iterdir()) == sorted(p.name for p in tmp_path.iterdir())
+    assert all((committed / p.name).read_bytes() == p.read_bytes() for p in tmp_path.iterdir())

@@ -30,8 +30,10 @@ from fedweave.build import (
     build_chains,
     build_client_runtime,
     build_controller,
+    build_deadlines,
     build_strategy,
     build_task,
+    federated_eval_every,
     global_evaluator,
     initial_params,
     update_checks,
@@ -288,12 +290,13 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         timeout=config.round_timeout,
         evaluate_global=global_evaluator(config, task) if chains.sealer is None else _no_plaintext_model,
         eval_every=config.eval.every,
-        federated_eval_every=config.eval.federated_every,
+        federated_eval_every=federated_eval_every(config, task),
         federated_eval_clients=lambda rnd, absent: sample_clients(
             numpy_rng(config.seed, "federated-eval", rnd), config.clients, fed_count, absent
         ),
         eval_batch_size=config.eval.batch_size,
         checks=update_checks(config, task, params),
+        deadlines=build_deadlines(config),
     )
     run_ = Run(
         config=config,

@@ -7,25 +7,52 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fedweave.errors import ConfigError
-from fedweave.schema import opt
+from fedweave.schema import opt, parse
+
+
+PartitionScheme = Literal[
+    "iid", "dirichlet", "shards", "quantity", "inner_dirichlet", "pathological", "linear", "square", "exponential",
+    "natural", "from_file",
+]
 
 
 @dataclass
 class PartitionConfig:
     SHORTHAND = "scheme"
-    scheme: Literal["iid", "dirichlet", "shards", "quantity"] = opt(
-        "iid", help="how training data is split across clients"
+    scheme: PartitionScheme = opt(
+        "iid",
+        help="how training data is split across clients: iid | dirichlet | inner_dirichlet | shards | pathological "
+        "(label skew) | quantity | linear | square | exponential (size skew) | natural (one client per value of by) "
+        "| from_file (a JSON map client -> rows)",
     )
-    alpha: float = opt(0.5, gt=0, help="Dirichlet concentration (dirichlet, quantity): lower is more skewed")
+    alpha: float = opt(
+        0.5, gt=0, help="Dirichlet concentration (dirichlet, inner_dirichlet, quantity): lower is more skewed"
+    )
     shards_per_client: int = opt(2, ge=1, help="label-sorted shards per client (shards)")
+    classes_per_client: int = opt(2, ge=1, help="classes each client holds (pathological)")
+    sizes: list[int] | None = opt(None, help="each client's sample count (inner_dirichlet; none: as even as possible)")
+    by: str | None = opt(None, help="the column whose distinct values are the clients (natural; LEAF: its users)")
+    file: str | None = opt(None, help="JSON map client id -> training row indices (from_file)")
+    allow_overlap: bool = opt(False, help="from_file: a row may belong to several clients")
+    seed: int | None = opt(None, ge=0, help="seed of the data split (holdout, partition, local test splits); none: seed")
     min_samples: int = opt(2, ge=1, help="fewest training samples any client may get")
+
+    def validate(self, prefix: str) -> None:
+        used = {"sizes": ("inner_dirichlet", self.sizes is not None), "by": ("natural", self.by is not None),
+                "file": ("from_file", self.file is not None), "allow_overlap": ("from_file", self.allow_overlap)}
+        for key, (scheme, given) in used.items():
+            if given and self.scheme != scheme:
+                raise ConfigError(f"config key '{prefix}.{key}': only scheme {scheme} uses it, the scheme is {self.scheme!r}")
+        if self.scheme == "from_file" and self.file is None:
+            raise ConfigError(f"config key '{prefix}.file': scheme from_file needs the JSON file mapping clients to rows")
 
 
 @dataclass
 class TaskConfig:
     dataset: str = opt(
         "digits",
-        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | package.module:function "
+        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | files (the sites' own files, "
+        "see dataset_options: path, format, label, ...) | package.module:function "
         "called f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y) whose "
         "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels",
     )
@@ -54,6 +81,31 @@ class TaskConfig:
                 f"config key '{prefix}.loss': {self.loss!r} is not a loss; valid: {', '.join(LOSSES)} "
                 "or package.module:function"
             )
+        scheme = self.partition.scheme
+        if self.dataset != "files":
+            if scheme == "natural":
+                raise ConfigError(
+                    f"config key '{prefix}.partition.scheme': natural needs {prefix}.dataset: files "
+                    "(clients by a column, or LEAF's users)"
+                )
+            return
+        options = self.file_options(prefix)
+        if options.template and scheme != "iid":
+            raise ConfigError(
+                f"config key '{prefix}.partition.scheme': each client reads its own file ({{client}} in "
+                f"{prefix}.dataset_options.path), so no scheme {scheme!r} applies; drop it"
+            )
+        if scheme == "natural" and self.partition.by is None and options.format not in (None, "leaf"):
+            raise ConfigError(
+                f"config key '{prefix}.partition.by': scheme natural needs the column whose values are the clients"
+            )
+
+    def file_options(self, prefix: str = "task") -> Any:
+        """``dataset_options`` of ``dataset: files``, parsed (a
+        :class:`fedweave.task.sources.FileOptions`)."""
+        from fedweave.task.sources.options import FileOptions
+
+        return parse(FileOptions, self.dataset_options, f"{prefix}.dataset_options")
 
 
 @dataclass
@@ -101,6 +153,17 @@ class AggregationConfig:
         le=1,
         help="largest share of a round's total weight one update may carry; larger weights are lowered to "
         "a common cap (none: no cap; needs updates in the clear)",
+    )
+    weight_policy: Literal["cap", "refuse", "trust"] = opt(
+        "cap",
+        help="what the server does with a claimed example count above max_ratio_to_median x the lower median "
+        "of its cohort's claims per client (a site's: times its members; FedBuff: its buffer and every other "
+        "client's latest claim): cap (count it as the bound; an encoded update is refused) | refuse (drop the "
+        "update) | trust (take every claim as it is)",
+    )
+    max_ratio_to_median: float = opt(
+        3.0, ge=1, help="weight_policy cap or refuse: the most one client may claim, as a multiple of the "
+        "cohort's median claim per client",
     )
 
     def validate(self, prefix: str) -> None:

@@ -88,6 +88,11 @@ def load_dataset(
                 _no_options(spec, options)
                 x, y = _digits() if spec == "digits" else _mnist5k()
             dataset = _holdout(spec, x, y, test_fraction, rng)
+    elif spec == "files":
+        raise TaskError(
+            "dataset 'files': the sites' own files are read by each federated client (mode federated); "
+            f"data_parallel takes {', '.join(DATASETS)} or package.module:function"
+        )
     elif spec.startswith("torchvision:"):
         _no_options(spec, options)
         dataset = _torchvision(spec, root)

@@ -1,0 +1,80 @@
+"""What a site's data must look like to train the federation's model, and the check of a file against it.
+
+A :class:`DataSchema` holds no data and no label counts: the shape and dtype of one sample, the
+kind of label and the number of classes. A client checks its data against the federation's schema
+when it starts (:func:`check_data`) and may declare its own schema, which the federation compares
+with :meth:`DataSchema.difference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from fedweave.errors import TaskError
+
+LabelKind = Literal["class"]
+
+
+@dataclass(frozen=True)
+class DataSchema:
+    """The shape and dtype of one sample, the label kind and the number of classes."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    dtype: str = "float32"
+    label_kind: LabelKind = "class"
+
+    def difference(self, other: DataSchema) -> str | None:
+        """Why ``other`` (a site's schema) differs from this one (the federation's), or None."""
+        if other.input_shape != self.input_shape:
+            return f"{_shape(other.input_shape)}, the federation expects {_shape(self.input_shape)}"
+        for name in ("dtype", "label_kind", "num_classes"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} {theirs}, the federation expects {mine}"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (a declaration on the wire)."""
+        return {"input_shape": list(self.input_shape), "num_classes": self.num_classes,
+                "dtype": self.dtype, "label_kind": self.label_kind}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DataSchema:
+        """A schema a peer declared, checked field by field; a malformed one is a ValueError."""
+        if not isinstance(data, dict) or set(data) != {"input_shape", "num_classes", "dtype", "label_kind"}:
+            raise ValueError(f"a data schema has input_shape, num_classes, dtype and label_kind, got {data!r}")
+        shape, classes = data["input_shape"], data["num_classes"]
+        if not isinstance(shape, list) or not shape or not all(_positive(d) for d in shape) or not _positive(classes):
+            raise ValueError(f"a data schema's input_shape and num_classes are positive integers, got {data!r}")
+        if data["dtype"] != "float32" or data["label_kind"] != "class":
+            raise ValueError(f"a data schema has dtype float32 and label_kind class, got {data!r}")
+        return cls(tuple(shape), classes)
+
+
+def check_data(path: str, x: np.ndarray, y: np.ndarray, expected: DataSchema) -> None:
+    """Refuse ``path``'s samples ``x`` and class ids ``y`` unless they fit ``expected``: one line
+    naming the file and the difference."""
+    shape = tuple(int(d) for d in x.shape[1:])
+    if shape != expected.input_shape:
+        raise TaskError(f"{path}: {_shape(shape)}, the federation expects {_shape(expected.input_shape)}")
+    if str(x.dtype) != expected.dtype:
+        raise TaskError(f"{path}: samples of dtype {x.dtype}, the federation expects {expected.dtype}")
+    outside = y[(y < 0) | (y >= expected.num_classes)]
+    if outside.size:
+        raise TaskError(
+            f"{path}: label {int(outside[0])} is outside the model's {expected.num_classes} classes "
+            f"(0..{expected.num_classes - 1})"
+        )
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    """A sample shape as a user reads it: a feature count for flat samples."""
+    return f"{shape[0]} features" if len(shape) == 1 else f"samples of shape {shape}"
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
