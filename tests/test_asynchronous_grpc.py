@@ -318,6 +318,20 @@ def test_when_every_client_is_gone_the_server_waits_for_one_up_to_the_join_timeo
         assert (tmp_path / "run" / rundir.MODEL_FILE).is_file()
 
 
+def test_a_fedbuff_server_no_client_reached_fails_and_writes_no_model(tmp_path: Path) -> None:
+    """Issue 26 item 8: FedBuff after 0 server steps (no client ever registered) ended as finished, w_0
+    its model.pt. Now the run fails with one line, writes no model and resumes from its start."""
+    from fedweave.checkpoint import load_checkpoint
+    from fedweave.errors import NothingTrained
+
+    config = small_config(*ASYNC, "clients=2", "rounds=2", "grpc.heartbeat_timeout=0.5", "grpc.join_timeout=0.5")
+    r = deployed(config, tmp_path / "run")
+    with pytest.raises(NothingTrained, match=r"^the run trained nothing: it stopped before it applied any client's update;"):
+        runner.run_rounds(r)
+    assert not (tmp_path / "run" / rundir.MODEL_FILE).exists()
+    assert load_checkpoint(tmp_path / "run")["round"] == 0
+
+
 def test_a_killed_server_started_again_resumes_at_its_last_server_step(tmp_path: Path) -> None:
     """kill -9 the `fedweave server` after a few server steps and run the same command: it resumes
     after the checkpoint, its clients register again, and the steps go on to the end, each once."""

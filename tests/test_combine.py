@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_same_params, run_to_end, small_config
-from fedweave.errors import ConfigError, RoundError
+from fedweave.errors import ConfigError, NothingTrained, RoundError
 from fedweave.types import Update, UpdateKind
 
 SEEN: list[int] = []
@@ -62,8 +62,9 @@ def test_failed_combine_skips_the_round_and_keeps_the_model(tmp_path: Path) -> N
 
     r = runner.prepare(small_config("plugins.client_send=[{name: test_combine:ScaledSum, fail: true}]"), tmp_path)
     start = {k: v.clone() for k, v in r.params.items()}
-    records = runner.execute(r)
-    assert all(rec["skipped"] for rec in records)
+    with pytest.raises(NothingTrained):  # every round skipped: the run fails, and writes no model
+        runner.execute(r)
+    assert len(r.records) == 3 and all(rec["skipped"] for rec in r.records)
     assert_same_params(start, r.params)
 
 

@@ -13,7 +13,7 @@ import torch
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.topologies.emulated import client_speeds
-from fedweave.errors import ConfigError
+from fedweave.errors import ConfigError, NothingTrained
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 
@@ -55,11 +55,13 @@ def test_the_deadline_drops_emulated_stragglers_and_aggregates_the_rest(tmp_path
         assert [c["id"] for c in record["clients"]] == [2, 3]
         assert record["round_time"] == 0.1  # the server waited for the stragglers until the deadline
     assert any(not torch.equal(params[k], start[k]) for k in params)
-    kept, records = run_to_end(
-        tmp_path / "skip", VIRTUAL, SPEEDS, "local.steps=10", "round_timeout=0.1", "min_clients=3", "rounds=2"
+    kept = runner.prepare(
+        small_config(VIRTUAL, SPEEDS, "local.steps=10", "round_timeout=0.1", "min_clients=3", "rounds=2"), tmp_path / "skip"
     )
-    assert all(r["skipped"] and r["clients_completed"] == 2 for r in records)
-    assert_same_params(kept, start)
+    with pytest.raises(NothingTrained):  # every round skipped: the run fails, and writes no model
+        runner.execute(kept)
+    assert len(kept.records) == 2 and all(r["skipped"] and r["clients_completed"] == 2 for r in kept.records)
+    assert_same_params(kept.params, start)
 
 
 def test_the_real_clock_deadline_cuts_a_straggler_short(tmp_path: Path) -> None:

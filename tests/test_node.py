@@ -159,3 +159,77 @@ def test_a_server_started_on_a_finished_he_run_writes_no_plaintext_model(tmp_pat
     assert again.keys() == sealed.keys() and all(torch.equal(again[k], sealed[k]) for k in sealed)
     assert not (run_dir / rundir.MODEL_FILE).exists()
 
+
+def test_a_server_no_client_reached_fails_with_one_line_and_writes_no_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 8: `fedweave server` that no client reached skipped every round, exited 0 and wrote
+    w_0 as the run's model.pt. Now it exits 1 with one line, writes no model, and its run directory
+    resumes from its start (a checkpoint of round 0, the skipped rounds' metrics lines dropped)."""
+    from test_settled_state import FAST_GRPC
+
+    from conftest import free_port, small_config
+    from fedweave import rundir, runner
+    from fedweave.checkpoint import load_checkpoint
+    from fedweave.cli import main
+
+    config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{free_port()}", "clients=2", "rounds=2",
+                          "grpc.join_timeout=1", "grpc.heartbeat_timeout=1", "checkpoint.every=1")
+    path = tmp_path / "server.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    run_dir = tmp_path / "run"
+    capsys.readouterr()
+    sigterm = signal.getsignal(signal.SIGTERM)  # a node's handler, put back for the rest of the tests
+    try:
+        assert main(["server", str(path), "--run-dir", str(run_dir), "-q"]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedweave: error:")]
+    assert errors == [
+        "fedweave: error: the run trained nothing: each of the 2 rounds it ran was skipped (too few clients "
+        f"answered); no model was written, and the run resumes from its start: fedweave server --resume {run_dir}"
+    ]
+    assert not (run_dir / rundir.MODEL_FILE).exists() and load_checkpoint(run_dir)["round"] == 0
+    assert (run_dir / rundir.METRICS_FILE).read_text() == ""
+    again = runner.resume(run_dir)
+    again.parts.topology.close()
+    assert (again.first_round, again.records) == (1, [])
+
+
+def test_a_site_file_and_the_flags_become_overrides_of_the_clients_own_site_keys(tmp_path: Path) -> None:
+    """`fedweave client --site FILE` (data, device, threads) and `--data`, `--device`, which win: dotted
+    overrides of task.dataset_options.path, local.device and threads, a relative data path the file's."""
+    from fedweave.nodes.client import site_overrides
+
+    site = tmp_path / "site.yaml"
+    site.write_text("data: rows/site-3.csv\ndevice: cpu\nthreads: 2\n")
+    assert site_overrides(site) == [
+        f'task.dataset_options.path="{tmp_path}/rows/site-3.csv"', 'local.device="cpu"', "threads=2",
+    ]
+    assert site_overrides(site, data="/data/a b.csv", device="cuda:1") == [
+        'task.dataset_options.path="/data/a b.csv"', 'local.device="cuda:1"', "threads=2",
+    ]
+    assert site_overrides(device="mps") == ['local.device="mps"'] and site_overrides() == []
+    loaded = config_mod.load(None, ["clients=2", *site_overrides(data="/data/a b.csv")])
+    assert loaded.task.dataset_options == {"path": "/data/a b.csv"}
+    site.write_text("data: x.csv\nrounds: 3\n")
+    with pytest.raises(ConfigError, match=r"^site file '.*site.yaml': key 'rounds' is not a site's own setting"):
+        site_overrides(site)
+
+
+def test_fedweave_client_applies_its_site_file_to_its_own_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A site file's threads reach the client's config (checked at load, one line naming the key)."""
+    from fedweave.cli import main
+
+    path = tmp_path / "fed.yaml"
+    path.write_text("name: fed\nclients: 2\ntransport: grpc\n")
+    site = tmp_path / "site.yaml"
+    site.write_text("threads: -1\n")
+    sigterm = signal.getsignal(signal.SIGTERM)  # a node's handler, put back for the rest of the tests
+    try:
+        assert main(["client", str(path), "--id", "0", "--site", str(site)]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("fedweave: error: config key 'threads'")

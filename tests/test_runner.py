@@ -21,13 +21,13 @@ from fedweave import config as config_mod
 from fedweave import rundir, runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.config.sections import SIMULATION_CHECKPOINT_INTERVAL
-from fedweave.errors import CheckpointError, ConfigError
+from fedweave.errors import CheckpointError, ConfigError, NothingTrained
 from fedweave.plugins.privacy.accountant import epsilon
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
 from fedweave.training import ClientJob
-from fedweave.types import Params, Update
+from fedweave.types import Params, Update, UpdateKind
 
 METRIC_KEYS = {
     "round",
@@ -359,13 +359,15 @@ def test_a_directory_holding_a_run_is_not_reused(tmp_path: Path) -> None:
 
 
 def test_all_rounds_skipped_keep_the_initial_model(tmp_path: Path) -> None:
-    """A deadline no client can meet: every round is skipped and recorded as such."""
+    """A deadline no client can meet: every round is skipped and recorded as such; the run fails
+    (it trained nothing), writes no model, and its directory is as the run began (no metrics line)."""
     r = runner.prepare(small_config("round_timeout=1e-9"), tmp_path)
     start = {k: v.clone() for k, v in r.params.items()}
-    records = runner.execute(r)
-    assert [(rec["skipped"], rec["clients_completed"], rec["train_loss"]) for rec in records] == [(True, 0, None)] * 3
+    with pytest.raises(NothingTrained, match=r"^the run trained nothing: each of the 3 rounds it ran was skipped"):
+        runner.execute(r)
+    assert [(rec["skipped"], rec["clients_completed"], rec["train_loss"]) for rec in r.records] == [(True, 0, None)] * 3
     assert_same_params(r.params, start)
-    assert [line["skipped"] for line in read_lines(tmp_path / "metrics.jsonl")] == [True] * 3
+    assert read_lines(tmp_path / "metrics.jsonl") == [] and not (tmp_path / rundir.MODEL_FILE).exists()
 
 
 def test_new_run_directories_are_named_and_unique(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -413,3 +415,61 @@ def test_reopen_of_a_run_without_a_checkpoint_begins_it_again(tmp_path: Path) ->
     records = runner.execute(again)
     assert_same_params(again.params, whole)
     assert comparable(read_lines(tmp_path / "again" / "metrics.jsonl")) == comparable(whole_records) == comparable(records)
+
+
+@dataclasses.dataclass
+class UnreachableParams:
+    hold_file: str = ""
+
+
+class Unreachable:
+    """A test plugin: while ``hold_file`` exists every client's update fails on its way out, as in a
+    federation whose server no client reaches; then it lets every update pass unchanged."""
+
+    name = "unreachable"
+    Params = UnreachableParams
+    accepts = frozenset(UpdateKind)
+    combines_encoded = False
+
+    def __init__(self, hp: UnreachableParams):
+        self.hp = hp
+
+    def encode(self, payload: Any, ctx: Any) -> Any:
+        if ctx.side == "client" and Path(self.hp.hold_file).exists():
+            raise RuntimeError("the server is out of reach")
+        return payload
+
+    def decode(self, payload: Any, ctx: Any) -> Any:
+        return payload
+
+
+def test_a_run_that_trained_nothing_fails_writes_no_model_and_resumes_from_its_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 8: every round skipped (no client's update arrived) used to end with rc 0, the run
+    marked finished and w_0 written as its model.pt. Now `fedweave run` fails with one line, writes no
+    model, and `--resume` trains every round from the start: the very model of a run never cut off."""
+    from fedweave.cli import main
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    unreachable = f"plugins.client_send=[{{name: '{__name__}:Unreachable', hold_file: {hold}}}]"
+    config = small_config("rounds=2", "checkpoint.every=1", unreachable)
+    path = tmp_path / "run.yaml"
+    path.write_text(config_mod.to_yaml(config))
+    run_dir = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["run", str(path), "-q", "--run-dir", str(run_dir)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedweave: error:")]
+    assert errors == [
+        "fedweave: error: the run trained nothing: each of the 2 rounds it ran was skipped (too few clients "
+        f"answered); no model was written, and the run resumes from its start: fedweave run --resume {run_dir}"
+    ]
+    assert not (run_dir / rundir.MODEL_FILE).exists()
+    assert load_checkpoint(run_dir)["round"] == 0
+    hold.unlink()
+    assert main(["run", "--resume", str(run_dir), "-q"]) == 0
+    records = rundir.records_until(run_dir, "round", 2)
+    assert [(r["round"], r["skipped"]) for r in records] == [(1, False), (2, False)]
+    whole = runner.run_config(config, tmp_path / "whole")
+    assert_same_params(rundir.load_model(run_dir), whole.params, atol=0)

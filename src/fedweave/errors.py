@@ -17,6 +17,11 @@ class RoundError(FedweaveError):
     """A round could not complete (too few clients answered)."""
 
 
+class NothingTrained(FedweaveError):
+    """A run ended without applying one update (no client reached its server, every round skipped):
+    it writes no model, and its run directory resumes from its start."""
+
+
 class BudgetSpent(FedweaveError):
     """The next round would spend more than a budget allows (a target privacy ε): the run stops before it."""
 

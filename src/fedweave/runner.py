@@ -13,6 +13,7 @@ that drive a run from a node of a deployment are :mod:`fedweave.nodes`.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -41,7 +42,7 @@ from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, check_params, load
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
-from fedweave.errors import ConfigError
+from fedweave.errors import ConfigError, NothingTrained
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
@@ -157,6 +158,10 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
     interval = cfg.checkpoint.interval(cfg.transport.kind, bool(fresh_draws(cfg, PLUGINS)))
     last_saved = time.monotonic()
     recorded = saved = r.first_round - 1  # the last round recorded, and checkpointed, by this process
+    # The state this process began in, its params untouched by a run that applies no update: the
+    # checkpoint such a run leaves (its skipped rounds' lines dropped), from which it resumes as if it
+    # had never run, and which no reader takes for a finished run.
+    begun = {**copy.deepcopy(_state(r, r.first_round - 1, {})), "params": r.params} if every else None
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         nonlocal last_saved, recorded, saved
@@ -181,13 +186,19 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
                 )
             else:
                 r.params = run_buffered(r.parts, r.buffered, r.params, r.first_round, cfg.rounds, on_round)
-            if every and saved < recorded:  # a run stopped early (privacy budget spent, no client left)
+            trained = any(record.get("skipped") is False for record in r.records)
+            if begun is not None and not trained:  # the directory as the run began: nothing in it done
+                metrics.truncate_after(r.first_round - 1)
+                checkpoints.save(begun)
+            elif every and saved < recorded:  # a run stopped early (privacy budget spent, no client left)
                 _checkpoint(r, checkpoints, recorded, r.params)
         finally:
             try:
                 r.parts.topology.close()
             finally:
                 checkpoints.close()  # the last checkpoint is on disk when the run returns
+        if not trained:  # its model would be w_0 written as the result of a run that reached no client
+            raise NothingTrained(_untrained(r))
         # Only now, the clients told to stop: a restarted server that finds the model (nodes.server._finished)
         # stops none.
         r.params = save_result(r)
@@ -209,18 +220,37 @@ def _checkpoint(r: Run, checkpoints: CheckpointWriter, rnd: int, params: Params)
     a round's set-up (the controller's plan undone); the asynchronous spines with nothing in flight,
     their state (clock, buffer) a later point of the same model version, from which a resumed run
     goes on as this one would have."""
-    checkpoints.save(
-        {
-            "round": rnd,
-            "params": params,
-            "strategy": r.parts.strategy.state_dict(),
-            "controller": r.parts.controller.state_dict(),
-            "client_states": r.store.state_dict(),
-            "client_pending": r.store.pending_state_dict(),
-            "accepted": r.parts.accepted.state_dict(),
-            "plugins": r.parts.chains.state_dict(),
-            "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
-        },
+    checkpoints.save(_state(r, rnd, params))
+
+
+def _state(r: Run, rnd: int, params: Params) -> dict[str, Any]:
+    """What a checkpoint of the run after round ``rnd`` holds, its global model ``params``."""
+    return {
+        "round": rnd,
+        "params": params,
+        "strategy": r.parts.strategy.state_dict(),
+        "controller": r.parts.controller.state_dict(),
+        "client_states": r.store.state_dict(),
+        "client_pending": r.store.pending_state_dict(),
+        "accepted": r.parts.accepted.state_dict(),
+        "plugins": r.parts.chains.state_dict(),
+        "asynchronous": None if r.buffered is None else r.buffered.state_dict(),
+    }
+
+
+def _untrained(r: Run) -> str:
+    """The one line of a run that applied no update: why, and how it resumes."""
+    cfg = r.config
+    why = (
+        f"each of the {len(r.records)} rounds it ran was skipped (too few clients answered)" if r.records
+        else "it stopped before it applied any client's update"
+    )
+    if not cfg.checkpoint.every:
+        return f"the run trained nothing: {why}; no model was written (checkpoint.every is 0: start it again)"
+    command = "server" if cfg.transport.kind == "grpc" and cfg.launcher.kind == "local" else "run"
+    return (
+        f"the run trained nothing: {why}; no model was written, and the run resumes from its start: "
+        f"fedweave {command} --resume {r.run_dir}"
     )
 
 

@@ -51,9 +51,11 @@ def _serve_node(args: argparse.Namespace) -> int:
     try:
         install_signal_handlers()
         if args.command == "client":
-            from fedweave.nodes.client import run_client
+            from fedweave.nodes.client import run_client, site_overrides
 
-            run_client(config_mod.load(args.config, args.overrides), args.id, address=args.address, token=args.token)
+            local = site_overrides(args.site, data=args.data, device=args.device)  # this client's copy alone
+            config = config_mod.load(args.config, [*args.overrides, *local])
+            run_client(config, args.id, address=args.address, token=args.token)
             return 0
         if args.command == "site":
             from fedweave.nodes import site

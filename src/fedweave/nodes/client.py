@@ -2,19 +2,51 @@
 
 It serves its own id with a :class:`~fedweave.client.ClientRuntime` and keeps its own
 :class:`~fedweave.client.ClientStateStore`, so stateful algorithms work across rounds.
+A site says where its data is, which device trains and how many threads (``--data``,
+``--device``, or a site file, ``--site FILE``): :func:`site_overrides` turns them into dotted
+overrides of this client's own copy of the config, keys that never have to match the server's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
+from typing import Any
 
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.client import ClientStateStore
-from fedweave.config import Config
+from fedweave.config import Config, read_yaml
 from fedweave.errors import ConfigError
 from fedweave.topologies.emulated import emulated_handler
 
 log = logging.getLogger(__name__)
+
+SITE_KEYS = {"data": "task.dataset_options.path", "device": "local.device", "threads": "threads"}
+"""A site's own settings (a site file's keys, and the flags ``--data``, ``--device``) and the config key
+each one sets in that client's config."""
+
+
+def site_overrides(site_file: str | Path | None = None, data: str | None = None, device: str | None = None) -> list[str]:
+    """The dotted overrides of a client's site-local keys: those of ``site_file`` (a YAML mapping of
+    ``data``, ``device``, ``threads``; a relative ``data`` is in the file's folder), then ``data``
+    and ``device`` as given on the command line, which win."""
+    values = {} if site_file is None else _site_settings(Path(site_file))
+    values.update({key: value for key, value in (("data", data), ("device", device)) if value is not None})
+    return [f"{SITE_KEYS[key]}={json.dumps(value)}" for key, value in values.items()]
+
+
+def _site_settings(path: Path) -> dict[str, Any]:
+    """The settings of a site file, its keys checked, its relative data path made the file's folder's."""
+    values = read_yaml(path)
+    unknown = sorted(set(values) - set(SITE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"site file {str(path)!r}: key {unknown[0]!r} is not a site's own setting (allowed: {', '.join(SITE_KEYS)})"
+        )
+    if isinstance(values.get("data"), str) and not Path(values["data"]).is_absolute():
+        values["data"] = str(path.parent / values["data"])
+    return values
 
 
 def run_client(config: Config, client_id: int, *, address: str | None = None, token: str | None = None) -> int:
