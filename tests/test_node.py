@@ -157,3 +157,31 @@ def test_a_server_started_on_a_finished_he_run_writes_no_plaintext_model(tmp_pat
     again = torch.load(run_dir / rundir.SEALED_MODEL_FILE)
     assert again.keys() == sealed.keys() and all(torch.equal(again[k], sealed[k]) for k in sealed)
     assert not (run_dir / rundir.MODEL_FILE).exists()
+
+
+def test_a_second_server_on_a_run_directory_is_refused_while_the_first_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 5: the second `fedweave server` on the same --run-dir says which process writes
+    it, exits 1 and listens nowhere; the first keeps the run (it waits for its clients here)."""
+    from launchers.test_process import start, wait_for, write_config
+
+    from conftest import free_port
+    from fedweave.cli import main
+
+    config = write_config(tmp_path / "c.yaml", tmp_path / "hold", plugins={}, grpc={"join_timeout": 120})
+    run_dir, address = tmp_path / "run", tmp_path / "address"
+    first = start(["server", str(config), "--run-dir", str(run_dir), "--listen", "127.0.0.1:0",
+                   "--address-file", str(address), "-q"], tmp_path / "first.log")
+    try:
+        wait_for(address.exists, 120, "the first server to listen")
+        port = free_port()
+        assert main(["server", str(config), "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{port}", "-q"]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"fedweave: error: run directory '{run_dir}' is in use by process {first.pid}, which holds run.lock in "
+            "it; wait for that process to end or stop it, or choose another directory"
+        )
+        assert first.poll() is None
+    finally:
+        first.kill()
+        first.wait(10)

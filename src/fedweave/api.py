@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fedweave import config as config_mod
-from fedweave import runner
+from fedweave import rundir, runner
 from fedweave.config import Config
 
 
@@ -46,4 +46,6 @@ def resume(run_dir: str | Path) -> runner.Run:
     r = runner.resume(run_dir)
     if r.first_round <= r.config.rounds:
         runner.execute(r)
+    else:
+        rundir.release(r.run_dir)
     return r

@@ -201,3 +201,23 @@ def test_a_third_host_joining_gets_its_share_within_two_decisions(hosts: netns.H
     assert first["batch"][2] > 0 and first["adjustments"] - before[-1]["adjustments"] <= 2
     assert_each_epoch_covers_every_sample_once(written, 3)
     assert_matches_reference(run_dir, config)
+
+
+def test_a_second_job_on_the_run_directory_is_refused_by_its_first_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 item 5: rank 0 of a job writes its run directory; while another process does, rank 0
+    of a second job says which and leaves the directory untouched."""
+    from conftest import free_port
+    from fedweave import rundir
+    from test_rundir import held
+
+    _, config = write_config(tmp_path)
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with held(tmp_path / "run") as holder:
+        with pytest.raises(rundir.RunInUse, match=f"is in use by process {holder.pid}"):
+            torchrun.run(config, tmp_path / "run", environ)
+        assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]

@@ -118,6 +118,12 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
     members = list(range(env.world_size))
     device = torch.device(f"cuda:{env.local_rank}") if backend == "nccl" else torch.device("cpu")
     group = Group(None, env.restart_count, members, env.rank, backend, config.data_parallel.timeout, device)
+    if env.rank == 0:
+        try:
+            rundir.lock(path)  # the job's writer: a second job on the run directory is refused
+        except BaseException:
+            group.close()
+            raise
     if env.rank == 0 and not (path / CONFIG_FILE).exists():
         rundir.create(config, path)
     resume = load_checkpoint(path)["state"] if (path / CHECKPOINT).exists() else None
@@ -145,4 +151,5 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
         raise DataParallelError(f"worker {env.rank} stopped at step {worker.step}: {first_line(exc)}") from None
     finally:
         group.close()
+        rundir.release(path)
     return path
