@@ -318,3 +318,37 @@ def test_keys_and_certs_replace_nothing_without_force_and_never_what_a_run_uses(
         f"fedweave: error: certs: '{tmp_path / 'certs' / 'ca.pem'}' is a key of the run in 'runs/used' (its "
         "run.json), which it would lock out: not replaced, --force or not; write to another folder"
     )
+
+
+def test_status_and_report_on_corrupt_run_files_give_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 26 item 10: a config.yaml that is not YAML, a list, or nested too deep, and metrics
+    lines nested as deep or holding values of the wrong type, gave tracebacks; now one line and exit 2,
+    or the bad line left out (a note) when the rest of the run reads."""
+    import shutil
+
+    good = tmp_path / "good"
+    assert main(["run", *SMALL, "rounds=2", "--run-dir", str(good), "-q"]) == 0
+    deep = "[" * 1_500 + "]" * 1_500  # (past the interpreter's recursion limit, as 100,000 is, and quicker to read)
+    refused = {
+        "config.yaml": [(": : [", "config.yaml' line 1: not valid YAML"),
+                        ("- 1\n", "config.yaml': expected a mapping of keys at the top level"),
+                        (deep, "config.yaml': refused, it nests deeper than 100 levels")],
+        "metrics.jsonl": [('{"round": 3, "wall_time": Infinity, "train_loss": [1]}\n',
+                           "its config or metrics hold a value fedweave does not write")],
+    }
+    for name, cases in refused.items():
+        for k, (text, why) in enumerate(cases):
+            run = tmp_path / f"{name}-{k}"
+            shutil.copytree(good, run)
+            with (run / name).open("w" if name == "config.yaml" else "a") as f:
+                f.write(text)
+            for command in ("status", "report") if k == 0 else ("status",):  # (both read through load_run)
+                assert main([command, str(run)]) == 2, (command, name, k)
+                assert why in one_line_error(capsys), (command, name, k)
+    run = tmp_path / "left-out"
+    shutil.copytree(good, run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(deep + '\n{"round": "x", "wall_time": "b"}\n')
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "line 3 is not JSON; left out" in out and "line 4 has no round or step number; left out" in out

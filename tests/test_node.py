@@ -185,3 +185,18 @@ def test_a_second_server_on_a_run_directory_is_refused_while_the_first_runs(
     finally:
         first.kill()
         first.wait(10)
+
+
+def test_fedweave_site_on_a_star_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 26 item 10: `fedweave site` on a config without sites ended in a traceback."""
+    from fedweave.cli import main
+
+    path = tmp_path / "star.yaml"
+    path.write_text("name: star\nclients: 2\ntransport: grpc\n")
+    for rank in ("0", "1"):
+        assert main(["site", str(path), "--site", "0", "--rank", rank]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "fedweave: error: config key 'topology.kind': `fedweave site` runs a site of a hierarchical topology "
+            "with inner torchdist over transport grpc; this config has topology 'star' over 'grpc' (its clients are "
+            "`fedweave client` nodes, or run inside `fedweave run`)"
+        )

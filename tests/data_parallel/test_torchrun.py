@@ -221,3 +221,20 @@ def test_a_second_job_on_the_run_directory_is_refused_by_its_first_worker(
         with pytest.raises(rundir.RunInUse, match=f"is in use by process {holder.pid}"):
             torchrun.run(config, tmp_path / "run", environ)
         assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]
+
+
+def test_a_rank_outside_the_world_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """Issue 26 item 10: `fedweave worker` with RANK >= WORLD_SIZE (or a rank that is no number) ended
+    in a traceback."""
+    from fedweave.cli import main
+
+    path, _ = write_config(tmp_path)
+    base = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for rank, why in [("3", "RANK=3 is not a rank of a world of WORLD_SIZE=2 (ranks 0..1)"),
+                      ("x", "RANK='x': torchrun sets it to a whole number 0 or more")]:
+        for name, value in {**base, "RANK": rank}.items():
+            monkeypatch.setenv(name, value)
+        assert main(["worker", str(path), "--run-dir", str(tmp_path / "run")]) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"fedweave: error: {why}"]
+    assert not (tmp_path / "run").exists()
