@@ -50,3 +50,42 @@ def test_pack_then_unpack_of_one_member_is_that_member_alone(members: int) -> No
     assert unpacked == StepTail(
         loss=0.5, compute=[*zeros, 3.0], wait=[*zeros, 0.25], oom=[0.0] * members, seen=[*zeros, 7.0]
     )
+
+
+def test_batch_norm_statistics_are_the_b_i_weighted_mean_of_the_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 26 item 12: running statistics are averaged with the gradients, each worker's weighted by
+    b_i / B. Inputs normalised first, the statistics follow from the samples each worker took at
+    each step (unequal, speeds 1:2:4): r ← (1 − m) r + m Σ_i (b_i / B) stat(chunk_i), the variance
+    unbiased per chunk, as BatchNorm keeps it. Equal weights, or no averaging (each worker its own,
+    rank 0's model saved), give other statistics."""
+    from fedweave import config as config_mod
+    from fedweave import data_parallel
+    from fedweave.batching.sampler import GlobalSampler
+    from fedweave.task import load_dataset
+
+    config = config_mod.load(None, [
+        "mode=data_parallel", "task.dataset=synthetic", "task.dataset_options={samples: 300, features: 4, classes: 3}",
+        "task.model=data_parallel.models:input_bn_mlp64", "task.model_options={hidden: [8]}",
+        "data_parallel.workers=3", "data_parallel.global_batch=60", "data_parallel.epochs=2", "data_parallel.log_every=1",
+        "data_parallel.timeout=10", "data_parallel.controller.every=2", "heterogeneity.speeds=[1, 2, 4]",
+    ])
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    ds = load_dataset(config.task.dataset, seed=config.seed, test_fraction=config.task.test_fraction,
+                      options=config.task.dataset_options)
+    x = ds.x_train.double()
+    sampler = GlobalSampler(len(ds.y_train), config.seed)
+    mean, var, m = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 0.1
+    sizes_seen = set()
+    for record in records:
+        sizes = [round(b) for b in record["batch"]]
+        sizes_seen.add(tuple(sizes))
+        total = sum(sizes)
+        chunks = [x[torch.from_numpy(i)] for i in sampler.take(sizes)]
+        mean = (1 - m) * mean + m * sum(len(c) / total * c.mean(0) for c in chunks)
+        var = (1 - m) * var + m * sum(len(c) / total * c.var(0, unbiased=True) for c in chunks)
+        sampler.advance(total)
+    assert [r["step"] for r in records] == list(range(1, 9))  # every step (240 samples, 60 a step, 2 epochs)
+    assert any(len(set(s)) > 1 for s in sizes_seen)  # unequal b_i
+    saved = torch.load(tmp_path / "run" / "model.pt")
+    torch.testing.assert_close(saved["inner.0.running_mean"], mean, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(saved["inner.0.running_var"], var, rtol=1e-9, atol=1e-12)

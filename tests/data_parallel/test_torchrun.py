@@ -201,3 +201,40 @@ def test_a_third_host_joining_gets_its_share_within_two_decisions(hosts: netns.H
     assert first["batch"][2] > 0 and first["adjustments"] - before[-1]["adjustments"] <= 2
     assert_each_epoch_covers_every_sample_once(written, 3)
     assert_matches_reference(run_dir, config)
+
+
+def test_a_second_job_on_the_run_directory_is_refused_by_its_first_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 item 5: rank 0 of a job writes its run directory; while another process does, rank 0
+    of a second job says which and leaves the directory untouched."""
+    from conftest import free_port
+    from fedweave import rundir
+    from test_rundir import held
+
+    _, config = write_config(tmp_path)
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with held(tmp_path / "run") as holder:
+        with pytest.raises(rundir.RunInUse, match=f"is in use by process {holder.pid}"):
+            torchrun.run(config, tmp_path / "run", environ)
+        assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]
+
+
+def test_a_rank_outside_the_world_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """Issue 26 item 10: `fedweave worker` with RANK >= WORLD_SIZE (or a rank that is no number) ended
+    in a traceback."""
+    from fedweave.cli import main
+
+    path, _ = write_config(tmp_path)
+    base = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for rank, why in [("3", "RANK=3 is not a rank of a world of WORLD_SIZE=2 (ranks 0..1)"),
+                      ("x", "RANK='x': torchrun sets it to a whole number 0 or more")]:
+        for name, value in {**base, "RANK": rank}.items():
+            monkeypatch.setenv(name, value)
+        assert main(["worker", str(path), "--run-dir", str(tmp_path / "run")]) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"fedweave: error: {why}"]
+    assert not (tmp_path / "run").exists()

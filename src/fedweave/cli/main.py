@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from fedweave.cli.keys import decrypt, make_keys
+from fedweave.cli.keys import decrypt, make_certs, make_keys
 from fedweave.cli.listing import list_builtins, schema
 from fedweave.cli.nodes import deploy, join, node_command, worker
 from fedweave.cli.outcome import report
@@ -41,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
             return show_status(args.run_dir)
         if args.command == "keys":
             return make_keys(args)
+        if args.command == "certs":
+            return make_certs(args)
         if args.command == "decrypt":
             return decrypt(args.run_dir, args.keys)
         if args.command == "join":
             return join(args)
         if args.command == "worker":
             return worker(args)
-        if args.command in ("server", "client", "site", "certs"):
+        if args.command in ("server", "client", "site"):
             return node_command(args)
         if args.command == "deploy":
             return deploy(args)

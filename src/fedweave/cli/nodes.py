@@ -1,4 +1,4 @@
-"""The nodes of a deployment, each a process of its own: ``server``, ``client``, ``site``, ``certs``,
+"""The nodes of a deployment, each a process of its own: ``server``, ``client``, ``site``,
 ``worker`` and ``join`` (data-parallel), and ``deploy`` (the manifests that start them on a cluster)."""
 
 from __future__ import annotations
@@ -16,14 +16,7 @@ from fedweave.errors import ConfigError
 
 
 def node_command(args: argparse.Namespace) -> int:
-    """``fedweave server`` / ``client`` / ``certs``."""
-    if args.command == "certs":
-        from fedweave.transports.grpc.certs import DEFAULT_HOSTS, make_credentials
-
-        out = make_credentials(args.out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites)
-        sites = f" and {args.sites} site leaders" if args.sites else ""
-        print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
-        return 0
+    """``fedweave server`` / ``client`` / ``site``."""
     from fedweave.nodes.signals import PARENT_ENV
 
     log_to_stderr(level=args.log_level)

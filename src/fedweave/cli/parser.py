@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--out", required=True, metavar="DIR", help="folder to write secret.ctx and public.ctx into")
     keys.add_argument("--poly-degree", type=int, default=8192, choices=(8192, 16384), help="CKKS ring degree")
     keys.add_argument("--scale-bits", type=int, default=40, help="CKKS scale 2^bits (20..50)")
+    _replacing_flags(keys, "keys")
 
     decrypt = sub.add_parser(
         "decrypt",
@@ -179,3 +180,16 @@ def _node_parsers(sub: Any) -> None:
         "--host", action="append", metavar="NAME", help="server host name or IP (repeatable; default localhost, 127.0.0.1, ::1)"
     )
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    _replacing_flags(certs, "credentials")
+
+
+def _replacing_flags(command: argparse.ArgumentParser, what: str) -> None:
+    """``--force`` and ``--runs`` of the commands that write secrets (see fedweave.cli.keys)."""
+    command.add_argument(
+        "--force", action="store_true",
+        help=f"replace the {what} DIR holds already (never those a run directory records in its run.json)",
+    )
+    command.add_argument(
+        "--runs", action="append", metavar="PATH",
+        help=f"a run directory, or a folder of them, whose {what} --force must not replace (repeatable; default runs)",
+    )

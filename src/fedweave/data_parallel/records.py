@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fedweave import rundir
-from fedweave.checkpoint import CHECKPOINT, atomic_save, checkpoint_type
+from fedweave.checkpoint import checkpoint_type, save_state
 from fedweave.config import Config
 from fedweave.observe.metrics import read_metrics
 from fedweave.training import LocalOptimizer, LossFn
@@ -95,7 +95,7 @@ def evaluation(config: Config, model: nn.Module, dataset: Dataset, loss_fn: Loss
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> None:
     """The run's checkpoint after ``step``: ``state`` is what the run resumes from."""
-    atomic_save({"mode": "data_parallel", "round": step, "state": state}, run_dir / CHECKPOINT)
+    save_state(run_dir, {"mode": "data_parallel", "round": step, "state": state})
 
 
 def save_model(model: nn.Module, run_dir: Path) -> None:

@@ -71,7 +71,13 @@ class TorchrunEnv:
                 f"not started by torchrun: {', '.join(missing)} unset (run `torchrun ... -m fedweave.data_parallel "
                 "CONFIG`)"
             )
-        return cls(
+        numbers = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "GROUP_RANK": "0",
+                   "TORCHELASTIC_RESTART_COUNT": "0"}
+        for name, default in numbers.items():
+            value = environ.get(name, default)
+            if value is None or not (value.isascii() and value.isdigit()):
+                raise DataParallelError(f"{name}={value!r}: torchrun sets it to a whole number 0 or more")
+        env = cls(
             rank=int(environ["RANK"]),
             world_size=int(environ["WORLD_SIZE"]),
             local_rank=int(environ["LOCAL_RANK"]),
@@ -79,6 +85,10 @@ class TorchrunEnv:
             restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"),
         )
+        if env.rank >= env.world_size:
+            raise DataParallelError(f"RANK={env.rank} is not a rank of a world of WORLD_SIZE={env.world_size} "
+                                    f"(ranks 0..{env.world_size - 1})")
+        return env
 
 
 def agreed_run_dir(config: Config, env: TorchrunEnv, run_dir: str | Path | None = None) -> Path:
@@ -118,6 +128,12 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
     members = list(range(env.world_size))
     device = torch.device(f"cuda:{env.local_rank}") if backend == "nccl" else torch.device("cpu")
     group = Group(None, env.restart_count, members, env.rank, backend, config.data_parallel.timeout, device)
+    if env.rank == 0:
+        try:
+            rundir.lock(path)  # the job's writer: a second job on the run directory is refused
+        except BaseException:
+            group.close()
+            raise
     if env.rank == 0 and not (path / CONFIG_FILE).exists():
         rundir.create(config, path)
     resume = load_checkpoint(path)["state"] if (path / CHECKPOINT).exists() else None
@@ -145,4 +161,5 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
         raise DataParallelError(f"worker {env.rank} stopped at step {worker.step}: {first_line(exc)}") from None
     finally:
         group.close()
+        rundir.release(path)
     return path
