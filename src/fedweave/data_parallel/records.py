@@ -67,12 +67,21 @@ class Window:
     comm_steps: int = 0
     step_time: float = 0.0  # this worker's wall time per step (rank 0's is what is logged)
     controller_time: float = 0.0
+    skipped: int = 0  # steps whose gradient was refused: no update, no loss counted
+    skipped_samples: int = 0
 
-    def add(self, sizes: Mapping[int, int], times: Mapping[int, float], loss: float, comm: float | None) -> None:
+    def add(
+        self, sizes: Mapping[int, int], times: Mapping[int, float], loss: float, comm: float | None,
+        skipped: bool = False,
+    ) -> None:
         self.steps += 1
         total = sum(sizes.values())
         self.samples += total
-        self.loss += loss * total
+        if skipped:
+            self.skipped += 1
+            self.skipped_samples += total
+        else:
+            self.loss += loss * total
         slowest = max(times.values())
         for w in sizes:
             self.taken[w] = self.taken.get(w, 0) + 1
