@@ -121,6 +121,12 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def deploy(args: argparse.Namespace) -> int:
+    if args.target == "image":
+        from fedweave.deploy.image import write_context
+
+        path = write_context(args.code, args.extras.split(","), args.out, args.base)
+        print(f"build context in {path.parent}; build it with: docker build -t REGISTRY/NAME:TAG {path.parent}")
+        return 0
     from fedweave.deploy.kubernetes import render_args
 
     rendered = render_args(args)
