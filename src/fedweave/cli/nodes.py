@@ -133,4 +133,6 @@ def deploy(args: argparse.Namespace) -> int:
     print(f"manifests of {rendered.name} in {rendered.out}; apply one with kubectl apply -k:")
     for path in rendered.kustomizations:
         print(f"  {path.parent}")
+    for note in rendered.notes:
+        print(f"fedweave deploy k8s: {note}", file=sys.stderr)
     return 0
