@@ -86,7 +86,7 @@ def test_a_derived_image_holds_the_users_modules_and_the_pinned_extras(tmp_path:
     (code / "mypkg" / "data.py").write_text("def load():\n    return 'mine'\n")
     (code / "mypkg" / "__pycache__" / "data.cpython-311.pyc").write_bytes(b"\0")
     out = tmp_path / "context"
-    assert cli.main(["deploy", "image", "--code", str(code), "--extras", "prometheus,mlflow", "--out", str(out),
+    assert cli.main(["deploy", "image", "--code", str(code), "--extras", "prometheus,tensorboard", "--out", str(out),
                      "--base", "registry.example/fedweave:0.1.0"]) == 0
     assert f"docker build -t REGISTRY/NAME:TAG {out}" in capsys.readouterr().out
     assert findings(out / "Dockerfile") == []
@@ -94,7 +94,7 @@ def test_a_derived_image_holds_the_users_modules_and_the_pinned_extras(tmp_path:
     assert lines[:2] == ["ARG BASE_IMAGE=registry.example/fedweave:0.1.0", "FROM ${BASE_IMAGE}"]
     installed = next(i for i, line in enumerate(lines) if "pip install" in line)
     extras = pyproject_extras()
-    assert lines[installed + 1].split() == [*extras["prometheus"], *extras["mlflow"]]  # pyproject's pins, in order
+    assert lines[installed + 1].split() == [*extras["prometheus"], *extras["tensorboard"]]  # pyproject's pins, in order
     assert f"COPY code {image.CODE_DIR}" in lines and f"ENV PYTHONPATH={image.CODE_DIR}" in lines
     assert lines[-1] == "USER 10001:10001"  # the image's non-root user again
     copied = sorted(str(p.relative_to(out / "code")) for p in (out / "code").rglob("*"))
