@@ -22,6 +22,10 @@ job loses when no worker could save), the controller replans over the new world,
 training goes on from the sampler's saved position, so each epoch still covers every
 sample once. The in-place re-formation of :mod:`fedweave.data_parallel.elastic` stays the
 path of a job whose workers one launcher started on one host.
+
+Each host's torchrun agent is best started by ``fedweave worker CONFIG --nnodes N
+--rdzv-endpoint HOST:PORT`` (:mod:`fedweave.deploy.torchrun`), which works where a machine's
+hostname resolves to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ log = logging.getLogger(__name__)
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets for every worker (and ``env://`` reads)."""
+
+
+class WorkerStopped(DataParallelError):
+    """This worker stopped with the job's state saved (its group broke, or torchrun stopped it):
+    torchrun starts the workers again, within ``--max-restarts``."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,8 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
         if env.local_rank == 0 and (path / CONFIG_FILE).exists() and worker.step > saved_step(path):
             save_checkpoint(path, worker.step, worker.state_dict())
             log.info("worker %d: saved the job's state after step %d", env.rank, worker.step)
-        raise DataParallelError(f"worker {env.rank} stopped at step {worker.step}: {first_line(exc)}") from None
+        raise WorkerStopped(f"worker {env.rank} stopped at step {worker.step}: {first_line(exc)}; torchrun "
+                            "starts the workers again (within --max-restarts)") from None
     finally:
         group.close()
         rundir.release(path)
