@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # `fedweave run -q CONFIG rounds=5` and `fedweave run CONFIG -q rounds=5` mean the same:
     # overrides that follow an option arrive here, not in args.overrides.
-    if getattr(args, "command", None) in ("run", "server", "client", "site", "deploy", "worker"):
+    if getattr(args, "command", None) in ("run", "sweep", "server", "client", "site", "deploy", "worker"):
         stray = [e for e in extra if "=" in e and not e.startswith("-")]
         args.overrides = [*args.overrides, *stray]
         extra = [e for e in extra if e not in stray]
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         check_node_flags(args)
         if args.command == "run":
             return run(args)
+        if args.command == "sweep":
+            from fedweave.cli.sweep import run_sweep
+
+            return run_sweep(args)
         if args.command == "schema":
             return schema(args.prefix)
         if args.command == "report":

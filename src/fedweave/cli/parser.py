@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--run-dir", metavar="DIR", help="the job's run directory (default: "
                         "<output_dir>/<name>-<rendezvous id>), on storage every host sees")
     worker.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
+    from fedweave.cli.sweep import add_parser as add_sweep
+
+    add_sweep(sub)
     _node_parsers(sub)
     deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
     targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)

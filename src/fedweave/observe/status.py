@@ -10,7 +10,7 @@ from pathlib import Path
 from fedweave.observe.compare import accuracies, progress
 from fedweave.observe.figures import elapsed
 from fedweave.observe.progress import remaining
-from fedweave.observe.rundata import METRICS_FILE, RunData
+from fedweave.observe.rundata import METRICS_FILE, MODEL_FILES, RunData, load_run
 
 
 def fraction_done(run: RunData) -> float | None:
@@ -24,6 +24,20 @@ def fraction_done(run: RunData) -> float | None:
     if run.data_parallel and epochs and last.get("epoch") is not None:
         return min(last["epoch"] / epochs, 1.0)
     return None
+
+
+def finished(run_dir: str | Path) -> bool:
+    """Whether the run in ``run_dir`` is finished: its model written and its metrics at its last
+    round or step (or, data-parallel by epochs, its last epoch)."""
+    path = Path(run_dir)
+    if not any((path / name).is_file() for name in MODEL_FILES):
+        return False
+    try:
+        run = load_run(path)
+    except FileNotFoundError:
+        return False
+    done = fraction_done(run)
+    return done is not None and done >= 1
 
 
 def eta(run: RunData) -> float | None:
