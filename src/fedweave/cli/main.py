@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "schema":
             return schema(args.prefix)
         if args.command == "report":
-            return write_report(args.run_dirs, args.out, args.target)
+            return write_report(args.run_dirs, args.out, args.target, args.figures, args.band)
         if args.command == "status":
             return show_status(args.run_dir)
         if args.command == "keys":

@@ -4,7 +4,9 @@ configs (``strategy=fedprox, local.lr=0.1``), not by folder names.
 
 A config is compared as its dotted leaf keys; the keys that name or place a run (``seed``,
 ``name``, ``output_dir``) are left out, and so are the keys some configs lack when a key they all
-have differs (fedprox's ``strategy.mu`` follows from ``strategy.name``). A key ``X.name`` is shown
+have differs (fedprox's ``strategy.mu`` follows from ``strategy.name``); where no key they all
+have differs, a group is named by the keys its config has that differ between the configs having
+them, else by the keys only it has. A key ``X.name`` is shown
 as ``X`` (``strategy.name`` reads ``strategy``)."""
 
 from __future__ import annotations
@@ -73,17 +75,22 @@ def group_runs(runs: Sequence[RunData]) -> list[Group]:
         identities[key] = ident
     idents = list(identities.values())
     keys = list(dict.fromkeys(k for ident in idents for k in ident))
-    differing = [k for k in keys if len({json.dumps(i.get(k), sort_keys=True, default=str) for i in idents}) > 1]
-    everywhere = [k for k in differing if all(k in i for i in idents)]
-    differing = everywhere or differing  # a key only some configs have follows from a choice (a strategy's mu)
-    groups = []
+    differing = [k for k in keys if _differs(k, idents)]
+    everywhere = [k for k in differing if all(k in i for i in idents)]  # a key only some configs have
+    groups = []                                                           # follows from a choice (fedprox's mu)
     for key, members in keyed.items():
         ident = identities[key]
-        label = ", ".join(f"{shown_key(k)}={shown_value(ident.get(k))}" for k in differing)
+        having = [k for k in differing if k in ident]
+        shown = everywhere or [k for k in having if _differs(k, [i for i in idents if k in i])] or having
+        label = ", ".join(f"{shown_key(k)}={shown_value(ident[k])}" for k in shown)
         if not label or len(label) > LONGEST_LABEL:
             label = ", ".join(dict.fromkeys(r.name for r in members))
         groups.append(Group(label, members))
     return groups
+
+
+def _differs(key: str, idents: Sequence[Mapping[str, Any]]) -> bool:
+    return len({json.dumps(i.get(key), sort_keys=True, default=str) for i in idents}) > 1
 
 
 @dataclass
