@@ -71,13 +71,17 @@ def total(value: Any) -> Any:
 
 
 def elapsed(records: Sequence[Record], data_parallel: bool) -> list[float]:
-    """Seconds since the run started at the end of each record. A federated record's
-    ``wall_time`` is its round's time (summed here); a data-parallel one's is the time since
-    its workers started (a resumed run starts again from 0: stitched on to the last)."""
+    """Seconds since the run started at the end of each record (docs/metrics.md, Time). A federated
+    record's ``elapsed`` is that, its start-up included; a record written before fedweave recorded it
+    counts the sum of the rounds' ``wall_time`` so far. A data-parallel record's ``wall_time`` is the
+    time since its workers started (a resumed run starts again from 0: stitched on to the last)."""
     out, total, offset, last = [], 0.0, 0.0, 0.0
     for r in records:
         wall = r.get("wall_time") or 0.0
-        if data_parallel:
+        if not data_parallel and r.get("elapsed") is not None:
+            total = r["elapsed"]
+            out.append(total)
+        elif data_parallel:
             if wall < last:
                 offset += last
             last = wall
