@@ -20,7 +20,10 @@ Runs, for the same number of client updates (rounds x 10 / K server steps for Fe
   steps, weigh more);
 - ``fedbuff``: buffered asynchronous aggregation, K = ``--buffer`` of 10 concurrent
   clients, staleness 1/sqrt(1 + t), fixed local epochs;
-- ``fedbuff+adaptive``: the same with the adaptive controller.
+- ``fedbuff+adaptive``: the same with the adaptive controller;
+- ``uniform-k3``: 3 of the 10 clients a round (``sample_fraction: 0.3``), drawn uniformly;
+- ``oort-k3``: 3 a round chosen by Oort (``selection: oort``: high training loss, fast clients,
+  a decaying share exploring): the same number of rounds, so fewer client updates than ``fixed``.
 
 Printed: mean virtual time per round after the first (the controller measures in the
 first), the virtual time to reach each test-accuracy target and its ratio to
@@ -65,6 +68,8 @@ RUNS = {
     "adaptive+fedavg": ["controller=adaptive"],
     "fedbuff": ["asynchronous.enabled=true"],
     "fedbuff+adaptive": ["asynchronous.enabled=true", "controller=adaptive"],
+    "uniform-k3": ["sample_fraction=0.3"],
+    "oort-k3": ["sample_fraction=0.3", "selection=oort"],
 }
 
 

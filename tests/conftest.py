@@ -87,13 +87,13 @@ def assert_same_params(a: Params, b: Params, atol: float = 0.0) -> None:
 
 
 def comparable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records without the measured times (wall time, round time, each client's compute and
+    """Records without the measured times (wall time, round time, elapsed, each client's compute and
     idle time), for exact comparison."""
     return [
         {
             k: [{f: x for f, x in c.items() if f not in ("compute", "idle")} for c in v] if k == "clients" and v else v
             for k, v in r.items()
-            if k not in ("wall_time", "round_time")
+            if k not in ("wall_time", "round_time", "elapsed")
         }
         for r in records
     ]

@@ -44,17 +44,22 @@ def test_run_returns_the_records_model_and_directory_the_cli_writes(tmp_path: Pa
     assert_same_params(rundir.load_model(tmp_path / "cli"), r.params)
 
 
-def test_resume_continues_an_interrupted_run_to_the_same_end(tmp_path: Path) -> None:
-    path = small_yaml(tmp_path)
-    whole = fedweave.run(path, tmp_path / "whole")
-    interrupted = runner.prepare(fedweave.load_config(path), tmp_path / "cut")
+def interrupt(path: Path, run_dir: Path, after: int) -> None:
+    """Run the config at ``path`` in ``run_dir`` and stop it after round ``after``, as Ctrl-C would."""
+    interrupted = runner.prepare(fedweave.load_config(path), run_dir)
 
-    def stop_after_round_1(record: dict) -> None:
-        if record["round"] == 1:
+    def stop(record: dict) -> None:
+        if record["round"] == after:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        runner.execute(interrupted, stop_after_round_1)
+        runner.execute(interrupted, stop)
+
+
+def test_resume_continues_an_interrupted_run_to_the_same_end(tmp_path: Path) -> None:
+    path = small_yaml(tmp_path)
+    whole = fedweave.run(path, tmp_path / "whole")
+    interrupt(path, tmp_path / "cut", 1)
     resumed = fedweave.resume(tmp_path / "cut")
     assert [x["round"] for x in resumed.records] == [1, 2, 3]
     assert comparable(resumed.records) == comparable(whole.records)
@@ -79,3 +84,18 @@ def test_run_and_resume_dispatch_a_data_parallel_config_by_its_mode(tmp_path: Pa
     assert (tmp_path / "dp" / rundir.MODEL_FILE).is_file()
     again = fedweave.resume(tmp_path / "dp")  # finished: nothing to do
     assert isinstance(again, DataParallelRun) and again.finished and again.records == r.records
+def test_on_round_sees_each_record_and_progress_draws_the_line(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = small_yaml(tmp_path)
+    seen: list[dict] = []
+    quiet = fedweave.run(path, tmp_path / "quiet", on_round=seen.append)
+    assert seen == quiet.records and capsys.readouterr().err == ""  # nothing printed by default
+    loud = fedweave.run(path, tmp_path / "loud", progress=True)
+    err = capsys.readouterr().err
+    assert [line.split("/")[0] for line in err.splitlines()] == ["round 1", "round 2", "round 3"]  # not a tty
+    assert len(loud.records) == 3
+    # resume takes them too: the rounds after the checkpoint, each once
+    interrupt(path, tmp_path / "cut", 2)
+    later: list[int] = []
+    fedweave.resume(tmp_path / "cut", on_round=lambda record: later.append(record["round"]))
+    assert later == [3]

@@ -30,3 +30,18 @@ def test_grpc_processes_match_the_in_memory_run(strategy: str, tmp_path: Path) -
             assert (a.get(key) is None) == (b.get(key) is None), key
             if a.get(key) is not None:
                 assert b[key] == pytest.approx(a[key], abs=1e-6), key
+
+
+def test_power_of_choice_over_grpc_selects_as_in_memory_and_bytes_are_payload_and_wire(tmp_path: Path) -> None:
+    """The losses it ranks by come from the clients' updates, counted for their authenticated ids: the
+    same clients train in every round. bytes_* are the payload, equal in both; gRPC adds wire_bytes_*."""
+    overrides = ["clients=4", "rounds=3", "sample_fraction=0.5", "selection=power_of_choice",
+                 "task.partition={scheme: dirichlet, alpha: 0.3}"]
+    memory, memory_records = run_to_end(tmp_path / "memory", *overrides)
+    grpc, grpc_records = run_to_end(tmp_path / "grpc", *overrides, "transport=grpc", "launcher=process")
+    assert_same_params(memory, grpc, atol=1e-5)
+    for a, b in zip(memory_records, grpc_records, strict=True):
+        assert [c["id"] for c in b["clients"]] == [c["id"] for c in a["clients"]]
+        assert (b["bytes_sent"], b["bytes_received"]) == (a["bytes_sent"], a["bytes_received"])
+        assert b["wire_bytes_sent"] > b["bytes_sent"] and b["wire_bytes_received"] > b["bytes_received"]
+        assert "wire_bytes_sent" not in a

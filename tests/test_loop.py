@@ -15,7 +15,18 @@ import torch
 from fedweave.batching.controller import StaticController
 from fedweave.config import AggregationConfig
 from fedweave.batching.selection import sample_clients
-from fedweave.loop import RECORD_KEYS, AcceptedRounds, Record, RoundParts, federated_evaluate, listed, run, train_round
+from fedweave.loop import (
+    RECORD_KEYS,
+    AcceptedRounds,
+    Record,
+    RoundParts,
+    add_evaluation_traffic,
+    federated_evaluate,
+    listed,
+    run,
+    traffic_counts,
+    train_round,
+)
 from fedweave.errors import RoundError
 from fedweave.plugins.chain import Chain, Chains, PluginContext
 from fedweave.plugins.compression.topk import TopK, TopKParams
@@ -404,6 +415,8 @@ def test_federated_evaluation_is_weighted_by_test_examples() -> None:
     assert record == {
         "eval_bytes_sent": 0,
         "eval_bytes_received": 0,
+        "eval_wire_bytes_sent": 0,
+        "eval_wire_bytes_received": 0,
         "federated_accuracy": pytest.approx((10 * 0.5 + 30 * 0.9) / 40, abs=1e-12),
         "federated_loss": pytest.approx((10 * 1.0 + 30 * 0.2) / 40, abs=1e-12),
     }
@@ -692,3 +705,14 @@ def test_a_compressed_update_whose_layout_is_not_the_model_s_is_refused_before_i
     assert (f"update of client 2 rejected: the layout of 'w' is torch.float64 ({big},), the model's torch.float64 (2,)"
             in caplog.text)
     assert_w(params, (1 * 1 + 2 * 2 + 4 * 4) / 7)
+
+
+def test_wire_bytes_are_recorded_only_where_a_network_carried_them() -> None:
+    simulated = {"bytes_sent": 10, "bytes_received": 4, "wire_bytes_sent": 0, "wire_bytes_received": 0}
+    assert traffic_counts(simulated) == {"bytes_sent": 10, "bytes_received": 4}
+    deployed = {"bytes_sent": 10, "bytes_received": 4, "wire_bytes_sent": 25, "wire_bytes_received": 9}
+    assert traffic_counts(deployed) == deployed
+    record = {"bytes_sent": 10, "bytes_received": 4, "eval_bytes_sent": 3, "eval_bytes_received": 1,
+              "eval_wire_bytes_sent": 7, "eval_wire_bytes_received": 2}
+    add_evaluation_traffic(record)
+    assert record == {"bytes_sent": 13, "bytes_received": 5, "wire_bytes_sent": 7, "wire_bytes_received": 2}

@@ -1,23 +1,29 @@
-"""The Python API: load a config, run it, resume it, from a notebook or a script.
+"""The Python API: load a config, run it, resume it, sweep it, from a notebook or a script.
 
-The three functions are exported by the package itself (``fedweave.load_config``,
-``fedweave.run``, ``fedweave.resume``) and do what ``fedweave run`` does, without
-printing: a run writes the same run directory (config, metrics.jsonl, checkpoints,
-final model) and returns the run: a federated :class:`~fedweave.runner.Run`, whose ``records`` are
+The functions are exported by the package itself (``fedweave.load_config``,
+``fedweave.run``, ``fedweave.resume``, ``fedweave.sweep``) and do what ``fedweave run``
+does: a run writes the same run directory (config, metrics.jsonl, checkpoints, final
+model) and returns the run: a federated :class:`~fedweave.runner.Run`, whose ``records`` are
 the rounds' metric lines, ``params`` the final global model and ``run_dir`` its directory, or, for
 ``mode: data_parallel``, the :class:`~fedweave.data_parallel.DataParallelRun` of
 :mod:`fedweave.data_parallel` (its ``records`` the metrics windows), as ``fedweave run`` dispatches.
+In a federated run ``on_round(record)`` is called with each round's record as it is written;
+``progress=True`` draws the progress line of ``fedweave run`` on stderr (nothing is printed otherwise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from fedweave import config as config_mod
 from fedweave import data_parallel, rundir, runner
 from fedweave.config import Config
 from fedweave.data_parallel import DataParallelRun
+
+OnRound = Callable[[dict[str, Any]], None]
 
 
 def load_config(source: str | Path | Mapping | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -32,10 +38,11 @@ def load_config(source: str | Path | Mapping | None = None, overrides: Sequence[
     return config_mod.from_dict(config_mod.apply_overrides(data, list(overrides)))
 
 
-def run(config: Config | str | Path | Mapping, run_dir: str | Path | None = None) -> runner.Run | DataParallelRun:
+def run(config: Config | str | Path | Mapping, run_dir: str | Path | None = None, *,
+        on_round: OnRound | None = None, progress: bool = False) -> runner.Run | DataParallelRun:
     """Run ``config`` (a Config, or what :func:`load_config` takes) to its end in a new run directory
     (``run_dir``, or ``<output_dir>/<name>-<time>``), federated or data-parallel by its ``mode``; the
-    finished run."""
+    finished run. ``on_round`` and ``progress`` follow the rounds of a federated run."""
     if not isinstance(config, Config):
         config = load_config(config)
     where = None if run_dir is None else Path(run_dir)
@@ -44,11 +51,12 @@ def run(config: Config | str | Path | Mapping, run_dir: str | Path | None = None
         data_parallel.execute(dp)
         return dp
     r = runner.prepare(config, where)
-    runner.execute(r)
+    runner.execute(r, _callback(r, on_round, progress))
     return r
 
 
-def resume(run_dir: str | Path) -> runner.Run | DataParallelRun:
+def resume(run_dir: str | Path, *, on_round: OnRound | None = None,
+           progress: bool = False) -> runner.Run | DataParallelRun:
     """Continue the run saved in ``run_dir`` after its last checkpoint, to its end; the finished run,
     whose ``records`` hold every round (or step window), those before the interruption too."""
     if rundir.saved_config(Path(run_dir)).mode == "data_parallel":
@@ -57,7 +65,26 @@ def resume(run_dir: str | Path) -> runner.Run | DataParallelRun:
         return dp
     r = runner.resume(run_dir)
     if r.first_round <= r.config.rounds:
-        runner.execute(r)
+        runner.execute(r, _callback(r, on_round, progress))
     else:
         rundir.release(r.run_dir)
     return r
+
+
+def _callback(r: runner.Run, on_round: OnRound | None, progress: bool) -> OnRound | None:
+    """What :func:`runner.execute` calls per record: the progress line, then ``on_round``."""
+    if not progress:
+        return on_round
+    from fedweave.observe.progress import ProgressBar
+
+    bar = ProgressBar(r.config.rounds, sys.stderr, start_round=r.first_round - 1)
+
+    def both(record: dict[str, Any]) -> None:
+        bar.update(record)
+        if on_round is not None:
+            on_round(record)
+
+    return both
+
+
+__all__ = ["load_config", "resume", "run"]

@@ -67,6 +67,7 @@ from fedweave.loop import (
     RoundParts,
     absent_clients,
     accept_updates,
+    add_evaluation_traffic,
     bound_weights,
     encode_instructions,
     evaluate_round,
@@ -424,8 +425,7 @@ def _step(
     record.update(parts.chains.metrics())
     record.update(strategy_metrics(parts.strategy))
     record.update(evaluate_round(parts, server.version, params, last_round))
-    record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
-    record["bytes_received"] += record.pop("eval_bytes_received", 0)
+    add_evaluation_traffic(record)
     record["wall_time"] = time.perf_counter() - started
     on_round(server.version, params, record)
     return params

@@ -19,6 +19,7 @@ import torch
 
 from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
+from fedweave.batching.selection import build_selection
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
 from fedweave.deadlines import Deadlines
@@ -290,12 +291,14 @@ def build_deadlines(config: Config) -> Deadlines | None:
 
 
 def build_controller(config: Config) -> Controller:
-    """The federated controller: ``controller.kind`` static (configured work) or adaptive."""
+    """The federated controller: ``controller.kind`` static (configured work) or adaptive; its clients
+    chosen by ``selection``."""
     work = {
         "batch_size": config.local.batch_size,
         "epochs": config.local.epochs,
         "local_steps": config.local.steps,
         "seed": config.seed,
+        "selection": build_selection(config.selection),
     }
     if config.controller.kind == "adaptive":
         return AdaptiveController(config.clients, config.clients_per_round, **work, settings=config.controller)

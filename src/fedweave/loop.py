@@ -169,9 +169,7 @@ def run(
         trained.update(parts.chains.metrics())
         trained.update(strategy_metrics(parts.strategy))
         record = {**dict.fromkeys(RECORD_KEYS), **trained, **evaluate_round(parts, rnd, params, last_round)}
-        # Traffic of a federated evaluation counts in the round's bytes.
-        record["bytes_sent"] += record.pop("eval_bytes_sent", 0)
-        record["bytes_received"] += record.pop("eval_bytes_received", 0)
+        add_evaluation_traffic(record)
         record["wall_time"] = time.perf_counter() - start
         on_round(rnd, params, record)
     return params
@@ -311,13 +309,12 @@ class RoundTraffic:
         self.topology = topology
         self.round = rnd
         self.timeout = timeout
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes = dict.fromkeys(TRAFFIC, 0)
 
     def exchange(self, messages: list[Message]) -> Exchange:
         result = self.topology.exchange(messages, self.timeout)
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
+        for key in TRAFFIC:
+            self.bytes[key] += getattr(result, key)
         return result
 
     def control(self, bodies: dict[int, Control]) -> dict[int, Control]:
@@ -336,7 +333,23 @@ class RoundTraffic:
         return answers
 
     def counts(self) -> Record:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+        return traffic_counts(self.bytes)
+
+
+TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received")
+"""An exchange's byte counts: payload everywhere, wire where a network carried it (docs/metrics.md)."""
+
+
+def add_evaluation_traffic(record: Record) -> None:
+    """The traffic of a federated evaluation (``eval_*`` keys) counted in the round's bytes."""
+    counts = {key: (record.get(key) or 0) + record.pop(f"eval_{key}", 0) for key in TRAFFIC}
+    record.update(traffic_counts(counts))
+
+
+def traffic_counts(counts: dict[str, int]) -> Record:
+    """A record's byte counts: the payload's, and the wire's where anything crossed a network."""
+    return {k: v for k, v in counts.items() if k.startswith("bytes") or counts["wire_bytes_sent"]
+            or counts["wire_bytes_received"]}
 
 
 def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int) -> Record:
@@ -358,7 +371,7 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
     ]
     exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
     results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and valid_evaluation(r.body)]
-    traffic = {"eval_bytes_sent": exchange.bytes_sent, "eval_bytes_received": exchange.bytes_received}
+    traffic = {f"eval_{key}": getattr(exchange, key) for key in TRAFFIC}
     if not results:
         return traffic
     total = sum(e.num_examples for e in results)

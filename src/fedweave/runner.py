@@ -44,6 +44,7 @@ from fedweave.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError, NothingTrained
 from fedweave.loop import Record, RoundParts, run
+from fedweave.observe.figures import elapsed
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
 from fedweave.plugins import PLUGINS
@@ -74,6 +75,12 @@ class Run:
     store: ClientStateStore
     records: list[Record] = field(default_factory=list)
     buffered: BufferedServer | None = None  # the state of asynchronous aggregation, when enabled
+    began: float = field(default_factory=time.monotonic)  # when this process began building the run
+    elapsed_before: float = 0.0  # a resumed run's seconds before its interruption
+
+    def elapsed(self) -> float:
+        """A record's ``elapsed``: seconds since the run began, its start-up (data, model, clients) included."""
+        return self.elapsed_before + time.monotonic() - self.began
 
 
 def prepare(config: Config, run_dir: Path | None = None, topology: Topology | None = None) -> Run:
@@ -82,6 +89,7 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
     A directory that already holds a run (metrics or a checkpoint) is refused rather
     than mixed with the new run's records.
     """
+    began = time.monotonic()
     if config.mode != "federated":
         raise ConfigError(
             f"config key 'mode': {config.mode!r} runs through fedweave.data_parallel, not the federated runner"
@@ -94,12 +102,14 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     atomic_write_text(json.dumps(built.summary), run_dir / "partition.json")
+    built.run.began = began
     return built.run
 
 
 def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     """Rebuild the run saved in ``run_dir`` and continue after its last checkpoint (begun again
     when it died before its first: :func:`reopen`)."""
+    began = time.monotonic()
     run_dir = Path(run_dir)
     rundir.lock(run_dir)
     config = rundir.saved_config(run_dir)
@@ -120,6 +130,7 @@ def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
     if r.buffered is not None:
         r.buffered.load_state_dict(state["asynchronous"])
     r.records = rundir.records_until(run_dir, "round", state["round"])
+    r.began, r.elapsed_before = began, (elapsed(r.records, False) or [0.0])[-1]
     log.info("resuming %s after round %d", run_dir, state["round"])
     return r
 
@@ -173,6 +184,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
 
     def on_round(rnd: int, params: Params, record: Record) -> None:
         nonlocal last_saved, recorded, saved
+        record["elapsed"] = r.elapsed()
         due = bool(every) and (rnd == cfg.rounds or (rnd % every == 0 and time.monotonic() - last_saved >= interval))
         metrics.append(record, sync=rnd == cfg.rounds and not due)  # else synced by the checkpoint that covers it
         loggers.record(record)

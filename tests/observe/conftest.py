@@ -76,3 +76,17 @@ def figure(data: dict[str, Any], fid: str) -> dict[str, Any]:
 def series(data: dict[str, Any], fid: str, label: str) -> tuple[list[float], list[float]]:
     (s,) = [s for s in figure(data, fid)["series"] if s["label"] == label]
     return s["x"], s["y"]
+
+
+SWEEP = ["rounds=3", "clients=3", "task.dataset=digits", "eval.federated_every=0", "checkpoint.every=0"]
+"""A tiny sweep: digits, 3 clients, 3 rounds."""
+
+
+@pytest.fixture(scope="session")
+def sweep_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``fedweave sweep`` of 2 strategies x 3 seeds (in this process: one job at a time)."""
+    folder = tmp_path_factory.mktemp("sweeps") / "sweep"
+    args = ["sweep", *SWEEP, "--seeds", "1,2,3", "--grid", "strategy.name=fedavg,fedprox", "--jobs", "1",
+            "--out", str(folder), "-q"]
+    assert cli.main(args) == 0
+    return folder

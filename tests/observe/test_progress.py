@@ -94,9 +94,11 @@ def test_run_summary_rows() -> None:
         "final test loss": "0.7500",
         "federated accuracy (local splits)": "0.7000",
         "data sent / received": "6.0 MB / 4.5 MB",
-        "wall time": "3.2 s",
+        "wall time (since the run began)": "3.2 s",
         "run directory": "runs/x",
     }
+    records[-1]["elapsed"] = 7.04  # recorded by the run: its start-up included
+    assert dict(run_summary(records, "runs/x", 3.21))["wall time (since the run began)"] == "7.0 s"
 
 
 def test_run_summary_without_evaluations() -> None:

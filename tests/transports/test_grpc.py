@@ -131,7 +131,9 @@ def test_exchange_returns_replies_in_message_order_and_keeps_no_jobs() -> None:
             for r in result.replies:
                 assert r.round == rnd and r.body.num_examples == 10 + r.client_id
                 assert torch.equal(r.body.tensors["w"], PARAMS["w"] + r.client_id)
-            assert result.bytes_sent > 3 * 64 and result.bytes_received > 3 * 64
+            # payload: the tensors' bytes, as in memory; the wire's: their frames, names and metadata too
+            assert result.bytes_sent == result.bytes_received == 3 * sum(t.nbytes for t in PARAMS.values())
+            assert result.wire_bytes_sent > result.bytes_sent and result.wire_bytes_received > result.bytes_received
             assert c.server._jobs == {}  # nothing of the round is kept
         evaluation = [Message(3, 1, Instruction(3, TaskKind.EVALUATE, Work(1, 8), PARAMS))]
         assert c.server.exchange(evaluation, timeout=20).replies[0].body.metrics == {"accuracy": 0.5}
@@ -1044,8 +1046,9 @@ def test_a_site_leader_is_one_node_for_its_site(site_credentials: Path, tls: str
             pre = result.replies[1].body
             assert pre.num_examples == 10 + 11
             assert torch.allclose(pre.tensors["w"], big["w"] + 11 / 21, atol=1e-6)  # (10 w + 11 (w + 1)) / 21
-            assert 2 * model < result.bytes_sent < 2.2 * model  # the model once per site, not per client
-            assert 2 * model < result.bytes_received < 2.2 * model
+            # the model once per site, not per client (payload: its tensors; on the wire a little more)
+            assert result.bytes_sent == result.bytes_received == 2 * model
+            assert 2 * model < result.wire_bytes_sent < 2.2 * model and 2 * model < result.wire_bytes_received < 2.2 * model
     assert c.errors == {}
 
 

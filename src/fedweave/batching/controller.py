@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from fedweave.batching.selection import sample_clients
+from fedweave.batching.selection import SavesState, Selection, Uniform
 from fedweave.seeding import numpy_rng
 from fedweave.types import Update, Work
 
@@ -28,8 +28,8 @@ class Controller(Protocol):
 
 
 class StaticController:
-    """Sample ``per_round`` of ``num_clients`` uniformly each round (none of the clients the
-    transport knows are gone, ``absent``); fixed local work."""
+    """Sample ``per_round`` of ``num_clients`` each round with ``selection`` (uniform by default;
+    none of the clients the transport knows are gone, ``absent``); fixed local work."""
 
     def __init__(
         self,
@@ -40,7 +40,9 @@ class StaticController:
         epochs: int,
         local_steps: int | None,
         seed: int,
+        selection: Selection | None = None,
     ):
+        self.selection = selection if selection is not None else Uniform()
         self.num_clients = num_clients
         self.per_round = per_round
         self.batch_size = batch_size
@@ -49,18 +51,20 @@ class StaticController:
         self.seed = seed
 
     def plan(self, rnd: int, absent: Collection[int] = ()) -> list[Work]:
-        ids = sample_clients(numpy_rng(self.seed, "sample", rnd), self.num_clients, self.per_round, absent)
-        return [self.work(i) for i in ids]
+        rng = numpy_rng(self.seed, "sample", rnd)
+        return [self.work(i) for i in self.selection.select(rnd, rng, self.num_clients, self.per_round, absent)]
 
     def work(self, client_id: int) -> Work:
         """The configured local work of one client (asynchronous aggregation asks client by client)."""
         return Work(client_id, self.batch_size, self.epochs, self.local_steps)
 
     def observe(self, rnd: int, updates: list[Update]) -> None:
-        """A static plan ignores what it observes."""
+        """The work stays as configured; the selection learns from the round."""
+        self.selection.observe(rnd, updates)
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"selection": self.selection.state_dict()} if isinstance(self.selection, SavesState) else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """No state to restore."""
+        if isinstance(self.selection, SavesState) and "selection" in state:
+            self.selection.load_state_dict(state["selection"])

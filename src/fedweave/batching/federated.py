@@ -38,6 +38,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from fedweave.batching.controller import StaticController
+from fedweave.batching.selection import Selection
 from fedweave.batching.dynamic import JUMP
 from fedweave.config import ClientControllerConfig
 from fedweave.types import Update, Work
@@ -59,11 +60,13 @@ class AdaptiveController:
         local_steps: int | None,
         seed: int,
         settings: ClientControllerConfig,
+        selection: Selection | None = None,
     ):
         if settings.adjust == "batch_size" and local_steps is None:
             raise ValueError("adjust batch_size needs a fixed number of local steps")
         self.configured = StaticController(
-            num_clients, per_round, batch_size=batch_size, epochs=epochs, local_steps=local_steps, seed=seed
+            num_clients, per_round, batch_size=batch_size, epochs=epochs, local_steps=local_steps, seed=seed,
+            selection=selection,
         )
         self.settings = settings
         self.target: float | None = settings.target_round_time
@@ -110,7 +113,8 @@ class AdaptiveController:
     # ------------------------------------------------------------------ measurements
 
     def observe(self, rnd: int, updates: Sequence[Update]) -> None:
-        """Fold the compute times of ``updates`` into the clients' estimates."""
+        """Fold the compute times of ``updates`` into the clients' estimates (the selection sees them too)."""
+        self.configured.observe(rnd, updates)
         self.observed_round = rnd
         alpha = self.settings.ewma
         for u in updates:
@@ -156,6 +160,7 @@ class AdaptiveController:
             "batch": dict(self.batch),
             "pending": list(self.pending),
             "observed_round": self.observed_round,
+            **self.configured.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -166,6 +171,7 @@ class AdaptiveController:
         self.batch = {int(c): int(v) for c, v in state["batch"].items()}
         self.pending = [int(c) for c in state["pending"]]
         self.observed_round = int(state["observed_round"])
+        self.configured.load_state_dict(state)
 
 
 def _cap(value: int | None) -> float:

@@ -33,10 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         check_node_flags(args)
         if args.command == "run":
             return run(args)
+        if args.command == "sweep":
+            from fedweave.cli.sweep import run_sweep
+
+            return run_sweep(args)
         if args.command == "schema":
             return schema(args.prefix)
         if args.command == "report":
-            return write_report(args.run_dirs, args.out, args.target)
+            return write_report(args.run_dirs, args.out, args.target, args.figures, args.band)
         if args.command == "status":
             return show_status(args.run_dir)
         if args.command == "keys":

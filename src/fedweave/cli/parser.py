@@ -47,12 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser(
         "report",
-        help="write an HTML report of a run, or a comparison of several (figures, summary, config)",
-        description="One self-contained HTML file (figures inlined, opens from disk) and a PNG per figure "
-        "beside it. Works on a run still going on or interrupted.",
+        help="write an HTML report of a run, or a comparison of several or of a sweep (figures, summary, config)",
+        description="One self-contained HTML file (figures inlined, opens from disk). Runs of one config but "
+        "their seeds are drawn as a mean line with a band. Works on a run still going on or interrupted.",
     )
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: a comparison)")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="run directories or sweep folders (several: a comparison)")
     report.add_argument("--out", metavar="FILE.html", help="default RUN_DIR/report.html, or ./report.html for several")
+    report.add_argument("--figures", metavar="DIR", help="also write each figure as DIR/<figure>.png")
+    report.add_argument("--band", choices=("range", "std"), default="range",
+                        help="around the mean of a config's seeds: their range (default) or ± std")
     report.add_argument("--target", type=float, metavar="ACC", help="accuracy for 'time to target' (default: "
                         "the best accuracy the weakest run reached)")
 
@@ -109,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--max-restarts", type=int, default=0, metavar="R",
                        help="times torchrun starts the workers again after a failure or a world change")
     agent.add_argument("--rdzv-conf", default="", metavar="K=V,...", help="torchrun's --rdzv-conf (timeouts)")
+    from fedweave.cli.sweep import add_parser as add_sweep
+
+    add_sweep(sub)
     _node_parsers(sub)
     deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
     targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)

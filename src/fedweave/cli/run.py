@@ -135,11 +135,12 @@ def _run_data_parallel(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def write_report(run_dirs: list[str] | list[Path], out: str | None, target: float | None) -> int:
+def write_report(run_dirs: list[str] | list[Path], out: str | None, target: float | None,
+                 figures: str | None = None, band: str = "range") -> int:
     from fedweave.observe.report import write_report
 
     try:
-        written = write_report(run_dirs, out, target)
+        written = write_report(run_dirs, out, target, figures, band)
     except FileNotFoundError as exc:  # not a run directory
         raise ConfigError(str(exc)) from None
     except (TypeError, ValueError, OverflowError) as exc:

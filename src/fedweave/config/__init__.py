@@ -50,6 +50,7 @@ from fedweave.config.sections import (
     PartitionConfig,
     PluginsConfig,
     PluginSpec,
+    SelectionConfig,
     StrategyConfig,
     TaskConfig,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "ObserveConfig",
     "PartitionConfig",
     "PluginSpec",
+    "SelectionConfig",
     "PluginsConfig",
     "RayConfig",
     "SpeedChange",

@@ -30,6 +30,7 @@ from fedweave.config.sections import (
     LocalConfig,
     ObserveConfig,
     PluginsConfig,
+    SelectionConfig,
     StrategyConfig,
     TaskConfig,
 )
@@ -59,6 +60,7 @@ class Config:
     local: LocalConfig = opt(factory=LocalConfig)
     strategy: StrategyConfig = opt(factory=StrategyConfig)
     aggregation: AggregationConfig = opt(factory=AggregationConfig)
+    selection: SelectionConfig = opt(factory=SelectionConfig)
     attacks: AttacksConfig = opt(factory=AttacksConfig)
     plugins: PluginsConfig = opt(factory=PluginsConfig)
     topology: TopologyConfig = opt(factory=TopologyConfig)
@@ -212,6 +214,11 @@ def _check_heterogeneity_aware(config: Config) -> None:
             "does not depend on its batch size"
         )
     if asy.enabled:
+        if config.selection.name != "uniform":
+            raise ConfigError(
+                f"config key 'selection.name': {config.selection.name!r} chooses the clients of synchronous rounds; "
+                "asynchronous aggregation gives each free client its next job (leave selection uniform)"
+            )
         if het.clock != "virtual" and config.transport.kind == "inmemory":
             raise ConfigError(
                 "config key 'asynchronous.enabled': asynchronous aggregation is simulated on a virtual clock; "

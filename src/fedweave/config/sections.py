@@ -129,6 +129,34 @@ class StrategyConfig:
 
 
 @dataclass
+class SelectionConfig:
+    """Which clients a synchronous round samples (:mod:`fedweave.batching.selection`)."""
+
+    SHORTHAND = "name"
+    name: str = opt("uniform", help="uniform | power_of_choice | oort | package.module:Class (constructed "
+                    "with this section)")
+    candidates: int | None = opt(None, ge=1, help="power_of_choice: clients drawn, d, of which the "
+                                 "highest-loss ones train (none: twice the clients per round)")
+    exploration: float = opt(0.9, ge=0, le=1, help="oort: initial share of slots exploring unseen clients")
+    exploration_decay: float = opt(0.98, gt=0, le=1, help="oort: factor on the exploring share each round")
+    min_exploration: float = opt(0.3, ge=0, le=1, help="oort: the exploring share decays no lower")
+    penalty: float = opt(2.0, ge=0, help="oort: alpha of the system penalty (T / t_i)^alpha of a slow client")
+    cutoff: float = opt(0.95, gt=0, le=1, help="oort: exploit clients whose utility reaches this share of the "
+                        "last exploiting slot's")
+    percentile: float = opt(30.0, ge=0, le=100, help="oort: the preferred round duration T is this percentile "
+                            "of the explored clients' durations")
+    pacer_window: int = opt(20, ge=1, help="oort: rounds per pacer window")
+    pacer_step: float = opt(5.0, ge=0, help="oort: percentile points T's percentile rises when the exploited "
+                            "utility fell from one window to the next")
+    options: dict[str, Any] = opt(factory=dict, help="settings of a user's selection class")
+
+    def validate(self, prefix: str) -> None:
+        from fedweave.batching.selection import selection_class
+
+        selection_class(self.name, f"{prefix}.name")
+
+
+@dataclass
 class AggregationConfig:
     """How the server combines the clients' tensors; the robust rules are in :mod:`fedweave.strategies.robust`."""
 

@@ -3,14 +3,22 @@
 Each :class:`Figure` holds its series exactly as read from ``metrics.jsonl`` (no scaling,
 no smoothing), so the report can embed them beside the pictures and a test can compare
 them with the file. A key a run's records lack gives no series; a figure without series
-is left out. Figures marked ``per_run`` (per-client and per-worker detail, the partition)
-are drawn once per run; the others overlay several runs.
+is left out. Besides the fixed figures, every other number a record holds (a strategy's
+``strategy_*``, a plugin's metrics, any ``test_*`` or ``federated_*`` metric) has a figure of
+its own (``metric-<key>``), and every number of the per-client entries that varies has one
+per run (``client-<key>``). Figures marked ``per_run`` (per-client and per-worker detail, the
+partition) are drawn once per run; the others overlay several runs
+(:mod:`fedweave.observe.overlay`).
+
+The client timeline (compute then idle per client and round) is drawn only where the clients'
+times mean something: a deployed run (gRPC, processes, Ray) or emulated unlike clients. A plain
+simulation trains its clients one after the other in one process, where idle time is nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedweave.observe.rundata import RunData
@@ -20,9 +28,18 @@ Record = dict[str, Any]
 
 @dataclass
 class Series:
+    """``label``: the legend's text; ``group``: the runs it stands for (several runs: its prefix);
+    ``at``: the round or step of each point where ``x`` is a time; ``low``/``high``: a band around
+    ``y`` (the range or ± std of ``runs`` runs whose mean ``y`` is)."""
+
     label: str
     x: list[float]
     y: list[float]
+    at: list[float] | None = None
+    group: str = ""
+    low: list[float] | None = None
+    high: list[float] | None = None
+    runs: int = 1
 
 
 @dataclass
@@ -54,13 +71,17 @@ def total(value: Any) -> Any:
 
 
 def elapsed(records: Sequence[Record], data_parallel: bool) -> list[float]:
-    """Seconds since the run started at the end of each record. A federated record's
-    ``wall_time`` is its round's time (summed here); a data-parallel one's is the time since
-    its workers started (a resumed run starts again from 0: stitched on to the last)."""
+    """Seconds since the run started at the end of each record (docs/metrics.md, Time). A federated
+    record's ``elapsed`` is that, its start-up included; a record written before fedweave recorded it
+    counts the sum of the rounds' ``wall_time`` so far. A data-parallel record's ``wall_time`` is the
+    time since its workers started (a resumed run starts again from 0: stitched on to the last)."""
     out, total, offset, last = [], 0.0, 0.0, 0.0
     for r in records:
         wall = r.get("wall_time") or 0.0
-        if data_parallel:
+        if not data_parallel and r.get("elapsed") is not None:
+            total = r["elapsed"]
+            out.append(total)
+        elif data_parallel:
             if wall < last:
                 offset += last
             last = wall
@@ -72,8 +93,14 @@ def elapsed(records: Sequence[Record], data_parallel: bool) -> list[float]:
 
 
 def _lines(fid: str, title: str, xlabel: str, ylabel: str, records: Sequence[Record], x: Sequence[float],
-           keys: Sequence[tuple[str, str]], marks: list[tuple[float, str]] | None = None) -> Figure:
-    series = [Series(label, *points(records, x, key)) for key, label in keys]
+           keys: Sequence[tuple[str, str]], marks: list[tuple[float, str]] | None = None,
+           axis: str | None = None) -> Figure:
+    """A line per key; ``axis`` (round or step) names each point's ``at`` when ``x`` is a time."""
+    series = []
+    for key, label in keys:
+        xs, ys = points(records, x, key)
+        at = points(records, [r[axis] for r in records], key)[0] if axis else None
+        series.append(Series(label, xs, ys, at=at))
     return Figure(fid, title, xlabel, ylabel, [s for s in series if s.x], marks=marks or [])
 
 
@@ -81,24 +108,78 @@ ACCURACY = (("test_accuracy", "test accuracy"), ("federated_accuracy", "federate
 LOSS = (("train_loss", "train loss"), ("test_loss", "test loss"), ("federated_loss", "federated loss"))
 
 
+SHOWN = {"round", "step", "epoch", "wall_time", "elapsed", "round_time", "window_time", "clock", "skipped",
+         "train_loss", "test_accuracy", "test_loss", "federated_accuracy", "federated_loss", "bytes_sent",
+         "bytes_received", "clients_sampled", "clients_completed", "rejected", "epsilon", "samples", "adjustments"}
+"""Record keys the fixed figures show, or that count the axis: no figure of their own."""
+
+
+def metric_figures(run: RunData) -> list[Figure]:
+    """A figure per other number the records hold (``strategy_*``, plugin and evaluation metrics)."""
+    recs = run.records
+    keys = dict.fromkeys(k for r in recs for k, v in r.items()
+                         if k not in SHOWN and isinstance(v, (int, float)) and not isinstance(v, bool))
+    axis = [r[run.axis] for r in recs]
+    return [_lines(f"metric-{key}", key.replace("_", " "), run.axis, key, recs, axis, ((key, key),))
+            for key in keys]
+
+
+def meaningful_timeline(config: Mapping[str, Any]) -> bool:
+    """Whether the clients' compute and idle times mean something: a deployed run, or emulated unlike
+    clients (a plain simulation trains them one after the other: nobody waits for anybody)."""
+    def section(name: str) -> Mapping[str, Any]:
+        value = config.get(name)
+        return value if isinstance(value, Mapping) else {}
+
+    het = section("heterogeneity")
+    emulated = bool(het.get("speeds") or het.get("speed_range") or het.get("schedule")) or \
+        het.get("slowdown", 1.0) != 1.0 or het.get("clock", "real") == "virtual"
+    deployed = section("transport").get("kind", "inmemory") != "inmemory" or \
+        section("launcher").get("kind", "local") != "local"
+    return emulated or deployed
+
+
 def federated_figures(run: RunData) -> list[Figure]:
     recs = run.records
     rounds = [r["round"] for r in recs]
     wall = elapsed(recs, False)
+    timed = meaningful_timeline(run.config)
     figures = [
         _lines("accuracy-round", "accuracy by round", "round", "accuracy", recs, rounds, ACCURACY),
         _lines("loss-round", "loss by round", "round", "loss", recs, rounds, LOSS),
-        _lines("accuracy-time", "accuracy by wall time", "wall time (s)", "accuracy", recs, wall, ACCURACY),
-        _lines("loss-time", "loss by wall time", "wall time (s)", "loss", recs, wall, LOSS),
+        _lines("accuracy-time", "accuracy by wall time", "wall time (s)", "accuracy", recs, wall, ACCURACY,
+               axis="round"),
+        _lines("loss-time", "loss by wall time", "wall time (s)", "loss", recs, wall, LOSS, axis="round"),
         _lines("bytes", "bytes per round (as the server counts them)", "round", "bytes", recs, rounds,
                (("bytes_received", "up (clients to server)"), ("bytes_sent", "down (server to clients)"))),
         _lines("clients", "clients per round", "round", "clients", recs, rounds,
                (("clients_sampled", "sampled"), ("clients_completed", "completed"), ("rejected", "rejected"))),
         _lines("epsilon", "privacy loss ε by round", "round", "ε", recs, rounds, (("epsilon", "ε"),)),
-        client_timeline(recs),
-        _per_client(recs, "staleness", "client staleness by round", "staleness (server steps)"),
+        *metric_figures(run),
+        *([client_timeline(recs)] if timed else []),
+        *client_figures(recs, skip=() if timed else ("idle",)),
     ]
     return [f for f in figures if f.series]
+
+
+CLIENT_TITLES = {"compute": ("client compute time by round", "compute (s)"),
+                 "idle": ("client idle time by round (waiting for the round to end)", "idle (s)"),
+                 "staleness": ("client staleness by round", "staleness (server steps)"),
+                 "steps": ("client local steps by round", "local steps"),
+                 "batch": ("client batch size by round", "batch (samples)")}
+
+
+def client_figures(records: Sequence[Record], skip: Sequence[str] = ()) -> list[Figure]:
+    """A figure per number of the per-client entries that varies (a constant batch is no figure)."""
+    keys = dict.fromkeys(k for r in records for e in r.get("clients") or [] for k, v in e.items()
+                         if k != "id" and k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool))
+    figures = []
+    for key in keys:
+        values = {e[key] for r in records for e in r.get("clients") or [] if e.get(key) is not None}
+        if key == "staleness" or len(values) > 1:
+            title, ylabel = CLIENT_TITLES.get(key, (f"client {key.replace('_', ' ')} by round", key))
+            figures.append(_per_client(records, key, title, ylabel))
+    return figures
 
 
 def client_timeline(records: Sequence[Record]) -> Figure:
@@ -189,10 +270,12 @@ def data_parallel_figures(run: RunData) -> list[Figure]:
         _lines("accuracy-step", "accuracy by step", "step", "accuracy", recs, steps, ACCURACY[:1], marks),
         _lines("loss-step", "loss by step", "step", "loss", recs, steps, LOSS[:2], marks),
         _lines("accuracy-time", "accuracy by wall time", "wall time (s)", "accuracy", recs, wall, ACCURACY[:1],
-               time_marks),
-        _lines("loss-time", "loss by wall time", "wall time (s)", "loss", recs, wall, LOSS[:2], time_marks),
+               time_marks, axis="step"),
+        _lines("loss-time", "loss by wall time", "wall time (s)", "loss", recs, wall, LOSS[:2], time_marks,
+               axis="step"),
         _lines("throughput", "throughput (samples per second of each metrics window)", "step", "samples/s",
                rate, steps, (("throughput", "all workers"),), marks),
+        *metric_figures(run),
     ]
     per_worker = (
         ("batch", "per-worker batch size", "batch (samples)", worker_series(recs, "batch")),
@@ -224,25 +307,3 @@ def run_figures(run: RunData) -> list[Figure]:
     figures = data_parallel_figures(run) if run.data_parallel else federated_figures(run)
     part = partition_figure(run)
     return figures + ([part] if part is not None else [])
-
-
-def combine(runs: Sequence[RunData]) -> list[Figure]:
-    """The figures of several runs: shared ones overlaid, series labelled ``run: series``;
-    per-run ones once per run, titled with the run's name. A single run's are its own."""
-    if len(runs) == 1:
-        return run_figures(runs[0])
-    shared: dict[str, Figure] = {}
-    own: list[Figure] = []
-    for k, run in enumerate(runs):
-        for fig in run_figures(run):
-            if fig.per_run:
-                own.append(replace(fig, id=f"{fig.id}-{k + 1}", title=f"{run.name}: {fig.title}"))
-                continue
-            named = [replace(s, label=f"{run.name}: {s.label}") for s in fig.series]
-            marks = [(x, f"{run.name}: {what}") for x, what in fig.marks]
-            if fig.id in shared:
-                shared[fig.id].series += named
-                shared[fig.id].marks += marks
-            else:
-                shared[fig.id] = replace(fig, series=named, marks=marks)
-    return [*shared.values(), *own]

@@ -94,8 +94,6 @@ class MlflowLogger:
         for model in (run_dir / MODEL_FILE, run_dir / SEALED_MODEL_FILE):
             if model.is_file():
                 self.client.log_artifact(self.run_id, str(model))
-        report = write_report([run_dir])
-        for path in [report, *sorted(run_dir.glob(f"{report.stem}-*.png"))]:
-            self.client.log_artifact(self.run_id, str(path), artifact_path="report")
+        self.client.log_artifact(self.run_id, str(write_report([run_dir])), artifact_path="report")  # figures inline
         log.info("MLflow run %s: model and %s logged", self.run_id, REPORT_FILE)
         self.client.set_terminated(self.run_id, "FINISHED" if finished else "FAILED")

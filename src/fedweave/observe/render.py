@@ -13,24 +13,35 @@ MAX_TICKS = 40
 OUTSIDE = 3  # more series than this: the legend goes below the plot
 
 
-def _run_and_name(label: str) -> tuple[str, str]:
-    run, sep, name = label.partition(": ")
-    return (run, name) if sep else ("", label)
+def _name(s: Series) -> str:
+    """The series' name without its group's prefix."""
+    return s.label[len(s.group) + 2:] if s.group and s.label.startswith(f"{s.group}: ") else s.label
+
+
+def legend_labels(fig: Figure) -> list[str]:
+    """What the legend says of each series: its group alone where every series of the figure has
+    the same name (``strategy=fedprox``), else its whole label."""
+    groups = {s.group for s in fig.series}
+    one_name = len({_name(s) for s in fig.series}) == 1
+    return [s.group if one_name and s.group and len(groups) > 1 else s.label for s in fig.series]
 
 
 def _draw_lines(ax, fig: Figure) -> None:  # type: ignore[no-untyped-def]
-    """One colour per run and one line style per series name when several runs overlay."""
-    runs = list(dict.fromkeys(_run_and_name(s.label)[0] for s in fig.series))
-    names = list(dict.fromkeys(_run_and_name(s.label)[1] for s in fig.series))
+    """One colour per group and one line style per series name when several groups overlay; a
+    group's band (range or ± std of its runs) drawn light behind its mean line, not in the legend."""
+    groups = list(dict.fromkeys(s.group for s in fig.series))
+    names = list(dict.fromkeys(_name(s) for s in fig.series))
     from matplotlib import rcParams
 
     cycle = rcParams["axes.prop_cycle"].by_key().get("color", [])
-    for k, s in enumerate(fig.series):
-        run, name = _run_and_name(s.label)
+    for s, label in zip(fig.series, legend_labels(fig)):
         style = {"marker": "." if len(s.x) <= 60 else None}
-        if len(runs) > 1 and cycle:
-            style |= {"color": cycle[runs.index(run) % len(cycle)], "linestyle": STYLES[names.index(name) % len(STYLES)]}
-        ax.plot(s.x, s.y, label=s.label, **style)
+        if len(groups) > 1 and cycle:
+            style |= {"color": cycle[groups.index(s.group) % len(cycle)],
+                      "linestyle": STYLES[names.index(_name(s)) % len(STYLES)]}
+        (line,) = ax.plot(s.x, s.y, label=label, **style)
+        if s.low is not None and s.high is not None:
+            ax.fill_between(s.x, s.low, s.high, color=line.get_color(), alpha=0.2, linewidth=0)
     if len(fig.series) > OUTSIDE:  # below the plot, where it covers no data
         ax.figure.legend(loc="outside lower center", fontsize="small", ncol=2, frameon=False)
     elif fig.series:

@@ -1,12 +1,15 @@
-"""``fedweave report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page of one run or a
-comparison of several, and a PNG per figure beside it.
+"""``fedweave report RUN_DIR|SWEEP_DIR [...]``: one self-contained HTML page of one run or a
+comparison of several (a sweep folder stands for its runs).
 
-The page needs no network: each figure is an inline ``data:`` PNG, styles and the one
-small script are inline. The plotted series are embedded as JSON
-(``<script type="application/json" id="fedweave-data">``) exactly as read from each run's
-``metrics.jsonl``. The script marks the page once it has loaded (``data-figures-ok`` on
-``<body>``: how many figures decoded to a non-empty image) so a headless browser can check it.
-Works on a run still going on or interrupted: what is written so far is drawn.
+The page needs no network: each figure is an inline ``data:`` PNG, styles and the small
+scripts are inline; the PNGs are also written to a folder only when asked (``figures_dir``,
+``--figures DIR``). Runs of one config but their seeds are drawn as one mean line with a
+band (:mod:`fedweave.observe.overlay`) and summarized as mean ± std. A menu above the
+figures shows one figure, or all of them. The plotted series are embedded as JSON
+(``<script type="application/json" id="fedweave-data">``), a single run's exactly as read
+from its ``metrics.jsonl``. The script marks the page once it has loaded (``data-figures-ok``
+on ``<body>``: how many figures decoded to a non-empty image) so a headless browser can check
+it. Works on a run still going on or interrupted: what is written so far is drawn.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import __version__
-from fedweave.observe.compare import Summary, summaries
-from fedweave.observe.figures import Figure, combine
+from fedweave.observe.compare import GroupSummary, Summary, group_summaries, group_table, summaries
+from fedweave.observe.figures import Figure
+from fedweave.observe.overlay import combine
 from fedweave.observe.render import png
-from fedweave.observe.rundata import RunData, load_run
+from fedweave.observe.rundata import CONFIG_FILE, RunData, load_run
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
 .figures{display:flex;flex-wrap:wrap;gap:1em}figure{margin:0;flex:1 1 520px}
 figure img{width:100%;height:auto;border:1px solid #eee}
 pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:.8em;max-height:30em}
-.note{color:#a60}
+.note{color:#a60}.fw-hidden{display:none}
 """
 
 CHECK_SCRIPT = """
@@ -55,27 +59,59 @@ window.addEventListener("load", function () {
   document.body.setAttribute("data-figures-broken", broken.join("|"));
   JSON.parse(document.getElementById("%s").textContent);
   document.body.setAttribute("data-json-ok", "1");
+  var menu = document.getElementById("fw-show");
+  menu.addEventListener("change", function () {
+    document.querySelectorAll("figure.fw-figure").forEach(function (f) {
+      f.classList.toggle("fw-hidden", menu.value !== "" && f.dataset.figure !== menu.value);
+    });
+  });
 });
 """ % DATA_ID
+PLAN_FILE = "sweep.json"  # :mod:`fedweave.sweeps`' plan of a sweep folder
 
 
 def default_output(run_dirs: Sequence[str | Path]) -> Path:
-    """One run: ``RUN_DIR/report.html``; several: ``report.html`` in the working directory."""
+    """One run or sweep folder: ``DIR/report.html``; several: ``report.html`` in the working directory."""
     return Path(run_dirs[0]) / REPORT_FILE if len(run_dirs) == 1 else Path(REPORT_FILE)
 
 
-def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, target: float | None = None) -> Path:
-    """Write the report of ``run_dirs`` to ``out`` (default :func:`default_output`) and each
-    figure as ``<out stem>-<figure>.png`` beside it; the path of the HTML file."""
-    runs = [load_run(d) for d in run_dirs]
+def run_folders(path: str | Path) -> list[Path]:
+    """The run directories ``path`` stands for: itself (a run), or a sweep folder's runs (in the
+    order of its plan, those begun), or else the run directories directly under it."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file() or not path.is_dir():
+        return [path]
+    plan = path / PLAN_FILE
+    if plan.is_file():
+        try:
+            names = [entry["dir"] for entry in json.loads(plan.read_text())["runs"]]
+        except (ValueError, KeyError, TypeError):
+            names = []
+        listed = [path / n for n in names if isinstance(n, str) and (path / n / CONFIG_FILE).is_file()]
+        if listed:
+            return listed
+    found = sorted(p for p in path.iterdir() if (p / CONFIG_FILE).is_file())
+    return found or [path]
+
+
+def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, target: float | None = None,
+                 figures_dir: str | Path | None = None, band: str = "range") -> Path:
+    """Write the report of ``run_dirs`` (runs, or sweep folders) to ``out`` (default
+    :func:`default_output`), and each figure as ``<figures_dir>/<figure>.png`` when given; the path
+    of the HTML file. ``band``: ``range`` or ``std`` around the mean of a group's runs."""
+    runs = [load_run(d) for path in run_dirs for d in run_folders(path)]
     out = Path(out) if out is not None else default_output(run_dirs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figures = combine(runs)
+    figures = combine(runs, band)
     images = {fig.id: png(fig) for fig in figures}
-    for fig in figures:
-        _write_bytes(images[fig.id], out.with_name(f"{out.stem}-{fig.id}.png"))
+    if figures_dir is not None:
+        folder = Path(figures_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for fig in figures:
+            _write_bytes(images[fig.id], folder / f"{fig.id}.png")
     used, rows = summaries(runs, target)
-    _write_bytes(page(runs, figures, images, used, rows).encode(), out)
+    groups = group_summaries(runs, None if used is None else ("test_accuracy", used))
+    _write_bytes(page(runs, figures, images, used, rows, groups).encode(), out)
     log.info("report of %d run(s) written to %s with %d figures", len(runs), out, len(figures))
     return out
 
@@ -92,13 +128,14 @@ def clean(value: Any) -> Any:
 
 
 def embedded_data(runs: Sequence[RunData], figures: Sequence[Figure], target: float | None,
-                  rows: Sequence[Summary]) -> str:
+                  rows: Sequence[Summary], groups: Sequence[GroupSummary] = ()) -> str:
     data = {
         "fedweave": __version__,
         "runs": [{"name": r.name, "path": str(r.path), "mode": "data_parallel" if r.data_parallel else "federated",
                   "records": len(r.records)} for r in runs],
         "target_accuracy": target,
         "summary": [asdict(s) for s in rows],
+        "groups": [asdict(g) for g in groups],
         "figures": [asdict(f) for f in figures],
     }
     return json.dumps(clean(data), separators=(",", ":")).replace("</", "<\\/")
@@ -133,8 +170,24 @@ def figure_html(fig: Figure, image: bytes) -> str:
             f'<img src="{source}" alt="{title}"></figure>')
 
 
+def group_html(groups: Sequence[GroupSummary]) -> str:
+    """The summary per group (mean ± std over seeds), where some group has several runs."""
+    if all(len(g.runs) == 1 for g in groups):
+        return ""
+    table = group_table(groups)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in table[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table[1:])
+    return f"<h3>Per config, over its seeds (mean ± sample std)</h3><table><tr>{head}</tr>{body}</table>"
+
+
+def menu_html(figures: Sequence[Figure]) -> str:
+    options = "".join(f'<option value="{html.escape(f.id)}">{html.escape(f.title)}</option>' for f in figures)
+    return (f'<p><label for="fw-show">show: </label><select id="fw-show"><option value="">every figure</option>'
+            f"{options}</select></p>")
+
+
 def page(runs: Sequence[RunData], figures: Sequence[Figure], images: dict[str, bytes], target: float | None,
-         rows: Sequence[Summary]) -> str:
+         rows: Sequence[Summary], groups: Sequence[GroupSummary] = ()) -> str:
     names = ", ".join(r.name for r in runs)
     title = f"fedweave report: {names}" if len(runs) == 1 else f"fedweave comparison of {len(runs)} runs"
     notes = "".join(f'<p class="note">{html.escape(r.name)}: {html.escape(n)}</p>' for r in runs for n in r.notes)
@@ -152,12 +205,14 @@ def page(runs: Sequence[RunData], figures: Sequence[Figure], images: dict[str, b
 <p>Written {datetime.now():%Y-%m-%d %H:%M:%S} by fedweave {__version__}.</p>
 {notes}
 <h2>Summary</h2>
+{group_html(groups)}
 {summary_table(target, rows)}
 <h2>Figures</h2>
+{menu_html(figures)}
 <div class="figures">{shown}</div>
 <h2>Resolved config</h2>
 {configs}
-<script type="application/json" id="{DATA_ID}">{embedded_data(runs, figures, target, rows)}</script>
+<script type="application/json" id="{DATA_ID}">{embedded_data(runs, figures, target, rows, groups)}</script>
 <script>{CHECK_SCRIPT}</script>
 </body></html>
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 PARTITION_FILE = "partition.json"
+MODEL_FILES = ("model.pt", "model.he.pt")  # :mod:`fedweave.rundir`'s, named here so a status needs no torch
 
 
 @dataclass
@@ -96,3 +98,8 @@ def load_run(path: str | Path) -> RunData:
     for note in notes:
         log.info("%s: %s", path, note)
     return RunData(path, path.resolve().name, config, text, records, partition, notes)
+
+
+def load_runs(run_dirs: Sequence[str | Path]) -> list[RunData]:
+    """The runs of ``run_dirs`` that are run directories (one never begun is left out)."""
+    return [load_run(d) for d in run_dirs if (Path(d) / CONFIG_FILE).is_file()]

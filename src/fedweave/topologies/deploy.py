@@ -172,6 +172,7 @@ class SiteBatches:
         jobs = [Message(rnd, s, SiteJob(msgs, timeout)) for s, msgs in sorted(per_site.items())]
         ex = self.transport.exchange(jobs, timeout)
         result.bytes_sent, result.bytes_received, result.waited = ex.bytes_sent, ex.bytes_received, ex.waited
+        result.wire_bytes_sent, result.wire_bytes_received = ex.wire_bytes_sent, ex.wire_bytes_received
         for reply in ex.replies:
             assert isinstance(reply.body, SiteReply)  # the transport checked it against the job
             result.replies.extend(reply.body.messages)

@@ -19,8 +19,10 @@ class Exchange:
 
     replies: list[Message] = field(default_factory=list)
     failures: dict[int, str] = field(default_factory=dict)  # client id -> reason
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # payload: the tensor data the messages carry (types.body_nbytes), in every transport
     bytes_received: int = 0
+    wire_bytes_sent: int = 0  # what crossed a network as serialized frames (gRPC); 0 where nothing did
+    wire_bytes_received: int = 0
     waited: float | None = None
     """Seconds the exchange waited on the real clock, where the transport measures it (a networked
     server); None where a simulation's clock judges the round (the deadline stands for the wait)."""

@@ -38,7 +38,7 @@ from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.health import Health
 from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, ascii_id, encode_frames
-from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update
+from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, body_nbytes
 
 if TYPE_CHECKING:
     from fedweave.config import GrpcConfig
@@ -243,8 +243,10 @@ class GrpcServerTransport:
     def _result(self, jobs: list[_Job], waited: float | None) -> Exchange:
         result = Exchange(waited=waited)
         for job in jobs:  # replies in the order of the messages, as in simulation
-            result.bytes_sent += job.bytes_sent
-            result.bytes_received += job.bytes_received
+            result.wire_bytes_sent += job.bytes_sent
+            result.wire_bytes_received += job.bytes_received
+            result.bytes_sent += payload_nbytes(job.message.body) if job.bytes_sent else 0
+            result.bytes_received += payload_nbytes(job.reply.body) if job.reply is not None else 0
             if job.reply is not None:
                 result.replies.append(job.reply)
                 if job.answered is not None:
@@ -661,6 +663,25 @@ class UploadWatchdog:
             self._stopped = True
             if self._timer is not None:
                 self._timer.cancel()
+def payload_nbytes(body: object) -> int:
+    """The tensor data a body carries (:func:`~fedweave.types.body_nbytes`); a site's job or reply
+    carries each tensor its members' messages share once, as its batch does on the wire."""
+    if isinstance(body, (SiteJob, SiteReply)):
+        distinct = {id(t): t for m in body.messages for t in _tensors(m.body)}
+        return sum(t.numel() * t.element_size() for t in distinct.values())
+    if isinstance(body, (Instruction, Update, Evaluation, Control)):
+        return body_nbytes(body)
+    return 0
+
+
+def _tensors(body: object) -> list[Any]:
+    if isinstance(body, Control):
+        return list(body.tensors.values())
+    if isinstance(body, Instruction):
+        return [*body.params.values(), *body.extras.values()]
+    if isinstance(body, Update):
+        return [*body.tensors.values(), *body.extras.values()]
+    return []
 
 
 def _check_answer(sent: Message, body: object) -> None:

@@ -43,7 +43,7 @@ def test_fedavg_with_secagg_over_grpc_processes_equals_the_in_memory_run(tmp_pat
     assert_same_params(deployed, plain, atol=1e-5)
     assert [(r["round"], r["skipped"], r["clients_completed"]) for r in records] == [(1, False, 3), (2, False, 3)]
     for d, s in zip(records, sim_records):  # the key and share traffic crossed the network
-        assert d["bytes_received"] > s["bytes_received"] > 0 and d["bytes_sent"] > s["bytes_sent"] > 0
+        assert d["wire_bytes_received"] > s["bytes_received"] > 0 and d["wire_bytes_sent"] > s["bytes_sent"] > 0
 
 
 def test_a_client_killed_after_masking_is_recovered_and_the_round_completes(
