@@ -146,7 +146,7 @@ SITE_MEMBER = textwrap.dedent(
     import sys
     import torch
     from fedweave import config
-    from fedweave.topologies.deploy import run_members
+    from fedweave.nodes.site import run_members
     from fedweave.transports.torchdist import Rendezvous
 
     torch.set_num_threads(1)

@@ -61,3 +61,21 @@ def test_resume_continues_an_interrupted_run_to_the_same_end(tmp_path: Path) -> 
     assert_same_params(resumed.params, whole.params)
     again = fedweave.resume(tmp_path / "cut")  # a finished run: nothing left to do
     assert again.first_round == 4 and comparable(again.records) == comparable(whole.records)
+
+
+def test_run_and_resume_dispatch_a_data_parallel_config_by_its_mode(tmp_path: Path) -> None:
+    """`fedweave.run` ran every config through the federated runner, which refused `mode: data_parallel`;
+    it dispatches by mode as `fedweave run` does, and so does `fedweave.resume`."""
+    from fedweave.data_parallel import DataParallelRun
+
+    config = fedweave.load_config(None, [
+        "mode=data_parallel", "task.dataset=synthetic", "task.dataset_options={samples: 200, features: 8, classes: 4}",
+        "task.model_options={hidden: [8]}", "data_parallel.workers=2", "data_parallel.global_batch=40",
+        "data_parallel.epochs=1", "data_parallel.log_every=2", "data_parallel.timeout=30",
+    ])
+    r = fedweave.run(config, tmp_path / "dp")
+    assert isinstance(r, DataParallelRun) and r.run_dir == tmp_path / "dp"
+    assert [x["step"] for x in r.records] == [2, 4]  # 160 training samples, 40 a step: 4 steps
+    assert (tmp_path / "dp" / rundir.MODEL_FILE).is_file()
+    again = fedweave.resume(tmp_path / "dp")  # finished: nothing to do
+    assert isinstance(again, DataParallelRun) and again.finished and again.records == r.records

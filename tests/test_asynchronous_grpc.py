@@ -28,7 +28,7 @@ from fedweave.topologies.emulated import emulated_handler
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.client import ClientStateStore
 from fedweave.errors import ConfigError
-from fedweave.node import server_topology
+from fedweave.reach import server_topology
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.types import Message
 

@@ -14,7 +14,8 @@ import torch
 
 from conftest import poll
 from fedweave import config as config_mod
-from fedweave import node
+from fedweave.nodes.client import run_client
+from fedweave.nodes.server import serve
 from fedweave.errors import ConfigError
 
 SRC = Path(__file__).parents[1] / "src"
@@ -23,7 +24,7 @@ SRC = Path(__file__).parents[1] / "src"
 def test_a_client_of_a_simulation_config_is_refused_at_once() -> None:
     config = config_mod.load(None, ["clients=2"])  # transport: inmemory
     with pytest.raises(ConfigError, match="config key 'transport': `fedweave client` connects to a server over gRPC"):
-        node.run_client(config, 0)
+        run_client(config, 0)
 
 
 def test_fedweave_client_on_a_simulation_config_prints_one_line_not_a_60_s_retry(tmp_path: Path) -> None:
@@ -109,12 +110,12 @@ def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, capl
     port = free_port()
     config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{port}", "clients=2", "grpc.join_timeout=5")
     with grpc_clients(config, f"127.0.0.1:{port}"):
-        node.serve(config, tmp_path)
+        serve(config, tmp_path)
     model, metrics = rundir.load_model(tmp_path), (tmp_path / rundir.METRICS_FILE).read_text()
     (tmp_path / rundir.MODEL_FILE).unlink()
     caplog.clear()
     with caplog.at_level("INFO"), grpc_clients(config, f"127.0.0.1:{port}"):
-        again = node.serve(config, tmp_path)
+        again = serve(config, tmp_path)
         # each client logs the end as its call returns, a moment after the server
         poll(lambda: caplog.text.count("the server ended the run") >= 2, 10)
         assert caplog.text.count("the server ended the run") == 2  # both clients told, before they are stopped
@@ -123,7 +124,7 @@ def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, capl
     assert restored.keys() == model.keys() and all(torch.equal(restored[k], model[k]) for k in model)
     began = time.monotonic()
     with caplog.at_level("INFO"):
-        node.serve(config, tmp_path)
+        serve(config, tmp_path)
     assert time.monotonic() - began < config.grpc.join_timeout  # nobody to wait for
     assert f"the run in {tmp_path} already finished all 3 rounds" in caplog.text
 
@@ -145,15 +146,16 @@ def test_a_server_started_on_a_finished_he_run_writes_no_plaintext_model(tmp_pat
                           f"plugins.client_send=[{{name: he, keys: {tmp_path / 'keys'}}}]", "eval.every=0")
     run_dir = tmp_path / "run"
     with grpc_clients(config, address):
-        node.serve(config, run_dir)
+        serve(config, run_dir)
     sealed = torch.load(run_dir / rundir.SEALED_MODEL_FILE)
     assert not (run_dir / rundir.MODEL_FILE).exists()
     began = time.monotonic()
-    node.serve(config, run_dir)
+    serve(config, run_dir)
     assert time.monotonic() - began < config.grpc.join_timeout / 2 and not (run_dir / rundir.MODEL_FILE).exists()
     (run_dir / rundir.SEALED_MODEL_FILE).unlink()
     with grpc_clients(config, address):
-        node.serve(config, run_dir)
+        serve(config, run_dir)
     again = torch.load(run_dir / rundir.SEALED_MODEL_FILE)
     assert again.keys() == sealed.keys() and all(torch.equal(again[k], sealed[k]) for k in sealed)
     assert not (run_dir / rundir.MODEL_FILE).exists()
+

@@ -259,7 +259,7 @@ def grpc_clients(config: Any, address: str) -> Iterator[list[ClientRuntime]]:
 def test_grpc_clients_keep_their_own_state_two_phase(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Over gRPC each client's own store commits only applied rounds: the run equals the in-memory run
     without client 1 in round 1, and every client process holds the in-memory run's states."""
-    from fedweave.node import server_topology
+    from fedweave.reach import server_topology
 
     overrides = ["strategy=scaffold", "rounds=3", "eval.federated_every=3"]
     Script(monkeypatch, "scaffold", {(1, 1): "crash"})

@@ -3,9 +3,10 @@
 The three functions are exported by the package itself (``fedweave.load_config``,
 ``fedweave.run``, ``fedweave.resume``) and do what ``fedweave run`` does, without
 printing: a run writes the same run directory (config, metrics.jsonl, checkpoints,
-final model) and returns the :class:`~fedweave.runner.Run`, whose ``records`` are the
-rounds' metric lines, ``params`` the final global model and ``run_dir`` its directory.
-Federated runs only; ``mode: data_parallel`` runs through :mod:`fedweave.data_parallel`.
+final model) and returns the run: a federated :class:`~fedweave.runner.Run`, whose ``records`` are
+the rounds' metric lines, ``params`` the final global model and ``run_dir`` its directory, or, for
+``mode: data_parallel``, the :class:`~fedweave.data_parallel.DataParallelRun` of
+:mod:`fedweave.data_parallel` (its ``records`` the metrics windows), as ``fedweave run`` dispatches.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fedweave import config as config_mod
-from fedweave import runner
+from fedweave import data_parallel, rundir, runner
 from fedweave.config import Config
+from fedweave.data_parallel import DataParallelRun
 
 
 def load_config(source: str | Path | Mapping | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -30,19 +32,29 @@ def load_config(source: str | Path | Mapping | None = None, overrides: Sequence[
     return config_mod.from_dict(config_mod.apply_overrides(data, list(overrides)))
 
 
-def run(config: Config | str | Path | Mapping, run_dir: str | Path | None = None) -> runner.Run:
-    """Run ``config`` (a Config, or what :func:`load_config` takes) to its last round in a new run
-    directory (``run_dir``, or ``<output_dir>/<name>-<time>``); the finished run."""
+def run(config: Config | str | Path | Mapping, run_dir: str | Path | None = None) -> runner.Run | DataParallelRun:
+    """Run ``config`` (a Config, or what :func:`load_config` takes) to its end in a new run directory
+    (``run_dir``, or ``<output_dir>/<name>-<time>``), federated or data-parallel by its ``mode``; the
+    finished run."""
     if not isinstance(config, Config):
         config = load_config(config)
-    r = runner.prepare(config, None if run_dir is None else Path(run_dir))
+    where = None if run_dir is None else Path(run_dir)
+    if config.mode == "data_parallel":
+        dp = data_parallel.prepare(config, where)
+        data_parallel.execute(dp)
+        return dp
+    r = runner.prepare(config, where)
     runner.execute(r)
     return r
 
 
-def resume(run_dir: str | Path) -> runner.Run:
-    """Continue the run saved in ``run_dir`` after its last checkpoint, to its last round; the
-    finished run, whose ``records`` hold every round, those before the interruption too."""
+def resume(run_dir: str | Path) -> runner.Run | DataParallelRun:
+    """Continue the run saved in ``run_dir`` after its last checkpoint, to its end; the finished run,
+    whose ``records`` hold every round (or step window), those before the interruption too."""
+    if rundir.saved_config(Path(run_dir)).mode == "data_parallel":
+        dp = data_parallel.resume(run_dir)
+        data_parallel.execute(dp)  # returns at once when the run had finished
+        return dp
     r = runner.resume(run_dir)
     if r.first_round <= r.config.rounds:
         runner.execute(r)

@@ -116,7 +116,7 @@ def emulation_topology(config: Any) -> None:
                 "config key 'heterogeneity.clock': virtual is a simulation's clock; gRPC clients emulate their "
                 "speeds by sleeping on the real clock (clock: real)"
             )
-        return  # each client process sleeps to its speed (fedweave.node.run_client)
+        return  # each client process sleeps to its speed (fedweave.nodes.client.run_client)
     if config.transport.kind != "inmemory" or config.topology.kind != "star":
         raise ConfigError(
             "config key 'heterogeneity': emulated client speeds need the in-process simulation (transport "

@@ -1,19 +1,20 @@
 """Build a run from its config, execute it, and resume it.
 
 ``prepare`` turns a validated :class:`~fedweave.config.Config` into the parts of a
-round (task, strategy, chains, controller, topology) and a run directory;
+round (task, strategy, chains, controller, and the topology :mod:`fedweave.reach` decides) and a
+run directory;
 ``execute`` drives :func:`fedweave.loop.run` and records every round (a metrics line;
 an atomic checkpoint every ``checkpoint.every`` rounds, at most one per
 ``checkpoint.min_interval`` seconds, and always of the last round run, also when the
-run stops early); ``resume`` rebuilds the same parts from a run directory and continues
-after its last checkpoint.
+run stops early) and writes its model (:mod:`fedweave.result`); ``resume`` rebuilds the same
+parts from a run directory and continues after its last checkpoint. The process entry points
+that drive a run from a node of a deployment are :mod:`fedweave.nodes`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -21,10 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedweave import rundir
+from fedweave import result, rundir
 from fedweave.asynchronous import BufferedServer, run_buffered, run_deployed
-from fedweave.topologies.emulated import emulated_clients
-from fedweave.topologies.hierarchical import leaves, site_tree
 from fedweave.batching.selection import sample_clients
 from fedweave.build import (
     build_chains,
@@ -39,16 +38,15 @@ from fedweave.build import (
 )
 from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, check_params, load_checkpoint
 from fedweave.files import atomic_write_text
-from fedweave.client import ClientRuntime, ClientStateStore
+from fedweave.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError
-from fedweave.launchers.local import launch_local
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.compose import fresh_draws
-from fedweave.plugins.contracts import SealsModel
+from fedweave.reach import clients_topology
 from fedweave.seeding import numpy_rng
 from fedweave.task import format_summary
 from fedweave.topologies.base import Topology
@@ -189,7 +187,8 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
                 r.parts.topology.close()
             finally:
                 checkpoints.close()  # the last checkpoint is on disk when the run returns
-        # Only now, the clients told to stop: a restarted server that finds the model (node._finished) stops none.
+        # Only now, the clients told to stop: a restarted server that finds the model (nodes.server._finished)
+        # stops none.
         r.params = save_result(r)
     except BaseException:
         loggers.close(r.run_dir, finished=False)  # an MLflow run marked failed, the endpoint's port freed
@@ -225,58 +224,8 @@ def _checkpoint(r: Run, checkpoints: CheckpointWriter, rnd: int, params: Params)
 
 
 def save_result(r: Run) -> Params:
-    """The run's model written to its run directory (:func:`result_file`); the params it ends with."""
-    if (sealer := r.parts.chains.sealer) is None:
-        rundir.save_model(r.params, r.run_dir)
-        return r.params
-    return _save_sealed(sealer, r.params, r.run_dir, simulated=r.config.transport.kind == "inmemory")
-
-
-def result_file(r: Run) -> Path:
-    """Where the run's model is: model.pt, or model.he.pt where the server keeps it encrypted (plugin he:
-    its plaintext params stay w_0)."""
-    return r.run_dir / (rundir.MODEL_FILE if r.parts.chains.sealer is None else rundir.SEALED_MODEL_FILE)
-
-
-def _save_sealed(sealer: SealsModel, params: Params, run_dir: Path, simulated: bool) -> Params:
-    """A global model kept encrypted (plugin he): its ciphertexts in model.he.pt. A simulation, whose
-    clients and their key live in this process, also has them decrypt it into model.pt, the run's
-    result; a deployed server cannot (it holds the public key only) and keeps its plaintext params."""
-    sealed = sealer.seal(params)
-    rundir.save_sealed_model(sealed, run_dir)
-    if not simulated:
-        log.info("the global model stays encrypted in %s; where secret.ctx is, `fedweave decrypt --keys DIR %s` "
-                 "writes model.pt", run_dir / rundir.SEALED_MODEL_FILE, run_dir)
-        return params
-    plain = sealer.unseal(sealed)
-    rundir.save_model(plain, run_dir)
-    return plain
-
-
-def check_sealed_size(sealer: SealsModel, params: Params, max_message_mb: float, updates: int = 1) -> None:
-    """Refuse, before any client joins, a model kept encrypted whose messages (the first broadcast, a
-    message of ``updates`` encrypted updates) a node would refuse as over ``grpc.max_message_mb``: plugin
-    he sends about 57 bytes a model value, so the 2 GiB default holds about 37M values. Ciphertexts
-    compress to sizes that differ by a few bytes: the size it asks for has 1% to spare."""
-    one = sealer.sealed_bytes(params)
-    size = one * updates
-    if size > max_message_mb * (1 << 20):
-        values = sum(t.numel() for t in params.values() if t.is_floating_point())
-        relayed = f", a site leader relaying {updates} members' updates in one" if updates > 1 else ""
-        raise ConfigError(
-            f"config key 'grpc.max_message_mb': the encrypted model of {values:,} values travels in messages of "
-            f"{size / (1 << 20):,.1f} MiB ({one / max(values, 1):.0f} bytes a value{relayed}), over the limit of "
-            f"{max_message_mb:g} MiB; set grpc.max_message_mb to at least {math.ceil(1.01 * size / (1 << 20))}"
-        )
-
-
-def _updates_a_message(config: Config) -> int:
-    """The most encrypted updates one message carries: one, or all a site leader's sampled members
-    answered (a hierarchy relays the updates of a plugin that combines them encoded)."""
-    if config.topology.kind != "hierarchical":
-        return 1
-    tree = site_tree(config.topology.sites, config.clients)  # type: ignore[arg-type]
-    return min(config.clients_per_round, max(len(leaves(site)) for site in tree))
+    """The run's model written to its run directory (:mod:`fedweave.result`); the params it ends with."""
+    return result.save_result(r.params, r.run_dir, r.parts.chains.sealer, simulated=r.config.transport.kind == "inmemory")
 
 
 def _posts_jobs(topology: Topology) -> PostsJobs | None:
@@ -297,14 +246,14 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
     params = initial_params(config, task)
     chains = build_chains(config)
     if chains.sealer is not None and config.transport.kind == "grpc":
-        check_sealed_size(chains.sealer, params, config.grpc.max_message_mb, _updates_a_message(config))
+        result.check_sealed_size(chains.sealer, params, config.grpc.max_message_mb, result.updates_a_message(config))
     store = ClientStateStore()
     runtime = build_client_runtime(config, task, chains, store)
     fed_count = max(1, round(config.eval.federated_fraction * config.clients))
     round_parts = RoundParts(
         strategy=build_strategy(config),
         controller=build_controller(config),
-        topology=topology if topology is not None else _topology(config, runtime),
+        topology=topology if topology is not None else clients_topology(config, runtime),
         chains=chains,
         min_clients=config.min_clients,
         timeout=config.round_timeout,
@@ -333,29 +282,6 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
 def _no_plaintext_model(params: Params) -> dict[str, float]:
     """The server's evaluation of a model it keeps encrypted (plugin he): none (clients evaluate it)."""
     return {}
-
-
-def _topology(config: Config, runtime: ClientRuntime) -> Topology:
-    """How this process reaches the clients: in memory, or, as a gRPC server, over the network."""
-    if config.transport.kind == "grpc" and config.launcher.kind == "local":
-        from fedweave.node import server_topology
-
-        return server_topology(config)
-    if config.launcher.kind == "ray":  # the clients' local work on a pool of Ray actors
-        from fedweave.build import strategy_class
-        from fedweave.launchers.ray import launch_ray
-        from fedweave.topologies.arrange import arrange
-
-        return arrange(config, launch_ray(config, runtime), strategy_class(config))
-    emulated = emulated_clients(config, runtime.handle)  # None unless client speeds are emulated (star only)
-    if emulated is not None:
-        return emulated
-    if config.topology.kind == "star":
-        return launch_local(runtime)
-    from fedweave.build import strategy_class
-    from fedweave.topologies.arrange import arrange
-
-    return arrange(config, launch_local(runtime).transport, strategy_class(config))
 
 
 def run_config(config: Config, run_dir: Path | None = None) -> Run:

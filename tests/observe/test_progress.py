@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from conftest import free_port, small_config
-from fedweave import cli, node
+from fedweave import cli
+from fedweave.nodes.client import run_client
 from fedweave import config as config_mod
 from fedweave.observe import progress
 from fedweave.observe.progress import ProgressBar, run_summary, summary_table
@@ -112,7 +113,7 @@ def test_the_server_of_a_deployment_shows_the_progress_line(
     config = small_config("rounds=2", "clients=1", "transport=grpc", f"grpc.address=127.0.0.1:{port}")
     path = tmp_path / "config.yaml"
     path.write_text(config_mod.to_yaml(config))
-    client = threading.Thread(target=node.run_client, args=(config, 0), daemon=True)
+    client = threading.Thread(target=run_client, args=(config, 0), daemon=True)
     client.start()
     assert cli.main(["server", str(path), "--run-dir", str(tmp_path / "run"), *(["-q"] if quiet else [])]) == 0
     client.join(20)

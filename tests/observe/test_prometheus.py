@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from conftest import free_port, small_config
-from fedweave import node
+from fedweave.nodes.client import run_client
+from fedweave.nodes.server import serve
 from fedweave.observe.prometheus import updates
 from fedweave.validation import REASONS
 
@@ -50,10 +51,10 @@ def test_the_endpoint_of_a_grpc_server_agrees_with_its_metrics(tmp_path: Path) -
     def on_record(record: dict[str, Any]) -> None:  # runs after the endpoint saw the record
         scraped[record["round"]] = scrape(metrics_port)
 
-    clients = [threading.Thread(target=node.run_client, args=(config, cid), daemon=True) for cid in (0, 1)]
+    clients = [threading.Thread(target=run_client, args=(config, cid), daemon=True) for cid in (0, 1)]
     for t in clients:  # client 2 never comes: its job fails each round (no answer)
         t.start()
-    node.serve(config, tmp_path / "run", on_record=on_record)
+    serve(config, tmp_path / "run", on_record=on_record)
     for t in clients:
         t.join(20)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_same_params, free_port, run_to_end, small_config
-from fedweave import node
+from fedweave.nodes.client import run_client
+from fedweave.nodes.server import serve
 
 GRPC = [
     "transport=grpc",
@@ -48,11 +49,11 @@ def test_a_compressed_run_over_grpc_equals_the_in_memory_run(tmp_path: Path, cod
     simulated, _ = run_to_end(tmp_path / "inmemory", *overrides)
     config = small_config(*overrides, *GRPC, f"grpc.address=127.0.0.1:{free_port()}")
     answered: dict[int, int] = {}
-    clients = [threading.Thread(target=lambda c=cid: answered.__setitem__(c, node.run_client(config, c)), daemon=True)
+    clients = [threading.Thread(target=lambda c=cid: answered.__setitem__(c, run_client(config, c)), daemon=True)
                for cid in (0, 1)]
     for t in clients:
         t.start()
-    deployed = node.serve(config, tmp_path / "grpc")
+    deployed = serve(config, tmp_path / "grpc")
     for t in clients:
         t.join(20)
     records = [json.loads(line) for line in (tmp_path / "grpc" / "metrics.jsonl").read_text().splitlines()]

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_same_params, run_interrupted, run_to_end, small_config
-from fedweave import runner
+from fedweave import result, runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.cli import main
 from fedweave.client import ClientRuntime
@@ -344,7 +344,7 @@ def test_an_he_run_equals_plain_fedavg_and_the_server_never_decrypts(tmp_path: P
     import tenseal as ts
 
     client_side = threading.local()
-    decrypt, open_, save_sealed = ts.CKKSVector.decrypt, ClientRuntime.open, runner._save_sealed
+    decrypt, open_, save_sealed = ts.CKKSVector.decrypt, ClientRuntime.open, result.save_sealed
     outside: list[str] = []
 
     def guarded(self: object, *args: object, **kwargs: object) -> object:
@@ -363,7 +363,7 @@ def test_an_he_run_equals_plain_fedavg_and_the_server_never_decrypts(tmp_path: P
 
     monkeypatch.setattr(ts.CKKSVector, "decrypt", guarded)
     monkeypatch.setattr(ClientRuntime, "open", as_client(open_))
-    monkeypatch.setattr(runner, "_save_sealed", as_client(save_sealed))
+    monkeypatch.setattr(result, "save_sealed", as_client(save_sealed))
 
     plain, plain_records = run_to_end(tmp_path / "plain", NO_SERVER_EVAL, FEDERATED_EVAL)
     r = runner.prepare(small_config(HE, NO_SERVER_EVAL, FEDERATED_EVAL), tmp_path / "he")
@@ -475,9 +475,9 @@ def test_sealed_bytes_is_the_size_of_the_first_broadcast_and_of_an_encrypted_upd
     assert abs(estimate - broadcast) < 0.01 * broadcast and abs(estimate - upload) < 0.01 * upload
     slots = -(-9007 // slot_count(he.server.context)) * slot_count(he.server.context)
     assert 50 < estimate / slots < 64  # each 8-byte coefficient mod a 60- or 40-bit prime, compressed
-    runner.check_sealed_size(he, w0, 1.01 * estimate / (1 << 20))  # each ciphertext compresses a little otherwise
+    result.check_sealed_size(he, w0, 1.01 * estimate / (1 << 20))  # each ciphertext compresses a little otherwise
     with pytest.raises(ConfigError, match=r"^config key 'grpc.max_message_mb': the encrypted model of 9,007 values"):
-        runner.check_sealed_size(he, w0, 0.99 * estimate / (1 << 20))
+        result.check_sealed_size(he, w0, 0.99 * estimate / (1 << 20))
 
 
 def test_an_encrypted_model_over_the_message_limit_is_refused_before_the_server_starts(keys: Path,
@@ -582,7 +582,7 @@ def test_over_grpc_site_leaders_relay_the_encrypted_model_and_updates(keys: Path
     from conftest import free_port
     from fedweave.build import build_chains, build_client_runtime, build_task
     from fedweave.client import ClientStateStore
-    from fedweave.node import server_topology
+    from fedweave.reach import server_topology
     from fedweave.topologies.deploy import site_handler
     from fedweave.transports.grpc.client import GrpcClient
     from fedweave.transports.inmemory import InMemoryTransport

@@ -22,7 +22,7 @@ from fedweave import runner
 from fedweave.batching.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, strategy_class
 from fedweave.client import ClientStateStore
-from fedweave.node import server_topology
+from fedweave.reach import server_topology
 from fedweave.seeding import numpy_rng
 from fedweave.topologies.deploy import SiteBatches, TorchDistHierarchy, site_handler
 from fedweave.topologies.hierarchical import combine

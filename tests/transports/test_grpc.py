@@ -839,7 +839,7 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
     from fedweave import runner
     from fedweave.build import build_chains, build_client_runtime, build_task
     from fedweave.client import ClientStateStore
-    from fedweave.node import server_topology
+    from fedweave.reach import server_topology
 
     config = small_config("clients=2", "min_clients=2", "rounds=2", *FAST, "grpc.listen=127.0.0.1:0")
     topology = server_topology(config)
@@ -882,7 +882,7 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     from fedweave.batching.selection import sample_clients
     from fedweave.build import build_chains, build_client_runtime, build_task
     from fedweave.client import ClientStateStore
-    from fedweave.node import server_topology
+    from fedweave.reach import server_topology
     from fedweave.seeding import numpy_rng
 
     port = free_port()
@@ -948,7 +948,7 @@ def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: P
     from fedweave import runner
     from fedweave.build import build_chains, build_client_runtime, build_task
     from fedweave.client import ClientStateStore
-    from fedweave.node import server_topology
+    from fedweave.reach import server_topology
 
     config = small_config("clients=3", "min_clients=2", "rounds=3", *FAST, "grpc.heartbeat_timeout=10",
                           "grpc.listen=127.0.0.1:0")

@@ -24,10 +24,10 @@ def node_command(args: argparse.Namespace) -> int:
         sites = f" and {args.sites} site leaders" if args.sites else ""
         print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
         return 0
-    from fedweave import node
+    from fedweave.nodes.signals import PARENT_ENV
 
     log_to_stderr(level=args.log_level)
-    if not os.environ.get(node.PARENT_ENV):
+    if not os.environ.get(PARENT_ENV):
         return _serve_node(args)
     # A node started by the process launcher: its work is saved when it returns, so it
     # skips the interpreter's teardown (seconds with torch loaded).
@@ -45,51 +45,56 @@ def node_command(args: argparse.Namespace) -> int:
 
 def _serve_node(args: argparse.Namespace) -> int:
     from fedweave import config as config_mod
-    from fedweave import node, rundir
+    from fedweave import rundir
+    from fedweave.nodes.signals import install_signal_handlers
 
     try:
-        node.install_signal_handlers()
+        install_signal_handlers()
         if args.command == "client":
-            node.run_client(config_mod.load(args.config, args.overrides), args.id, address=args.address, token=args.token)
+            from fedweave.nodes.client import run_client
+
+            run_client(config_mod.load(args.config, args.overrides), args.id, address=args.address, token=args.token)
             return 0
         if args.command == "site":
-            from fedweave.topologies import deploy
+            from fedweave.nodes import site
 
             config = config_mod.load(args.config, args.overrides)
             if args.rank == 0:
-                deploy.run_site_leader(config, args.site, args.address, args.port, args.token)
+                site.run_site_leader(config, args.site, args.address, args.port, args.token)
             else:
-                deploy.run_site_member(config, args.site, args.rank, args.port)
+                site.run_site_member(config, args.site, args.rank, args.port)
             return 0
+        from fedweave.nodes.server import serve
+
         if args.resume:
             if args.config is not None or args.overrides:
                 raise ConfigError("--resume takes no config or overrides: the run directory holds its config")
             config = config_mod.load(Path(args.resume) / rundir.CONFIG_FILE)
-            node.serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file,
-                       on_record=_server_bar(args, config))
+            serve(config, args.resume, resume=True, listen=args.listen, address_file=args.address_file,
+                  on_record=_server_bar(args, config))
             return 0
         if args.config is None:
             raise ConfigError("fedweave server needs a config file (or --resume RUN_DIR)")
         config = config_mod.load(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(config)
         if not args.run_dir:
-            logging.getLogger("fedweave.node").info(
+            logging.getLogger("fedweave.nodes.server").info(
                 "the run goes to %s; a server started again resumes it only with --run-dir %s", run_dir, run_dir
             )
-        node.serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
+        serve(config, run_dir, listen=args.listen, address_file=args.address_file, on_record=_server_bar(args, config))
         return 0
     except KeyboardInterrupt:
-        logging.getLogger("fedweave.node").warning("%s stopped by a signal", args.command)
+        logging.getLogger("fedweave.nodes").warning("%s stopped by a signal", args.command)
         return 130
 
 
 def _server_bar(args: argparse.Namespace, config: Any) -> Any:
     """The server's progress line (as `fedweave run`'s) on stderr; none with -q or under the process
     launcher (which shows its own)."""
-    from fedweave import node
+    from fedweave.nodes.signals import PARENT_ENV
     from fedweave.observe.progress import ProgressBar
 
-    if args.quiet or os.environ.get(node.PARENT_ENV):
+    if args.quiet or os.environ.get(PARENT_ENV):
         return None
     return ProgressBar(config.rounds, sys.stderr).update
 

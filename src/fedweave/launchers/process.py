@@ -2,16 +2,17 @@
 
 ``fedweave run CONFIG launcher=process`` (or :func:`fedweave.runner.execute` of such a
 run) starts ``fedweave server`` on 127.0.0.1 with a port the system picks, and with it
-``fedweave client --id i`` for every client (they retry until the server listens). Each
+``fedweave client --id i`` for every client (they retry until the server listens), or per site a
+leader and its members (``fedweave site``): the entry points of :mod:`fedweave.nodes`. Each
 node's output is forwarded through :mod:`logging` line by line with a node prefix
 (``[server]``, ``[client 3]``). The launcher follows the run's ``metrics.jsonl`` to
-report each round as it ends, and loads the final model when the server is done (decrypting
-it, where the server kept it encrypted: plugin he).
+report each round as it ends, and loads the final model when the server is done
+(:func:`fedweave.result.load_result`: decrypted, where the server kept it encrypted).
 
 Every wait is bounded. When the server ends, clients get a bounded grace period to
 leave on their own; then they are terminated, then killed. On Ctrl-C or any error all
-nodes are stopped the same way, and each node also dies with its launcher (Linux), so
-no process is left behind.
+nodes are stopped the same way, and each node also dies with its launcher (Linux,
+:mod:`fedweave.nodes.signals`), so no process is left behind.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import torch
-
 from fedweave.errors import FedweaveError
-from fedweave.node import PARENT_ENV
-from fedweave.plugins.contracts import SealsModel
-from fedweave.rundir import CONFIG_FILE, METRICS_FILE, SEALED_MODEL_FILE, MetricsTail, load_model, save_model
+from fedweave.nodes.signals import PARENT_ENV
+from fedweave.result import load_result
+from fedweave.rundir import CONFIG_FILE, METRICS_FILE, MetricsTail
+from fedweave.topologies.deploy import site_members
+from fedweave.topologies.hierarchical import site_tree
 from fedweave.transports.grpc.protocol import AUTO, CREDENTIALS_ENV
-from fedweave.types import Params
 
 if TYPE_CHECKING:
     from fedweave.runner import Run
@@ -162,24 +162,13 @@ def launch_processes(r: Run, on_record: Callable[[dict[str, Any]], None] | None 
         s = cfg.grpc
         nodes.stop(grace=s.poll_timeout + s.heartbeat_interval + 2.0 if clean else 0.0)
     log.info("all %d nodes stopped after %.1f s", len(nodes.items), time.monotonic() - started)
-    r.params = load_model(run_dir) if (sealer := r.parts.chains.sealer) is None else _decrypted(sealer, run_dir)
+    r.params = load_result(run_dir, r.parts.chains.sealer)
     return r.records
-
-
-def _decrypted(sealer: SealsModel, run_dir: Path) -> Params:
-    """The model the server kept encrypted (plugin he: model.he.pt), decrypted here, where every node
-    runs and the clients' secret.ctx is, into model.pt too (what ``fedweave decrypt`` does)."""
-    params = sealer.unseal(torch.load(run_dir / SEALED_MODEL_FILE, weights_only=True))
-    save_model(params, run_dir)
-    return params
 
 
 def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None:
     """Per top-level site: its leader (one gRPC node of the server for the whole site) and
     its members, in the site's own torch.distributed world on a port picked here."""
-    from fedweave.topologies.deploy import site_members
-    from fedweave.topologies.hierarchical import site_tree
-
     for site in range(len(site_tree(cfg.topology.sites, cfg.clients))):
         port = str(_free_port())
         for rank in range(1 + len(site_members(cfg, site))):
@@ -190,7 +179,6 @@ def _start_sites(nodes: Nodes, cfg: Any, config_file: str, address: str) -> None
 def _credentials(cfg: Any, run_dir: Path) -> Path:
     """A CA, server, client (and site leader) certificates and tokens in the run directory."""
     from fedweave.transports.grpc.certs import make_credentials
-    from fedweave.topologies.hierarchical import site_tree
 
     sites = len(site_tree(cfg.topology.sites, cfg.clients)) if cfg.topology.kind == "hierarchical" else 0
     return make_credentials(run_dir / "credentials", cfg.clients, sites=sites)

@@ -1,19 +1,20 @@
-"""Hierarchical deployments whose sites talk torch.distributed (``topology.inner: torchdist``).
-
-Ranks of the world: 0 is the aggregating process (it leads every top-level site), then one
-rank per client in the order of the site tree. Each top-level site is one process group
-(rank 0 and its members). On rank 0, :func:`torchdist_topology` gives the loop a
-hierarchical topology whose site links are :class:`~fedweave.transports.torchdist.TorchDistLeader`;
-every other rank runs :func:`serve_member` with a client runtime built from the same config.
+"""The topologies of hierarchical deployments whose sites talk torch.distributed (``topology.inner: torchdist``).
 
 Across institutions (``transport: grpc``), each top-level site is its own torch.distributed
-world led by a site leader (:func:`run_site_leader`) that is ONE gRPC node of the server:
-the server's :class:`SiteBatches` sends it one job per round (the global model once, each
-member's instruction) and gets one answer back (the members' pre-aggregated update where
-that is exact, else their updates relayed). A step of a plugin's own protocol (secure
-aggregation's key set-up and unmasking) is one job too: each member's control message,
-scattered to that member alone, and their control answers relayed (never combined).
-Every node derives the site tree from the same config.
+world led by a site leader (:func:`fedweave.nodes.site.run_site_leader`) that is ONE gRPC node
+of the server: the server's :class:`SiteBatches` sends it one job per round (the global model
+once, each member's instruction) and gets one answer back (the members' pre-aggregated update
+where that is exact, else their updates relayed), which the leader's :func:`site_handler` makes.
+A step of a plugin's own protocol (secure aggregation's key set-up and unmasking) is one job too:
+each member's control message, scattered to that member alone, and their control answers
+relayed (never combined). Every node derives the site tree from the same config.
+
+In one torch.distributed job (torchrun), rank 0 is the aggregating process (it leads every
+top-level site), then one rank per client in the order of the site tree (:func:`site_ranks`).
+Each top-level site is one process group (rank 0 and its members). Rank 0's
+:class:`TorchDistHierarchy` gives the loop a hierarchical topology whose site links are
+:class:`~fedweave.transports.torchdist.TorchDistLeader`; every other rank serves its client
+(:func:`fedweave.nodes.site.run_members`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,7 @@ from fedweave.topologies.hierarchical import (
 )
 from fedweave.transports.base import BreaksWhole, Exchange, KnowsAbsent, Transport
 from fedweave.transports.serialization import SiteJob, SiteReply
-from fedweave.transports.torchdist import (
-    Handler,
-    Rendezvous,
-    TorchDistLeader,
-    TorchDistMember,
-    World,
-)
+from fedweave.transports.torchdist import Handler, TorchDistLeader, World
 from fedweave.types import Message, Update
 
 log = logging.getLogger(__name__)
@@ -66,6 +61,9 @@ def world_size(config: Config) -> int:
 
 
 class _Unused:
+    """The root's own link: in one torch.distributed job every client is a member of a site, reached
+    through its site's leader, so the root never sends over it."""
+
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         raise AssertionError("every client of a torchdist hierarchy belongs to a site")
 
@@ -110,55 +108,6 @@ class TorchDistHierarchy:
             link.close()
         if self.own_world:
             self.world.close()
-
-
-def torchdist_topology(
-    config: Config, rdv: Rendezvous, strategy_cls: type
-) -> TorchDistHierarchy:
-    """Join the world as rank 0 and lead every top-level site."""
-    return TorchDistHierarchy(config, World(config.torchdist, rdv), strategy_cls)
-
-
-def serve_member(config: Config, world: World, handler: Handler) -> int:
-    """Serve this rank's site with ``handler`` until rank 0 stops it; return the jobs answered."""
-    layout = site_ranks(config)
-    groups = world.site_groups([ranks for ranks, _ in layout])
-    for group, (ranks, _) in zip(groups, layout):
-        if world.rdv.rank in ranks:
-            return TorchDistMember(world, group, ranks, handler).serve()
-    raise ValueError(f"rank {world.rdv.rank} is in no site")
-
-
-def run_members(configs: list[Config], rdv: Rendezvous) -> int:
-    """Join the world as a member rank and serve one run per config, in order (the same
-    world; a fresh client runtime and state per run), as :func:`fedweave.node.run_client` does over gRPC."""
-    from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
-
-    world = World(configs[0].torchdist, rdv)
-    done = 0
-    try:
-        for config in configs:
-            task = build_task(config)
-            runtime = build_client_runtime(
-                config, task, build_chains(config), ClientStateStore()
-            )
-            log.info(
-                "rank %d serves client %d", rdv.rank, client_of_rank(config, rdv.rank)
-            )
-            done += serve_member(config, world, runtime.handle)
-    finally:
-        world.close()
-    return done
-
-
-def client_of_rank(config: Config, rank: int) -> int:
-    """The client id a member rank serves."""
-    for _, members in site_ranks(config):
-        for cid, r in members.items():
-            if r == rank:
-                return cid
-    raise ValueError(f"rank {rank} serves no client")
 
 
 # --------------------------------------------------------------------------- gRPC across, gloo inside
@@ -272,69 +221,3 @@ def site_handler(leader: Transport, site: int) -> Handler:
         return Message(msg.round, site, SiteReply(ex.replies, ex.failures, broken))
 
     return handle
-
-
-def run_site_leader(
-    config: Config,
-    site: int,
-    address: str | None = None,
-    port: int | None = None,
-    token: str | None = None,
-) -> int:
-    """A site leader between a gRPC server and its site: ONE gRPC node (``site-<site>``) for the
-    whole site, and the torchdist leader of the site's own world (rank 0 on ``port``, default
-    :func:`site_port`). Its members' updates are pre-aggregated by a reduce where that is exact
-    (:func:`~fedweave.topologies.hierarchical.exact_pre_aggregation`), else relayed. Returns the
-    jobs answered."""
-    from fedweave.build import strategy_class
-    from fedweave.transports.grpc.client import GrpcClient
-
-    members = site_members(config, site)
-    port = site_port(config, site) if port is None else port
-    ranks = list(range(1 + len(members)))
-    rdv = Rendezvous(config.torchdist.address or "127.0.0.1", port, 0, len(ranks))
-    pre = exact_pre_aggregation(config, strategy_class(config))
-    world = World(config.torchdist, rdv)
-    try:
-        (group,) = world.site_groups([ranks])
-        leader = TorchDistLeader(world, group, ranks, members, pre)
-        log.info("site %d: %d members, %s", site, len(members), "pre-aggregating" if pre else "relaying")
-        client = GrpcClient(
-            config.grpc, site, site_handler(leader, site), role="site", address=address, token=token, seed=config.seed
-        )
-        try:
-            return client.run()
-        finally:
-            leader.close()
-    finally:
-        world.close()
-
-
-def run_site_member(
-    config: Config, site: int, rank: int, port: int | None = None
-) -> int:
-    """Member ``rank`` of site ``site``'s own world: serve its client until the leader stops."""
-    from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
-
-    members = site_members(config, site)
-    if not 1 <= rank <= len(members):
-        raise ConfigError(
-            f"--rank {rank} is not a member of site {site} (ranks 1..{len(members)})"
-        )
-    port = site_port(config, site) if port is None else port
-    rdv = Rendezvous(
-        config.torchdist.address or "127.0.0.1", port, rank, 1 + len(members)
-    )
-    task = build_task(config)
-    runtime = build_client_runtime(
-        config, task, build_chains(config), ClientStateStore()
-    )
-    world = World(config.torchdist, rdv)
-    try:
-        (group,) = world.site_groups([list(range(1 + len(members)))])
-        return TorchDistMember(
-            world, group, list(range(1 + len(members))), runtime.handle
-        ).serve()
-    finally:
-        world.close()

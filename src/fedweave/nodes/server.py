@@ -1,0 +1,70 @@
+"""The server node: ``fedweave server CONFIG``.
+
+It runs :func:`fedweave.loop.run` unchanged over the gRPC topology of
+:func:`fedweave.reach.server_topology` (FedBuff: :func:`fedweave.asynchronous.run_deployed`,
+on the real clock): a star whose clients connect, or, in a hierarchical deployment, one node
+per top-level site of the config's tree, whose leader connects (:mod:`fedweave.nodes.site`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedweave import result, runner
+from fedweave.config import Config
+from fedweave.files import atomic_write_text
+from fedweave.reach import server_topology
+from fedweave.topologies.deploy import SiteBatches
+from fedweave.topologies.star import Star
+
+log = logging.getLogger(__name__)
+
+
+def serve(
+    config: Config,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    listen: str | None = None,
+    address_file: str | Path | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> runner.Run:
+    """Run the server node: listen, build the run in ``run_dir``, serve every round, stop the clients.
+
+    A server restarted with the same arguments carries on (:func:`fedweave.runner.reopen`): it
+    resumes after the checkpoint in ``run_dir`` and reruns the interrupted round, whose clients
+    register again and drop what they trained in it (the accepted-round mechanism of
+    :mod:`fedweave.client`). On a run that already finished it serves no round: it tells the
+    clients to stop if its predecessor died before it could, writes the model, and returns.
+    ``address_file`` receives the address actually bound (``listen`` may ask for port 0).
+    """
+    topology = server_topology(config, listen)
+    try:
+        if address_file is not None:
+            atomic_write_text(topology.transport.address + "\n", address_file)
+        run_dir = Path(run_dir)
+        r = runner.resume(run_dir, topology=topology) if resume else runner.reopen(config, run_dir, topology=topology)
+        if r.first_round <= r.config.rounds:
+            runner.run_rounds(r, on_record)
+        else:
+            _finished(r, topology)
+        return r
+    finally:
+        topology.close()
+
+
+def _finished(r: runner.Run, topology: Star | SiteBatches) -> None:
+    """A run that ended before this server started. Without its model, its server died between the
+    last checkpoint and telling the clients to stop: wait for them (``grpc.join_timeout``) and tell
+    them now, then write the model from the checkpoint."""
+    model = result.result_file(r.run_dir, r.parts.chains.sealer)
+    if not model.is_file():
+        transport = topology.transport
+        log.info("the run ended without its model: telling the %ss that reconnect to stop", transport.role)
+        transport.wait_for_clients(transport.num_nodes, r.config.grpc.join_timeout)
+        topology.close()
+        runner.save_result(r)
+    log.info("the run in %s already finished all %d rounds; its model is %s", r.run_dir, r.config.rounds, model)
