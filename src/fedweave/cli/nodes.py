@@ -53,7 +53,8 @@ def _serve_node(args: argparse.Namespace) -> int:
         if args.command == "client":
             from fedweave.nodes.client import run_client
 
-            run_client(config_mod.load(args.config, args.overrides), args.id, address=args.address, token=args.token)
+            config = config_mod.load(args.config, args.overrides)
+            run_client(config, args.id, address=args.address, token=args.token, data=args.data)
             return 0
         if args.command == "site":
             from fedweave.nodes import site
