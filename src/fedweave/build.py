@@ -73,10 +73,7 @@ def data_seed(config: Config) -> int:
 def sites_read_own_data(config: Config) -> bool:
     """Whether each client reads only its own files (``task.dataset: files`` with a ``{client}``
     path, or with none: each deployed client gives its own ``--data``)."""
-    if config.task.dataset != "files":
-        return False
-    options = config.task.file_options()
-    return options.path is None or options.template
+    return config.task.dataset == "files" and config.task.file_options().per_site
 
 
 def data_admission(config: Config) -> Callable[[Any], str | None] | None:
