@@ -3,6 +3,7 @@ the order of arrivals, the reduction to FedAvg, exact resume."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -10,14 +11,16 @@ import pytest
 import torch
 
 from fedweave import config as config_mod
+from fedweave import runner
 from fedweave.asynchronous import buffered_step, staleness_weight
 from fedweave.config import AsynchronousConfig
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
 from fedweave.types import Update, UpdateKind
+from fedweave.validation import ExampleLimits
 
-from conftest import assert_same_params, run_interrupted, run_to_end
+from conftest import assert_same_params, run_interrupted, run_to_end, small_config
 
 ASYNC = ["heterogeneity.clock=virtual", "asynchronous.enabled=true", "local.steps=10"]
 SPEEDS = "heterogeneity.speeds=[1, 2, 4, 8]"  # 10 steps x 16 samples x 1 ms / speed: 0.16, 0.08, 0.04, 0.02 s
@@ -128,3 +131,26 @@ def test_bad_updates_are_rejected_and_counted_in_the_next_step(tmp_path: Path) -
     assert all(c["id"] != 3 for r in records for c in r["clients"])
     assert sum(r["rejected"].get("non_finite", 0) for r in records) >= 2
     assert all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point())
+
+
+def test_a_buffer_of_one_is_bounded_by_the_other_clients_latest_claims(tmp_path: Path) -> None:
+    """K = 1: a lone buffered claim is its own median, so the cohort is the buffer with every other
+    client's latest counted claim. Client 2, knowing no size on the server's side, claims 10^6: once
+    the others have been counted it is capped at 3 x their 64 examples each, and the book survives
+    a checkpoint."""
+    config = small_config(*ASYNC, SPEEDS, "rounds=12", "asynchronous.buffer_size=1",
+                          "attacks.kind=inflate_examples", "attacks.clients=[2]")
+    r = runner.prepare(config, tmp_path / "run")
+    r.parts.checks = dataclasses.replace(r.parts.checks, limits=ExampleLimits())  # as deployed: no sizes
+    records = runner.run_rounds(r)
+    seen: set[int] = set()
+    for record in records:
+        (cid,) = [c["id"] for c in record["clients"]]
+        assert record["capped"] == (cid == 2 and bool(seen - {2})), record
+        seen.add(cid)
+    assert r.buffered is not None and r.buffered.claims == {0: 64.0, 1: 64.0, 2: 192.0, 3: 64.0}
+    state = r.buffered.state_dict()
+    again = runner.prepare(config, tmp_path / "other").buffered
+    assert again is not None
+    again.load_state_dict(state)
+    assert again.claims == r.buffered.claims

@@ -425,3 +425,24 @@ def _update(cid: int) -> Any:
     from fedweave.types import Update, UpdateKind
 
     return Update(client_id=cid, kind=UpdateKind.DELTA, tensors={}, num_examples=16, local_steps=1)
+
+
+@pytest.mark.parametrize("mode", ["synchronous", "asynchronous"])
+def test_a_deployed_server_caps_an_inflated_claim_by_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """Over gRPC the server knows no client's size: client 2 claiming 10^6 examples is still counted
+    as 3 x the cohort's median claim per client (aggregation.weight_policy cap, the default), in each
+    synchronous round and in each FedBuff step that holds its update, and the record says so."""
+    config = small_config(*ASYNC, f"asynchronous.enabled={mode == 'asynchronous'}", "rounds=4",
+                          "asynchronous.buffer_size=2", "attacks.kind=inflate_examples", "attacks.clients=[2]")
+    r = deployed(config, tmp_path / "run")
+    with caplog.at_level("WARNING"), client_threads(config, r.parts.topology.transport.address, dict.fromkeys(range(4), 0.02)):
+        records = runner.run_rounds(r)
+    assert [x["round"] for x in records] == [1, 2, 3, 4]
+    holding = [any(c["id"] == 2 for c in x["clients"]) for x in records]
+    assert [x["capped"] for x in records] == [int(h) for h in holding] and any(holding)
+    assert all(x["rejected"] == {} for x in records)
+    size = 400 * 0.8 * 0.8 / 4  # synthetic samples, less the test set and each client's local test split
+    assert re.search(rf"client 2 claims 1000000 examples, above its cohort's bound: counted as {3 * int(size)}\b",
+                     caplog.text), caplog.text

@@ -591,6 +591,9 @@ def test_values_python_cannot_hold_are_config_errors(tmp_path: Path) -> None:
         (["attacks.std=0"], "config key 'attacks.std': must be > 0, got 0.0"),
         (["aggregation.max_examples=0"], "config key 'aggregation.max_examples': must be >= 1, got 0"),
         (["aggregation.max_weight_share=1.5"], "config key 'aggregation.max_weight_share': must be <= 1, got 1.5"),
+        (["aggregation.weight_policy=capped"], "config key 'aggregation.weight_policy': 'capped' is not allowed; "
+                                              "expected one of 'cap', 'refuse', 'trust' (did you mean 'cap'?)"),
+        (["aggregation.max_ratio_to_median=0.5"], "config key 'aggregation.max_ratio_to_median': must be >= 1, got 0.5"),
         (
             ["aggregation.max_weight_share=0.3", "plugins.client_send=[{name: secagg}]"],
             "config key 'aggregation.max_weight_share': plugin 'secagg' combines updates while encoded",
@@ -609,6 +612,8 @@ def test_attacks_and_claim_caps_load() -> None:
     assert config.attacks.kinds == ["label_flip", "inflate_examples"] and config.attacks.clients == [0, 3]
     assert (config.aggregation.max_examples, config.aggregation.max_weight_share) == (500, 0.25)
     assert config_mod.load(None, []).attacks.kinds == []
+    default = config_mod.load(None, []).aggregation
+    assert (default.weight_policy, default.max_ratio_to_median) == ("cap", 3.0)  # bounded unless a run says trust
 
 
 # --------------------------------------------------------------------------- switching a choice by override

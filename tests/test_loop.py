@@ -38,7 +38,7 @@ from fedweave.types import (
     UpdateKind,
     Work,
 )
-from fedweave.validation import ExampleLimits, UpdateChecks
+from fedweave.validation import ExampleLimits, UpdateChecks, WeightPolicy
 
 Handler = Callable[[Message], Message]
 
@@ -128,6 +128,7 @@ def test_round_aggregates_every_answer_weighted_by_examples() -> None:
         # each counts for its sender, with the batch the plan gave it
         "clients": [{"id": i, "steps": 0, "batch": i + 1, "compute": 0.0, "idle": 0.0} for i in range(4)],
         "rejected": {},
+        "capped": 0,
     }
     assert parts.controller.observed == [(1, [1, 2, 3, 4])]
 
@@ -310,6 +311,7 @@ def test_updates_the_rule_discards_do_not_count_as_applied(
     })
     parts = make_parts(handler, num_clients=8, per_round=8, topology=TwoSites(handler))
     parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=8, average=averager(aggregation)))
+    parts.checks = UpdateChecks(weights=WeightPolicy("trust"))  # client 4's 5 is above 3 x the median 1 per client
     params, record = train_round(parts, 1, start())
     assert_w(params, w)
     assert type(params) is dict  # what the step kept is the loop's business; the model is plain Params
@@ -555,10 +557,12 @@ def test_a_site_may_not_stand_for_a_client_twice_or_outside_the_round() -> None:
 
 def test_an_inflated_example_count_is_capped() -> None:
     """Client 3 claims 10^6 examples for its delta of 4: the server knows it holds 4 (simulation),
-    or caps every claim at aggregation.max_examples, or every weight at a share of the total."""
+    or caps every claim at aggregation.max_examples, or every weight at a share of the total; and by
+    default, knowing no size, at 3 x the cohort's lower median claim (2 of claims 1, 2, 3, 10^6): 6."""
     inflated = {3: lambda cid: scripted(cid, num_examples=1_000_000)}
     for checks, w in (
-        (UpdateChecks(), (1 * 1 + 2 * 2 + 3 * 3 + 4 * 1_000_000) / 1_000_006),  # no bound: client 3 rules
+        (UpdateChecks(weights=WeightPolicy("trust")), (1 * 1 + 2 * 2 + 3 * 3 + 4 * 1_000_000) / 1_000_006),
+        (UpdateChecks(), (1 * 1 + 2 * 2 + 3 * 3 + 4 * 6) / 12),
         (UpdateChecks(limits=ExampleLimits(size_of={0: 1, 1: 2, 2: 3, 3: 4}.__getitem__)), 30 / 10),
         (UpdateChecks(limits=ExampleLimits(max_examples=6)), (1 + 4 + 9 + 4 * 6) / 12),
         # c = 0.4 · (1 + 2 + 3) / (1 − 0.4) = 4: weights 1, 2, 3, 4
@@ -570,6 +574,38 @@ def test_an_inflated_example_count_is_capped() -> None:
         params, record = train_round(parts, 1, start())
         assert_w(params, w)
         assert record["rejected"] == {}
+        assert record["capped"] == (checks.weights.policy == "cap" and checks.limits == ExampleLimits())
+
+
+def test_a_claim_above_the_cohort_bound_is_refused_with_weight_policy_refuse(caplog: pytest.LogCaptureFixture) -> None:
+    """weight_policy refuse, ratio 2: client 3's claim of 9 is above 2 x the lower median 2 of
+    claims 1, 2, 3, 9: its update is dropped (rejected, not completed), the others' mean is 14 / 6."""
+    handler, _ = clients({3: lambda cid: scripted(cid, num_examples=9)})
+    parts = make_parts(handler)
+    parts.checks = UpdateChecks(weights=WeightPolicy("refuse", ratio=2.0))
+    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+        params, record = train_round(parts, 1, start())
+    assert_w(params, (1 + 4 + 9) / 6)
+    assert record["rejected"] == {"examples": 1} and record["capped"] == 0 and record["clients_completed"] == 3
+    assert 3 not in parts.accepted.state_dict()
+    assert "update of client 3 rejected: it claims 9 examples, more than the 4 its cohort allows" in caplog.text
+
+
+def test_a_site_claim_is_bounded_by_its_members() -> None:
+    """Site 2 stands for 3 clients; clients 0, 1 and 4 claim 1, 2 and 5 examples, site 3 (for 3 and
+    7) 8. Site 2 claiming 30 (10 per member): claims per client 1, 2, 4, 4, 5, 10, 10, 10, lower
+    median 4, so it may claim 3 x 4 x 3 = 36: kept. Claiming 3000 (1000 per member) leaves the median
+    at 4: capped at 36; site 3's 8 is within its 3 x 4 x 2 = 24, client 4's 5 within 12."""
+    for claim, weights, capped in ((30, (1, 2, 30, 8, 5), 0), (3000, (1, 2, 36, 8, 5), 1)):
+        handler, _ = clients({
+            2: lambda cid, n=claim: dataclasses.replace(site(cid, 3.0, [2, 5, 6]), num_examples=n),
+            3: lambda cid: dataclasses.replace(site(cid, 4.0, [3, 7]), num_examples=8),
+        })
+        parts = make_parts(handler, num_clients=8, per_round=8, topology=TwoSites(handler))
+        params, record = train_round(parts, 1, start())
+        deltas = (1, 2, 3, 4, 5)
+        assert_w(params, sum(d * n for d, n in zip(deltas, weights)) / sum(weights))
+        assert record["capped"] == capped and record["clients_completed"] == 8
 
 
 def test_bad_updates_every_round_do_not_stop_the_run() -> None:

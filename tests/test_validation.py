@@ -20,12 +20,15 @@ from fedweave.validation import (
     Rejected,
     TensorSpec,
     UpdateSchema,
+    WeightPolicy,
     bounded_examples,
     cap_weight_share,
     capped_weights,
     check_senders,
     check_update,
+    claim_ceilings,
     finite,
+    lower_median,
     valid_evaluation,
 )
 
@@ -216,6 +219,48 @@ def test_cap_weight_share_lowers_claims_to_whole_examples() -> None:
     updates = [dataclasses.replace(update(), num_examples=n) for n in (1_000_000, 100, 100, 101)]
     assert [u.num_examples for u in cap_weight_share(updates, 0.5)] == [301, 100, 100, 101]
     assert all(a is b for a, b in zip(cap_weight_share(updates, None), updates))
+
+
+def test_lower_median() -> None:
+    assert lower_median([5]) == 5 and lower_median([3, 1, 2]) == 2
+    assert lower_median([1e6, 100, 120, 80]) == 100  # the smaller of 100 and 120: 1e6 cannot move it
+    with pytest.raises(ValueError):
+        lower_median([])
+
+
+@pytest.mark.parametrize(
+    ("claims", "ratio", "reference", "expected"),
+    [
+        # per client 100, 110, 120, 10^6: lower median 110; 4 x 110 = 440
+        ([(100, 1), (110, 1), (120, 1), (1_000_000, 1)], 4.0, [], [440, 440, 440, 440]),
+        # a site of 3 claiming 300 enters 100 three times: 50, 100, 100, 100, 900 -> median 100
+        ([(50, 1), (300, 3), (900, 1)], 2.0, [], [200, 600, 200]),
+        # FedBuff: one buffered claim of 10^6, the others' latest 100, 110, 90 -> median 100
+        ([(1_000_000, 1)], 3.0, [100, 110, 90], [300]),
+        # 2.5 x 3 x 1 = 7.5 rounds down; a bound is never below 1
+        ([(3, 1), (3, 1)], 2.5, [], [7, 7]),
+        ([(1, 4)], 1.0, [], [1]),
+    ],
+)
+def test_claim_ceilings(
+    claims: list[tuple[int, int]], ratio: float, reference: list[float], expected: list[int]
+) -> None:
+    assert claim_ceilings(claims, ratio, reference) == expected
+
+
+def test_the_weight_policy_caps_refuses_or_trusts_a_claim_above_its_cohort() -> None:
+    """Claims 100, 110, 120 and 10^6 of senders 0..3: the bound is 3 x 110 = 330 (the default ratio)."""
+    updates = [dataclasses.replace(update(), num_examples=n, client_id=i) for i, n in enumerate((100, 110, 120, 10**6))]
+    capped = WeightPolicy("cap").bound(updates)
+    assert [u.num_examples for u in capped.kept] == [100, 110, 120, 330] and capped.capped == [3]
+    assert capped.kept[:3] == updates[:3] and not capped.refused
+    refused = WeightPolicy("refuse").bound(updates)
+    assert refused.kept == updates[:3] and list(refused.refused) == [3] and not refused.capped
+    assert "claims 1000000 examples, more than the 330 its cohort allows" in refused.refused[3]
+    trusted = WeightPolicy("trust").bound(updates)
+    assert trusted.kept == updates and not trusted.capped and not trusted.refused
+    encoded = [dataclasses.replace(u, applied=["secagg"]) for u in updates]  # its weight is inside the encoding
+    assert list(WeightPolicy("cap").bound(encoded).refused) == [3]
 
 
 def test_non_finite_values_of_any_float_dtype_are_found() -> None:

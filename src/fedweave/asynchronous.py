@@ -15,7 +15,8 @@ current global model and, when it finishes, its update goes into a buffer. Every
               staleness τ = server steps taken since it got its model
     buffer    kept unless τ > max_staleness, or it failed, or it missed the deadline
               (round_timeout: the server gives up on it at start + round_timeout)
-    step      when K updates are buffered:
+    step      when K updates are buffered: each claim bounded (aggregation.weight_policy; the
+              cohort: the buffer and the latest counted claim of every other client), then
               x ← x + η_g · (A(x, {s(τ_i) · Δ_i}) − x)
               A = the strategy's aggregate (FedAvg: x + Σ n_i s(τ_i) Δ_i / Σ n_i),
               s(τ) = (1 + τ)^-½ by default, η_g = ``server_lr``;
@@ -66,8 +67,10 @@ from fedweave.loop import (
     RoundParts,
     absent_clients,
     accept_updates,
+    bound_weights,
     encode_instructions,
     evaluate_round,
+    missed_deadline,
     stand_for,
     strategy_metrics,
     weighted_metric,
@@ -154,6 +157,7 @@ class BufferedServer:
         self.arrived = 0  # arrivals since the previous server step, dropped ones included
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.claims: dict[int, float] = {}  # client -> its latest counted claim per client it stood for
 
     @classmethod
     def from_config(cls, config: Config) -> BufferedServer:
@@ -249,9 +253,10 @@ class BufferedServer:
         """Aggregate the full buffer: the next model version and its record."""
         flights = sorted(self.buffer, key=lambda f: (f.client_id, f.seq))  # summed in a fixed order
         self.buffer = []
-        updates = cap_weight_share([f.update for f in flights if f.update is not None], parts.checks.max_weight_share)
-        staleness = [self.version - f.version for f in flights]
         rnd = self.version + 1
+        flights, updates, capped = self.bounded(parts, rnd, flights)
+        updates = cap_weight_share(updates, parts.checks.max_weight_share)
+        staleness = [self.version - f.version for f in flights]
         record: Record = {
             **dict.fromkeys(RECORD_KEYS),
             "round": rnd,
@@ -262,6 +267,7 @@ class BufferedServer:
             "skipped": False,
             "round_time": self.clock - self.last_step,
             "rejected": rejection_counts(parts.rejected),  # since the previous step
+            "capped": capped,
             "clock": self.clock,
             "clients": [
                 {"id": f.client_id, "steps": u.local_steps, "batch": min(f.batch, u.num_examples),
@@ -270,6 +276,8 @@ class BufferedServer:
             ],
         }
         try:
+            if not updates:
+                raise RoundError("every buffered update was refused for its claimed examples")
             params = buffered_step(parts.strategy, rnd, params, updates, staleness, self.settings)
         except RoundError as exc:
             log.error("server step %d skipped: %s; global model kept", rnd, exc)
@@ -289,14 +297,32 @@ class BufferedServer:
         parts.rejected.clear()
         return params, record
 
+    def bounded(self, parts: RoundParts, rnd: int, flights: list[Flight]) -> tuple[list[Flight], list[Update], int]:
+        """The buffer's ``flights`` and their updates with each claim within its bound
+        (:func:`~fedweave.loop.bound_weights`): the cohort is the buffer with the latest counted
+        claim per client of every other client (``claims``), so that a small buffer is bounded
+        by the federation, not by itself; the refused ones dropped; how many were capped."""
+        arrived = [f for f in flights if f.update is not None]
+        inside = {f.client_id for f in arrived}
+        reference = [v for cid, v in sorted(self.claims.items()) if cid not in inside]
+        updates, capped = bound_weights(
+            rnd, [f.update for f in arrived if f.update is not None], parts.checks, {}, parts.rejected, reference
+        )
+        kept = {u.client_id for u in updates}
+        for update in updates:
+            self.claims[update.client_id] = update.num_examples / update.clients
+        return [f for f in arrived if f.client_id in kept], updates, capped
+
     # ------------------------------------------------------------------ deployed: the real clock
 
     def post(self, parts: RoundParts, params: Params, jobs: PostsJobs, absent: Collection[int] = ()) -> None:
-        """Fill the free slots: each drawn client (none ``absent``) gets its job on ``params`` now;
-        it arrives when it answers."""
+        """Fill the free slots: each drawn client (none ``absent``) gets its job on ``params`` now,
+        with the run's job deadline (:mod:`fedweave.deadlines`; else round_timeout); it arrives
+        when it answers."""
+        timeout = parts.timeout if parts.deadlines is None else parts.deadlines.deadline(parts.timeout)
         while (job := self.next_job(parts, params, absent)) is not None:
             cid, work, messages = job
-            jobs.post(messages, parts.timeout)
+            jobs.post(messages, timeout)
             self.flights.append(Flight(0.0, self.dispatches, cid, self.version, self.clock, work.batch_size, None))
 
     def received(self, parts: RoundParts, params: Params, exchange: Exchange) -> list[Flight]:
@@ -304,6 +330,8 @@ class BufferedServer:
         (None: failed or rejected, with the reason); they are no longer in flight."""
         self.bytes_sent += exchange.bytes_sent
         self.bytes_received += exchange.bytes_received
+        if parts.deadlines is not None:
+            parts.deadlines.observe(self.version + 1, exchange.elapsed, missed_deadline(exchange))
         ended = {m.client_id for m in exchange.replies} | set(exchange.failures)
         landed = [f for f in self.flights if f.client_id in ended]
         self.flights = [f for f in self.flights if f.client_id not in ended]
@@ -339,6 +367,7 @@ class BufferedServer:
             "arrived": self.arrived,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "claims": dict(self.claims),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -352,6 +381,7 @@ class BufferedServer:
         self.arrived = int(state["arrived"])
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_received = int(state["bytes_received"])
+        self.claims = {int(c): float(v) for c, v in state.get("claims", {}).items()}  # absent before weight bounds
 
 
 def run_buffered(
@@ -441,7 +471,7 @@ def run_deployed(
         absent = absent_clients(parts.topology)
         _log_absent(gone, absent)
         gone = absent
-        server.post(parts, params, jobs, absent)
+        server.post(parts, params, jobs, absent | _backing_off(parts, server, absent))
         if not server.flights:
             waiting_since = _await_return(server, waiting_since, rejoin_timeout)
             if waiting_since is None:
@@ -455,6 +485,15 @@ def run_deployed(
                 params = _step(parts, server, params, last_round, on_round, started)
                 started = time.perf_counter()
     return params
+
+
+def _backing_off(parts: RoundParts, server: BufferedServer, absent: frozenset[int]) -> frozenset[int]:
+    """The clients that missed their deadlines and get no job before server step ``version + 1``
+    (:mod:`fedweave.deadlines`), none when no other idle client is present to train instead."""
+    if parts.deadlines is None:
+        return frozenset()
+    out = parts.deadlines.excluded(server.version + 1) - absent
+    return out if set(server.idle()) - absent - out else frozenset()
 
 
 def _log_absent(before: frozenset[int], now: frozenset[int]) -> None:

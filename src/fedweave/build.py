@@ -21,6 +21,7 @@ from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
+from fedweave.deadlines import Deadlines
 from fedweave.errors import ConfigError
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
@@ -39,7 +40,7 @@ from fedweave.task.partition import natural
 from fedweave.task.schema import DataSchema
 from fedweave.training import LocalSettings, LossFn
 from fedweave.types import Params
-from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema
+from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema, WeightPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
     """What the server checks each update against (:mod:`fedweave.validation`): the strategy's
     schema (by default every entry of the model's ``params``), the example limits (in an
     in-memory simulation the server holds every client's data, so it knows each one's
-    size), the weight share."""
+    size), the weight share, the bound of each claim relative to its cohort."""
     cls = strategy_class(config)
     if isinstance(cls, DeclaresUpdate):
         with torch.random.fork_rng(devices=[]):  # a model for its layers; the run's draws are untouched
@@ -266,6 +267,7 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
         schema=dataclasses.replace(schema, kind=cls.update_kind),
         limits=ExampleLimits(config.aggregation.max_examples, size_of),
         max_weight_share=config.aggregation.max_weight_share,
+        weights=WeightPolicy(config.aggregation.weight_policy, config.aggregation.max_ratio_to_median),
     )
 
 
@@ -293,6 +295,16 @@ def build_strategy(config: Config) -> Any:
     """The server half of the configured strategy."""
     context = StrategyContext(num_clients=config.clients, seed=config.seed, average=averager(config.aggregation))
     return strategy_class(config)(config.strategy.params, context)
+
+
+def build_deadlines(config: Config) -> Deadlines | None:
+    """The job deadlines and back-off of a run over gRPC (:mod:`fedweave.deadlines`); None in
+    simulation, whose clients always answer, and with ``grpc.job_deadline_factor`` none."""
+    g = config.grpc
+    if config.transport.kind != "grpc" or g.job_deadline_factor is None:
+        return None
+    return Deadlines(config.clients, g.job_deadline_factor, g.job_deadline_quantile, g.job_deadline_min,
+                     g.missed_deadline_backoff, config.seed)
 
 
 def build_controller(config: Config) -> Controller:

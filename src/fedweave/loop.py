@@ -6,6 +6,7 @@
     send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
     updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
+    updates = bound_weights(updates)             (aggregation.weight_policy: each claim within its cohort's bound)
     updates = cap_weight_share(updates)          (aggregation.max_weight_share)
           or [chains.combine(updates, control)]  (only with secure aggregation / HE plugins)
     global  = strategy.aggregate(r, global, updates)
@@ -34,12 +35,14 @@ from typing import Any
 from fedweave.batching.controller import Controller
 from fedweave.batching.federated import client_timings
 from fedweave.conforms import Conforms
+from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Relaying, Topology
+from fedweave.topologies.emulated import DEADLINE
 from fedweave.transports.base import Exchange, KnowsAbsent
 from fedweave.types import (
     ACCEPTED_ROUND,
@@ -84,6 +87,7 @@ RECORD_KEYS = (
     "round_time",
     "clients",
     "rejected",
+    "capped",
 )
 """Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
 
@@ -140,6 +144,7 @@ class RoundParts:
     accepted: AcceptedRounds = field(default_factory=AcceptedRounds)
     checks: UpdateChecks = field(default_factory=UpdateChecks)
     rejected: Counter[str] = field(default_factory=Counter)  # updates rejected since the last record, by reason
+    deadlines: Deadlines | None = None  # a networked run's job deadlines and back-off
 
 
 def run(
@@ -186,10 +191,14 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
             "round %d: %s gone (silent past the heartbeat timeout, or in a broken site); sampling the others",
             rnd, listed(absent),
         )
-    plan = parts.controller.plan(rnd, absent)
+    backing_off = backing_off_clients(parts, rnd, absent)
+    plan = parts.controller.plan(rnd, absent | backing_off)
     parts.chains.begin_round(rnd, [w.client_id for w in plan])
-    traffic = RoundTraffic(parts.topology, rnd, parts.timeout)
+    timeout = parts.timeout if parts.deadlines is None else parts.deadlines.deadline(parts.timeout)
+    traffic = RoundTraffic(parts.topology, rnd, timeout)
     record: Record = {"round": rnd, "clients_sampled": len(plan), "clients_completed": 0, "skipped": False}
+    if parts.deadlines is not None:
+        record.update(deadline=timeout, backing_off=sorted(backing_off))
     parts.rejected.clear()
     try:
         if absent and len(plan) < parts.min_clients:
@@ -201,10 +210,13 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         plan = [w for w in plan if w.client_id in ready]
         instructions = parts.strategy.configure(rnd, params, plan)
         exchange = traffic.exchange(encode_instructions(parts.chains, instructions, parts.accepted))
+        if parts.deadlines is not None:
+            parts.deadlines.observe(rnd, exchange.elapsed, missed_deadline(exchange))
         updates = accept_updates(
             parts.chains, exchange.replies, exchange.failures, params, parts.checks,
             stand_for(parts.topology, {w.client_id for w in plan}), parts.rejected,
         )
+        updates, record["capped"] = bound_weights(rnd, updates, parts.checks, exchange.failures, parts.rejected)
         record["clients_completed"] = sum(u.clients for u in updates)
         if record["clients_completed"] < parts.min_clients:
             reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
@@ -233,8 +245,28 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
     parts.controller.observe(rnd, updates)
     record["train_loss"] = weighted_metric(updates, "train_loss")
     record["rejected"] = rejection_counts(parts.rejected)
-    record.update(client_timings(plan, updates, parts.timeout if exchange.waited is None else exchange.waited))
+    record.update(client_timings(plan, updates, timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
+
+
+def backing_off_clients(parts: RoundParts, rnd: int, absent: Collection[int]) -> frozenset[int]:
+    """The clients that missed their deadlines and sit round ``rnd`` out (:mod:`fedweave.deadlines`),
+    none while leaving them out would leave fewer than min_clients of those not ``absent``."""
+    if parts.deadlines is None:
+        return frozenset()
+    out = parts.deadlines.excluded(rnd) - set(absent)
+    if out and parts.deadlines.num_clients - len(set(absent) | out) < parts.min_clients:
+        log.info("round %d: clients %s back off, but without them fewer than min_clients %d are left: "
+                 "sampling them too", rnd, sorted(out), parts.min_clients)
+        return frozenset()
+    if out:
+        log.info("round %d: clients %s back off after missing their deadlines: not sampled", rnd, sorted(out))
+    return out
+
+
+def missed_deadline(exchange: Exchange) -> list[int]:
+    """The nodes whose job in ``exchange`` failed for its deadline."""
+    return [cid for cid, why in exchange.failures.items() if why.startswith(DEADLINE)]
 
 
 def listed(ids: Collection[int], most: int = 10) -> str:
@@ -404,6 +436,31 @@ def accept_updates(
         counted.update(ids)
         updates.append(update)
     return updates
+
+
+def bound_weights(
+    rnd: int,
+    updates: list[Update],
+    checks: UpdateChecks,
+    failures: dict[int, str],
+    rejected: Counter[str],
+    reference: Collection[float] = (),
+) -> tuple[list[Update], int]:
+    """``updates``, one cohort, with each claim within its bound (``checks.weights``,
+    :meth:`~fedweave.validation.WeightPolicy.bound`; ``reference``: other clients' latest claims
+    per client), and how many were capped; a refused one is logged, counted in ``rejected``
+    (``examples``) and in ``failures``."""
+    bounded = checks.weights.bound(updates, list(reference))
+    claims = {u.client_id: u.num_examples for u in updates}
+    counted = {u.client_id: u.num_examples for u in bounded.kept}
+    for cid in bounded.capped:
+        log.warning("round %d: client %d claims %d examples, above its cohort's bound: counted as %d",
+                    rnd, cid, claims[cid], counted[cid])
+    for cid, why in bounded.refused.items():
+        log.warning("round %d: update of client %d rejected: %s (examples)", rnd, cid, why)
+        failures[cid] = f"rejected: {why}"
+        rejected["examples"] += 1
+    return bounded.kept, len(bounded.capped)
 
 
 def weighted_metric(updates: list[Update], name: str) -> float | None:

@@ -29,6 +29,7 @@ from fedweave.build import (
     build_chains,
     build_client_runtime,
     build_controller,
+    build_deadlines,
     build_strategy,
     build_task,
     federated_eval_every,
@@ -265,6 +266,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         ),
         eval_batch_size=config.eval.batch_size,
         checks=update_checks(config, task, params),
+        deadlines=build_deadlines(config),
     )
     run_ = Run(
         config=config,

@@ -27,6 +27,13 @@ server knows a client holds (in simulation, the partition's sizes) or above
 ``aggregation.max_examples`` is lowered to it, or refused when the update is encoded
 (its weight is inside the encoding). :func:`capped_weights` keeps any one update's
 weight at most ``aggregation.max_weight_share`` of a round's total.
+
+A server that knows no sizes (a deployment) still bounds every claim, by default, relative
+to the cohort it is aggregated with (:class:`WeightPolicy`, ``aggregation.weight_policy``):
+no update may claim more than ``aggregation.max_ratio_to_median`` times the lower median
+of the cohort's claims per client, times the clients it stands for (:func:`claim_ceilings`);
+a claim above it is lowered to it (``cap``), or the update refused (``refuse``, and always
+for an encoded one); ``trust`` takes every claim as it is.
 """
 
 from __future__ import annotations
@@ -255,6 +262,74 @@ def capped_weights(weights: Sequence[float], max_share: float) -> list[float]:
     return [float(min(weights))] * len(weights)
 
 
+WEIGHT_POLICIES = ("cap", "refuse", "trust")
+"""What the server does with a claim above its cohort's bound (``aggregation.weight_policy``)."""
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median of ``values``: the middle one, or the smaller of the two middle ones, so
+    that values above it can only be as many as the others, never move it up."""
+    if not values:
+        raise ValueError("the median of no values")
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def claim_ceilings(claims: Sequence[tuple[int, int]], ratio: float, reference: Sequence[float] = ()) -> list[int]:
+    """For each ``(examples, clients)`` claim of a cohort, the most examples it may count:
+    ⌊ratio · m · clients⌋ (at least 1), with m the lower median of the claims per client, each
+    claim's examples / clients entered once per client it stands for (a site leader's sum weighs
+    as its members), together with ``reference``: per-client claims of clients outside the cohort
+    (FedBuff's latest of the others). A claim within ``ratio`` of the median keeps its count."""
+    if ratio < 1:
+        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    per_client = [n / c for n, c in claims for _ in range(c)] + list(reference)
+    if not per_client:
+        return []
+    m = lower_median(per_client)
+    return [max(1, math.floor(ratio * m * c + 1e-9)) for _, c in claims]
+
+
+@dataclass(frozen=True)
+class Bounded:
+    """A cohort's updates after :meth:`WeightPolicy.bound`: those ``kept`` (claims capped where
+    needed), the ids of the senders whose claim was ``capped``, and those ``refused``, each with why."""
+
+    kept: list[Update]
+    capped: list[int] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightPolicy:
+    """What the server does with a claim above its cohort's bound (module doc): ``policy`` one of
+    :data:`WEIGHT_POLICIES` (``aggregation.weight_policy``), ``ratio`` the bound's multiple of the
+    cohort's median claim per client (``aggregation.max_ratio_to_median``)."""
+
+    policy: str = "cap"
+    ratio: float = 3.0
+
+    def bound(self, updates: Sequence[Update], reference: Sequence[float] = ()) -> Bounded:
+        """``updates`` of one cohort with every claim within :func:`claim_ceilings`: lowered to it
+        (``cap``; an encoded update, whose weight is inside its encoding, is refused), or refused
+        (``refuse``); unchanged with ``trust``."""
+        if self.policy == "trust" or not updates:
+            return Bounded(list(updates))
+        ceilings = claim_ceilings([(u.num_examples, u.clients) for u in updates], self.ratio, reference)
+        kept, capped, refused = [], [], {}
+        for update, ceiling in zip(updates, ceilings):
+            if update.num_examples <= ceiling:
+                kept.append(update)
+            elif self.policy == "cap" and not update.applied:
+                kept.append(dataclasses.replace(update, num_examples=ceiling))
+                capped.append(update.client_id)
+            else:
+                refused[update.client_id] = (
+                    f"it claims {update.num_examples} examples, more than the {ceiling} its cohort allows "
+                    f"({self.ratio:g} x the median per client, weight_policy {self.policy})"
+                )
+        return Bounded(kept, capped, refused)
+
+
 def rejection_counts(counter: Counter[str]) -> dict[str, int]:
     """A round record's ``rejected``: updates rejected per reason, in :data:`REASONS` order."""
     return {reason: counter[reason] for reason in REASONS if counter[reason]}
@@ -269,12 +344,13 @@ def whole_examples(n: float) -> int:
 class UpdateChecks:
     """What a run's server checks each update against, built from its config: the
     ``schema`` (None: every entry of the round's global parameters, no extras), the
-    claims' ``limits``, and the largest share of a round's total weight one update may
-    have (None: no cap)."""
+    claims' ``limits``, the largest share of a round's total weight one update may
+    have (None: no cap), and the bound of each claim relative to its cohort (``weights``)."""
 
     schema: UpdateSchema | None = None
     limits: ExampleLimits = ExampleLimits()
     max_weight_share: float | None = None
+    weights: WeightPolicy = WeightPolicy()
 
 
 def cap_weight_share(updates: Sequence[Update], max_share: float | None) -> list[Update]:

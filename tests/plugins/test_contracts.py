@@ -134,9 +134,9 @@ def test_the_protocols_recognise_the_built_in_plugins() -> None:
 
     assert isinstance(TopK, Plugin) and isinstance(TopK, Stateful) and isinstance(TopK, Binds)
     assert isinstance(SecAgg, RunsProtocol) and isinstance(SecAgg, Answers)
-    # HE combines while encoded into a global model it keeps encrypted, which clients decrypt: no step of its own
-    assert isinstance(HE, Combines) and isinstance(HE, SealsModel) and isinstance(HE, Stateful)
-    assert not isinstance(HE, RunsProtocol) and not isinstance(HE, Answers) and not isinstance(SecAgg, SealsModel)
+    # HE combines while encoded into a global model it keeps encrypted, which clients decrypt and check (its step)
+    assert isinstance(HE, SealsModel) and isinstance(HE, Stateful) and isinstance(HE, ReportsMetrics)
+    assert isinstance(HE, RunsProtocol) and isinstance(HE, Answers) and not isinstance(SecAgg, SealsModel)
     assert not isinstance(TopK, Combines) and not isinstance(TopK, RunsProtocol)
     assert isinstance(DPCentral, ReportsMetrics) and not isinstance(TopK, ReportsMetrics)
 

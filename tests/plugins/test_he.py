@@ -11,6 +11,7 @@ import re
 import stat
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, HEServer, slot_count
 from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 from fedweave.strategies.aggregate import weighted_average
-from fedweave.types import Message
+from fedweave.types import Control, Message
 from fedweave.validation import Rejected
 
 from .helpers import ctx, make, update
@@ -55,6 +56,14 @@ def deltas(n: int = 3) -> list:
                num_examples=20 + 13 * i, client_id=i)
         for i in range(n)
     ]
+
+
+def checked_by(*clients: object) -> object:
+    """A control exchange in which each of ``clients`` (plugins with the secret key) answers in turn,
+    each round's client i by ``clients[i % len(clients)]``."""
+    def exchange(bodies: dict) -> dict:  # noqa: ANN001
+        return {c: clients[c % len(clients)].answer(body, ctx(1, c)) for c, body in bodies.items()}
+    return exchange
 
 
 def public_only(keys: Path, tmp_path: Path) -> Path:
@@ -104,7 +113,7 @@ def test_the_encrypted_model_steps_by_the_mean_delta_and_clients_decrypt_it(keys
     encrypted = [client.encode(u, ctx(1, u.client_id)) for u in plain]
     for u in encrypted:
         server.check_encoded(u)
-    step = server.decode(server.combine(encrypted, SERVER), SERVER)
+    step = server.decode(server.combine(encrypted, SERVER, checked_by(client)), SERVER)
     assert step.num_examples == sum(u.num_examples for u in plain)
     assert torch.equal(step.tensors["w"], torch.zeros_like(w0["w"])) and torch.equal(step.tensors["b"], torch.zeros(7))
     assert step.tensors["n"] == 2  # integer counters travel in the clear and take the maximum, as in plain FedAvg
@@ -196,7 +205,7 @@ def test_the_server_refuses_a_vector_framed_otherwise_than_tenseal_frames_it(key
             r.body.applied = ["he"]
         kept = accept_updates(chains, replies, failures, w0)
         assert [u.client_id for u in kept] == [1] and reason in failures[0], (case, failures)
-    server.combine(kept, SERVER)
+    server.combine(kept, SERVER, checked_by(client))
     opened = client.unseal(server.seal(w0))
     assert_same_params({k: opened[k] for k in ("w", "b")}, {k: w0[k] + delta[k] for k in ("w", "b")}, atol=CKKS_ATOL)
 
@@ -257,7 +266,7 @@ def test_a_step_tenseal_refuses_skips_the_round_and_keeps_the_encrypted_model(
 
     monkeypatch.setattr(HEServer, "step", refused)
     with pytest.raises(RoundError, match="he: the encrypted updates could not be added to the model: scale mismatch"):
-        server.combine(encrypted, SERVER)
+        server.combine(encrypted, SERVER, checked_by(client))
     assert server.model == before
 
 
@@ -328,7 +337,7 @@ def test_a_model_decrypted_with_the_keys_of_another_federation_is_refused(
     with pytest.raises(ValueError, match=r"decrypts to values beyond ±1\.04858e\+06.*a key of another federation"):
         make("he", keys=str(tmp_path / "other")).unseal(sealed)
     encrypted = [client.encode(u, ctx(1, u.client_id)) for u in deltas(2)]
-    server.combine(encrypted, SERVER)  # the model at its last level, as the run leaves it
+    server.combine(encrypted, SERVER, checked_by(client))  # the model at its last level, as the run leaves it
     (tmp_path / "run").mkdir()
     torch.save(server.seal(model()), tmp_path / "run" / SEALED_MODEL_FILE)
     assert main(["decrypt", "--keys", str(tmp_path / "other"), str(tmp_path / "run")]) == 2
@@ -622,3 +631,86 @@ def test_over_grpc_site_leaders_relay_the_encrypted_model_and_updates(keys: Path
     assert max((plain_params[k] - r.params[k]).abs().max().item() for k in plain_params) > 100 * CKKS_ATOL  # w_0
     assert main(["decrypt", "--keys", str(keys), str(run_dir)]) == 0
     assert_same_params(torch.load(run_dir / MODEL_FILE), plain_params, atol=CKKS_ATOL)
+
+
+def poison_round(monkeypatch: pytest.MonkeyPatch, rnd: int) -> None:
+    """The clients of config ``attacks`` attack in round ``rnd`` only (they attack every round)."""
+    from fedweave.plugins.attacks import poison
+
+    honest = poison.Attacker.update
+
+    def update(self, upd, params, at, cid):  # noqa: ANN001, ANN202
+        return honest(self, upd, params, at, cid) if at == rnd else upd
+
+    monkeypatch.setattr(poison.Attacker, "update", update)
+
+
+def test_a_poisoned_ciphertext_is_refused_by_the_clients_and_the_round_skipped(
+    keys: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Client 0 sends a valid ciphertext of 10^9 times its update in round 2 (past the CKKS bound for
+    this small model; the issue's 10^7 for a larger one). It was summed into the model; every later broadcast was refused (rounds skipped with 0 answers), the checkpoint held the
+    poisoned model and `fedweave decrypt` failed. Now the round's clients check the combined model
+    before the server keeps it: they refuse it (a typed report), the round is skipped with its reason
+    in the record, the model of round 1 is kept, the rounds after it train, and the result decrypts."""
+    poison_round(monkeypatch, 2)
+    he = f"plugins.client_send=[{{name: he, keys: {keys}}}]"
+    attack = ["attacks.kind=scaling", "attacks.scale=1e9", "attacks.clients=[0]"]
+    r = runner.prepare(small_config(he, NO_SERVER_EVAL, FEDERATED_EVAL, "rounds=4", *attack), tmp_path / "run")
+    he_server, kept = r.parts.chains.client_send.plugins[0], []
+    records = runner.execute(r, lambda record: kept.append(torch.cat(list(he_server.model.values()))))
+    assert [(x["skipped"], x["clients_completed"], x["he_refused"]) for x in records] == [
+        (False, 4, 0), (True, 4, 4), (False, 4, 0), (False, 4, 0)
+    ]
+    assert torch.equal(kept[1], kept[0]) and not torch.equal(kept[2], kept[1])  # round 2 kept round 1's model
+    sealed = load_checkpoint(tmp_path / "run")["plugins"]["client_send[0]"]["model"]
+    assert torch.equal(torch.cat(list(sealed.values())), kept[-1])
+    assert records[-1]["federated_accuracy"] > 0.5
+    assert main(["decrypt", "--keys", str(keys), str(tmp_path / "run")]) == 0
+
+
+def test_a_ciphertext_under_another_key_is_refused_and_false_reports_cannot_skip_a_round(
+    keys: Path, tmp_path: Path
+) -> None:
+    """A ciphertext made under another federation's key passes every check a server can make (it has the
+    same parameters) and summed into the model, which then decrypts to noise. The clients refuse it
+    (verdict "out of range"), the round is skipped and the model kept; a minority that refuses a good
+    model, or a report that is not one int8 verdict, does not."""
+    assert main(["keys", "--out", str(tmp_path / "other")]) == 0
+    client = make("he", keys=str(keys))
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    server.seal(model())
+    before = dict(server.model)
+    honest = [client.encode(u, ctx(1, u.client_id)) for u in deltas(3)]
+    forged = make("he", keys=str(tmp_path / "other")).encode(deltas(3)[2], ctx(1, 2))
+    server.check_encoded(forged)  # nothing the server holds tells it apart
+    with pytest.raises(RoundError, match=r"3 of the 3 clients .* refuse .*client 0: out of range"):
+        server.combine([*honest[:2], forged], SERVER, checked_by(client))
+    assert server.model == before and server.metrics() == {"he_refused": 3.0}
+
+    def liar(body: object, c: object) -> object:  # noqa: ANN001
+        return Control("he", "check", {"verdict": torch.tensor([1], dtype=torch.int8)})
+
+    def garbled(body: object, c: object) -> object:  # noqa: ANN001
+        return Control("he", "check", {"verdict": torch.tensor([1, 1], dtype=torch.int8), "x": torch.zeros(1)})
+
+    four = [client.encode(u, ctx(1, u.client_id)) for u in deltas(4)]
+    server.combine(four, SERVER, checked_by(SimpleNamespace(answer=liar), client, SimpleNamespace(answer=garbled), client))
+    assert server.model.keys() == before.keys() and not torch.equal(server.model[CHUNK + "00000"], before[CHUNK + "00000"])
+    assert server.metrics() == {"he_refused": 1.0}  # 2 accept, 1 refuses, 1 not counted
+
+
+def test_max_value_bounds_the_model_a_client_accepts_and_its_verdict_says_out_of_range(keys: Path, tmp_path: Path) -> None:
+    """A model inside the context's bound (2^20) but past ``max_value`` is refused as out of range: a
+    scaled update must then stay within the bound the federation sets."""
+    from fedweave.plugins.secure.he import OUT_OF_RANGE, Refused
+
+    server = make("he", keys=str(public_only(keys, tmp_path)))
+    sealed = server.seal(model())
+    largest = float(torch.cat([model()["w"].flatten(), model()["b"]]).abs().max())
+    assert_same_params(make("he", keys=str(keys), max_value=largest + 0.01).unseal(sealed), model(), atol=CKKS_ATOL)
+    with pytest.raises(Refused, match=r"beyond max_value=1\b") as refused:
+        make("he", keys=str(keys), max_value=1.0).unseal(sealed)
+    assert refused.value.verdict == OUT_OF_RANGE and largest > 1.0
+    answer = make("he", keys=str(keys), max_value=1.0).answer(Control("he", "check", sealed), ctx(1, 0))
+    assert answer.tensors["verdict"].tolist() == [OUT_OF_RANGE]

@@ -36,7 +36,7 @@ from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
-from fedweave.transports.grpc.server import GrpcServerTransport
+from fedweave.transports.grpc.server import GrpcServerTransport, upload_deadline
 from fedweave.transports.inmemory import InMemoryTransport
 from fedweave.transports.serialization import FRAME, HEADER, SiteJob, SiteReply, encode, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
@@ -1236,3 +1236,53 @@ def test_posted_jobs_are_collected_as_they_end_each_against_its_own_deadline() -
         assert ended[(2, None)] == "missed the round deadline (0.8 s)"
         assert torch.equal(ended[(1, 1)].body.tensors["w"], PARAMS["w"] + 1)
         assert c.server.collect(0.1).replies == [] and c.server._jobs == {}
+
+
+class Slowloris(GrpcClient):
+    """A client whose reply's upload sends its first frame, then stalls until ``release`` is set."""
+
+    def __init__(self, *args: Any, release: threading.Event, **kw: Any):
+        super().__init__(*args, **kw)
+        self.release = release
+        self.cut: list[grpc.RpcError] = []
+
+    def _push(self, job: str, reply: Message | None, error: str | None) -> None:
+        assert reply is not None
+        frames = list(encode_frames(reply, self.settings.chunk_bytes, self.settings.checksum))
+
+        def trickle() -> Iterator[bytes]:
+            yield frames[0]
+            self.release.wait(30)
+
+        try:
+            self._push_rpc(trickle(), metadata=self._metadata(job), timeout=30)
+        except grpc.RpcError as exc:
+            self.cut.append(exc)
+
+
+def test_a_stalled_upload_is_cut_off_and_its_job_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """Slowloris: the reply's stream sends a frame and then nothing, while its client heartbeats.
+    Past grpc.push_grace plus its bytes at grpc.push_min_rate the server cancels the stream and fails
+    the job with the reason, instead of holding a thread until round_timeout."""
+    s = settings("grpc.heartbeat_timeout=30", "grpc.push_grace=0.3", "grpc.push_min_rate=100000", clients=1)
+    release = threading.Event()
+    with cluster(s, clients=1, start=0) as c:
+        client = Slowloris(s, 0, echo, address=c.server.address, release=release)
+        thread = threading.Thread(target=client.run, daemon=True)
+        thread.start()
+        try:
+            with caplog.at_level(logging.WARNING):
+                result = c.server.exchange(jobs([0], PARAMS), timeout=60)
+        finally:
+            release.set()
+            client.stop()
+            thread.join(timeout=10)
+    assert result.replies == [] and "upload too slow: " in result.failures[0], result.failures
+    assert "below grpc.push_min_rate 100000 B/s after grpc.push_grace 0.3 s" in result.failures[0]
+    assert [e.code() for e in client.cut] == [grpc.StatusCode.CANCELLED]  # the server cancelled the call
+    assert "reply of client 0 cut off: upload too slow" in caplog.text
+
+
+def test_upload_deadline_grows_with_the_bytes_received() -> None:
+    assert upload_deadline(0, 10.0, 65536) == 10.0
+    assert upload_deadline(1 << 20, 10.0, 65536) == 26.0  # 1 MiB at 64 KiB/s: 16 s more

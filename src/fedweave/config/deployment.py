@@ -136,6 +136,21 @@ class GrpcConfig:
     )
     backoff_initial: float = opt(0.1, gt=0, help="first retry delay in seconds; it doubles per retry")
     backoff_max: float = opt(5.0, gt=0, help="longest retry delay in seconds")
+    job_deadline_factor: float | None = opt(
+        4.0, gt=1, help="a job's deadline: this multiple of the job_deadline_quantile of the times the latest "
+        "answered jobs took, at least job_deadline_min, never above round_timeout (none: round_timeout alone)",
+    )
+    job_deadline_quantile: float = opt(0.95, gt=0, le=1, help="the quantile of observed job times the deadline multiplies")
+    job_deadline_min: float = opt(5.0, gt=0, help="seconds a job's deadline is at least")
+    missed_deadline_backoff: int = opt(
+        8, ge=0, help="most rounds a client that keeps missing its deadline is left out of sampling (after m misses in "
+        "a row: 2^(m-1) to 2^m - 1 rounds, seeded; 0: never left out)",
+    )
+    push_grace: float = opt(10.0, gt=0, help="seconds a reply's upload may take before its rate is checked")
+    push_min_rate: float = opt(
+        65536.0, gt=0, help="bytes per second a reply's upload must average after push_grace; a slower one "
+        "(a stalled or trickling stream) is cut off and its job failed",
+    )
 
     def validate(self, prefix: str) -> None:
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:

@@ -154,6 +154,17 @@ class AggregationConfig:
         help="largest share of a round's total weight one update may carry; larger weights are lowered to "
         "a common cap (none: no cap; needs updates in the clear)",
     )
+    weight_policy: Literal["cap", "refuse", "trust"] = opt(
+        "cap",
+        help="what the server does with a claimed example count above max_ratio_to_median x the lower median "
+        "of its cohort's claims per client (a site's: times its members; FedBuff: its buffer and every other "
+        "client's latest claim): cap (count it as the bound; an encoded update is refused) | refuse (drop the "
+        "update) | trust (take every claim as it is)",
+    )
+    max_ratio_to_median: float = opt(
+        3.0, ge=1, help="weight_policy cap or refuse: the most one client may claim, as a multiple of the "
+        "cohort's median claim per client",
+    )
 
     def validate(self, prefix: str) -> None:
         if self.multi_krum_m is not None and self.rule != "multi_krum":

@@ -24,6 +24,9 @@ class Exchange:
     waited: float | None = None
     """Seconds the exchange waited on the real clock, where the transport measures it (a networked
     server); None where a simulation's clock judges the round (the deadline stands for the wait)."""
+    elapsed: dict[int, float] = field(default_factory=dict)
+    """Per answering node, seconds from its job's post to its reply, where the transport measures
+    them (a networked server; :mod:`fedweave.deadlines` sets the next jobs' deadline from them)."""
 
 
 class Transport(Protocol):

@@ -1,37 +1,56 @@
-"""Shamir sharing over GF(2^31 − 1): recovery from any threshold of shares, by hand, and
-threshold − 1 shares that say nothing of the secret."""
+"""Verifiable Shamir sharing over GF(Q): recovery from any threshold of shares, by hand, shares
+checked against the dealer's Pedersen commitments, and threshold − 1 shares that say nothing."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from fedweave.plugins.secure import shamir
+from fedweave.plugins.secure import pedersen, shamir
+
+SECRETS = [int.from_bytes(bytes(range(16)), "big"), int.from_bytes(bytes(range(100, 116)), "big")]
 
 
 def test_shamir_recovers_from_any_threshold_of_shares_and_not_fewer() -> None:
-    secrets = [bytes(range(32)), bytes(range(100, 132))]
-    limbs = shamir.to_limbs(secrets)
-    assert limbs.shape == (2, 16) and limbs[0, 0] == 0x0001 and limbs[1, 15] == (130 << 8) + 131
     xs = list(range(1, 8))
-    shares = shamir.split(limbs, 4, xs)
-    assert shares.shape == (7, 2, 16) and shares.max() < shamir.PRIME
+    dealt = shamir.split(SECRETS, 4, xs)
+    assert len(dealt.shares) == 7 and all(len(row) == 2 for row in dealt.shares)
+    assert [len(c) for c in dealt.commitments] == [4, 4]
     for subset in ([0, 1, 2, 3], [6, 4, 2, 0], [1, 3, 5, 6, 4]):
-        assert shamir.from_limbs(shamir.combine([xs[i] for i in subset], shares[subset])) == secrets
-    fewer = shamir.combine(xs[:3], shares[:3])
-    assert not np.array_equal(fewer, limbs)  # three points of a cubic say nothing of f(0)
+        for k, secret in enumerate(SECRETS):
+            value, blinding = shamir.combine([xs[i] for i in subset], [dealt.shares[i][k] for i in subset])
+            assert value == secret and shamir.opens((value, blinding), dealt.commitments[k][0])
+    fewer = shamir.combine(xs[:3], [row[0] for row in dealt.shares[:3]])
+    assert fewer[0] != SECRETS[0] and not shamir.opens(fewer, dealt.commitments[0][0])
 
 
 def test_shamir_by_hand_over_the_prime_field() -> None:
-    # f(x) = 5 + 3x over GF(p): shares f(1) = 8, f(2) = 11; Lagrange at 0: 2·8 − 1·11 = 5
-    assert shamir.lagrange_at_zero([1, 2]).tolist() == [2, shamir.PRIME - 1]
-    assert shamir.combine([1, 2], np.array([[8], [11]])).tolist() == [5]
-    with pytest.raises(ValueError, match="inconsistent"):
-        shamir.from_limbs(np.array([[1 << 16]]))
+    # f(x) = 5 + 3x over GF(Q): shares f(1) = 8, f(2) = 11; Lagrange at 0: 2·8 − 1·11 = 5
+    assert shamir.lagrange_at_zero([1, 2]) == [2, shamir.PRIME - 1]
+    assert shamir.combine([1, 2], [(8, 0), (11, 0)]) == (5, 0)
+    # commitments to f = 5 + 3x, f' = 7 + 2x: the share at 2 is (11, 11), g^11 h^11 = C_0 · C_1^2
+    g, h = pedersen.generators()
+    c = [pow(g, 5, pedersen.P) * pow(h, 7, pedersen.P) % pedersen.P, pow(g, 3, pedersen.P) * pow(h, 2, pedersen.P) % pedersen.P]
+    assert shamir.verify(2, (11, 11), c) and shamir.verify(1, (8, 9), c)
+    assert not shamir.verify(2, (12, 11), c) and not shamir.verify(2, (11, 12), c)
+    assert not shamir.verify(2, (11 + shamir.PRIME, 11), c)  # only canonical values
+
+
+def test_a_consistent_but_shifted_share_fails_its_dealers_commitments() -> None:
+    """A holder that shifts its share (any shift keeps a set of t shares "consistent": they always
+    interpolate to some value) moves the recovered secret; the commitments catch it at once."""
+    xs = [1, 2, 3]
+    dealt = shamir.split(SECRETS, 3, xs)
+    shifted = [(dealt.shares[0][0][0] + 1, dealt.shares[0][0][1]), dealt.shares[1][0], dealt.shares[2][0]]
+    recovered = shamir.combine(xs, shifted)
+    assert recovered[0] != SECRETS[0] and not shamir.opens(recovered, dealt.commitments[0][0])
+    assert [shamir.verify(x, s, dealt.commitments[0]) for x, s in zip(xs, shifted)] == [False, True, True]
 
 
 def test_t_minus_one_shares_are_uniform_whatever_the_secret() -> None:
     """With threshold 2, one share is a uniform value independent of the secret."""
-    draws = np.concatenate([shamir.split(np.array([s] * 4000), 2, [3, 5])[0] for s in (0, 65535)])
-    counts = np.histogram(draws, bins=8, range=(0, shamir.PRIME))[0]
-    assert ((counts - 1000) ** 2 / 1000).sum() < 24.3  # chi-square, 7 degrees of freedom, p = 0.001
+    for secret in (0, SECRETS[0]):
+        draws = [shamir.split([secret], 2, [3, 5]).shares[0][0][0] for _ in range(800)]
+        counts = [0] * 8
+        for d in draws:
+            counts[d * 8 // shamir.PRIME] += 1
+        assert sum((c - 100) ** 2 / 100 for c in counts) < 24.3  # chi-square, 7 degrees of freedom, p = 0.001

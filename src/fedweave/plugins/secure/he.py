@@ -40,7 +40,14 @@ carries Enc(w_t)'s ciphertexts in place of the model's floating tensors; each cl
 checks them (:func:`fedweave.validation.check_ciphertexts`: exactly the ciphertexts the
 layouts call for, bounded in size), decrypts them with ``secret.ctx`` (:meth:`HE.unseal`)
 and trains on w_t; a broadcast that does not decrypt into finite values of the
-model's size is refused with a reason. No client is ever asked to decrypt anything and
+model's size is refused with a reason (:class:`Refused`, with its verdict).
+
+**The check (clients).** Before the server keeps a stepped model, it sends it to the
+round's clients (control step ``check``, :meth:`HE.check`); each decrypts it as it would
+a broadcast and answers a typed report, one int8 verdict (:data:`VERDICTS`). The model
+is kept only if more clients accept it than refuse it; else the round is skipped, its
+updates dropped, the model of the last accepted round kept (also in checkpoints), and
+the record's ``he_refused`` counts the refusals. No client is ever asked to decrypt anything and
 send the plaintext back: what a client sends is encrypted, but for a federated
 evaluation's metrics (a client sends no training loss under HE). At the end the server writes the encrypted
 model (``model.he.pt``); ``fedweave decrypt --keys DIR RUN_DIR``, run where
@@ -59,9 +66,12 @@ same secret key, so one client that colludes with the server (or a server that a
 runs a client) decrypts everything: each update, each aggregate. A threshold key,
 which would close that, is not built. A client's update is checked as far as a
 ciphertext can be (names, sizes, its framing: :mod:`~fedweave.plugins.secure.ckks_wire`,
-that it adds to the model at its level and scale); its content cannot be: a poisoned
-update, or a ciphertext under another key, poisons the model, and robust rules, which
-need each update in the clear, are refused.
+that it adds to the model at its level and scale); its content cannot be. A poisoned
+update that takes the model out of range (past the context's bound, or ``max_value``),
+or a ciphertext under another key (noise over the modulus), is refused by the clients'
+check and its round skipped, but its sender cannot be named; one inside the range
+poisons the model, and robust rules, which need each update in the clear, are refused.
+The check's verdict is one more bit of oracle for a deviating server.
 
 Precision: CKKS is approximate; with the default scale 2^40 the decrypted model equals
 plaintext FedAvg to about 1e-7 after 20 rounds (with 2^32, 6e-5: the rescaling prime
@@ -71,6 +81,7 @@ differs from the scale), and the model's values must stay below about
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -81,19 +92,35 @@ import torch
 
 from fedweave.errors import CheckpointError, ConfigError, RoundError, first_line
 from fedweave.files import atomic_write_bytes
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.chain import ControlExchange, PluginContext
 from fedweave.plugins.contracts import FreshDraws
 from fedweave.plugins.secure.ckks_wire import check_vector
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
-from fedweave.types import Params, Update, UpdateKind
-from fedweave.validation import check_ciphertexts
+from fedweave.types import Control, Params, Update, UpdateKind
+from fedweave.validation import Rejected, check_ciphertexts
+
+log = logging.getLogger(__name__)
 
 SECRET_FILE = "secret.ctx"
 PUBLIC_FILE = "public.ctx"
 CHUNK = "__he_"
 OUTER_BITS = 60
 """The first data prime and the special prime of the chain [60, scale_bits, 60]."""
+CHECK = "check"
+"""The control step by which the server asks the round's clients to check the model it combined."""
+VERDICT = "verdict"
+ACCEPTED, OUT_OF_RANGE, UNDECRYPTABLE, MALFORMED = range(4)
+VERDICTS = {ACCEPTED: "accepted", OUT_OF_RANGE: "out of range", UNDECRYPTABLE: "undecryptable", MALFORMED: "malformed"}
+"""A client's typed report on a model it was sent: one int8 code."""
+
+
+class Refused(ValueError):
+    """A model a client will not train on, with the verdict it reports (:data:`VERDICTS`)."""
+
+    def __init__(self, verdict: int, reason: str):
+        super().__init__(reason)
+        self.verdict = verdict
 
 
 @dataclass
@@ -105,6 +132,10 @@ class HEParams:
         8192, help="without keys: CKKS ring degree (slots per ciphertext: half; 4096 holds too few modulus bits)"
     )
     scale_bits: int = opt(40, ge=20, le=50, help="without keys: CKKS scale 2^bits (precision against range)")
+    max_value: float | None = opt(
+        None, gt=0, help="clients refuse a model with an entry beyond ±max_value (none: the CKKS context's bound, "
+        "2^(60 - scale_bits))"
+    )
 
     def validate(self, prefix: str) -> None:
         if self.keys is not None and not self.keys.strip():
@@ -274,6 +305,7 @@ class HE:
         self._server: HEServer | None = None
         self.model: dict[str, torch.Tensor] = {}  # server: Enc(w_t), by ciphertext name; empty before round 1
         self._clear: Params = {}  # server: what the last broadcast carried in the clear (layouts, integer tensors)
+        self.refused = 0  # server: the clients that refused the round's combined model
 
     @property
     def server(self) -> HEServer:
@@ -334,11 +366,12 @@ class HE:
             except ValueError as exc:
                 raise ValueError(f"he: ciphertext {name} cannot be added to the model: {exc}") from None
 
-    def combine(self, updates: list[Update], ctx: PluginContext) -> Update:
-        """Server: Enc(w) ← Enc(w) + (1/Σ n_k)·Σ_k Enc(n_k Δ_k) with the public context alone. The update
-        returned is the plaintext step: zero for every floating tensor (the step was taken on the
-        encrypted model), the integer tensors combined as in the clear. Should TenSEAL refuse the step
-        all the same, the round is skipped (:class:`~fedweave.errors.RoundError`) and the model kept."""
+    def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:
+        """Server: Enc(w) ← Enc(w) + (1/Σ n_k)·Σ_k Enc(n_k Δ_k) with the public context alone, kept only once
+        the round's clients accept it (:meth:`check`). The update returned is the plaintext step: zero for
+        every floating tensor (the step was taken on the encrypted model), the integer tensors combined as
+        in the clear. Should TenSEAL refuse the step, or the clients the model, the round is skipped
+        (:class:`~fedweave.errors.RoundError`) and the model kept."""
         total = sum(u.num_examples for u in updates)
         try:
             model = {
@@ -350,8 +383,41 @@ class HE:
             clear = combine_plain([{k: t for k, t in u.tensors.items() if not k.startswith(CHUNK)} for u in updates])
         except Exception as exc:  # TenSEAL's evaluator raises several types
             raise RoundError(f"he: the encrypted updates could not be added to the model: {first_line(exc)}") from None
+        self.check(ctx.round, model, sorted({c for u in updates for c in u.senders}), exchange)
         self.model = model
         return Update(kind=updates[0].kind, tensors=clear, num_examples=total, applied=list(updates[0].applied))
+
+    def check(self, rnd: int, model: dict[str, torch.Tensor], clients: list[int], exchange: ControlExchange) -> None:
+        """Server: send ``model`` (the round's combined Enc(w)) to ``clients``, which decrypt it and report a
+        verdict; keep it only if more of them accept it than refuse it (a model beyond the bound: an update
+        scaled past it, a ciphertext under another key), else raise RoundError. A report that is not one
+        int8 verdict is not counted."""
+        answers = exchange({c: Control(self.name, CHECK, {**model, **self._clear}) for c in clients})
+        verdicts: dict[int, int] = {}
+        for c, body in sorted(answers.items()):
+            tensor = body.tensors.get(VERDICT)
+            if set(body.tensors) != {VERDICT} or not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int8 or (
+                tensor.shape != (1,) or int(tensor) not in VERDICTS
+            ):
+                log.warning("round %d: client %d's verdict on the combined model is malformed; not counted", rnd, c)
+                continue
+            verdicts[c] = int(tensor)
+        refused = {c: v for c, v in verdicts.items() if v != ACCEPTED}
+        self.refused = len(refused)
+        if len(verdicts) - len(refused) <= len(refused):
+            reasons = ", ".join(f"client {c}: {VERDICTS[v]}" for c, v in list(refused.items())[:5])
+            raise RoundError(
+                f"he: {len(refused)} of the {len(verdicts)} clients that answered (of {len(clients)} asked) refuse the "
+                f"round's combined model ({reasons or 'none accepts it'}); the round's updates are dropped and the "
+                "model of the last accepted round kept"
+            )
+        if refused:
+            log.warning("round %d: %d of %d clients refuse the combined model, a minority; it is kept", rnd,
+                        len(refused), len(verdicts))
+
+    def metrics(self) -> dict[str, float]:
+        """``he_refused``: the clients that refused the round's combined model."""
+        return {"he_refused": float(self.refused)}
 
     def decode(self, payload: Update, ctx: PluginContext) -> Update:
         """Server: the plaintext step of a combined update (zeros where the model is encrypted)."""
@@ -374,8 +440,17 @@ class HE:
         return replace(payload, tensors={**chunks, **rest})
 
     def unseal(self, tensors: Params) -> Params:
-        """Client: the global model a broadcast carries, decrypted with ``secret.ctx``; ValueError
-        (with the reason) for a broadcast that is not the ciphertexts of a model of finite values."""
+        """Client: the global model a broadcast carries, decrypted with ``secret.ctx``; :class:`Refused`
+        (a ValueError with the verdict and the reason) for one that is not the ciphertexts of a model of
+        finite values within the bound (``max_value``, else the context's)."""
+        try:
+            return self._unseal(tensors)
+        except Refused:
+            raise
+        except (ValueError, Rejected) as exc:  # names, layouts, the ciphertexts' count and sizes
+            raise Refused(MALFORMED, str(exc)) from None
+
+    def _unseal(self, tensors: Params) -> Params:
         if not all(isinstance(k, str) for k in tensors):
             raise ValueError("he: the broadcast names a tensor by something other than a string")
         ciphertexts = {k: t for k, t in tensors.items() if k.startswith(CHUNK)}
@@ -399,17 +474,43 @@ class HE:
             try:
                 values.extend(open_vector(context, _tensor_bytes(ciphertexts[name]), n).decrypt())
             except Exception as exc:  # the framing's reason, or TenSEAL's parser (several types)
-                raise ValueError(f"he: broadcast ciphertext {name} cannot be decrypted: {first_line(exc)}") from None
+                raise Refused(
+                    UNDECRYPTABLE, f"he: broadcast ciphertext {name} cannot be decrypted: {first_line(exc)}"
+                ) from None
         vector = torch.tensor(values, dtype=torch.float64)
         if not bool(torch.isfinite(vector).all()):
-            raise ValueError("he: the broadcast model decrypts to NaN or infinite values")
+            raise Refused(OUT_OF_RANGE, "he: the broadcast model decrypts to NaN or infinite values")
         bound = value_bound(context)
         if vector.numel() and float(vector.abs().max()) >= bound:
-            raise ValueError(
+            raise Refused(
+                OUT_OF_RANGE,
                 f"he: the broadcast model decrypts to values beyond ±{bound:g}, past what a ciphertext of this "
-                "context holds (a key of another federation, or a model that overflowed)"
+                "context holds (a key of another federation, or a model that overflowed)",
+            )
+        if vector.numel() and self.hp.max_value is not None and float(vector.abs().max()) > self.hp.max_value:
+            raise Refused(
+                OUT_OF_RANGE,
+                f"he: the broadcast model decrypts to values up to ±{float(vector.abs().max()):g}, beyond "
+                f"max_value={self.hp.max_value:g}",
             )
         return unflatten(vector, clear)
+
+    def answer(self, control: Control, ctx: PluginContext) -> Control:
+        """Client: its verdict on the model the server combined (:data:`VERDICTS`), the reason logged."""
+        if control.step != CHECK:
+            raise ValueError(f"he has no step {control.step!r}")
+        try:
+            self.unseal(control.tensors)
+            verdict = ACCEPTED
+        except Refused as exc:
+            log.warning("round %d: client %d refuses the combined model: %s", ctx.round, ctx.client_id, exc)
+            verdict = exc.verdict
+        return Control(self.name, CHECK, {VERDICT: torch.tensor([verdict], dtype=torch.int8)})
+
+    def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
+        """Server: no set-up; every client of the cohort trains."""
+        self.refused = 0
+        return cohort
 
     def state_dict(self) -> dict[str, Any]:
         """The encrypted global model (uint8 tensors): server state, kept in checkpoints."""

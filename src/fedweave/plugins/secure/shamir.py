@@ -1,81 +1,86 @@
-"""Shamir secret sharing of byte strings, vectorised with numpy over the field of p = 2^31 − 1.
+"""Verifiable Shamir secret sharing: Pedersen's scheme over GF(Q), Q the prime order of the
+group of :mod:`~fedweave.plugins.secure.pedersen`.
 
-Shamir, "How to Share a Secret", CACM 1979. A secret s < p is the constant term of a
-random polynomial f of degree t − 1 over GF(p); share i is f(x_i) at a non-zero point
-x_i. Any t shares give s back by Lagrange interpolation at 0; fewer reveal nothing
-about it (every value of s is equally likely given t − 1 shares).
-
-Byte strings (16-byte keys and seeds) are cut into 16-bit limbs and every limb is shared
-with a polynomial of its own: sharing each coordinate of a vector independently keeps
-the guarantee coordinate by coordinate, and so for the whole string. All the limbs of
-all the secrets of one dealer are shared at once, as one matrix product in int64 (p <
-2^31). Coefficients are drawn from the operating system's cryptographic source, uniform
-in GF(p) by rejection.
+Shamir, "How to Share a Secret", CACM 1979; Pedersen, CRYPTO 1991. A secret s < Q is the
+constant term of a random polynomial f of degree t − 1 over GF(Q); share i is f(x_i) at a
+non-zero point x_i. Any t shares give s back by Lagrange interpolation at 0; fewer reveal
+nothing about it. Each secret has a second random polynomial f' (its blinding), and the
+dealer publishes the commitments C_j = g^(a_j) h^(a'_j) to the coefficients of both: a
+share (f(x), f'(x)) is checked against them without learning anything about s
+(:func:`verify`: g^f(x) h^f'(x) = Π_j C_j^(x^j)), so a holder can tell a share that is not
+on the dealer's polynomial, and the one who reconstructs a share that is not the one
+dealt. Coefficients come from the operating system's cryptographic source (``secrets``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import secrets
+from dataclasses import dataclass
 
-import numpy as np
+from fedweave.plugins.secure import pedersen
 
-PRIME = (1 << 31) - 1
-LIMB_BITS = 16
-
-
-def to_limbs(secrets: list[bytes]) -> np.ndarray:
-    """Equal-length byte strings as an int64 array of 16-bit limbs, one row each."""
-    raw = np.frombuffer(b"".join(secrets), dtype=">u2").reshape(len(secrets), -1)
-    return raw.astype(np.int64)
+PRIME = pedersen.Q
+Share = tuple[int, int]
+"""(f(x), f'(x)): a share of a secret and of its blinding."""
 
 
-def from_limbs(limbs: np.ndarray) -> list[bytes]:
-    """Undo :func:`to_limbs`; a limb outside [0, 2^16) (inconsistent shares) is a ValueError."""
-    if limbs.size and (limbs.min() < 0 or limbs.max() >= 1 << LIMB_BITS):
-        raise ValueError("the shares do not interpolate to a secret (they are inconsistent)")
-    return [row.astype(">u2").tobytes() for row in np.atleast_2d(limbs)]
+@dataclass(frozen=True)
+class Dealt:
+    """One dealer's sharing: ``shares[i][k]``, the share of secret k at point i; ``commitments[k][j]``,
+    the commitment to the coefficients of x^j of secret k's two polynomials."""
+
+    shares: list[list[Share]]
+    commitments: list[list[int]]
 
 
-def _uniform(count: int) -> np.ndarray:
-    """``count`` values uniform in [0, p) from os.urandom (31-bit draws, p itself rejected)."""
-    out = np.frombuffer(os.urandom(4 * count), dtype=np.uint32).astype(np.int64) & PRIME
-    bad = out == PRIME
-    while bad.any():
-        out[bad] = np.frombuffer(os.urandom(4 * int(bad.sum())), dtype=np.uint32).astype(np.int64) & PRIME
-        bad = out == PRIME
+def split(values: list[int], threshold: int, xs: list[int]) -> Dealt:
+    """Shares of every secret of ``values`` at the points ``xs``, any ``threshold`` of which recover it
+    (:func:`combine`), with the commitments that make each share verifiable."""
+    if not 1 <= threshold <= len(xs):
+        raise ValueError(f"threshold {threshold} needs between 1 and {len(xs)} shares")
+    if len(set(xs)) != len(xs) or min(xs) < 1 or max(xs) >= PRIME:
+        raise ValueError("share points must be distinct and in [1, Q)")
+    if not all(0 <= v < PRIME for v in values):
+        raise ValueError("a secret must be in [0, Q)")
+    shares: list[list[Share]] = [[] for _ in xs]
+    commitments = []
+    for value in values:
+        f = [value, *(secrets.randbelow(PRIME) for _ in range(threshold - 1))]
+        blind = [secrets.randbelow(PRIME) for _ in range(threshold)]
+        commitments.append([pedersen.commit(a, b) for a, b in zip(f, blind)])
+        for row, x in zip(shares, xs):
+            row.append((_at(f, x), _at(blind, x)))
+    return Dealt(shares, commitments)
+
+
+def _at(coefficients: list[int], x: int) -> int:
+    out = 0
+    for c in reversed(coefficients):
+        out = (out * x + c) % PRIME
     return out
 
 
-def split(limbs: np.ndarray, threshold: int, xs: list[int]) -> np.ndarray:
-    """Shares of every limb of ``limbs`` at the points ``xs``: shape ``(len(xs), *limbs.shape)``.
-
-    Any ``threshold`` of the rows recover ``limbs`` (:func:`combine`). All polynomials are
-    evaluated at once as V · C, V the Vandermonde matrix of the points mod p and C the
-    coefficients, split into 16-bit halves so that every sum of products stays in int64.
-    """
-    if not 1 <= threshold <= len(xs):
-        raise ValueError(f"threshold {threshold} needs between 1 and {len(xs)} shares")
-    if len(set(xs)) != len(xs) or min(xs) < 1 or max(xs) >= PRIME or threshold > 1 << 15:
-        raise ValueError("share points must be distinct and in [1, p), the threshold at most 2^15")
-    secret = np.asarray(limbs, dtype=np.int64).reshape(1, -1)
-    coefficients = np.concatenate([secret, _uniform((threshold - 1) * secret.size).reshape(threshold - 1, -1)])
-    vandermonde = np.ones((len(xs), threshold), dtype=np.int64)
-    points = np.asarray(xs, dtype=np.int64)
-    for j in range(1, threshold):  # x^j mod p column by column: products of two values < 2^31
-        vandermonde[:, j] = vandermonde[:, j - 1] * points % PRIME
-    high = vandermonde @ (coefficients >> 16) % PRIME  # sums of < 2^15 terms below 2^31 · 2^16: in int64
-    shares = ((high << 16) + vandermonde @ (coefficients & 0xFFFF)) % PRIME
-    return shares.reshape(len(xs), *np.shape(limbs))
+def verify(x: int, share: Share, commitments: list[int]) -> bool:
+    """Whether ``share`` at point ``x`` lies on the polynomials ``commitments`` commit to."""
+    value, blinding = share
+    if not (0 <= value < PRIME and 0 <= blinding < PRIME):
+        return False
+    return pedersen.commit(value, blinding) == pedersen.evaluate(commitments, x)
 
 
-def lagrange_at_zero(xs: list[int]) -> np.ndarray:
+def opens(share: Share, commitment: int) -> bool:
+    """Whether ``share``, a recovered (secret, blinding), is the one ``commitment`` (C_0) commits to."""
+    return pedersen.commit(*share) == commitment
+
+
+def lagrange_at_zero(xs: list[int]) -> list[int]:
     """The weights λ_i with f(0) = Σ λ_i f(x_i) for a polynomial of degree < len(xs)."""
-    return _lagrange(tuple(xs)).copy()
+    return list(_lagrange(tuple(xs)))
 
 
 @functools.lru_cache(maxsize=256)
-def _lagrange(xs: tuple[int, ...]) -> np.ndarray:
+def _lagrange(xs: tuple[int, ...]) -> tuple[int, ...]:
     """:func:`lagrange_at_zero`, once per point set (a server recovers many secrets from the same holders)."""
     out = []
     for i, xi in enumerate(xs):
@@ -85,12 +90,15 @@ def _lagrange(xs: tuple[int, ...]) -> np.ndarray:
                 num = num * xj % PRIME
                 den = den * (xj - xi) % PRIME
         out.append(num * pow(den, -1, PRIME) % PRIME)
-    return np.asarray(out, dtype=np.int64)
+    return tuple(out)
 
 
-def combine(xs: list[int], shares: np.ndarray) -> np.ndarray:
-    """The limbs behind ``shares`` (one row per point of ``xs``, at least the threshold of them)."""
+def combine(xs: list[int], shares: list[Share]) -> Share:
+    """The (secret, blinding) behind ``shares``, one per point of ``xs`` (at least the threshold of them)."""
     if len(set(xs)) != len(xs):
         raise ValueError("shares must come from distinct points")
-    weights = lagrange_at_zero(xs).reshape(-1, *([1] * (shares.ndim - 1)))
-    return ((weights * (np.asarray(shares, dtype=np.int64) % PRIME)) % PRIME).sum(axis=0) % PRIME
+    weights = lagrange_at_zero(xs)
+    return (
+        sum(w * s for w, (s, _) in zip(weights, shares)) % PRIME,
+        sum(w * b for w, (_, b) in zip(weights, shares)) % PRIME,
+    )

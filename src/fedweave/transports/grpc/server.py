@@ -68,6 +68,8 @@ class _Job:
     bytes_received: int = 0
     deadline: float | None = None  # monotonic seconds
     timeout: float | None = None
+    posted: float = 0.0  # monotonic seconds
+    answered: float | None = None
 
     @property
     def open(self) -> bool:
@@ -217,7 +219,8 @@ class GrpcServerTransport:
         """Post ``msg`` as its node's job (the caller holds the lock); the node's pull wakes."""
         self._count += 1
         job_id = f"{self._epoch}-{self._count}"
-        job = _Job(job_id, msg.client_id, msg, _expected(msg), deadline=deadline, timeout=timeout)
+        job = _Job(job_id, msg.client_id, msg, _expected(msg), deadline=deadline, timeout=timeout,
+                   posted=time.monotonic())
         self._jobs[msg.client_id] = job
         self._wake_of(msg.client_id).notify_all()
         return job
@@ -253,6 +256,8 @@ class GrpcServerTransport:
             result.bytes_received += job.bytes_received
             if job.reply is not None:
                 result.replies.append(job.reply)
+                if job.answered is not None:
+                    result.elapsed[job.client_id] = job.answered - job.posted
             else:
                 result.failures[job.client_id] = job.reason
                 log.warning("round %d: %s %d failed: %s", job.message.round, self.role, job.client_id, job.reason)
@@ -508,8 +513,10 @@ class GrpcServerTransport:
             require_checksum=s.checksum,
         )
         rnd = job.message.round
+        watchdog = UploadWatchdog(context, s.push_grace, s.push_min_rate)
         try:
             for frame in request_iterator:
+                watchdog.received(len(frame))
                 self._alive(cid)  # a long upload on a slow link is a sign of life, as a heartbeat is
                 control = p.parse_control(frame)
                 if control is None:
@@ -523,6 +530,9 @@ class GrpcServerTransport:
                 log.warning("round %d: %s %d reports an error: %s", rnd, self.role, cid, reason)
                 self._close_job(job, failed=f"{self.role} error: {reason}")
                 return p.encode_json({"ok": True})
+            watchdog.stop()
+            if watchdog.too_slow is not None:  # the cancelled stream ends as if it were complete
+                raise self._grpc.RpcError(watchdog.too_slow)
             reply = decoder.finish()
             self._check_reply(job, reply)
         except SerializationError as exc:
@@ -530,8 +540,14 @@ class GrpcServerTransport:
             self._close_job(job, failed=f"rejected: {type(exc).__name__}: {exc}")
             context.abort(codes.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}")
         except self._grpc.RpcError as exc:
+            if watchdog.too_slow is not None:
+                log.warning("round %d: reply of %s %d cut off: %s", rnd, self.role, cid, watchdog.too_slow)
+                self._close_job(job, failed=f"rejected: {watchdog.too_slow}")
+                context.abort(codes.DEADLINE_EXCEEDED, watchdog.too_slow)
             log.info("round %d: reply of %s %d broke off (%s); it may push again", rnd, self.role, cid, exc)
             context.abort(codes.ABORTED, "the reply stream broke off")
+        finally:
+            watchdog.stop()
         if isinstance(reply.body, SiteReply) and reply.body.broken is not None:  # known before its round ends
             self._mark_broken(cid, dict(context.invocation_metadata()).get(p.SESSION_KEY), reply.body.broken)
         self._close_job(job, reply=reply, received=decoder.stream.received)
@@ -595,9 +611,68 @@ class GrpcServerTransport:
                 return
             if reply is not None:
                 job.state, job.reply, job.bytes_received = "done", reply, received
+                job.answered = time.monotonic()
             else:
                 job.state, job.reason = "failed", failed or "failed"
             self._cond.notify_all()
+
+
+def upload_deadline(received: int, grace: float, min_rate: float) -> float:
+    """Seconds an upload may have taken once it has ``received`` bytes: ``grace`` plus those bytes
+    at ``min_rate`` bytes per second (``grpc.push_grace``, ``grpc.push_min_rate``)."""
+    return grace + received / min_rate
+
+
+class UploadWatchdog:
+    """Cuts off a reply's upload (cancels its call) that runs past :func:`upload_deadline`: a
+    stalled or trickling stream (slowloris) holds a server thread no longer than that. Re-armed
+    at each frame; ``too_slow`` says why it fired (None: it did not)."""
+
+    def __init__(self, context: Any, grace: float, min_rate: float):
+        self.context = context
+        self.grace = grace
+        self.min_rate = min_rate
+        self.start = time.monotonic()
+        self.bytes = 0
+        self.too_slow: str | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._arm()
+
+    def received(self, nbytes: int) -> None:
+        """A frame of ``nbytes`` came: the deadline moves on by its bytes' time at the minimum rate."""
+        with self._lock:
+            self.bytes += nbytes
+        self._arm()
+
+    def _arm(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._stopped or self.too_slow is not None:
+                return
+            left = self.start + upload_deadline(self.bytes, self.grace, self.min_rate) - time.monotonic()
+            self._timer = threading.Timer(max(left, 0.0), self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self.too_slow = (
+                f"upload too slow: {self.bytes} bytes in {time.monotonic() - self.start:.1f} s, below "
+                f"grpc.push_min_rate {self.min_rate:g} B/s after grpc.push_grace {self.grace:g} s"
+            )
+        self.context.cancel()
+
+    def stop(self) -> None:
+        """The upload ended: the watchdog fires no more."""
+        with self._lock:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
 
 
 def _check_answer(sent: Message, body: object) -> None:

@@ -11,9 +11,11 @@ import torch
 from fedweave.types import Message
 
 MAGIC = b"FWMS"
-VERSION = 3
+VERSION = 4
 """2: updates name the clients behind them (``members``); site-job, site-reply and control bodies.
-3: a site reply says whether its site's group is broken (``broken``)."""
+3: a site reply says whether its site's group is broken (``broken``).
+4: secagg's control steps carry Pedersen commitments, shares in GF(Q) and the senders a client refused,
+its training instructions whom a client masks with; he has a ``check`` step (a client's verdict)."""
 HEADER = struct.Struct("<4sHHIIQ")
 ALIGN = 64
 CHUNK_BYTES = 1 << 20

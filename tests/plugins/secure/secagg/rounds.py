@@ -12,6 +12,7 @@ import torch
 
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.secure.secagg import ClientRound
+from fedweave.plugins.secure.secagg.messages import share_bytes
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.types import Control, Update
 
@@ -31,7 +32,9 @@ class Federation:
         self.traffic: list[tuple[str, int, int]] = []  # step, messages sent, answers
 
     def ctx(self, u: int) -> PluginContext:
-        return PluginContext(self.round, u, "client", self.states.setdefault(u, {}))
+        """Client u's context, with the config the server's half gives its training instruction (whom it masks with)."""
+        config = self.plugin.instruct(PluginContext(self.round, u, "server"))
+        return PluginContext(self.round, u, "client", self.states.setdefault(u, {}), config)
 
     def exchange(self, bodies: dict[int, Control]) -> dict[int, Control]:
         step = next(iter(bodies.values())).step if bodies else "-"
@@ -82,7 +85,7 @@ def secret_values(states: dict[int, dict[str, Any]]) -> tuple[list[Any], list[by
             values.append(mine.key.private_bytes_raw())
         values += [v for v in (mine.self_seed, mine.record_key) if v is not None]
         values += [*mine.seeds.values(), *mine.channels.values()]
-        values += [s.astype("<u4").tobytes() for s in mine.shares.values()]
+        values += [share_bytes([(v, 0)])[:32] for pairs in mine.shares.values() for pair in pairs for v in pair]
     return keys, values
 
 
@@ -107,4 +110,5 @@ def assert_holds_none(root: Any, keys: list[Any], values: list[bytes]) -> None:
     assert not {id(k) for k in keys} & {id(o) for o in objects}
     blobs = [bytes(o) for o in objects if isinstance(o, (bytes, bytearray))]
     blobs += [o.tobytes() for o in objects if isinstance(o, np.ndarray) and o.size]
+    blobs += [o.to_bytes(32, "big") for o in objects if type(o) is int and 1 << 64 < o < 1 << 256]  # shares in GF(Q)
     assert not [v for v in values for b in blobs if v in b]

@@ -147,7 +147,7 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     uniform, independent of n_0·x_0: only the self mask PRG(b_0), whose shares it never gets
     (each client reveals one secret per owner), hides it."""
     from fedweave.plugins.secure.secagg.keys import associated_data, open_sealed, sender_nonce
-    from fedweave.plugins.secure.secagg.server import _chunks, _recover
+    from fedweave.plugins.secure.secagg.server import _chunks
 
     plugin, fed, plain, masked = masked_round(6, bits=32)
     late = masked[0]
@@ -168,7 +168,7 @@ def test_a_late_update_stays_hidden_by_its_self_mask_after_its_pair_masks_are_re
     seeds, keys = plugin._collect(1, answers, asked, gone)
     assert 0 not in seeds  # nobody revealed a share of b_0
     record = open_sealed(
-        _recover(0, keys[0], setup.threshold[0], True), sender_nonce(0), setup.records[0], associated_data("seeds", 1, 0, 0), "record"
+        plugin._recover(1, 0, keys[0], True, set()), sender_nonce(0), setup.records[0], associated_data("seeds", 1, 0, 0), "record"
     )
     stripped = plugin.field.from_wire(late.tensors[MASKED]).copy()
     with plugin.field.workspace(stripped.size) as (stream, _):
@@ -203,15 +203,17 @@ def test_a_run_keeps_client_secrets_in_the_runtime_only(tmp_path: Path) -> None:
     assert seen == [4] and runtime.plugin_state == {} and not records[0]["skipped"]
 
 
-def control_bytes(n: int, k: int, model_entries: int) -> tuple[int, int]:
-    """Hand count of one round's key and share traffic with n clients, each with k neighbours:
-    (server to clients, clients to server) bytes of tensor data."""
+def control_bytes(n: int, k: int, t: int) -> tuple[int, int]:
+    """Hand count of one round's key and share traffic with n clients, each with k neighbours and
+    threshold t: (server to clients, clients to server) bytes of tensor data."""
+    commitments = 2 * t * 256  # a dealer's: t group elements of 2048 bits for each of its two secrets
     sent = n * (4 * n + 32 * k)  # share: the cohort (int32) and k public keys
-    sent += n * (4 * k + SEALED_SHARES * k)  # forward: k senders (int32) and k sealed shares
+    sent += n * (4 * k + SEALED_SHARES * k + commitments * k)  # forward: k senders (int32), their sealed shares, commitments
     sent += n * 4 * k  # unmask: the k survivors
     received = n * 32  # advertise: a public key
-    received += n * (16 * k + 16 + SEALED_SHARES * k)  # share: the seed record (16-byte seeds, GCM tag) and k sealed shares
-    received += n * 32 * (k + 1)  # unmask: k + 1 shares of 16-byte self-mask seeds, 8 int32 limbs each
+    received += n * (16 * k + 16 + SEALED_SHARES * k + commitments)  # share: the seed record, k sealed shares, commitments
+    received += 0  # forward: the senders whose shares it refused, none
+    received += n * 64 * (k + 1)  # unmask: k + 1 shares of self-mask seeds, each a value and a blinding of 32 bytes
     return sent, received
 
 
@@ -220,7 +222,7 @@ def test_a_secagg_run_equals_plain_fedavg_within_quantization_and_counts_its_tra
     secure, records = run_to_end(tmp_path / "secure", "plugins.client_send=[{name: secagg, bits: 48}]")
     assert_same_params(plain, secure, atol=1e-5)
     assert all(not r["skipped"] for r in records)
-    sent, received = control_bytes(4, 3, 212)
+    sent, received = control_bytes(4, 3, 3)
     layouts = 4 * 4 * 10  # per client, each tensor's layout: [dtype, *shape] as int32
     for p, s in zip(plain_records, records):
         assert s["bytes_sent"] == p["bytes_sent"] + sent

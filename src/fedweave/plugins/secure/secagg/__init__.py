@@ -35,27 +35,43 @@ private state, ``ctx.state``, and never leave its process):
    It answers (a) its mask seeds, sealed with AES-128-GCM under r_u (the *seed record*,
    which the server keeps and cannot open), and (b) for each neighbour, its Shamir
    shares of r_u and b_u (threshold t of its neighbourhood, itself included), sealed with
-   AES-128-GCM under c_uv (round, sender and receiver bound to each). One agreement per pair serves the
+   AES-128-GCM under c_uv (round, sender and receiver bound to each), and (c) its Pedersen
+   commitments to the polynomials of those shares (:mod:`~fedweave.plugins.secure.shamir`), which
+   make each share verifiable. One agreement per pair serves the
    channel and the mask; what a drop-out's shares reveal, r_d, opens its mask seeds and
    never its channel keys, so the shares of b_d it sent stay sealed (as the second key
    pair of the paper ensures there).
 2. ``forward``: the server forwards each client the shares addressed to it by the
-   neighbours that completed step 1; the client opens and keeps them, and masks only
-   with those neighbours. Then the training exchange, whose reply is y_u (:meth:`encode`).
+   neighbours that completed step 1, with their commitments; the client opens each and checks
+   it against its dealer's commitments, keeps those that pass and answers the senders whose
+   shares do not open (random bytes) or do not match (a share off the committed polynomial),
+   naming them in its log. Such a pair does not mask with each other, and a client left with
+   fewer than t − 1 neighbours holding valid shares of it (a dealer of bad shares to everyone)
+   leaves the round before anyone masks with it; a false complaint costs the complainer the
+   pair as much as the accused. The training instruction tells each client whom it masks with
+   (``config[MASKING]``, checked against the shares it verified). Then the training
+   exchange, whose reply is y_u (:meth:`encode`).
 3. ``unmask``: the server sends each client whose y_u arrived the survivors among its
    neighbours; it answers its shares of b_w for the survivors (itself included) and of
    r_w for the neighbours that dropped: never both for one client, and only once.
 
 **Combining (server).** Pairwise masks cancel in the sum of every pair that both sent;
 the server removes PRG(b_u) of every survivor, and for each client d that dropped after
-step 1 it rebuilds r_d, opens d's seed record and removes the masks s_dv of d's
-surviving neighbours. Clients that drop before step 1 are not in the round. Fewer than t
+the set-up it rebuilds r_d, opens d's seed record and removes the masks s_dv of d's
+surviving neighbours. Clients that drop before the set-up ends are not in the round. Each
+rebuilt secret is checked against its dealer's commitment; when the shares interpolate to
+another (a holder answered a shifted share), each share is checked, the holder whose share
+fails is named and its shares are left out, and the others rebuild it. The record's
+``secagg_excluded`` counts the clients excluded so in the round. Fewer than t
 surviving (or answering) holders of a needed secret raise
 :class:`~fedweave.errors.RoundError`, which the loop turns into a skipped round.
 
 The server is honest but curious: it follows the protocol (it forwards the public keys
-it received); the consistency checks and signatures of the paper's malicious model are
-not implemented.
+and commitments it received); the consistency checks and signatures of the paper's
+malicious model are not implemented. Against a malicious client: its bad shares exclude
+it (or the pair), its wrong revealed shares are found and left out; its masked update's
+content cannot be checked, and a dealer that seals its seed record under another key than
+the one it shared, then drops, still stops the round.
 
 Modules: :mod:`.params` (the options), :mod:`.keys` (agreement, key derivation, sealing),
 :mod:`.masking` (the field and its PRG masks), :mod:`.quantization`, :mod:`.neighbours`
@@ -67,9 +83,9 @@ as one plugin); this package re-exports their public names.
 from __future__ import annotations
 
 from fedweave.plugins.secure.secagg.client import ClientRound, SecAggClient
-from fedweave.plugins.secure.secagg.keys import KEY_BYTES, SEALED_SHARES, SECRET_BYTES, SECRET_LIMBS, hkdf, pair_info
+from fedweave.plugins.secure.secagg.keys import KEY_BYTES, SEALED_SHARES, SECRET_BYTES, SHARE_BYTES, hkdf, pair_info
 from fedweave.plugins.secure.secagg.masking import Field
-from fedweave.plugins.secure.secagg.messages import ADVERTISE, FORWARD, MASKED, MASKED_STEP, SHARE, SUM, UNMASK
+from fedweave.plugins.secure.secagg.messages import ADVERTISE, FORWARD, MASKED, MASKED_STEP, MASKING, SHARE, SUM, UNMASK
 from fedweave.plugins.secure.secagg.neighbours import ring, threshold_of
 from fedweave.plugins.secure.secagg.params import SecAggParams
 from fedweave.plugins.secure.secagg.plugin import SecAgg
@@ -82,9 +98,10 @@ __all__ = [
     "KEY_BYTES",
     "MASKED",
     "MASKED_STEP",
+    "MASKING",
     "SEALED_SHARES",
     "SECRET_BYTES",
-    "SECRET_LIMBS",
+    "SHARE_BYTES",
     "SHARE",
     "SUM",
     "UNMASK",

@@ -16,12 +16,12 @@ import torch
 
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.packing import flatten
-from fedweave.plugins.secure import shamir
+from fedweave.plugins.secure import pedersen, shamir
 from fedweave.plugins.secure.secagg.keys import (
     KEY_BYTES,
     SEALED_SHARES,
     SECRET_BYTES,
-    SECRET_LIMBS,
+    SHARE_BYTES,
     associated_data,
     crypto,
     sender_nonce,
@@ -36,10 +36,16 @@ from fedweave.plugins.secure.secagg.messages import (
     FORWARD,
     MASKED,
     MASKED_STEP,
+    MASKING,
     SHARE,
     UNMASK,
-    id_list,
     body_tensor,
+    commitments,
+    id_list,
+    ids,
+    read_commitments,
+    read_shares,
+    share_bytes,
     u8,
 )
 from fedweave.plugins.secure.secagg.neighbours import threshold_of
@@ -65,8 +71,9 @@ class ClientRound:
         self.threshold = 0
         self.channels: dict[int, bytes] = {}  # neighbour -> c_uv
         self.seeds: dict[int, bytes] = {}  # neighbour -> s_uv
-        self.shares: dict[int, np.ndarray] = {}  # owner -> this client's shares (2, limbs) of (r_owner, b_owner)
-        self.masking: list[int] = []  # neighbours that completed the set-up
+        self.shares: dict[int, list[shamir.Share]] = {}  # owner -> this client's shares of (r_owner, b_owner)
+        self.candidates: list[int] = []  # neighbours whose shares it holds, verified: it may mask with them
+        self.masking: list[int] = []  # those the server says it masks with
 
 
 class SecAggClient:
@@ -117,12 +124,13 @@ class SecAggClient:
             sender_nonce(u), b"".join(mine.seeds[v] for v in neighbours), associated_data("seeds", mine.round, u, u)
         )
         points = sorted((u, *neighbours))
-        shares = shamir.split(shamir.to_limbs([mine.record_key, mine.self_seed]), mine.threshold, [h + 1 for h in points])
+        secrets = [int.from_bytes(mine.record_key, "big"), int.from_bytes(mine.self_seed, "big")]
+        dealt = shamir.split(secrets, mine.threshold, [h + 1 for h in points])
         index = {h: i for i, h in enumerate(points)}
-        mine.shares[u] = shares[index[u]]
+        mine.shares[u] = dealt.shares[index[u]]
         sealed = [
             c.AESGCM(mine.channels[v]).encrypt(
-                sender_nonce(u), shares[index[v]].astype("<u4").tobytes(), associated_data("share", mine.round, u, v)
+                sender_nonce(u), share_bytes(dealt.shares[index[v]]), associated_data("share", mine.round, u, v)
             )
             for v in neighbours
         ]
@@ -131,9 +139,13 @@ class SecAggClient:
         return Control(self.name, SHARE, {
             "record": u8([record], len(record)),
             "shares": u8(sealed, SEALED_SHARES),
+            "commitments": commitments(dealt.commitments),
         })
 
     def _receive(self, control: Control, mine: ClientRound, u: int) -> Control:
+        """Open and verify each neighbour's shares; answer the senders whose shares do not open (not sealed
+        by them for this client) or do not match their commitments (not on the polynomial they committed
+        to): the pair does not mask, and this client holds no share of theirs."""
         senders = id_list(control, "senders", mine.neighbours)
         if len(senders) + 1 < mine.threshold:
             raise ValueError(
@@ -141,15 +153,27 @@ class SecAggClient:
                 f"threshold {mine.threshold} of this client's neighbourhood"
             )
         sealed = body_tensor(control, "shares", torch.uint8, (len(senders), SEALED_SHARES))
-        for v, row in zip(senders, sealed):
-            aad = associated_data("share", mine.round, v, u)
-            plain = open_sealed(mine.channels[v], sender_nonce(v), bytes(row), aad, f"the share from client {v}")
-            mine.shares[v] = np.frombuffer(plain, dtype="<u4").reshape(2, SECRET_LIMBS).astype(np.int64)
-        mine.masking = senders
-        mine.seeds = {v: mine.seeds[v] for v in senders}
+        # every neighbourhood of the round has the same size (neighbours.ring), so the same threshold
+        committed = body_tensor(
+            control, "commitments", torch.uint8, (len(senders), 2, mine.threshold, pedersen.ELEMENT_BYTES)
+        )
+        refused = []
+        for v, row, coms in zip(senders, sealed, committed):
+            try:
+                aad = associated_data("share", mine.round, v, u)
+                share = read_shares(open_sealed(mine.channels[v], sender_nonce(v), bytes(row), aad, f"the share from client {v}"))
+                if not all(shamir.verify(u + 1, s, c) for s, c in zip(share, read_commitments(coms))):
+                    raise ValueError(f"secagg: the share from client {v} does not match its commitments")
+            except ValueError as exc:
+                log.warning("round %d: client %d refuses client %d's shares: %s", mine.round, u, v, exc)
+                refused.append(v)
+                continue
+            mine.shares[v] = share
+        mine.candidates = [v for v in senders if v not in refused]
+        mine.seeds = {v: mine.seeds[v] for v in mine.candidates}
         mine.channels = {}
         mine.step = FORWARD
-        return Control(self.name, FORWARD)
+        return Control(self.name, FORWARD, {"refused": ids(refused)})
 
     def _reveal(self, control: Control, mine: ClientRound, u: int) -> Control:
         survivors = id_list(control, "survivors", mine.masking)
@@ -159,14 +183,31 @@ class SecAggClient:
                 f"{mine.threshold} of this client's neighbourhood; no share is revealed"
             )
         gone = [w for w in mine.masking if w not in survivors]
-        seed = np.stack([mine.shares[w][1] for w in sorted([u, *survivors])]).astype(np.int32)
-        key = np.stack([mine.shares[w][0] for w in gone]).astype(np.int32) if gone else np.zeros((0, SECRET_LIMBS), np.int32)
-        return Control(self.name, UNMASK, {"seed": torch.from_numpy(seed), "key": torch.from_numpy(key)})
+        seed = [share_bytes([mine.shares[w][1]]) for w in sorted([u, *survivors])]
+        key = [share_bytes([mine.shares[w][0]]) for w in gone]
+        return Control(self.name, UNMASK, {"seed": u8(seed, SHARE_BYTES), "key": u8(key, SHARE_BYTES)})
+
+    def _masking(self, mine: ClientRound, config: Any, u: int) -> list[int]:
+        """Whom the server says this client masks with: a sorted list of distinct candidates, enough for
+        the threshold."""
+        masking = config.get(MASKING)
+        if not (isinstance(masking, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in masking)):
+            raise ValueError(f"client {u}: instruction config {MASKING!r} is not a list of client ids")
+        if masking != sorted(set(masking)) or not set(masking) <= set(mine.candidates):
+            raise ValueError(f"client {u}: instruction config {MASKING!r} names clients it holds no verified share of")
+        if len(masking) + 1 < mine.threshold:
+            raise ValueError(
+                f"client {u}: it would mask with {len(masking)} neighbours, fewer than the threshold "
+                f"{mine.threshold} of its neighbourhood needs"
+            )
+        return masking
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:
         """Step 2: quantize the update, add the self mask and the pairwise masks."""
         mine = self._client_round(ctx, FORWARD)
         u = ctx.client_id
+        mine.masking = self._masking(mine, ctx.config, u)
+        mine.shares = {w: mine.shares[w] for w in (u, *mine.masking)}
         if payload.num_examples > self.hp.max_examples:
             raise ValueError(
                 f"client {u} holds {payload.num_examples} examples, more than secagg's max_examples={self.hp.max_examples}"

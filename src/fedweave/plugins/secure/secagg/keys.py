@@ -8,12 +8,12 @@ import hmac
 from types import SimpleNamespace
 from typing import Any
 
-from fedweave.plugins.secure import shamir
+from fedweave.plugins.secure import pedersen
 
 KEY_BYTES = 32  # an X25519 public key
 SECRET_BYTES = 16  # b_u, r_u, c_uv, s_uv: AES-128 keys, the 128-bit security of X25519
-SECRET_LIMBS = SECRET_BYTES * 8 // shamir.LIMB_BITS
-SEALED_SHARES = 2 * SECRET_LIMBS * 4 + 16  # shares of r_u and b_u as uint32 limbs, and the GCM tag
+SHARE_BYTES = 2 * pedersen.SCALAR_BYTES  # a share of one secret: f(x) and its blinding f'(x), in GF(Q)
+SEALED_SHARES = 2 * SHARE_BYTES + 16  # shares of r_u and b_u, and the GCM tag
 
 
 @functools.cache

@@ -5,17 +5,48 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedweave.plugins.secure import pedersen
 from fedweave.types import Control
 
 MASKED = "__secagg_masked"
 SUM = "__secagg_sum"
 
 ADVERTISE, SHARE, FORWARD, UNMASK = "advertise", "share", "forward", "unmask"
+MASKING = "secagg.masking"
+"""The key of a training instruction's ``config`` that tells a client whom it masks with."""
 MASKED_STEP = "masked"  # a client's state once it sent y_u (not a message)
 
 
 def u8(rows: list[bytes], width: int) -> torch.Tensor:
+    if not rows:
+        return torch.zeros((0, width), dtype=torch.uint8)
     return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(len(rows), width)
+
+
+def share_bytes(shares: list[tuple[int, int]]) -> bytes:
+    """Shares (value, blinding) in GF(Q) as big-endian scalars, one after the other."""
+    return b"".join(v.to_bytes(pedersen.SCALAR_BYTES, "big") for share in shares for v in share)
+
+
+def read_shares(data: bytes) -> list[tuple[int, int]]:
+    """Undo :func:`share_bytes`; ValueError for a value outside GF(Q)."""
+    n = pedersen.SCALAR_BYTES
+    values = [int.from_bytes(data[i : i + n], "big") for i in range(0, len(data), n)]
+    if any(v >= pedersen.Q for v in values):
+        raise ValueError("a share is not an element of GF(Q)")
+    return list(zip(values[::2], values[1::2]))
+
+
+def commitments(rows: list[list[int]]) -> torch.Tensor:
+    """A dealer's commitments (one row per secret) as a uint8 tensor (secrets, threshold, element bytes)."""
+    data = b"".join(c.to_bytes(pedersen.ELEMENT_BYTES, "big") for row in rows for c in row)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(len(rows), -1, pedersen.ELEMENT_BYTES)
+
+
+def read_commitments(array: np.ndarray) -> list[list[int]]:
+    """Undo :func:`commitments` (an array of shape (secrets, threshold, element bytes)); ValueError for a
+    value that is not an element of the group."""
+    return [[pedersen.to_element(bytes(c)) for c in row] for row in array]
 
 
 def ids(values: list[int]) -> torch.Tensor:

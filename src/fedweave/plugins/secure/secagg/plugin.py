@@ -38,6 +38,7 @@ class SecAgg(SecAggServer, SecAggClient):
         self.quantize = Quantizer.of(hp.clip_range, self.levels, self.field.width)
         self.seed = 0
         self.round: ServerRound | None = None
+        self.excluded = 0  # clients the last round's checks of shares excluded
 
     def bind(self, config: Any) -> None:
         self.seed = config.seed

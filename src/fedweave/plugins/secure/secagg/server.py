@@ -15,12 +15,12 @@ import torch
 from fedweave.errors import RoundError
 from fedweave.plugins.chain import ControlExchange, PluginContext
 from fedweave.plugins.packing import combine_plain, unflatten
-from fedweave.plugins.secure import shamir
+from fedweave.plugins.secure import pedersen, shamir
 from fedweave.plugins.secure.secagg.keys import (
     KEY_BYTES,
     SEALED_SHARES,
     SECRET_BYTES,
-    SECRET_LIMBS,
+    SHARE_BYTES,
     associated_data,
     crypto,
     sender_nonce,
@@ -34,9 +34,13 @@ from fedweave.plugins.secure.secagg.messages import (
     MASKED,
     SHARE,
     SUM,
+    MASKING,
     UNMASK,
-    ids,
     body_tensor,
+    id_list,
+    ids,
+    read_commitments,
+    read_shares,
     u8,
 )
 from fedweave.plugins.secure.secagg.neighbours import threshold_of
@@ -48,14 +52,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServerRound:
-    """The server's view of a round's set-up: public keys, sealed seed records, who did what."""
+    """The server's view of a round's set-up: whom each client masks with, sealed seed records, commitments."""
 
     round: int
-    neighbours: dict[int, tuple[int, ...]]
+    neighbours: dict[int, tuple[int, ...]]  # whom each client that may mask masks with (who holds its shares)
     threshold: dict[int, int]
-    records: dict[int, bytes]  # who completed step 1 (its neighbours mask with it), in id order ->
-    # its mask seeds sealed under r_u (opened only if it drops)
-    ready: list[int]  # received its neighbours' shares: may send a masked update
+    records: dict[int, bytes]  # each client that may mask, in id order -> its mask seeds sealed under r_u
+    # (opened only if it drops)
+    commitments: dict[int, list[list[int]]]  # its commitments to the polynomials of (r_u, b_u)
+    ready: list[int]  # may send a masked update
 
 
 class SecAggServer:
@@ -70,6 +75,7 @@ class SecAggServer:
 
     def setup(self, rnd: int, cohort: list[int], exchange: ControlExchange) -> list[int]:
         """Steps 0 and 1 and the forwarding of the shares; the clients that may train and mask."""
+        self.excluded = 0
         probe = crypto().PrivateKey.generate()
 
         def read_key(u: int, a: Control) -> bytes:
@@ -90,30 +96,67 @@ class SecAggServer:
             for u in members
         }
 
-        def read_shares(u: int, a: Control) -> tuple[bytes, torch.Tensor]:
+        threshold = {u: threshold_of(self.hp.threshold, len(graph[u])) for u in members}
+
+        def read_shares(u: int, a: Control) -> tuple[bytes, torch.Tensor, torch.Tensor, list[list[int]]]:
             shares = body_tensor(a, "shares", torch.uint8, (len(graph[u]), SEALED_SHARES))
-            return bytes(body_tensor(a, "record", torch.uint8, (1, len(graph[u]) * SECRET_BYTES + 16))), torch.from_numpy(shares)
+            record = bytes(body_tensor(a, "record", torch.uint8, (1, len(graph[u]) * SECRET_BYTES + 16)))
+            committed = body_tensor(a, "commitments", torch.uint8, (2, threshold[u], pedersen.ELEMENT_BYTES))
+            return record, torch.from_numpy(shares), torch.from_numpy(committed), read_commitments(committed)
 
         replies = self._answers(rnd, exchange(asks), read_shares)
-        threshold = {u: threshold_of(self.hp.threshold, len(graph[u])) for u in members}
         # A client with fewer than t − 1 neighbours that shared could never be unmasked: it
         # leaves before anyone masks with it, which may thin out others' neighbourhoods.
-        shared = set(replies)
-        while thin := {v for v in shared if sum(u in shared for u in graph[v]) + 1 < threshold[v]}:
-            log.warning("round %d: clients %s leave secure aggregation: too few neighbours shared", rnd, sorted(thin))
-            shared -= thin
+        shared = self._thinned(rnd, {v: {u for u in graph[v] if u in replies} for v in replies}, threshold,
+                               "too few neighbours shared")
         forward = {}
         for v in sorted(shared):
-            senders = [(u, replies[u][1][graph[u].index(v)]) for u in graph[v] if u in shared]
+            senders = [u for u in graph[v] if u in shared]
             forward[v] = Control(self.name, FORWARD, {
-                "senders": ids([u for u, _ in senders]), "shares": torch.stack([row for _, row in senders])
+                "senders": ids(senders),
+                "shares": torch.stack([replies[u][1][graph[u].index(v)] for u in senders]),
+                "commitments": torch.stack([replies[u][2] for u in senders]),
             })
-        ready = sorted(self._answers(rnd, exchange(forward), lambda u, a: None))
-        records = {u: replies[u][0] for u in sorted(shared)}
-        self.round = ServerRound(rnd, graph, threshold, records, ready)
+        refused = self._answers(rnd, exchange(forward), lambda v, a: set(id_list(a, "refused", [u for u in graph[v] if u in shared])))
+        # A pair one of whose members refused the other's shares (they did not open, or did not match the
+        # commitments) does not mask; a client left with too few holders of its shares leaves the round.
+        for v, bad in sorted(refused.items()):
+            for u in sorted(bad):
+                log.warning("round %d: client %d refused client %d's shares (they do not open or do not match "
+                            "its commitments); the two do not mask with each other", rnd, v, u)
+        edges = {v: {u for u in graph[v] if u in refused and u not in refused[v] and v not in refused[u]}
+                 for v in refused}
+        ready = self._thinned(rnd, edges, threshold, "too few neighbours hold valid shares of it")
+        self.excluded = len(set(refused) - ready)
+        neighbours = {v: tuple(sorted(edges[v] & ready)) for v in sorted(ready)}
+        self.round = ServerRound(
+            rnd, neighbours, threshold, {u: replies[u][0] for u in neighbours},
+            {u: replies[u][3] for u in neighbours}, sorted(ready),
+        )
         if len(ready) < 2:
             raise RoundError(f"secagg: {len(ready)} client(s) completed the key set-up; secure aggregation needs 2")
-        return ready
+        return sorted(ready)
+
+    def _thinned(self, rnd: int, edges: dict[int, set[int]], threshold: dict[int, int], why: str) -> set[int]:
+        """The clients of ``edges`` (client -> its neighbours that may hold its shares) left once each with
+        fewer than t − 1 such neighbours among those left has left, each logged with ``why``."""
+        left = set(edges)
+        while thin := {v for v in left if len(edges[v] & left) + 1 < threshold[v]}:
+            log.warning("round %d: clients %s leave secure aggregation: %s", rnd, sorted(thin), why)
+            left -= thin
+        return left
+
+    def instruct(self, ctx: PluginContext) -> dict[str, Any]:
+        """Server: whom a client of the round's set-up masks with (its neighbours that stayed, no refused pair)."""
+        setup = self.round
+        if setup is None or setup.round != ctx.round or ctx.client_id not in setup.neighbours:
+            return {}
+        return {MASKING: list(setup.neighbours[ctx.client_id])}
+
+    def metrics(self) -> dict[str, float]:
+        """``secagg_excluded``: the clients the round's checks of shares excluded (dealers of shares too few
+        neighbours could open or verify, holders that revealed a share their dealer did not commit to)."""
+        return {"secagg_excluded": float(self.excluded)}
 
     def _answers(self, rnd: int, answers: dict[int, Control], read: Any) -> dict[int, Any]:
         """``read(client, answer)`` of each answer; a malformed one drops its client (logged)."""
@@ -150,12 +193,13 @@ class SecAggServer:
         total = self.field.from_wire(updates[0].tensors[MASKED]).copy()
         for u in updates[1:]:
             np.add(total, self.field.from_wire(u.tensors[MASKED]), out=total)
+        liars: set[int] = set()
         with self.field.workspace(total.size) as (stream, _):
             for owner in survivors:
-                self_seed = _recover(owner, seeds.get(owner), setup.threshold[owner], False)
+                self_seed = self._recover(ctx.round, owner, seeds.get(owner), False, liars)
                 self.field.add_mask(total, self_seed, stream, subtract=True)
             for d in dropped:
-                record_key = _recover(d, keys.get(d), setup.threshold[d], True)
+                record_key = self._recover(ctx.round, d, keys.get(d), True, liars)
                 try:
                     aad = associated_data("seeds", ctx.round, d, d)
                     record = open_sealed(record_key, sender_nonce(d), setup.records[d], aad, f"client {d}'s seed record")
@@ -164,6 +208,7 @@ class SecAggServer:
                 for v, seed in zip(setup.neighbours[d], _chunks(record)):
                     if v in alive:  # remove what v added for the pair (v, d): +PRG(s_vd) when v < d
                         self.field.add_mask(total, seed, stream, subtract=v < d)
+        self.excluded += len(liars)
         plain = combine_plain([{k: t for k, t in u.tensors.items() if k != MASKED} for u in updates])
         return Update(
             kind=updates[0].kind,
@@ -174,24 +219,52 @@ class SecAggServer:
 
     def _collect(
         self, rnd: int, answers: dict[int, Control], asked: dict[int, list[int]], gone: dict[int, list[int]]
-    ) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, list[tuple[int, np.ndarray]]]]:
+    ) -> tuple[dict[int, list[tuple[int, shamir.Share]]], dict[int, list[tuple[int, shamir.Share]]]]:
         """The shares each survivor answered, by owner: of b_w for itself and the survivors it
         was ``asked`` about, of r_w for its neighbours ``gone`` after step 1."""
-        seeds: dict[int, list[tuple[int, np.ndarray]]] = {}
-        keys: dict[int, list[tuple[int, np.ndarray]]] = {}
+        seeds: dict[int, list[tuple[int, shamir.Share]]] = {}
+        keys: dict[int, list[tuple[int, shamir.Share]]] = {}
         for v, reply in sorted(answers.items()):
             owners = sorted([v, *asked[v]])
             try:
-                seed_rows = body_tensor(reply, "seed", torch.int32, (len(owners), SECRET_LIMBS))
-                key_rows = body_tensor(reply, "key", torch.int32, (len(gone[v]), SECRET_LIMBS))
+                seed_rows = body_tensor(reply, "seed", torch.uint8, (len(owners), SHARE_BYTES))
+                key_rows = body_tensor(reply, "key", torch.uint8, (len(gone[v]), SHARE_BYTES))
+                seed_shares = [read_shares(bytes(row))[0] for row in seed_rows]
+                key_shares = [read_shares(bytes(row))[0] for row in key_rows]
             except ValueError as exc:
                 log.warning("round %d: client %d's unmasking answer refused: %s", rnd, v, exc)
                 continue
-            for w, row in zip(owners, seed_rows):
-                seeds.setdefault(w, []).append((v + 1, row))
-            for w, row in zip(gone[v], key_rows):
-                keys.setdefault(w, []).append((v + 1, row))
+            for w, share in zip(owners, seed_shares):
+                seeds.setdefault(w, []).append((v + 1, share))
+            for w, share in zip(gone[v], key_shares):
+                keys.setdefault(w, []).append((v + 1, share))
         return seeds, keys
+
+    def _recover(
+        self, rnd: int, owner: int, shares: list[tuple[int, shamir.Share]] | None, dropped: bool, liars: set[int]
+    ) -> bytes:
+        """``owner``'s record key (``dropped``) or self-mask seed from the threshold of its ``shares`` (point,
+        share), leaving out those of ``liars``. Checked against ``owner``'s commitment: when the shares
+        interpolate to another secret, each is checked against ``owner``'s commitments, and a holder whose
+        share fails is named, added to ``liars`` and left out, here and for every later secret."""
+        setup = self._server_round(rnd)
+        need, which = setup.threshold[owner], int(not dropped)
+        committed = setup.commitments[owner][which]
+        shares = [(x, share) for x, share in shares or [] if x - 1 not in liars]
+        _enough(owner, len(shares), need, dropped, "answered")
+        secret = shamir.combine([x for x, _ in shares[:need]], [share for _, share in shares[:need]])
+        if not shamir.opens(secret, committed[0]):
+            what = "record key" if dropped else "self-mask seed"
+            for x, share in shares:
+                if not shamir.verify(x, share, committed):
+                    log.warning("round %d: client %d revealed a share of client %d's %s that does not match its "
+                                "commitments; its shares are left out", rnd, x - 1, owner, what)
+                    liars.add(x - 1)
+            shares = [(x, share) for x, share in shares if x - 1 not in liars]
+            _enough(owner, len(shares), need, dropped, "answered with valid shares")
+            secret = shamir.combine([x for x, _ in shares[:need]], [share for _, share in shares[:need]])
+        # an honest dealer's secret is 16 bytes; a dealer that shared another one only spoils its own mask
+        return (secret[0] % (1 << (8 * SECRET_BYTES))).to_bytes(SECRET_BYTES, "big")
 
     def decode(self, payload: Update, ctx: PluginContext) -> Update:
         """Dequantize the unmasked sum Σ n_u x_u into the example-weighted mean of the updates."""
@@ -220,14 +293,3 @@ def _enough(owner: int, count: int, need: int, dropped: bool, verb: str) -> None
             f"secagg: only {count} of client {owner}'s share holders {verb}, its {what} needs {need} "
             "(threshold); the sum cannot be unmasked"
         )
-
-
-def _recover(owner: int, shares: list[tuple[int, np.ndarray]] | None, need: int, dropped: bool) -> bytes:
-    """Interpolate ``owner``'s record key (``dropped``) or self-mask seed from ``need`` of its ``shares``."""
-    shares = shares or []
-    _enough(owner, len(shares), need, dropped, "answered")
-    limbs = shamir.combine([x for x, _ in shares[:need]], np.stack([row for _, row in shares[:need]]))
-    try:
-        return shamir.from_limbs(limbs)[0]
-    except ValueError as exc:
-        raise RoundError(f"secagg: client {owner}'s shares are inconsistent ({exc})") from None
