@@ -196,22 +196,20 @@ def test_a_server_no_client_reached_fails_with_one_line_and_writes_no_model(
     assert (again.first_round, again.records) == (1, [])
 
 
-def test_a_site_file_and_the_flags_become_overrides_of_the_clients_own_site_keys(tmp_path: Path) -> None:
-    """`fedweave client --site FILE` (data, device, threads) and `--data`, `--device`, which win: dotted
-    overrides of task.dataset_options.path, local.device and threads, a relative data path the file's."""
-    from fedweave.nodes.client import site_overrides
+def test_a_site_file_and_the_flags_become_the_clients_own_data_and_overrides_of_its_site_keys(tmp_path: Path) -> None:
+    """`fedweave client --site FILE` (data, device, threads) and `--data`, `--device`, which win: the file the
+    client alone reads (a relative path the site file's), and dotted overrides of local.device and threads."""
+    from fedweave.nodes.client import site_data, site_overrides
 
     site = tmp_path / "site.yaml"
     site.write_text("data: rows/site-3.csv\ndevice: cpu\nthreads: 2\n")
-    assert site_overrides(site) == [
-        f'task.dataset_options.path="{tmp_path}/rows/site-3.csv"', 'local.device="cpu"', "threads=2",
-    ]
-    assert site_overrides(site, data="/data/a b.csv", device="cuda:1") == [
-        'task.dataset_options.path="/data/a b.csv"', 'local.device="cuda:1"', "threads=2",
-    ]
+    assert site_overrides(site) == ['local.device="cpu"', "threads=2"]
+    assert site_overrides(site, device="cuda:1") == ['local.device="cuda:1"', "threads=2"]
     assert site_overrides(device="mps") == ['local.device="mps"'] and site_overrides() == []
-    loaded = config_mod.load(None, ["clients=2", *site_overrides(data="/data/a b.csv")])
-    assert loaded.task.dataset_options == {"path": "/data/a b.csv"}
+    assert site_data(site) == f"{tmp_path}/rows/site-3.csv"
+    assert site_data(site, "/data/a b.csv") == "/data/a b.csv" and site_data() is None
+    loaded = config_mod.load(None, ["clients=2", *site_overrides(device="cpu")])
+    assert loaded.local.device == "cpu"
     site.write_text("data: x.csv\nrounds: 3\n")
     with pytest.raises(ConfigError, match=r"^site file '.*site.yaml': key 'rounds' is not a site's own setting"):
         site_overrides(site)

@@ -46,6 +46,11 @@ BROKEN: dict[str, tuple[list[str], str]] = {
         ["topology={kind: hierarchical, sites: 2}", "topology.outer=grpc"],
         "config key 'topology.outer': 'grpc' is the server's link",
     ),
+    "own_data_topology": (
+        ["task.dataset=files", "task.dataset_options={path: 'site_{client}.csv', label: y}", "transport=grpc",
+         "topology={kind: hierarchical, sites: 2, inner: torchdist}"],
+        "config key 'topology.kind': sites that read their own data",
+    ),
     "emulation_topology": (
         ["heterogeneity.speeds=[1, 2, 3, 4]", "topology=ring"],
         "config key 'heterogeneity': emulated client speeds need the in-process simulation",

@@ -72,8 +72,26 @@ def data_seed(config: Config) -> int:
     return config.seed if seed is None else seed
 
 
+def sites_read_own_data(config: Config) -> bool:
+    """Whether each client reads only its own files (``task.dataset: files`` with a ``{client}``
+    path, or with none: each deployed client gives its own ``--data``)."""
+    return config.task.dataset == "files" and config.task.file_options().per_site
+
+
+def data_admission(config: Config) -> Callable[[Any], str | None] | None:
+    """What a gRPC server of ``config`` asks of a registering client's declared data schema: the
+    reason to refuse it (:meth:`~fedweave.task.schema.DataSchema.refusal`), where the sites read
+    their own data; None (nothing asked) otherwise."""
+    if not sites_read_own_data(config):
+        return None
+    return load_files(config.task.file_options(), [], deployed=True).schema.refusal
+
+
 def build_task(config: Config) -> TaskBundle:
-    """Load the dataset and split it across clients, seeded by :func:`data_seed`."""
+    """Load the dataset and split it across clients, seeded by :func:`data_seed`; a gRPC server
+    whose sites read their own data reads none (:func:`build_server_task`)."""
+    if config.transport.kind == "grpc" and sites_read_own_data(config):
+        return build_server_task(config)
     use_threads(config)
     task = config.task
     seed = data_seed(config)

@@ -25,7 +25,7 @@ ignore its links.
 
 from __future__ import annotations
 
-from fedweave.build import strategy_class
+from fedweave.build import data_admission, strategy_class
 from fedweave.client import ClientRuntime
 from fedweave.config import Config
 from fedweave.errors import ConfigError
@@ -75,7 +75,7 @@ def server_topology(config: Config, listen: str | None = None) -> Star | SiteBat
     if config.topology.kind == "hierarchical":
         tree = site_tree(config.topology.sites, config.clients)  # type: ignore[arg-type]
         return SiteBatches(tree, GrpcServerTransport(config.grpc, len(tree), listen=listen, role="site"))
-    return Star(GrpcServerTransport(config.grpc, config.clients, listen=listen))
+    return Star(GrpcServerTransport(config.grpc, config.clients, listen=listen, admit=data_admission(config)))
 
 
 def arrange(config: Config, link: Transport, strategy_cls: type) -> Topology:

@@ -104,6 +104,17 @@ def hierarchy_transport(config: Any) -> None:
         )
 
 
+def own_data_topology(config: Any) -> None:
+    """Sites that read only their own data are deployed as a star: each client process reads its file."""
+    task = config.task
+    if task.dataset == "files" and config.transport.kind == "grpc" and config.topology.kind != "star":
+        if task.file_options().per_site:
+            raise ConfigError(
+                "config key 'topology.kind': sites that read their own data (task.dataset: files with {client} "
+                "in its path, or a client's --data) are deployed as a star; set topology.kind: star"
+            )
+
+
 def emulation_topology(config: Any) -> None:
     """Emulated client speeds exist only in the in-process star simulation."""
     from fedweave.config import emulates_clients
@@ -287,6 +298,7 @@ RULES: tuple[Callable[[Any], None], ...] = (
     ray_launcher,
     ring_transport,
     hierarchy_transport,
+    own_data_topology,
     emulation_topology,
     plugin_contracts,
     strategy_settings,

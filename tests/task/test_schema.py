@@ -43,3 +43,10 @@ def test_a_declaration_round_trips_and_a_malformed_one_is_refused() -> None:
                 {**declared.to_dict(), "num_classes": True}, {**declared.to_dict(), "dtype": "float64"}, []):
         with pytest.raises(ValueError):
             DataSchema.from_dict(bad)
+
+
+def test_refusal_of_a_declared_schema_gives_the_reason() -> None:
+    assert FEDERATION.refusal(FEDERATION.to_dict()) is None
+    assert FEDERATION.refusal(DataSchema((4,), 4).to_dict()) == "its data has num_classes 4, the federation expects 3"
+    assert FEDERATION.refusal(None) == "it declares no data schema, and this federation's sites read their own data"
+    assert FEDERATION.refusal({"rows": 5}).startswith("its data schema is malformed: a data schema has input_shape")

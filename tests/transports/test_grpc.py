@@ -31,6 +31,7 @@ from fedweave import config as config_mod
 from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import ConfigError, SerializationError, TransportError
+from fedweave.task.schema import DataSchema
 from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine
 from fedweave.transports.grpc import protocol as p
@@ -107,8 +108,10 @@ class Cluster:
 
 
 @contextmanager
-def cluster(s: GrpcConfig, clients: int = 3, start: int | None = None) -> Iterator[Cluster]:
-    c = Cluster(s, GrpcServerTransport(s, clients, listen="127.0.0.1:0"))
+def cluster(
+    s: GrpcConfig, clients: int = 3, start: int | None = None, admit: Callable[[Any], str | None] | None = None
+) -> Iterator[Cluster]:
+    c = Cluster(s, GrpcServerTransport(s, clients, listen="127.0.0.1:0", admit=admit))
     for cid in range(clients if start is None else start):
         c.start(cid)
     try:
@@ -328,6 +331,27 @@ def test_tls_modes_and_tokens_serve_valid_clients(credentials: Path, tls: str) -
         result = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
         assert result.failures == {} and len(result.replies) == 2
     assert c.errors == {}
+
+
+def test_a_site_whose_data_schema_differs_is_refused_with_the_reason_in_both_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    federation = DataSchema((4,), 3)
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    with cluster(settings("grpc.join_timeout=0", clients=3), clients=3, start=0, admit=federation.refusal) as c:
+        c.start(0, declaration=federation.to_dict())
+        c.start(1, declaration=DataSchema((5,), 3).to_dict())
+        c.start(2)  # declares nothing
+        c.join(1, timeout=5)  # refused at once: no retry can change its data
+        c.join(2, timeout=5)
+        reason = "client 1 may not join: its data has 5 features, the federation expects 4 features"
+        assert isinstance(c.errors[1], TransportError) and reason in str(c.errors[1])
+        assert "client 2 may not join: it declares no data schema" in str(c.errors[2])
+        server_log = [r.getMessage() for r in caplog.records if r.name.endswith("grpc.server")]
+        client_log = [r.getMessage() for r in caplog.records if r.name.endswith("grpc.client")]
+        assert any(reason in line for line in server_log) and any(reason in line for line in client_log)
+        result = c.server.exchange(jobs([0], PARAMS), timeout=20)  # the fitting site is served
+        assert result.failures == {} and len(result.replies) == 1
 
 
 def _register(address: str, cid: int, *extra: tuple[str, str]) -> grpc.RpcError | None:

@@ -44,11 +44,12 @@ def _serve_node(args: argparse.Namespace) -> int:
     try:
         install_signal_handlers()
         if args.command == "client":
-            from fedweave.nodes.client import run_client, site_overrides
+            from fedweave.nodes.client import run_client, site_data, site_overrides
 
-            local = site_overrides(args.site, data=args.data, device=args.device)  # this client's copy alone
+            local = site_overrides(args.site, device=args.device)  # this client's copy alone
             config = config_mod.load(args.config, [*args.overrides, *local])
-            run_client(config, args.id, address=args.address, token=args.token)
+            data = site_data(args.site, args.data)
+            run_client(config, args.id, address=args.address, token=args.token, data=data)
             return 0
         if args.command == "site":
             from fedweave.nodes import site

@@ -162,7 +162,10 @@ def _node_parsers(sub: Any) -> None:
     client.add_argument("--id", type=int, required=True, metavar="N", help="this client's id, 0..clients-1")
     client.add_argument("--address", metavar="HOST:PORT", help="the server's address instead of grpc.address")
     client.add_argument("--token", help="this client's token (default: $FEDWEAVE_TOKEN or credentials/client-N.token)")
-    client.add_argument("--data", metavar="PATH", help="this site's data (task.dataset_options.path), for this client alone")
+    client.add_argument(
+        "--data", metavar="PATH", help="this site's own data file or folder (task.dataset: files), instead of "
+        "task.dataset_options.path; the client reads nothing else"
+    )
     client.add_argument("--device", metavar="DEV", help="this site's device: auto, cpu, cuda, cuda:N, mps (local.device)")
     client.add_argument("--site", metavar="FILE",
                         help="a YAML file of this site's own settings: data, device, threads (--data, --device win)")

@@ -37,6 +37,18 @@ class DataSchema:
                 return f"{name} {theirs}, the federation expects {mine}"
         return None
 
+    def refusal(self, declared: Any) -> str | None:
+        """Why a site that declared ``declared`` (the data schema of its registration, untrusted)
+        may not join a federation of this schema, or None."""
+        if declared is None:
+            return "it declares no data schema, and this federation's sites read their own data"
+        try:
+            theirs = DataSchema.from_dict(declared)
+        except ValueError as exc:
+            return f"its data schema is malformed: {exc}"
+        why = self.difference(theirs)
+        return None if why is None else f"its data has {why}"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (a declaration on the wire)."""
         return {"input_shape": list(self.input_shape), "num_classes": self.num_classes,

@@ -47,6 +47,12 @@ class FileOptions:
         """Whether each client of a simulation reads its own file (``{client}`` in ``path``)."""
         return self.path is not None and CLIENT in self.path
 
+    @property
+    def per_site(self) -> bool:
+        """Whether each client reads only its own file: from the template, or, without a path, the
+        one its deployed client names (``--data``)."""
+        return self.path is None or self.template
+
     def path_of(self, client: int) -> str:
         """Client ``client``'s file: ``path`` with its id in place of ``{client}``."""
         assert self.path is not None  # a simulation's (fedweave.task.files.simulation_paths)

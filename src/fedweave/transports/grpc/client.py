@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedweave.errors import SerializationError, TransportError
 from fedweave.transports.grpc import protocol as p
@@ -65,9 +65,11 @@ class GrpcClient:
         address: str | None = None,
         token: str | None = None,
         seed: int = 0,
+        declaration: dict[str, Any] | None = None,
     ):
         grpc = p.grpc_module()
         self.settings = settings
+        self.declaration = declaration  # what the node declares at registration (its data schema), if anything
         self.node = p.Node(role, node_id)
         self.handler = handler
         self.address = address or settings.address
@@ -153,9 +155,12 @@ class GrpcClient:
 
     def _register(self) -> None:
         self._session = None
+        request: dict[str, Any] = {"version": p.VERSION}
+        if self.declaration is not None:
+            request[p.DATA_SCHEMA_KEY] = self.declaration
         reply = p.decode_json(
             self._register_rpc(
-                p.encode_json({"version": p.VERSION}),
+                p.encode_json(request),
                 metadata=self._metadata(),
                 timeout=self.settings.rpc_timeout,
                 wait_for_ready=self._await_server,

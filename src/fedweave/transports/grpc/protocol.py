@@ -23,7 +23,10 @@ frame: until a job's first frame has arrived its node sends no heartbeats, so th
 must cross a slow link well within ``heartbeat_timeout``.
 
 Register sends ``{"version": VERSION}``; a server refuses any other version (this layout
-came with version 2).
+came with version 2). A client whose site reads its own data adds ``"data_schema"`` (a
+:class:`fedweave.task.schema.DataSchema`: sample shape, dtype, label kind, classes; never
+data or label counts), and a server of such a federation refuses a registration whose schema
+differs from its own, with the reason.
 
 Every call carries the caller's identity, ``fedweave-client`` (a client id) or, for the
 site leader of a hierarchical deployment, ``fedweave-site`` (a top-level site index), and,
@@ -56,6 +59,9 @@ HEARTBEAT = "Heartbeat"
 PULL = "Pull"
 PUSH = "Push"
 PUSH_ONE = "PushOne"
+
+DATA_SCHEMA_KEY = "data_schema"
+"""The field of a Register request that declares the client's data schema."""
 
 CLIENT_KEY = "fedweave-client"
 SITE_KEY = "fedweave-site"

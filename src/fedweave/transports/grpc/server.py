@@ -27,7 +27,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -94,11 +94,20 @@ class GrpcServerTransport:
     """Serves jobs to ``num_nodes`` clients (or site leaders, ``role="site"``) over gRPC;
     ``exchange`` / ``close`` as any transport. Messages are addressed by node id."""
 
-    def __init__(self, settings: GrpcConfig, num_nodes: int, *, listen: str | None = None, role: str = "client"):
+    def __init__(
+        self,
+        settings: GrpcConfig,
+        num_nodes: int,
+        *,
+        listen: str | None = None,
+        role: str = "client",
+        admit: Callable[[Any], str | None] | None = None,
+    ):
         grpc = p.grpc_module()
         self.settings = settings
         self.num_nodes = num_nodes
         self.role = role
+        self._admit = admit  # the reason to refuse a node's registration from what it declared, or None
         self._grpc = grpc
         # One lock; the server's condition wakes whoever waits for nodes (an exchange, a new
         # registration, the close), and each node's own condition wakes only that node's pull,
@@ -382,15 +391,19 @@ class GrpcServerTransport:
     def _register(self, request: bytes, context: Any) -> bytes:
         cid = self._authenticate(context, registering=True)
         try:
-            version = p.decode_json(request).get("version")
+            body = p.decode_json(request)
+            version = body.get("version")
         except SerializationError as exc:
-            version = f"unreadable ({exc})"
+            body, version = {}, f"unreadable ({exc})"
         if version != p.VERSION:
             why = (
                 f"{self.role} {cid} speaks protocol version {version}, this server {p.VERSION}: "
                 "run one fedweave version on every node"
             )
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, why)
+        refusal = None if self._admit is None else self._admit(body.get(p.DATA_SCHEMA_KEY))
+        if refusal is not None:
+            self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, f"{self.role} {cid} may not join: {refusal}")
         session = secrets.token_hex(8)
         with self._cond:
             current = self._clients.get(cid)
