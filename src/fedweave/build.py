@@ -20,6 +20,7 @@ from fedweave.batching.controller import Controller, StaticController
 from fedweave.batching.federated import AdaptiveController
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
+from fedweave.device import resolve
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import POINTS, Chain, Chains
@@ -199,6 +200,7 @@ def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store
         store=store,
         seed=config.seed,
         attacker=build_attacker(config, task),
+        device=resolve(config.local.device, "local.device"),
     )
 
 
@@ -211,8 +213,9 @@ def build_attacker(config: Config, task: TaskBundle) -> Attacker | None:
 
 
 def global_evaluator(config: Config, task: TaskBundle) -> Callable[[Params], dict[str, float]]:
-    """Evaluate global parameters on the held-out test set (one model instance, reused)."""
-    model = task.make_model()
+    """Evaluate global parameters on the held-out test set (one model instance, reused, on
+    ``local.device``; its batches are moved there)."""
+    model = task.make_model().to(resolve(config.local.device, "local.device"))
 
     def evaluate_global(params: Params) -> dict[str, float]:
         model.load_state_dict(params)
