@@ -293,6 +293,7 @@ class ClientRuntime:
             client_id=cid,
             compute_time=time.perf_counter() - start,
         )
+        self.model.zero_grad(set_to_none=True)  # the device keeps nothing of this client but the model's values
         if self.attacker is not None:  # after training, before any plugin: what a poisoning client sends
             update = self.attacker.update(update, instruction.params, instruction.round, cid)
         return update, moved(job.state, CPU)
