@@ -1,18 +1,19 @@
 """Local training: the one seam through which a client's round of local work runs.
 
-:class:`LocalTraining` is a small protocol: ``train(job, ...)`` runs the round's local work
+:class:`LocalTraining` is a small protocol: ``train(job, hooks)`` runs the round's local work
 (``instruction.work``) and returns its :class:`TrainResult`; ``report()`` says what it spent
 beyond the update (DP-SGD: its sampling rate and steps, for the server's privacy ledger).
 :data:`SGD_LOOP` is the plain loop every algorithm reuses. A wrapper takes the loop over for a
 round: a client-side plugin with :class:`~fedweave.plugins.contracts.TakesOverTraining` gives the
 client runtime the round's training (DP-SGD, :mod:`fedweave.plugins.privacy.dpsgd`; LoRA next),
 which the job carries (``ClientJob.training``). Strategies reach whichever runs through
-:func:`train_local`, and change it through two hooks instead of copying it:
+:func:`train_local`, and change it through its :class:`Hooks` instead of copying it:
 
 - ``loss``: ``(model, x, y) -> (loss to minimise, task loss to report)``; FedProx adds
   its proximal term here, MOON its contrastive term;
 - ``after_backward``: called with the model after ``loss.backward()`` and before the
-  optimiser step; SCAFFOLD corrects gradients here.
+  optimiser step; SCAFFOLD corrects gradients here;
+- ``model`` (Ditto's personal one) and ``optimizer`` (DiLoCo's inner AdamW).
 
 What an instruction may change of a client's local training, per round, is the ``local``
 section's keys but the site's device (:data:`INSTRUCTED`), each checked as the config checks it
