@@ -188,10 +188,107 @@ def test_one_model_serves_every_client_without_carrying_anything_over(
     assert fresh.compute_time > 0
 
 
-def test_instruction_config_overrides_local_settings(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
+def test_instruction_config_changes_the_rounds_local_training(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
     runtime, params = runtime_and_params
-    frozen = runtime.handle(train_message(1, params, lr=1e-30, mu=0.5)).body  # mu is not a local setting
+    frozen = runtime.handle(train_message(1, params, lr=1e-30)).body
     assert all(float(t.abs().max()) < 1e-20 for t in frozen.tensors.values() if t.is_floating_point())
+    n = runtime.data.train_size(1)
+    per_epoch = -(-n // 16)
+    assert runtime.handle(train_message(1, params)).body.local_steps == per_epoch
+    assert runtime.handle(train_message(1, params, epochs=3)).body.local_steps == 3 * per_epoch
+    assert runtime.handle(train_message(1, params, epochs=3, steps=2)).body.local_steps == 2  # steps overrides epochs
+    assert runtime.handle(train_message(1, params, batch_size=n)).body.local_steps == 1
+    message = train_message(1, params, epochs=2)  # epochs set by the strategy, though the controller assigned steps
+    message.body.work = Work(1, 16, local_steps=5)
+    assert runtime.handle(message).body.local_steps == 2 * per_epoch
+    adam = runtime.handle(train_message(1, params, optimizer="adam", lr=0.01)).body
+    sgd = runtime.handle(train_message(1, params, lr=0.01)).body
+    assert any(not torch.equal(adam.tensors[k], sgd.tensors[k]) for k in adam.tensors)
+
+
+@pytest.mark.parametrize(
+    ("config", "line"),
+    [
+        ({"mu": 0.5}, "client 1: instruction config key 'mu' is unknown; an instruction may set epochs, steps, batch_size, "
+                      "optimizer, lr, momentum, weight_decay, accepted_round, the keys its strategy's client half reads "
+                      "(instruction_keys) and '<plugin>.<key>' of this client's plugins"),
+        ({"privacy": 1.0}, "client 1: instruction config key 'privacy' is unknown;"),
+        ({"dp_central.clip": 1.0}, "client 1: instruction config key 'dp_central.clip' is unknown;"),  # no such plugin here
+        ({"optimizer": "adamw"}, "client 1: instruction config key 'optimizer': 'adamw' is not allowed; expected one of "
+                                 "'sgd', 'adam' (did you mean 'adam'?)"),
+        ({"lr": -0.1}, "client 1: instruction config key 'lr': must be > 0, got -0.1"),
+        ({"epochs": 0}, "client 1: instruction config key 'epochs': must be >= 1, got 0"),
+        ({"epochs": 2.5}, "client 1: instruction config key 'epochs': expected an integer, got 2.5"),
+        ({"epochs": True}, "client 1: instruction config key 'epochs': expected an integer, got True"),
+        ({"momentum": 1.0}, "client 1: instruction config key 'momentum': must be < 1, got 1.0"),
+        ({"device": "cuda"}, "client 1: instruction config key 'device' is unknown;"),  # the site's, not the server's
+    ],
+)
+def test_an_instruction_key_the_client_cannot_honour_is_refused_in_one_line(
+    runtime_and_params: tuple[ClientRuntime, Params], config: dict[str, Any], line: str
+) -> None:
+    runtime, params = runtime_and_params
+    with pytest.raises(ValueError) as refused:
+        runtime.handle(train_message(1, params, **config))
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+    evaluation = Message(1, 1, Instruction(1, TaskKind.EVALUATE, Work(1, 64), params, config=config))
+    with pytest.raises(ValueError, match=r"^client 1: instruction config key"):
+        runtime.handle(evaluation)
+
+
+class ReadsMu(FedAvgClient):
+    """A client half that reads a key of its own in the instruction, and reports a training metric."""
+
+    instruction_keys = frozenset({"mu"})
+    train_metrics = frozenset({"train_mu"})
+
+    def train(self, job: ClientJob) -> Update:
+        update = super().train(job)
+        update.metrics.update(train_mu=float(job.instruction.config.get("mu", 0.0)), accuracy=0.5)
+        return update
+
+
+class PerRoundEpochs(FedAvg):
+    """FedAvg whose server half asks for ``round`` epochs in each round, and ``mu = round / 10``."""
+
+    Client = ReadsMu
+
+    def configure(self, rnd: int, params: Params, plan: list[Work]) -> list[Instruction]:
+        return [dataclasses.replace(i, config={"epochs": rnd, "mu": rnd / 10}) for i in super().configure(rnd, params, plan)]
+
+
+def test_epochs_a_strategy_sets_per_round_are_honoured_and_declared_metrics_recorded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server half asks for r epochs in round r: every client takes r passes over its data; the
+    metric its client half declares is recorded as the example-weighted mean; an undeclared one is
+    refused, in one line naming it, once."""
+    config = small_config(f"strategy={__name__}:PerRoundEpochs")
+    sizes = build_task(config).clients.train_size
+    with caplog.at_level("WARNING", logger="fedweave.client"):
+        records = runner.execute(runner.prepare(config, tmp_path))
+    for record in records:
+        rnd = record["round"]
+        assert [c["steps"] for c in record["clients"]] == [rnd * -(-sizes(c["id"]) // 16) for c in record["clients"]]
+        assert record["train_mu"] == pytest.approx(rnd / 10, rel=1e-12)
+        assert "accuracy" not in record and "train_accuracy" not in record
+    refused = [r.getMessage() for r in caplog.records if "accuracy" in r.getMessage()]
+    assert refused == [
+        "client 0: training metric 'accuracy' is refused: its strategy's client half does not declare it "
+        "(train_metrics; declared: train_loss, train_mu), so no record would hold it"
+    ]
+
+
+def test_a_declared_training_metric_must_be_named_as_records_name_them() -> None:
+    from fedweave.strategies.base import training_metrics
+
+    class Misnamed(FedAvgClient):
+        train_metrics = frozenset({"accuracy"})
+
+    assert training_metrics(ReadsMu) == training_metrics(ReadsMu(None)) == {"train_loss", "train_mu"}
+    assert training_metrics(FedAvgClient) == {"train_loss"}
+    with pytest.raises(ValueError, match=r"^.*Misnamed.train_metrics: 'accuracy' does not start with 'train_'"):
+        training_metrics(Misnamed)
 
 
 def test_evaluate_message(runtime_and_params: tuple[ClientRuntime, Params]) -> None:

@@ -1,4 +1,5 @@
-"""Tests of fedweave.training: the optimiser matches torch.optim, the local loop's steps and batches."""
+"""Tests of fedweave.training: the optimiser matches torch.optim, the local loop's steps and batches, the training
+seam a wrapper takes over, what an instruction may change."""
 
 from __future__ import annotations
 
@@ -7,18 +8,22 @@ import pytest
 import torch
 from torch import nn
 
+from fedweave.errors import ConfigError
 from fedweave.training import (
+    SGD_LOOP,
     ClientJob,
+    Hooks,
     LocalOptimizer,
     LocalSettings,
     LossHook,
     TrainResult,
     delta_update,
+    instructed,
     model_delta,
     rows,
     train_local,
 )
-from fedweave.types import UpdateKind
+from fedweave.types import UpdateKind, Work
 
 from strategies.conftest import Tiny, mse, tiny_data, tiny_job, tiny_params
 
@@ -234,3 +239,41 @@ def test_rows_is_indexing() -> None:
     assert torch.equal(rows(x, torch.tensor([1, 3], dtype=torch.int32)), x[[1, 3]])  # other index dtypes: x[index]
     assert torch.equal(rows(x, torch.tensor([True, False, True, False, False, True])), x[[0, 2, 5]])
     assert torch.equal(rows(torch.arange(6), torch.tensor([5, 1])), torch.tensor([5, 1]))
+
+
+class Recording:
+    """A wrapper that takes the loop over: it records what it was handed and runs the plain loop."""
+
+    def __init__(self) -> None:
+        self.calls: list[Hooks] = []
+
+    def train(self, job: ClientJob, hooks: Hooks) -> TrainResult:
+        self.calls.append(hooks)
+        return SGD_LOOP.train(job, hooks)
+
+    def report(self) -> dict[str, float]:
+        return {"recording_calls": float(len(self.calls))}
+
+
+def test_train_local_runs_the_training_the_job_carries_with_the_strategys_hooks() -> None:
+    plain, wrapped = tiny_job(batch_size=2, epochs=2), tiny_job(batch_size=2, epochs=2)
+    assert plain.training is SGD_LOOP and SGD_LOOP.report() == {}
+    wrapped.training = Recording()
+    hook = lambda model: None  # noqa: E731
+    assert train_local(wrapped, after_backward=hook) == train_local(plain, after_backward=hook)
+    assert wrapped.training.calls == [Hooks(after_backward=hook)]
+    for p, q in zip(plain.model.parameters(), wrapped.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_an_instruction_changes_the_settings_and_work_it_names_and_nothing_else() -> None:
+    settings, work = LocalSettings("sgd", 0.1, 0.5, 0.0), Work(3, batch_size=8, epochs=1, local_steps=4)
+    assert instructed(settings, work, {"accepted_round": 2}) == (settings, work)
+    changed = instructed(settings, work, {"lr": 1, "optimizer": "adam", "epochs": 2, "batch_size": 4})
+    assert changed == (LocalSettings("adam", 1.0, 0.5, 0.0), Work(3, batch_size=4, epochs=2, local_steps=None))
+    assert isinstance(changed[0].lr, float)  # an integer widens, as in the config
+    assert instructed(settings, work, {"steps": 7})[1] == Work(3, batch_size=8, epochs=1, local_steps=7)
+    with pytest.raises(ConfigError, match=r"^config key 'weight_decay': must be >= 0, got -1.0$"):
+        instructed(settings, work, {"weight_decay": -1.0})
+    with pytest.raises(ConfigError, match=r"^config key 'optimizer': 'rmsprop' is not allowed"):
+        instructed(settings, work, {"optimizer": "rmsprop"})

@@ -74,7 +74,7 @@ from fedweave.loop import (
     missed_deadline,
     stand_for,
     strategy_metrics,
-    weighted_metric,
+    train_metrics,
 )
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
@@ -291,7 +291,7 @@ class BufferedServer:
                 parts.accepted.applied(flights[i].version + 1, [updates[i]])
             params = dict(params)
             parts.controller.observe(rnd, updates)
-            record["train_loss"] = weighted_metric(updates, "train_loss")
+            record.update(train_metrics(parts.strategy, updates))
         self.version = rnd
         self.last_step = self.clock
         self.arrived = self.bytes_sent = self.bytes_received = 0

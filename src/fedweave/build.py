@@ -23,6 +23,7 @@ from fedweave.batching.selection import build_selection
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
 from fedweave.deadlines import Deadlines
+from fedweave.device import resolve
 from fedweave.errors import ConfigError
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
@@ -340,6 +341,7 @@ def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store
         store=store,
         seed=config.seed,
         attacker=build_attacker(config, task),
+        device=resolve(config.local.device, "local.device"),
     )
 
 
@@ -352,15 +354,16 @@ def build_attacker(config: Config, task: TaskBundle) -> Attacker | None:
 
 
 def global_evaluator(config: Config, task: TaskBundle) -> Callable[[Params], dict[str, float]]:
-    """Evaluate global parameters on the held-out test set (one model instance, reused); with no
-    test set (``task.dataset: files`` without ``test_path``) the server evaluates nothing, and says so."""
+    """Evaluate global parameters on the held-out test set (one model instance, reused, on
+    ``local.device``; its batches are moved there); with no test set (``task.dataset: files`` without
+    ``test_path``) the server evaluates nothing, and says so."""
     if not len(task.dataset.y_test):
         logger.info(
             "no central test set (task.dataset_options.test_path is not set): the server evaluates nothing; "
             "the run evaluates on the clients' local test splits only"
         )
         return lambda params: {}
-    model = task.make_model()
+    model = task.make_model().to(resolve(config.local.device, "local.device"))
 
     def evaluate_global(params: Params) -> dict[str, float]:
         model.load_state_dict(params)

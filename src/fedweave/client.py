@@ -23,6 +23,19 @@ A :class:`~fedweave.types.Control` message is a step of a plugin's own protocol
 (secure aggregation's key set-up and unmasking): the runtime hands it to that
 plugin's client half with the client's private plugin state, which it keeps per
 client id in this process (never checkpointed, never sent: keys and shares).
+
+What an instruction's ``config`` may hold is checked before any work: the keys that change
+local training (:data:`fedweave.training.INSTRUCTED`, each checked as the ``local`` key of
+that name), :data:`~fedweave.types.ACCEPTED_ROUND`, keys ``<plugin>.<name>`` of this client's
+plugins (which those plugins read), and the keys the strategy's client half declares it reads
+(:class:`~fedweave.strategies.base.ReadsInstruction`). Any other key is refused, the work not
+done, with one line naming it. Likewise the metrics a client's training returns: ``train_loss``
+and those the client half declares (:class:`~fedweave.strategies.base.ReportsTraining`) are
+sent, and recorded by the server; another is refused with one logged line naming it, once.
+
+The runtime computes on ``local.device``: its model lives there, and each job's data, received
+parameters, extras and state are moved there; the update, its extras and the new state come
+back on the CPU, so nothing of one client stays on the device while the next one trains.
 """
 
 from __future__ import annotations
@@ -36,12 +49,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fedweave.device import CPU, moved
+from fedweave.errors import ConfigError
 from fedweave.plugins.attacks.poison import Attacker
-from fedweave.plugins.chain import Chains, PluginContext
+from fedweave.plugins.chain import POINTS, Chains, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
-from fedweave.strategies.base import ClientAlgorithm
-from fedweave.training import ClientJob, LocalSettings, LossFn, rows
-from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update
+from fedweave.strategies.base import ClientAlgorithm, ReadsInstruction, training_metrics
+from fedweave.training import INSTRUCTED, SGD_LOOP, ClientJob, LocalSettings, LossFn, instructed, rows
+from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, Work
 from fedweave.validation import specs_of
 
 log = logging.getLogger(__name__)
@@ -207,11 +222,14 @@ class ClientRuntime:
         store: ClientStateStore,
         seed: int,
         attacker: Attacker | None = None,
+        device: torch.device = CPU,
     ):
         self.algorithm = algorithm
         self.attacker = attacker  # simulated attacking clients (config ``attacks``), for experiments
         self.data = data
-        self.model = model
+        self.device = device
+        self.model = model.to(device)
+        self._parameters = list(self.model.parameters())  # listed once: model.parameters() costs ~25 µs a call
         self.loss_fn = loss_fn
         self.settings = settings
         self.chains = chains
@@ -221,6 +239,12 @@ class ClientRuntime:
         # dtype (load_state_dict copies into them); read once, not per message (~40 µs each).
         self._expected = specs_of(model.state_dict())
         self.plugin_state: dict[int, dict[str, Any]] = {}  # client id -> its plugins' private state
+        self._own_keys = {ACCEPTED_ROUND, *INSTRUCTED}
+        if isinstance(algorithm, ReadsInstruction):
+            self._own_keys.update(algorithm.instruction_keys)
+        self._plugins = {p.name for point in POINTS for p in getattr(chains, point).plugins}
+        self._metrics = training_metrics(algorithm)
+        self._refused: set[str] = set()  # metric names refused so far (each logged once)
 
     def handle(self, msg: Message) -> Message:
         try:
@@ -256,20 +280,25 @@ class ClientRuntime:
         self, cid: int, instruction: Instruction, state: dict[str, Any]
     ) -> tuple[Update | Evaluation, dict[str, Any]]:
         """Client ``cid``'s local work on ``instruction`` from its committed ``state``: the update
-        (before the client_send chain) or evaluation, and the client's new state."""
+        (before the client_send chain) or evaluation, and the client's new state, on the CPU."""
         job = self._job(cid, instruction, state)
         if instruction.task is TaskKind.EVALUATE:
-            return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid), job.state
+            return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid), moved(job.state, CPU)
         start = time.perf_counter()
         update = self.algorithm.train(job)
-        update = dataclasses.replace(update, client_id=cid, compute_time=time.perf_counter() - start)
-        if self.chains.withholds_metrics:
-            update.metrics = {}
-        if job.settings.privacy is not None:  # DP-SGD reports what it spent, for the server's ledger
-            update.metrics = {**update.metrics, **job.settings.privacy.report()}
+        update = dataclasses.replace(
+            update,
+            tensors=moved(update.tensors, CPU),
+            extras=moved(update.extras, CPU),
+            metrics={**self._sent_metrics(cid, update.metrics), **job.training.report()},
+            client_id=cid,
+            compute_time=time.perf_counter() - start,
+        )
+        for p in self._parameters:  # the device keeps nothing of this client but the model's values
+            p.grad = None
         if self.attacker is not None:  # after training, before any plugin: what a poisoning client sends
             update = self.attacker.update(update, instruction.params, instruction.round, cid)
-        return update, job.state
+        return update, moved(job.state, CPU)
 
     def close(self, opened: Opened, body: Update | Evaluation, state: dict[str, Any]) -> Message:
         """The second half: keep a trained state pending, encode the update, the reply."""
@@ -286,27 +315,60 @@ class ClientRuntime:
             del self.plugin_state[cid]
 
     def _job(self, cid: int, instruction: Instruction, state: dict[str, Any]) -> ClientJob:
+        settings, work = self._instructed(cid, instruction)
         self.model.load_state_dict(instruction.params)
-        settings = self.settings
-        overrides = {k: v for k, v in instruction.config.items() if hasattr(settings, k)}
-        if overrides:
-            settings = dataclasses.replace(settings, **overrides)
         # Dropout and other in-model randomness draw from torch's global generator.
         torch.default_generator.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
         x_train, y_train, x_test, y_test = self.data.split(cid)
         if self.attacker is not None:
             y_train = self.attacker.labels(cid, y_train)
+        training = None
+        if instruction.task is TaskKind.TRAIN:
+            training = self.chains.training(PluginContext(round=instruction.round, client_id=cid, side="client"))
+        device = self.device
         return ClientJob(
             client_id=cid,
-            instruction=instruction,
+            instruction=dataclasses.replace(
+                instruction, work=work, params=moved(instruction.params, device), extras=moved(instruction.extras, device)
+            ),
             model=self.model,
-            x_train=x_train,
-            y_train=y_train,
-            x_test=x_test,
-            y_test=y_test,
+            x_train=x_train.to(device),
+            y_train=y_train.to(device),
+            x_test=x_test.to(device),
+            y_test=y_test.to(device),
             loss_fn=self.loss_fn,
             settings=settings,
             generator=torch_generator(self.seed, "client", instruction.round, cid),
-            state=state,
+            state=moved(state, device),
+            training=SGD_LOOP if training is None else training,
         )
 
+    def _instructed(self, cid: int, instruction: Instruction) -> tuple[LocalSettings, Work]:
+        """The round's local settings and work, as the instruction's config changes them; a key
+        that no part of this client reads is refused (see the module doc)."""
+        config = instruction.config
+        for key in config:
+            plugin, dot, _ = key.partition(".")
+            if key not in self._own_keys and not (dot and plugin in self._plugins):
+                raise ValueError(
+                    f"client {cid}: instruction config key {key!r} is unknown; an instruction may set "
+                    f"{', '.join(INSTRUCTED)}, {ACCEPTED_ROUND}, the keys its strategy's client half reads "
+                    f"(instruction_keys) and '<plugin>.<key>' of this client's plugins"
+                )
+        try:
+            return instructed(self.settings, instruction.work, config)
+        except ConfigError as exc:
+            raise ValueError(f"client {cid}: instruction {exc}") from None
+
+    def _sent_metrics(self, cid: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The training metrics sent with an update: none when the chains withhold them (privacy,
+        a sealed model), else those the strategy declares; another is refused, logged once."""
+        if self.chains.withholds_metrics:
+            return {}
+        for name in metrics.keys() - self._metrics - self._refused:
+            self._refused.add(name)
+            log.warning(
+                "client %d: training metric %r is refused: its strategy's client half does not declare it "
+                "(train_metrics; declared: %s), so no record would hold it", cid, name, ", ".join(sorted(self._metrics)),
+            )
+        return {k: v for k, v in metrics.items() if k in self._metrics}

@@ -40,7 +40,7 @@ from fedweave.errors import BudgetSpent, RoundError
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
-from fedweave.strategies.base import Strategy
+from fedweave.strategies.base import Strategy, training_metrics
 from fedweave.topologies.base import Relaying, Topology
 from fedweave.topologies.emulated import DEADLINE
 from fedweave.transports.base import Exchange, KnowsAbsent
@@ -241,7 +241,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         record.update(skipped=True, train_loss=None, rejected=rejection_counts(parts.rejected))
         return params, record | traffic.counts()
     parts.controller.observe(rnd, updates)
-    record["train_loss"] = weighted_metric(updates, "train_loss")
+    record.update(train_metrics(parts.strategy, updates))
     record["rejected"] = rejection_counts(parts.rejected)
     record.update(client_timings(plan, updates, timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
@@ -474,6 +474,9 @@ def bound_weights(
         failures[cid] = f"rejected: {why}"
         rejected["examples"] += 1
     return bounded.kept, len(bounded.capped)
+def train_metrics(strategy: Strategy, updates: list[Update]) -> Record:
+    """Each training metric the strategy's clients send (``train_loss`` and those it declares), weighted by examples."""
+    return {name: weighted_metric(updates, name) for name in sorted(training_metrics(strategy.Client))}
 
 
 def weighted_metric(updates: list[Update], name: str) -> float | None:

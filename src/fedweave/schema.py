@@ -155,14 +155,24 @@ def parse(cls: type, data: Any, prefix: str = "", *, shorthand: str | None = Non
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"config key '{key}' is required ({_describe(hints[name])})")
             continue
-        value = _coerce(hints[name], data[name], key)
-        _check_bounds(value, f.metadata, key)
-        values[name] = value
+        values[name] = _field_value(hints[name], f, data[name], key)
     instance = cls(**values)
     check = getattr(instance, "validate", None)
     if check is not None:
         check(prefix)
     return instance
+
+
+def _field_value(tp: Any, f: dataclasses.Field, value: Any, key: str) -> Any:
+    value = _coerce(tp, value, key)
+    _check_bounds(value, f.metadata, key)
+    return value
+
+
+def checked(cls: type, name: str, value: Any, key: str) -> Any:
+    """``value`` of field ``name`` of ``cls``, checked as :func:`parse` checks it (one ConfigError naming ``key``)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return _field_value(typing.get_type_hints(cls)[name], f, value, key)
 
 
 def unknown_key(prefix: str, name: str, valid: list[str]) -> ConfigError:

@@ -1,38 +1,106 @@
-"""Local training shared by the client halves of strategies, the data-parallel spine and DP-SGD.
+"""Local training: the one seam through which a client's round of local work runs.
 
-:func:`train_local` is the one SGD loop every algorithm reuses. Algorithms change
-it through two hooks instead of copying it:
+:class:`LocalTraining` is a small protocol: ``train(job, hooks)`` runs the round's local work
+(``instruction.work``) and returns its :class:`TrainResult`; ``report()`` says what it spent
+beyond the update (DP-SGD: its sampling rate and steps, for the server's privacy ledger).
+:data:`SGD_LOOP` is the plain loop every algorithm reuses. A wrapper takes the loop over for a
+round: a client-side plugin with :class:`~fedweave.plugins.contracts.TakesOverTraining` gives the
+client runtime the round's training (DP-SGD, :mod:`fedweave.plugins.privacy.dpsgd`; LoRA next),
+which the job carries (``ClientJob.training``). Strategies reach whichever runs through
+:func:`train_local`, and change it through its :class:`Hooks` instead of copying it:
 
 - ``loss``: ``(model, x, y) -> (loss to minimise, task loss to report)``; FedProx adds
   its proximal term here, MOON its contrastive term;
 - ``after_backward``: called with the model after ``loss.backward()`` and before the
-  optimiser step; SCAFFOLD corrects gradients here.
+  optimiser step; SCAFFOLD corrects gradients here;
+- ``model`` (Ditto's personal one) and ``optimizer`` (DiLoCo's inner AdamW).
+
+What an instruction may change of a client's local training, per round, is the ``local``
+section's keys but the site's device (:data:`INSTRUCTED`), each checked as the config checks it
+(:func:`instructed`): a strategy that sets ``epochs`` for a round gets that many epochs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 from torch import nn
 
-from fedweave.types import Instruction, Params, Update, UpdateKind
+from fedweave.config.sections import LocalConfig
+from fedweave.schema import checked
+from fedweave.types import Instruction, Params, Update, UpdateKind, Work
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+AfterBackward = Callable[[nn.Module], None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalSettings:
     """The optimiser settings of one client's local training (config ``local``, possibly
-    overridden per round by the instruction's ``config``)."""
+    changed per round by the instruction's ``config``: :func:`instructed`)."""
 
-    optimizer: str
+    optimizer: Literal["sgd", "adam", "adamw"]  # adamw: DiLoCo's inner optimiser, its own step
     lr: float
     momentum: float
     weight_decay: float
-    privacy: Any = None  # set per round by the 'dpsgd' plugin: DP-SGD takes over train_local
+
+
+INSTRUCTED = ("epochs", "steps", "batch_size", "optimizer", "lr", "momentum", "weight_decay")
+"""The keys of an instruction's ``config`` that change the client's local training for the round:
+the ``local`` section's, named as there, but ``device`` (the site's own). ``steps`` overrides
+``epochs`` as in the config, and ``epochs`` alone sets the round's epochs even where the
+controller assigned steps."""
+
+
+def instructed(settings: LocalSettings, work: Work, config: Mapping[str, Any]) -> tuple[LocalSettings, Work]:
+    """The round's settings and work with the :data:`INSTRUCTED` keys of ``config`` applied, each
+    checked as ``local.<key>`` is when the config loads (a ConfigError naming the key otherwise);
+    other keys are the caller's to check."""
+    given = {k: checked(LocalConfig, k, config[k], k) for k in INSTRUCTED if k in config}
+    if not given:
+        return settings, work
+    own = {k: given[k] for k in ("optimizer", "lr", "momentum", "weight_decay") if k in given}
+    if "epochs" in given:
+        work = replace(work, epochs=given["epochs"], local_steps=None)
+    if "steps" in given:
+        work = replace(work, local_steps=given["steps"])
+    if "batch_size" in given:
+        work = replace(work, batch_size=given["batch_size"])
+    return (replace(settings, **own) if own else settings), work
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    num_examples: int
+    mean_loss: float
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a strategy's client half changes of a round's training: ``model`` (default
+    ``job.model``; Ditto trains a second, personal model), ``optimizer`` (default a
+    :class:`LocalOptimizer` of ``job.settings``), ``loss`` and ``after_backward`` (module doc)."""
+
+    model: nn.Module | None = None
+    optimizer: LocalOptimizer | None = None
+    loss: LossHook | None = None
+    after_backward: AfterBackward | None = None
+
+
+class LocalTraining(Protocol):
+    """One round of a client's local training: the plain loop (:data:`SGD_LOOP`) or a wrapper
+    that takes it over."""
+
+    def train(self, job: ClientJob, hooks: Hooks) -> TrainResult: ...
+
+    def report(self) -> dict[str, float]:
+        """What the round's training spent, sent with the update beyond its own metrics (may be empty)."""
+        ...
 
 
 @dataclass
@@ -50,13 +118,7 @@ class ClientJob:
     settings: LocalSettings
     generator: torch.Generator  # seeded for this (round, client): shuffling and sampling
     state: dict[str, Any] = field(default_factory=dict)  # kept per client across rounds
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    num_examples: int
-    mean_loss: float
+    training: LocalTraining = field(default_factory=lambda: SGD_LOOP)  # the round's: the loop, or a wrapper's
 
 
 class LocalOptimizer:
@@ -125,57 +187,95 @@ def rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return tensor[index]
 
 
+@dataclass
+class Opening:
+    """What every round of local training starts from: the model to train, its optimiser, and
+    the round's steps over ``examples`` rows in batches of ``batch``."""
+
+    model: nn.Module
+    optimizer: LocalOptimizer
+    examples: int
+    batch: int
+    steps: int
+
+    @property
+    def per_epoch(self) -> int:
+        return -(-self.examples // self.batch)
+
+
+def opening(job: ClientJob, hooks: Hooks) -> Opening | None:
+    """The round's :class:`Opening` (``work.local_steps`` steps when set, else ``work.epochs``
+    passes over the data), or None for a client without training data."""
+    model = job.model if hooks.model is None else hooks.model
+    work = job.instruction.work
+    n = job.x_train.shape[0]
+    if n == 0:
+        return None
+    batch = min(work.batch_size, n)
+    steps = work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
+    opt = hooks.optimizer if hooks.optimizer is not None else LocalOptimizer(model.parameters(), job.settings)
+    return Opening(model, opt, n, batch, steps)
+
+
+NOTHING = TrainResult(steps=0, num_examples=0, mean_loss=float("nan"))
+"""The result of a round without training data."""
+
+
+class SGDLoop:
+    """The plain loop: mini-batches of ``work.batch_size`` shuffled with ``job.generator``, one
+    optimiser step each."""
+
+    def train(self, job: ClientJob, hooks: Hooks) -> TrainResult:
+        start = opening(job, hooks)
+        if start is None:
+            return NOTHING
+        model, opt, n, batch, per_epoch = start.model, start.optimizer, start.examples, start.batch, start.per_epoch
+        loss, after_backward = hooks.loss, hooks.after_backward
+        device = job.x_train.device
+        model.train()
+        loss_sum = 0.0  # float64, as a Python float: no tensor op per step
+        seen = 0
+        step = 0
+        order = torch.empty(0, dtype=torch.long)
+        while step < start.steps:
+            position = step % per_epoch
+            if position == 0:
+                order = torch.randperm(n, generator=job.generator).to(device)
+            idx = order[position * batch : (position + 1) * batch]
+            x, y = rows(job.x_train, idx), rows(job.y_train, idx)
+            opt.zero_grad()
+            if loss is None:
+                objective = reported = job.loss_fn(model(x), y)
+            else:
+                objective, reported = loss(model, x, y)
+            objective.backward()
+            if after_backward is not None:
+                after_backward(model)
+            opt.step()
+            loss_sum += float(reported.detach()) * len(idx)
+            seen += len(idx)
+            step += 1
+        return TrainResult(steps=start.steps, num_examples=n, mean_loss=loss_sum / seen)
+
+    def report(self) -> dict[str, float]:
+        """The plain loop spends nothing beyond the update."""
+        return {}
+
+
+SGD_LOOP = SGDLoop()
+
+
 def train_local(
     job: ClientJob,
     *,
     model: nn.Module | None = None,
     optimizer: LocalOptimizer | None = None,
     loss: LossHook | None = None,
-    after_backward: Callable[[nn.Module], None] | None = None,
+    after_backward: AfterBackward | None = None,
 ) -> TrainResult:
-    """Run the round's local work (``instruction.work``) on ``job``'s training data.
-
-    ``model`` defaults to ``job.model`` (Ditto trains a second, personal model).
-    Runs ``work.local_steps`` steps when set, else ``work.epochs`` passes over the
-    data in batches of ``work.batch_size``, shuffled with ``job.generator``.
-    """
-    if job.settings.privacy is not None:  # sample-level DP-SGD (fedweave.plugins.privacy.dpsgd)
-        return job.settings.privacy.train_local(
-            job, model=model, optimizer=optimizer, loss=loss, after_backward=after_backward
-        )
-    model = job.model if model is None else model
-    work = job.instruction.work
-    n = job.x_train.shape[0]
-    if n == 0:
-        return TrainResult(steps=0, num_examples=0, mean_loss=float("nan"))
-    batch = min(work.batch_size, n)
-    per_epoch = -(-n // batch)
-    total_steps = work.local_steps if work.local_steps is not None else work.epochs * per_epoch
-    opt = optimizer if optimizer is not None else LocalOptimizer(model.parameters(), job.settings)
-    model.train()
-    loss_sum = 0.0  # float64, as a Python float: no tensor op per step
-    seen = 0
-    step = 0
-    order = torch.empty(0, dtype=torch.long)
-    while step < total_steps:
-        position = step % per_epoch
-        if position == 0:
-            order = torch.randperm(n, generator=job.generator)
-        idx = order[position * batch : (position + 1) * batch]
-        x, y = rows(job.x_train, idx), rows(job.y_train, idx)
-        opt.zero_grad()
-        if loss is None:
-            objective = reported = job.loss_fn(model(x), y)
-        else:
-            objective, reported = loss(model, x, y)
-        objective.backward()
-        if after_backward is not None:
-            after_backward(model)
-        opt.step()
-        loss_sum += float(reported.detach()) * len(idx)
-        seen += len(idx)
-        step += 1
-    return TrainResult(steps=total_steps, num_examples=n, mean_loss=loss_sum / seen)
+    """Run the round's local work on ``job``'s training data, through the job's training (the
+    plain loop, or the wrapper that took it over this round), changed by the :class:`Hooks` given."""
+    return job.training.train(job, Hooks(model, optimizer, loss, after_backward))
 
 
 def model_delta(model: nn.Module, start: Params) -> Params:

@@ -8,6 +8,9 @@ import pytest
 
 from conftest import small_config
 from fedweave.errors import ConfigError
+from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.identity import Identity
+from fedweave.training import SGD_LOOP, LocalTraining
 
 
 def chain(point: str, *items: str) -> str:
@@ -95,3 +98,20 @@ ALLOWED = [
 @pytest.mark.parametrize("overrides", ALLOWED)
 def test_allowed_chains_load(overrides: str) -> None:
     small_config(*overrides.split(" && "))
+
+
+class OwnLoop(Identity):
+    """A user plugin that takes over local training with the plain loop (a stand-in for LoRA's wrapper)."""
+
+    name = "own_loop"
+
+    def training(self, ctx: PluginContext) -> LocalTraining:
+        return SGD_LOOP
+
+
+def test_one_plugin_of_a_run_may_take_over_local_training() -> None:
+    own = f"{{name: '{__name__}:OwnLoop'}}"
+    assert small_config(f"plugins.client_receive=[{own}]").plugins.client_receive[0].name.endswith(":OwnLoop")
+    with pytest.raises(ConfigError, match=r"^config key 'plugins.client_receive\[1\]': plugin '.*:OwnLoop' would take over "
+                                          r"local training, which 'dpsgd' already does; one plugin of a run may$"):
+        small_config(f"plugins.client_receive=[dpsgd, {own}]")

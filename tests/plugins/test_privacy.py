@@ -16,6 +16,7 @@ from torch import nn
 
 from conftest import run_to_end, small_config
 from fedweave import runner
+from fedweave.build import build_task
 from fedweave.observe.progress import run_summary
 from fedweave.plugins.privacy.clip import l2_norm
 from fedweave.plugins.privacy.dp import UNCLIPPED
@@ -135,13 +136,13 @@ def test_dpsgd_epsilon_equals_opacus_privacy_engine_and_training_is_clipped() ->
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     start = {k: v.clone() for k, v in model.state_dict().items()}
     ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=16, epochs=2), start)
-    ins = plugin.decode(ins, ctx(1, 0))
-    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
-    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
+    private = plugin.training(ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1), training=private)
     result = train_local(job)
     assert result.steps == 8 and result.num_examples == 64
     assert plugin.metrics() == {}  # the server counts what it receives, nothing yet
-    report = ins.config["privacy"].report()
+    report = private.report()
     assert report == {"dpsgd_rate": 16 / 64, "dpsgd_steps": 8.0}
     plugin.observe([dataclasses.replace(update({}), metrics=report)])
     ours = plugin.metrics()["epsilon"]
@@ -164,8 +165,7 @@ def test_dpsgd_epsilon_equals_opacus_privacy_engine_and_training_is_clipped() ->
     quiet = make("dpsgd", noise_multiplier=1e-9, max_grad_norm=0.05)
     model.load_state_dict(start)
     one = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=16, local_steps=1), start)
-    one = quiet.decode(one, ctx(1, 0))
-    job.settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=one.config["privacy"])
+    job.training = quiet.training(ctx(1, 0))
     job.instruction = one
     train_local(job)
     moved = l2_norm({k: v - start[k] for k, v in model.state_dict().items()})
@@ -434,10 +434,10 @@ def test_dpsgd_samples_at_the_rate_it_reports() -> None:
     x, y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
     plugin = make("dpsgd", noise_multiplier=1.0, max_grad_norm=1.0, seeded_noise=True)  # a fixed draw: no flaky bound
     model = nn.Linear(4, 2)
-    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=batch, local_steps=steps), model.state_dict()), ctx(1, 0))
-    private = ins.config["privacy"]
-    settings = LocalSettings("sgd", lr=0.01, momentum=0.0, weight_decay=0.0, privacy=private)
-    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
+    ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=batch, local_steps=steps), model.state_dict())
+    private = plugin.training(ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.01, momentum=0.0, weight_decay=0.0)
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1), training=private)
     sizes: list[int] = []
 
     def loss(module: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,7 +445,7 @@ def test_dpsgd_samples_at_the_rate_it_reports() -> None:
         value = nn.functional.cross_entropy(module(xb), yb)
         return value, value
 
-    private.train_local(job, loss=loss)
+    train_local(job, loss=loss)
     q = private.report()["dpsgd_rate"]
     assert q == batch / n and len(sizes) == steps
     seen, expected = sum(sizes), q * n * steps  # 3,000 examples, standard deviation √(n·steps·q(1−q)) = 75.5
@@ -489,9 +489,10 @@ def test_dpsgd_noise_and_batches_are_not_drawn_from_the_config(seeded: bool) -> 
     for _ in range(2):
         model = nn.Linear(4, 2)
         model.load_state_dict(start)
-        ins = plugin.decode(Instruction(2, TaskKind.TRAIN, Work(0, batch_size=8, local_steps=3), start), ctx(2, 5))
-        settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
-        job = ClientJob(5, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
+        ins = Instruction(2, TaskKind.TRAIN, Work(0, batch_size=8, local_steps=3), start)
+        private = plugin.training(ctx(2, 5))
+        settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+        job = ClientJob(5, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1), training=private)
         train_local(job)
         trained.append(model.weight.detach().clone())
     assert torch.equal(trained[0], trained[1]) == seeded
@@ -561,17 +562,17 @@ def test_adaptive_clipping_moves_the_clip_norm_by_hand() -> None:
     assert out.kind is UpdateKind.DELTA and out.applied == ["clip", "dp_central"] and "__dp_unclipped" not in out.tensors
 
 
-def test_dpsgd_marks_training_instructions_only_with_its_seeded_stream() -> None:
+def test_dpsgd_takes_over_training_with_each_clients_seeded_stream_and_leaves_the_wire_alone() -> None:
     from fedweave.plugins.privacy.noise import SecureNoise
     from fedweave.seeding import torch_generator
 
     plugin = make("dpsgd", seed=6, seeded_noise=True)
-    train = plugin.decode(Instruction(2, TaskKind.TRAIN, Work(0, batch_size=8), {}), ctx(2, 5))
+    private = plugin.training(ctx(2, 5))
     stream = torch_generator(6, "dpsgd", 2, 5)  # the run seed's stream of this client and round
-    assert torch.equal(train.config["privacy"].noise.uniform((4,)), torch.rand(4, generator=stream, dtype=torch.float64))
-    assert isinstance(make("dpsgd").decode(Instruction(2, TaskKind.TRAIN, Work(0, 8), {}), ctx(2, 5)).config["privacy"].noise, SecureNoise)
-    evaluate = Instruction(2, TaskKind.EVALUATE, Work(0, batch_size=8), {})
-    assert "privacy" not in plugin.decode(evaluate, ctx(2, 5)).config
+    assert torch.equal(private.noise.uniform((4,)), torch.rand(4, generator=stream, dtype=torch.float64))
+    assert isinstance(make("dpsgd").training(ctx(2, 5)).noise, SecureNoise)
+    train = Instruction(2, TaskKind.TRAIN, Work(0, batch_size=8), {})
+    assert plugin.decode(train, ctx(2, 5)) == train  # nothing of it travels in the instruction
     sent = update({"w": torch.ones(2)})
     assert plugin.decode(sent, ctx(2, 5)) == sent
 
@@ -602,23 +603,24 @@ def test_dpsgd_trains_the_model_it_is_given_and_nothing_without_data() -> None:
     plugin = make("dpsgd", noise_multiplier=0.5, max_grad_norm=1.0)
 
     def private_job(xs: torch.Tensor, ys: torch.Tensor) -> ClientJob:
-        ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=4, local_steps=2), nn.Linear(4, 2).state_dict()), ctx(1, 0))
-        settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
-        return ClientJob(0, ins, nn.Linear(4, 2), xs, ys, xs[:0], ys[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1))
+        ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=4, local_steps=2), nn.Linear(4, 2).state_dict())
+        private = plugin.training(ctx(1, 0))
+        settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+        return ClientJob(0, ins, nn.Linear(4, 2), xs, ys, xs[:0], ys[:0], nn.functional.cross_entropy, settings, torch.Generator().manual_seed(1), training=private)
 
     job = private_job(x, y)
-    private = job.settings.privacy
+    private = job.training
     assert private.report() == {}  # nothing spent before it trains
     own = nn.Linear(4, 2)
     before, untouched = own.weight.detach().clone(), job.model.weight.detach().clone()
-    result = private.train_local(job, model=own)
+    result = train_local(job, model=own)
     assert result.steps == 2 and not torch.equal(own.weight, before) and torch.equal(job.model.weight, untouched)
     empty = private_job(x[:0], y[:0])
-    nothing = empty.settings.privacy.train_local(empty)
-    assert (nothing.steps, nothing.num_examples) == (0, 0) and math.isnan(nothing.mean_loss) and empty.settings.privacy.report() == {}
+    nothing = train_local(empty)
+    assert (nothing.steps, nothing.num_examples) == (0, 0) and math.isnan(nothing.mean_loss) and empty.training.report() == {}
     single = private_job(x[:1], y[:1])
-    assert single.settings.privacy.train_local(single).steps == 2  # one example is data: q = 1
-    assert single.settings.privacy.report() == {"dpsgd_rate": 1.0, "dpsgd_steps": 2.0}
+    assert train_local(single).steps == 2  # one example is data: q = 1
+    assert single.training.report() == {"dpsgd_rate": 1.0, "dpsgd_steps": 2.0}
 
 
 def test_one_dpsgd_step_by_hand() -> None:
@@ -635,9 +637,10 @@ def test_one_dpsgd_step_by_hand() -> None:
     model = nn.Linear(3, 2)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     plugin = make("dpsgd", noise_multiplier=z, max_grad_norm=clip, seed=1, seeded_noise=True)
-    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=batch, epochs=1), start), ctx(1, 2))
-    settings = LocalSettings("sgd", lr=lr, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
-    job = ClientJob(2, ins, model, x[:batch], y[:batch], x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=batch, epochs=1), start)
+    private = plugin.training(ctx(1, 2))
+    settings = LocalSettings("sgd", lr=lr, momentum=0.0, weight_decay=0.0)
+    job = ClientJob(2, ins, model, x[:batch], y[:batch], x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator(), training=private)
     job.x_train, job.y_train = x, y
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -668,15 +671,16 @@ def test_dpsgd_uses_the_optimiser_and_loss_a_strategy_hands_it() -> None:
     plugin = make("dpsgd", noise_multiplier=0.5, max_grad_norm=1.0, seeded_noise=True)
     model = nn.Linear(4, 2)
     before = model.weight.detach().clone()
-    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=5, local_steps=6), model.state_dict()), ctx(1, 0))
-    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
-    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=5, local_steps=6), model.state_dict())
+    private = plugin.training(ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator(), training=private)
     seen: list[nn.Module] = []
 
     def loss(module: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return nn.functional.cross_entropy(module(xb), yb), torch.tensor(2.0)
 
-    result = ins.config["privacy"].train_local(
+    result = train_local(
         job, optimizer=LocalOptimizer(model.parameters(), dataclasses.replace(settings, lr=0.0)), loss=loss,
         after_backward=seen.append,
     )
@@ -687,10 +691,11 @@ def test_dpsgd_uses_the_optimiser_and_loss_a_strategy_hands_it() -> None:
 def test_dpsgd_refuses_a_model_without_per_example_gradients() -> None:
     plugin = make("dpsgd")
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=4, local_steps=1), model.state_dict()), ctx(1, 0))
-    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
+    ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=4, local_steps=1), model.state_dict())
+    private = plugin.training(ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
     x = torch.randn(8, 4)
-    job = ClientJob(0, ins, model, x, torch.zeros(8, dtype=torch.long), x[:0], x[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    job = ClientJob(0, ins, model, x, torch.zeros(8, dtype=torch.long), x[:0], x[:0], nn.functional.cross_entropy, settings, torch.Generator(), training=private)
     with pytest.raises(ValueError, match=r"^plugin 'dpsgd' cannot train this model privately: .*BatchNorm"):
         train_local(job)
 
@@ -715,9 +720,10 @@ def test_a_dpsgd_round_whose_batches_all_came_out_empty_reports_no_loss() -> Non
     x, y = torch.randn(50, 4, generator=g), torch.randint(0, 2, (50,), generator=g)
     plugin = make("dpsgd", noise_multiplier=1.0, max_grad_norm=1.0, seeded_noise=True)  # seed 0: the one step's batch is empty
     model = nn.Linear(4, 2)
-    ins = plugin.decode(Instruction(1, TaskKind.TRAIN, Work(0, batch_size=1, local_steps=1), model.state_dict()), ctx(1, 0))
-    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0, privacy=ins.config["privacy"])
-    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator())
+    ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=1, local_steps=1), model.state_dict())
+    private = plugin.training(ctx(1, 0))
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator(), training=private)
     result = train_local(job)
     assert result.steps == 1 and result.num_examples == 50 and math.isnan(result.mean_loss)
 
@@ -766,3 +772,49 @@ def test_a_dp_runs_record_shows_no_training_loss(tmp_path: Path) -> None:
     _, plain = run_to_end(tmp_path / "plain", "rounds=1")
     _, private = run_to_end(tmp_path / "dp", "rounds=1", "plugins.client_send=[{name: dp_local, noise_multiplier: 1.0}]")
     assert math.isfinite(plain[0]["train_loss"]) and private[0]["train_loss"] is None
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_dpsgd_hands_a_strategys_loss_the_model_and_a_second_training_spends_too() -> None:
+    """A loss hook reads the model's own parameter names (FedProx's anchor, Ditto's), not Opacus's
+    wrapper's; a second training of the round (Ditto's personal model) adds its steps to the report,
+    at the larger of the two rates."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 4, generator=g), torch.randint(0, 2, (20,), generator=g)
+    plugin = make("dpsgd", noise_multiplier=0.5, max_grad_norm=1.0, seeded_noise=True)
+    model = nn.Linear(4, 2)
+    anchor = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ins = Instruction(1, TaskKind.TRAIN, Work(0, batch_size=5, local_steps=3), anchor)
+    settings = LocalSettings("sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+    job = ClientJob(0, ins, model, x, y, x[:0], y[:0], nn.functional.cross_entropy, settings, torch.Generator(),
+                    training=plugin.training(ctx(1, 0)))
+    names: list[set[str]] = []
+
+    def proximal(module: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        names.append({n for n, _ in module.named_parameters()})
+        task = nn.functional.cross_entropy(module(xb), yb)
+        return task + sum(((p - anchor[n]) ** 2).sum() for n, p in module.named_parameters()), task
+
+    assert train_local(job, loss=proximal).steps == 3
+    assert names == [{"weight", "bias"}] * 3
+    assert job.training.report() == {"dpsgd_rate": 5 / 20, "dpsgd_steps": 3.0}
+    personal = nn.Linear(4, 2)
+    train_local(dataclasses.replace(job, instruction=dataclasses.replace(ins, work=Work(0, batch_size=10, local_steps=2))),
+                model=personal)
+    assert job.training.report() == {"dpsgd_rate": 10 / 20, "dpsgd_steps": 5.0}
+
+
+@pytest.mark.parametrize("strategy", ["{name: fedprox, mu: 0.1}", "{name: ditto, personal_steps: 2}"])
+def test_dpsgd_runs_with_strategies_whose_loss_reads_the_model_and_counts_every_training(tmp_path: Path, strategy: str) -> None:
+    """FedProx's proximal term and Ditto's personal model under DP-SGD (both failed on Opacus's
+    prefixed names before); Ditto's clients train twice a round, and the ledger counts both."""
+    r = runner.prepare(small_config(f"strategy={strategy}", "rounds=2", "plugins.client_receive=[{name: dpsgd, seeded_noise: true}]"),
+                       tmp_path)
+    records = runner.execute(r)
+    assert [rec["clients_completed"] for rec in records] == [4, 4]
+    ledger = r.parts.chains.client_receive.plugins[0].ledger
+    sizes = build_task(r.config).clients.train_size
+    steps = {c: r.config.local.epochs * -(-sizes(c) // 16) + (2 if "ditto" in strategy else 0) for c in range(4)}
+    assert ledger == {c: [(1.0, 16 / sizes(c), steps[c])] * 2 for c in range(4)}
+    worst = max(opacus_epsilon(1.0, 16 / sizes(c), 2 * steps[c]) for c in range(4))
+    assert records[-1]["epsilon"] == pytest.approx(worst, rel=1e-9)

@@ -236,6 +236,11 @@ def _check_heterogeneity_aware(config: Config) -> None:
 def _check_data_parallel(config: Config) -> None:
     """Cross-key checks of ``mode: data_parallel``: worker indices, counts, batch bounds."""
     dp, het = config.data_parallel, config.heterogeneity
+    if config.local.device != "cpu":
+        raise ConfigError(
+            f"config key 'local.device': applies to mode federated; data_parallel places each worker on a device "
+            f"by its backend (nccl: one GPU a rank), not {config.local.device!r}"
+        )
     n = dp.workers
     total = config.data_parallel_workers  # joining workers take the indices n, n + 1, ...
     joined = f" and {len(het.joins)} join{'s' if len(het.joins) > 1 else ''}" if het.joins else ""

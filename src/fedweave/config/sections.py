@@ -3,6 +3,7 @@ attacks, plugins, evaluation, checkpoints, observation."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -117,6 +118,17 @@ class LocalConfig:
     lr: float = opt(0.05, gt=0, help="local learning rate")
     momentum: float = opt(0.0, ge=0, lt=1, help="SGD momentum")
     weight_decay: float = opt(0.0, ge=0, help="L2 weight decay")
+    device: str = opt(
+        "cpu",
+        help="where clients train and the server evaluates (model, batches, optimiser state): auto (cuda if this "
+        "machine has it, else mps, else cpu) | cpu | cuda | cuda:N | mps; updates travel on the cpu",
+    )
+
+    def validate(self, prefix: str) -> None:
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError(
+                f"config key '{prefix}.device': {self.device!r} is not a device; expected auto, cpu, cuda, cuda:N or mps"
+            )
 
 
 @dataclass

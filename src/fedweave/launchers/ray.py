@@ -19,10 +19,10 @@ replies in the order of the messages. A run therefore gives the same metrics as 
 **Messages.** The instruction goes to an actor and the update or evaluation comes back in
 fedweave's own wire format (:mod:`fedweave.transports.serialization`), decoded with its checks
 (names, shapes, dtypes, sizes) and then checked to answer the client, round and kind sent. The
-client's state travels beside it as a Ray object, and so does any instruction entry of an
-in-process plugin that is not data (DP-SGD's private training). Ray pickles these between the
-driver and its own actors: the Ray cluster is a trusted boundary, like the gloo links of a site,
-and must be reachable by no one else (a private network; see docs/deployment.md).
+client's state travels beside it as a Ray object, which Ray pickles between the driver and its
+own actors: the Ray cluster is a trusted boundary, like the gloo links of a site, and must be
+reachable by no one else (a private network; see docs/deployment.md). A plugin that takes over
+local training (DP-SGD) does so on the actor, from the actor's own chains, as in any client process.
 
 **Failures.** An actor that dies (its process killed, its node lost) fails only the work it was
 doing: that client counts as dropped for the round, like a timeout, and a new actor takes its
@@ -32,13 +32,12 @@ still busy with it are replaced, so no straggler holds the next round.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fedweave import config as config_mod
@@ -81,9 +80,7 @@ class ClientWorker:
         """This actor's process id and host, once its task is built."""
         return os.getpid(), os.uname().nodename
 
-    def work(
-        self, message: bytes, local: dict[str, Any], state: dict[str, Any]
-    ) -> tuple[bytes | None, dict[str, Any], str]:
+    def work(self, message: bytes, state: dict[str, Any]) -> tuple[bytes | None, dict[str, Any], str]:
         """Client work on one encoded instruction: the encoded answer and the client's new state,
         or None and why it failed."""
         try:
@@ -91,7 +88,6 @@ class ClientWorker:
             instruction = msg.body
             if not isinstance(instruction, Instruction):
                 raise SerializationError(f"expected an instruction, got a {type(instruction).__name__}")
-            instruction = replace(instruction, config={**instruction.config, **local})
             body, state = self.runtime.work(msg.client_id, instruction, state)
             return bytes(encode(Message(msg.round, msg.client_id, body))), state, ""
         except Exception as exc:  # one client's failure must not stop the actor
@@ -247,10 +243,8 @@ class RayTransport:
         return done
 
     def _submit(self, o: Opened, slot: int) -> Any:
-        config = dict(o.instruction.config)
-        local = {k: config.pop(k) for k in list(config) if not _is_data(config[k])}
-        message = bytes(encode(Message(o.round, o.client_id, replace(o.instruction, config=config))))
-        ref = self.pool.slots[slot].actor.work.remote(message, local, self.runtime.store.get(o.client_id))
+        message = bytes(encode(Message(o.round, o.client_id, o.instruction)))
+        ref = self.pool.slots[slot].actor.work.remote(message, self.runtime.store.get(o.client_id))
         pid, host = self.pool.where(slot) or (None, None)
         log.debug(
             "round %d: client %d sent to Ray actor %d (pid %s on %s)", o.round, o.client_id, slot, pid, host,
@@ -301,15 +295,6 @@ class RayTransport:
 
 def _passed(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() > deadline
-
-
-def _is_data(value: Any) -> bool:
-    """Whether ``value`` travels in the wire format's JSON metadata."""
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _reachable(address: str, timeout: float = 10.0) -> None:

@@ -58,6 +58,8 @@ config loads):
 - ``instruct(ctx) -> dict``: server side, for each instruction, settings of the plugin's
   client half for that client (adaptive DP's current clip norm); merged into the
   instruction's ``config``, which the client half reads as ``ctx.config`` when it encodes;
+- ``training(ctx)``: client side, for each training instruction, the local training that takes
+  the plain loop's place for that client and round (DP-SGD); at most one plugin of a run has it;
 - ``observe(updates)``: server side, every update received, before any is decoded or
   rejected (a privacy ledger counts what each client released);
 - ``metrics() -> dict[str, float]``: after each round, merged into its record (``epsilon``);
@@ -85,11 +87,13 @@ from fedweave.plugins.contracts import (
     RunsProtocol,
     SealsModel,
     Stateful,
+    TakesOverTraining,
 )
 from fedweave.plugins.packing import check_layouts, clear_layouts
 from fedweave.types import Control, Instruction, Update
 
 if TYPE_CHECKING:
+    from fedweave.training import LocalTraining
     from fedweave.validation import Specs
 
 POINTS = ("server_send", "client_receive", "client_send", "server_receive")
@@ -281,6 +285,13 @@ class Chains:
         for _, plugin in instructing:
             config.update(plugin.instruct(ctx))
         return replace(instruction, config=config)
+
+    def training(self, ctx: PluginContext) -> LocalTraining | None:
+        """Client side: the local training of ``ctx``'s client and round of the plugin that takes
+        the loop over (:mod:`.compose` allows one), or None: the plain loop."""
+        for _, plugin in self._having(TakesOverTraining):
+            return plugin.training(ctx)
+        return None
 
     def observe(self, updates: list[Update]) -> None:
         for _, plugin in self._having(Observes):

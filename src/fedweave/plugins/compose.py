@@ -53,7 +53,7 @@ from typing import Any
 
 from fedweave.errors import ConfigError
 from fedweave.plugins.chain import POINTS
-from fedweave.plugins.contracts import DrawsFresh, FreshDraws
+from fedweave.plugins.contracts import DrawsFresh, FreshDraws, TakesOverTraining
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,15 @@ def configured(config: Any, registry: Any) -> Iterator[tuple[str, int, Any, Any]
 def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
     """Raise a ConfigError for the first plugin placed or ordered against the rules."""
     compressors: dict[str, str] = {}  # point -> the compressor already in its chain
+    trainer: str | None = None  # the plugin that takes over local training
     for point, i, spec, cls in configured(config, registry):
+        if isinstance(cls, TakesOverTraining):
+            if trainer is not None:
+                raise ConfigError(
+                    f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} would take over local training, "
+                    f"which {trainer!r} already does; one plugin of a run may"
+                )
+            trainer = spec.name
         if getattr(cls, "stage", None) == "compress":
             if point in compressors:
                 raise ConfigError(

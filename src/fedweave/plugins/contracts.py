@@ -24,6 +24,8 @@ protocol            methods                                         when it is c
 :class:`ReportsMetrics`  ``metrics() -> dict[str, float]``          after each round (also strategies)
 :class:`DrawsFresh`  ``fresh_draws(params) -> FreshDraws | None``   at load, on the class (checkpoint
                                                                     cadence, :mod:`.compose`)
+:class:`TakesOverTraining`  ``training(ctx) -> LocalTraining``    client, per training instruction
+                                                                    (DP-SGD; one such plugin a run)
 ==================  ==============================================  ==========================
 """
 
@@ -37,6 +39,7 @@ from fedweave.types import Control, Params, Update, UpdateKind
 
 if TYPE_CHECKING:
     from fedweave.plugins.chain import ControlExchange, Payload, PluginContext
+    from fedweave.training import LocalTraining
     from fedweave.validation import Specs
 
 
@@ -159,6 +162,15 @@ class DrawsFresh(Protocol):
 
     @staticmethod
     def fresh_draws(params: Any) -> FreshDraws | None: ...
+
+
+@runtime_checkable
+class TakesOverTraining(Protocol):
+    """A client-side plugin that runs the round's local training in place of the plain loop
+    (DP-SGD): ``training(ctx)`` is that client's training for ``ctx.round``, through which the
+    strategy's client half trains (:mod:`fedweave.training`)."""
+
+    def training(self, ctx: PluginContext) -> LocalTraining: ...
 
 
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (

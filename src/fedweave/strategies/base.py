@@ -84,6 +84,37 @@ class ClientAlgorithm(Protocol):
     def evaluate(self, job: ClientJob) -> Evaluation: ...
 
 
+@runtime_checkable
+class ReadsInstruction(Protocol):
+    """A client half that reads keys of its own in each instruction's ``config`` (set by its server
+    half's ``configure``), beyond those that change local training; it checks their values itself.
+    The client runtime refuses any key that no part of the client reads (:mod:`fedweave.client`)."""
+
+    instruction_keys: ClassVar[frozenset[str]]
+
+
+@runtime_checkable
+class ReportsTraining(Protocol):
+    """A client half whose updates carry metrics beyond ``train_loss``; each name starts with
+    ``train_`` and is recorded per round as the example-weighted mean of the updates that carry it.
+    A metric no client half declares is refused on the client (:mod:`fedweave.client`)."""
+
+    train_metrics: ClassVar[frozenset[str]]
+
+
+def training_metrics(client: Any) -> frozenset[str]:
+    """The names of the metrics the updates of a client half (its class or an instance) carry:
+    ``train_loss`` and those it declares, each checked to start with ``train_``."""
+    declared = client.train_metrics if isinstance(client, ReportsTraining) else frozenset()
+    for name in declared:
+        if not (isinstance(name, str) and name.startswith("train_")):
+            raise ValueError(
+                f"{getattr(client, '__qualname__', type(client).__qualname__)}.train_metrics: {name!r} does not "
+                "start with 'train_', the records' names of training metrics"
+            )
+    return frozenset({"train_loss", *declared})
+
+
 class Strategy(Protocol):
     """The server half of a strategy."""
 

@@ -7,12 +7,13 @@ https://arxiv.org/abs/2109.12298) computes the per-example gradients
 to their sum and scales by the expected batch size (``DPOptimizer.pre_step``); the
 strategy's own optimiser then steps, so DP-SGD composes with every strategy.
 
-Selected per run as a ``client_receive`` plugin: on a client, it marks each training
-instruction with the round's private-training settings, and
-:func:`fedweave.training.train_local` hands the local loop to
-:meth:`PrivateTraining.train_local`. Batches are Poisson-sampled (each example with
-probability q = batch_size / n per step), the sampling Opacus's RDP accountant
-assumes; a round runs as many steps as the non-private loop would.
+Selected per run as a ``client_receive`` plugin: it takes over local training
+(:class:`~fedweave.plugins.contracts.TakesOverTraining`). For each training instruction
+the client runtime asks it for that client's :class:`PrivateTraining` of the round, a
+:class:`~fedweave.training.LocalTraining` through which the strategy's client half trains
+(:func:`fedweave.training.train_local`) in place of the plain loop. Batches are
+Poisson-sampled (each example with probability q = batch_size / n per step), the sampling
+Opacus's RDP accountant assumes; a round runs as many steps as the non-private loop would.
 
 Both the noise and the sampling come from the operating system's secure source
 (:mod:`.noise`): noise seeded from the config could be drawn again by the server and
@@ -34,6 +35,9 @@ their own processes; the ledger is saved in the server's checkpoints.
 Limitation: Opacus computes per-example gradients of the loss's per-example terms; a
 term of the loss that is not per example (FedProx's proximal term) is dropped from the
 private gradient. Models with BatchNorm are refused (per-example gradients do not exist).
+A strategy's loss hook gets the model itself, not Opacus's wrapper (whose parameter names
+carry a ``_module.`` prefix): Opacus's hooks sit on the model's layers, so they see its
+forward either way.
 """
 
 from __future__ import annotations
@@ -42,17 +46,17 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import nn
 
 from fedweave.plugins.chain import Payload, PluginContext
 from fedweave.plugins.contracts import FreshDraws
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.schema import opt
 from fedweave.plugins.privacy.noise import NoiseSource, noise_source
-from fedweave.types import Instruction, TaskKind, Update, UpdateKind
+from fedweave.training import NOTHING, ClientJob, Hooks, TrainResult, opening, rows
+from fedweave.types import Update, UpdateKind
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +116,11 @@ class DPSGD:
         return replace(payload)
 
     def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
-        if not isinstance(payload, Instruction) or payload.task is not TaskKind.TRAIN:
-            return replace(payload)
-        private = PrivateTraining(self.hp, self._noise_seed(ctx))
-        return replace(payload, config={**payload.config, "privacy": private})
+        return replace(payload)
+
+    def training(self, ctx: PluginContext) -> PrivateTraining:
+        """Client ``ctx.client_id``'s private training of round ``ctx.round``, its noise drawn as configured."""
+        return PrivateTraining(self.hp, noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round, ctx.client_id))
 
     def begin_round(self, rnd: int, client_ids: list[int]) -> None:
         """Stop before a round that would pass the target, predicting each client repeats its last round."""
@@ -158,12 +163,10 @@ class DPSGD:
             self._cache[client_id] = cached
         return cached[1]
 
-    def _noise_seed(self, ctx: PluginContext) -> NoiseSource:
-        return noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round, ctx.client_id)
-
 
 class PrivateTraining:
-    """One client's private local training for one round (see the module doc)."""
+    """One client's private local training for one round (see the module doc): a
+    :class:`~fedweave.training.LocalTraining`."""
 
     def __init__(self, hp: DPSGDParams, noise: NoiseSource):
         self.hp = hp
@@ -171,33 +174,21 @@ class PrivateTraining:
         self.spent: dict[str, float] = {}
 
     def report(self) -> dict[str, float]:
-        """What the round's private training spent, for the server's ledger (empty before it ran)."""
+        """What the round's private training spent, for the server's ledger (empty before it ran):
+        the sampling rate and the noisy steps of every training of the round."""
         return dict(self.spent)
 
-    def train_local(
-        self,
-        job: Any,
-        *,
-        model: nn.Module | None = None,
-        optimizer: Any = None,
-        loss: Any = None,
-        after_backward: Callable[[nn.Module], None] | None = None,
-    ) -> Any:
-        from fedweave.training import LocalOptimizer, TrainResult
-
+    def train(self, job: ClientJob, hooks: Hooks) -> TrainResult:
         GradSampleModule, DPOptimizer, ModuleValidator = _opacus()
-        model = job.model if model is None else model
-        work = job.instruction.work
-        n = job.x_train.shape[0]
-        if n == 0:
-            return TrainResult(steps=0, num_examples=0, mean_loss=float("nan"))
+        start = opening(job, hooks)
+        if start is None:
+            return NOTHING
+        model, opt, n, batch = start.model, start.optimizer, start.examples, start.batch
+        loss, after_backward = hooks.loss, hooks.after_backward
         problems = ModuleValidator.validate(model, strict=False)
         if problems:
             raise ValueError(f"plugin 'dpsgd' cannot train this model privately: {problems[0]}")
-        batch = min(work.batch_size, n)
         rate = batch / n
-        total_steps = work.local_steps if work.local_steps is not None else work.epochs * math.ceil(n / batch)
-        opt = optimizer if optimizer is not None else LocalOptimizer(model.parameters(), job.settings)
         wrapped = GradSampleModule(model)
         # Opacus clips the per-example gradients of the optimiser's parameters, sums them and
         # divides by the expected batch size; the noise is ours (see the module doc); ours then steps.
@@ -208,23 +199,24 @@ class PrivateTraining:
             expected_batch_size=batch,
         )
         std = self.hp.noise_multiplier * self.hp.max_grad_norm / batch
+        device = job.x_train.device
         model.train()
         loss_sum, seen = 0.0, 0
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                for _ in range(total_steps):
-                    idx = (self.noise.uniform((n,)) < rate).nonzero().squeeze(1)
-                    x, y = job.x_train[idx], job.y_train[idx]
+                for _ in range(start.steps):
+                    idx = (self.noise.uniform((n,)) < rate).nonzero().squeeze(1).to(device)
+                    x, y = rows(job.x_train, idx), rows(job.y_train, idx)
                     dp.zero_grad(set_to_none=True)
                     if loss is None:
-                        objective = reported = job.loss_fn(wrapped(x), y)
+                        objective = reported = job.loss_fn(model(x), y)
                     else:
-                        objective, reported = loss(wrapped, x, y)
+                        objective, reported = loss(model, x, y)
                     objective.backward()
                     if dp.pre_step():
                         for p in dp.params:
-                            p.grad.add_((std * self.noise.normal(tuple(p.grad.shape))).to(p.grad.dtype))
+                            p.grad.add_((std * self.noise.normal(tuple(p.grad.shape))).to(p.grad.device, p.grad.dtype))
                     if after_backward is not None:
                         after_backward(model)
                     opt.step()
@@ -234,5 +226,7 @@ class PrivateTraining:
         finally:
             dp.zero_grad(set_to_none=True)
             wrapped._close()
-        self.spent = {RATE: rate, STEPS: float(total_steps)}
-        return TrainResult(steps=total_steps, num_examples=n, mean_loss=loss_sum / seen if seen else float("nan"))
+        # A second training of the round (Ditto's personal model) spends as well: its steps add up, at
+        # the larger rate (ε grows with the rate, so this bounds what both spent).
+        self.spent = {RATE: max(rate, self.spent.get(RATE, 0.0)), STEPS: self.spent.get(STEPS, 0.0) + start.steps}
+        return TrainResult(steps=start.steps, num_examples=n, mean_loss=loss_sum / seen if seen else float("nan"))
