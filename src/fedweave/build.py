@@ -88,18 +88,21 @@ def build_task(config: Config) -> TaskBundle:
         dataset = files.dataset
     else:
         dataset = load_dataset(
-            task.dataset, seed=seed, test_fraction=task.test_fraction, root=task.data_root, options=task.dataset_options
+            task.dataset, seed=seed, test_fraction=task.test_fraction, root=task.data_root,
+            options=task.dataset_options, kind=task.kind,
         )
     make_model = _model_factory(config, dataset)
     if task.dataset == "synthetic" and task.dataset_options.get("per_client"):
         generated = generated_clients(config)
-        return TaskBundle(dataset, generated, make_model, make_loss(task.loss), generated.summary())
-    labels = dataset.y_train.numpy()
+        loss = make_loss(task.loss, task.kind, task.metrics)
+        return TaskBundle(dataset, generated, make_model, loss, generated.summary())
+    classes = task.kind == "classification"
+    labels = dataset.y_train.numpy() if classes else np.zeros(len(dataset.y_train), dtype=np.int64)
     parts = client_parts(config, labels, files)
     splits = [
         split_local(p, task.local_test_fraction, numpy_rng(seed, "local-split", i)) for i, p in enumerate(parts)
     ]
-    shares_labels = files is None or task.file_options().share_label_counts
+    shares_labels = classes and (files is None or task.file_options().share_label_counts)
     return TaskBundle(
         dataset=dataset,
         clients=ClientData(
@@ -109,7 +112,7 @@ def build_task(config: Config) -> TaskBundle:
             test_idx=[torch.from_numpy(s[1]) for s in splits],
         ),
         make_model=make_model,
-        loss_fn=make_loss(task.loss),
+        loss_fn=make_loss(task.loss, task.kind, task.metrics),
         partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes, label_counts=shares_labels),
         schema=None if files is None else files.schema,
     )
@@ -138,7 +141,7 @@ def build_site_task(config: Config, client_id: int, data: str | None = None) -> 
         dataset=dataset,
         clients=SiteData(client_id, config.clients, dataset, train, test),
         make_model=_model_factory(config, dataset),
-        loss_fn=make_loss(task.loss),
+        loss_fn=make_loss(task.loss, task.kind, task.metrics),
         partition_summary=summary,
         schema=files.schema,
     )
@@ -154,7 +157,7 @@ def build_server_task(config: Config) -> TaskBundle:
         dataset=files.dataset,
         clients=ClientData(files.dataset.x_train, files.dataset.y_train, [], []),
         make_model=_model_factory(config, files.dataset),
-        loss_fn=make_loss(task.loss),
+        loss_fn=make_loss(task.loss, task.kind, task.metrics),
         partition_summary={"clients": config.clients, "own_data": True},
         schema=files.schema,
     )
