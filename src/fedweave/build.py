@@ -84,6 +84,7 @@ def build_task(config: Config) -> TaskBundle:
             simulation_paths(options, config.clients),
             by=task.partition.by,
             natural=task.partition.scheme == "natural",
+            kind=task.kind,
         )
         dataset = files.dataset
     else:
@@ -131,12 +132,13 @@ def build_site_task(config: Config, client_id: int, data: str | None = None) -> 
             f"task.dataset_options.path: client {client_id} reads only its own data: give --data PATH, or a path "
             "with {client}"
         )
-    files = load_files(options, [path], test=False, deployed=True)
+    files = load_files(options, [path], test=False, deployed=True, kind=task.kind)
     dataset, rows = files.dataset, np.arange(len(files.dataset.y_train), dtype=np.int64)
     if len(rows) < task.partition.min_samples:
         raise ConfigError(f"task.partition.min_samples: {path} has {len(rows)} rows, fewer than {task.partition.min_samples}")
     train, test = split_local(rows, task.local_test_fraction, numpy_rng(data_seed(config), "local-split", client_id))
-    summary = summarize([train], dataset.y_train.numpy(), dataset.num_classes, label_counts=options.share_label_counts)
+    shares_labels = options.share_label_counts and task.kind == "classification"
+    summary = summarize([train], dataset.y_train.numpy(), dataset.num_classes, label_counts=shares_labels)
     return TaskBundle(
         dataset=dataset,
         clients=SiteData(client_id, config.clients, dataset, train, test),
@@ -152,7 +154,7 @@ def build_server_task(config: Config) -> TaskBundle:
     test set (``test_path``) or none; no training row and no client's size."""
     use_threads(config)
     task = config.task
-    files = load_files(task.file_options(), [], deployed=True)
+    files = load_files(task.file_options(), [], deployed=True, kind=task.kind)
     return TaskBundle(
         dataset=files.dataset,
         clients=ClientData(files.dataset.x_train, files.dataset.y_train, [], []),
