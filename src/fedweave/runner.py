@@ -42,6 +42,7 @@ from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError
+from fedweave.evaluation import hooks_of
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
@@ -267,6 +268,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         eval_batch_size=config.eval.batch_size,
         checks=update_checks(config, task, params),
         deadlines=build_deadlines(config),
+        hooks=hooks_of(config),
     )
     run_ = Run(
         config=config,

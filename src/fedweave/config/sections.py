@@ -267,6 +267,37 @@ class EvalConfig:
     federated_every: int = opt(0, ge=0, help="evaluate on clients' local test splits every N rounds (0: never)")
     federated_fraction: float = opt(1.0, gt=0, le=1, help="share of clients in a federated evaluation")
     batch_size: int = opt(1024, ge=1, help="evaluation batch size")
+    fit_metrics_aggregation: str | None = opt(
+        None,
+        help="package.module:function called f([(num_examples, metrics), ...]) with the clients' training "
+        "metrics, returning a dict of floats recorded as fit_<name> (none: only the weighted train_loss)",
+    )
+    evaluate_metrics_aggregation: str | None = opt(
+        None,
+        help="package.module:function called f([(num_examples, metrics), ...]) with the clients' evaluation "
+        "metrics, returning a dict of floats recorded as federated_<name> (none: the mean weighted by examples)",
+    )
+    server_function: str | None = opt(
+        None,
+        help="package.module:function called f(params) with the global parameters (name -> tensor) whenever "
+        "the server evaluates, returning a dict of floats recorded as server_<name>",
+    )
+    per_client: bool = opt(
+        False,
+        help="record each client's evaluation metrics (federated_per_client: client id -> metrics); refused "
+        "with a differential-privacy plugin",
+    )
+
+    def validate(self, prefix: str) -> None:
+        for key in ("fit_metrics_aggregation", "evaluate_metrics_aggregation", "server_function"):
+            spec = getattr(self, key)
+            module, _, function = (spec or "x:y").partition(":")
+            if not module or not function:
+                raise ConfigError(f"config key '{prefix}.{key}': {spec!r} is not of the form 'package.module:function'")
+        if self.per_client and not self.federated_every:
+            raise ConfigError(
+                f"config key '{prefix}.per_client': clients evaluate only with {prefix}.federated_every > 0"
+            )
 
 
 SIMULATION_CHECKPOINT_INTERVAL = 30.0
