@@ -55,10 +55,12 @@ LABEL_SCHEMES = ("dirichlet", "shards", "inner_dirichlet", "pathological")
 class TaskConfig:
     dataset: str = opt(
         "digits",
-        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | files (the sites' own files, "
+        help="digits | mnist5k | synthetic | diabetes (kind regression) | multilabel (kind multilabel, generated) | "
+        "torchvision:mnist | torchvision:cifar10 | files (the sites' own files, "
         "see dataset_options: path, format, label, ...) | package.module:function "
         "called f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y) whose "
-        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels",
+        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels "
+        "(regression, multilabel: float targets)",
     )
     dataset_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the dataset")
     data_root: str | None = opt(None, help="local folder of torchvision datasets")
