@@ -38,11 +38,11 @@ from fedweave.build import (
     update_checks,
 )
 from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, check_params, load_checkpoint
+from fedweave.evaluation import hooks_of
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError
-from fedweave.evaluation import hooks_of
 from fedweave.loop import Record, RoundParts, run
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
