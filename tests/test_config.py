@@ -149,7 +149,7 @@ def test_strategy_and_plugin_settings_are_parsed_and_checked() -> None:
             "'iid', 'dirichlet', 'shards', 'quantity', 'inner_dirichlet', 'pathological', 'linear', 'square', "
             "'exponential', 'natural', 'from_file' (did you mean 'dirichlet'?)",
         ),
-        (["task.loss=mse"], "config key 'task.loss': 'mse' is not a loss; valid: cross_entropy, nll, bce or package.module:function"),
+        (["task.loss=mse"], "config key 'task.loss': 'mse' is not a loss of kind classification; valid: cross_entropy, nll, bce or package.module:function"),
         (["strategy=[fedavg]"], "config key 'strategy': expected a name or a mapping, got ['fedavg']"),
         (["plugins=[identity]"], "config key 'plugins': expected a mapping of attachment points, got ['identity']"),
         (
@@ -652,3 +652,21 @@ def test_an_unknown_new_name_is_refused_as_before() -> None:
         config_mod.from_dict(
             config_mod.apply_overrides({"strategy": {"name": "fedprox", "mu": 0.3}}, ["strategy.name=fedavgg"])
         )
+
+
+def test_task_kind_loss_and_metrics_are_checked_together() -> None:
+    assert error_of("task.kind=regression", "task.metrics=[r2, accuracy]") == (
+        "config key 'task.metrics': 'accuracy' is not a metric of kind regression; valid: mae, rmse, r2 "
+        "or package.module:function"
+    )
+    assert error_of("task.kind=multilabel", "task.loss=cross_entropy") == (
+        "config key 'task.loss': 'cross_entropy' is not a loss of kind multilabel; valid: bce or package.module:function"
+    )
+    assert error_of("task.kind=regression", "task.partition.scheme=dirichlet").startswith(
+        "config key 'task.partition.scheme': dirichlet splits by class, a regression task has no classes"
+    )
+    assert error_of("task.metrics=[accuracy, a.b:accuracy]") == (
+        "config key 'task.metrics': ['accuracy', 'a.b:accuracy'] records a metric twice"
+    )
+    config = config_mod.load(None, ["task.kind=regression", "task.partition=iid", "task.metrics=[r2, x.y:z]"])
+    assert config.task.kind == "regression" and config.task.loss is None

@@ -89,6 +89,14 @@ BROKEN: dict[str, tuple[list[str], str]] = {
         ["asynchronous.enabled=true", "transport=grpc", "eval.federated_every=1"],
         "config key 'eval.federated_every': deployed asynchronous clients are always training",
     ),
+    "attack_labels": (
+        ["task.kind=regression", "task.partition=iid", "attacks.kind=label_flip", "attacks.clients=[0]"],
+        "config key 'attacks.kind': label_flip flips class ids, a regression task has none",
+    ),
+    "per_client_evaluation": (
+        ["eval.federated_every=1", "eval.per_client=true", "plugins.client_send=[{name: dp_local, noise_multiplier: 1.0}]"],
+        "config key 'eval.per_client': each client's own metrics are not released under differential privacy",
+    ),
 }
 
 

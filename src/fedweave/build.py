@@ -104,22 +104,26 @@ def build_task(config: Config) -> TaskBundle:
             simulation_paths(options, config.clients),
             by=task.partition.by,
             natural=task.partition.scheme == "natural",
+            kind=task.kind,
         )
         dataset = files.dataset
     else:
         dataset = load_dataset(
-            task.dataset, seed=seed, test_fraction=task.test_fraction, root=task.data_root, options=task.dataset_options
+            task.dataset, seed=seed, test_fraction=task.test_fraction, root=task.data_root,
+            options=task.dataset_options, kind=task.kind,
         )
     make_model = _model_factory(config, dataset)
     if task.dataset == "synthetic" and task.dataset_options.get("per_client"):
         generated = generated_clients(config)
-        return TaskBundle(dataset, generated, make_model, make_loss(task.loss), generated.summary())
-    labels = dataset.y_train.numpy()
+        loss = make_loss(task.loss, task.kind, task.metrics)
+        return TaskBundle(dataset, generated, make_model, loss, generated.summary())
+    classes = task.kind == "classification"
+    labels = dataset.y_train.numpy() if classes else np.zeros(len(dataset.y_train), dtype=np.int64)
     parts = client_parts(config, labels, files)
     splits = [
         split_local(p, task.local_test_fraction, numpy_rng(seed, "local-split", i)) for i, p in enumerate(parts)
     ]
-    shares_labels = files is None or task.file_options().share_label_counts
+    shares_labels = classes and (files is None or task.file_options().share_label_counts)
     return TaskBundle(
         dataset=dataset,
         clients=ClientData(
@@ -129,7 +133,7 @@ def build_task(config: Config) -> TaskBundle:
             test_idx=[torch.from_numpy(s[1]) for s in splits],
         ),
         make_model=make_model,
-        loss_fn=make_loss(task.loss),
+        loss_fn=make_loss(task.loss, task.kind, task.metrics),
         partition_summary=summarize([s[0] for s in splits], labels, dataset.num_classes, label_counts=shares_labels),
         schema=None if files is None else files.schema,
     )
@@ -148,17 +152,18 @@ def build_site_task(config: Config, client_id: int, data: str | None = None) -> 
             f"task.dataset_options.path: client {client_id} reads only its own data: give --data PATH, or a path "
             "with {client}"
         )
-    files = load_files(options, [path], test=False, deployed=True)
+    files = load_files(options, [path], test=False, deployed=True, kind=task.kind)
     dataset, rows = files.dataset, np.arange(len(files.dataset.y_train), dtype=np.int64)
     if len(rows) < task.partition.min_samples:
         raise ConfigError(f"task.partition.min_samples: {path} has {len(rows)} rows, fewer than {task.partition.min_samples}")
     train, test = split_local(rows, task.local_test_fraction, numpy_rng(data_seed(config), "local-split", client_id))
-    summary = summarize([train], dataset.y_train.numpy(), dataset.num_classes, label_counts=options.share_label_counts)
+    shares_labels = options.share_label_counts and task.kind == "classification"
+    summary = summarize([train], dataset.y_train.numpy(), dataset.num_classes, label_counts=shares_labels)
     return TaskBundle(
         dataset=dataset,
         clients=SiteData(client_id, config.clients, dataset, train, test),
         make_model=_model_factory(config, dataset),
-        loss_fn=make_loss(task.loss),
+        loss_fn=make_loss(task.loss, task.kind, task.metrics),
         partition_summary=summary,
         schema=files.schema,
     )
@@ -169,12 +174,12 @@ def build_server_task(config: Config) -> TaskBundle:
     test set (``test_path``) or none; no training row and no client's size."""
     use_threads(config)
     task = config.task
-    files = load_files(task.file_options(), [], deployed=True)
+    files = load_files(task.file_options(), [], deployed=True, kind=task.kind)
     return TaskBundle(
         dataset=files.dataset,
         clients=ClientData(files.dataset.x_train, files.dataset.y_train, [], []),
         make_model=_model_factory(config, files.dataset),
-        loss_fn=make_loss(task.loss),
+        loss_fn=make_loss(task.loss, task.kind, task.metrics),
         partition_summary={"clients": config.clients, "own_data": True},
         schema=files.schema,
     )

@@ -37,6 +37,7 @@ from fedweave.batching.federated import client_timings
 from fedweave.conforms import Conforms
 from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
+from fedweave.evaluation import EvaluationHooks
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
@@ -145,6 +146,7 @@ class RoundParts:
     checks: UpdateChecks = field(default_factory=UpdateChecks)
     rejected: Counter[str] = field(default_factory=Counter)  # updates rejected since the last record, by reason
     deadlines: Deadlines | None = None  # a networked run's job deadlines and back-off
+    hooks: EvaluationHooks = field(default_factory=EvaluationHooks)  # eval.*_aggregation, server_function, per_client
 
 
 def run(
@@ -242,6 +244,7 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
         return params, record | traffic.counts()
     parts.controller.observe(rnd, updates)
     record.update(train_metrics(parts.strategy, updates))
+    record.update(parts.hooks.fit_metrics([(u.num_examples, u.metrics) for u in updates]))
     record["rejected"] = rejection_counts(parts.rejected)
     record.update(client_timings(plan, updates, timeout if exchange.waited is None else exchange.waited))
     return params, record | traffic.counts()
@@ -358,28 +361,26 @@ def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int)
     if due:
         metrics = parts.evaluate_global(params)
         record.update({f"test_{k}": v for k, v in metrics.items()})
+        record.update(parts.hooks.server_metrics(params))
     if parts.federated_eval_every and (rnd % parts.federated_eval_every == 0 or rnd == last_round):
         record.update(federated_evaluate(parts, rnd, params))
     return record
 
 
 def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
-    """Evaluate on clients' local test splits; metrics weighted by their test examples."""
+    """Evaluate on clients' local test splits; metrics aggregated by ``parts.hooks`` (default: weighted by
+    the clients' test examples)."""
     ids = parts.federated_eval_clients(rnd, absent_clients(parts.topology))
     instructions = [
         Instruction(rnd, TaskKind.EVALUATE, Work(cid, parts.eval_batch_size), params) for cid in ids
     ]
     exchange = parts.topology.exchange(encode_instructions(parts.chains, instructions, parts.accepted), parts.timeout)
-    results = [r.body for r in exchange.replies if isinstance(r.body, Evaluation) and valid_evaluation(r.body)]
+    results = [
+        (r.client_id, r.body.num_examples, r.body.metrics)
+        for r in exchange.replies if isinstance(r.body, Evaluation) and valid_evaluation(r.body)
+    ]
     traffic = {f"eval_{key}": getattr(exchange, key) for key in TRAFFIC}
-    if not results:
-        return traffic
-    total = sum(e.num_examples for e in results)
-    names = set.intersection(*(set(e.metrics) for e in results))
-    return traffic | {
-        f"federated_{name}": sum(e.metrics[name] * e.num_examples for e in results) / total
-        for name in sorted(names)
-    }
+    return traffic | parts.hooks.federated_metrics(results) if results else traffic
 
 
 def encode_instructions(chains: Chains, instructions: list[Instruction], accepted: AcceptedRounds) -> list[Message]:

@@ -253,6 +253,27 @@ def plugin_order(config: Any) -> None:
     check_chains(config, PLUGINS, _strategy(config))
 
 
+def attack_labels(config: Any) -> None:
+    """A label-flipping attacker maps class y to C - 1 - y: a task without classes has none to flip."""
+    if "label_flip" in config.attacks.kinds and config.task.kind != "classification":
+        raise ConfigError(
+            f"config key 'attacks.kind': label_flip flips class ids, a {config.task.kind} task has none; "
+            "choose sign_flip, scaling, noise or inflate_examples"
+        )
+
+
+def per_client_evaluation(config: Any) -> None:
+    """Per-client evaluation records name each client's score on its own data, which no privacy plugin covers."""
+    if not config.eval.per_client:
+        return
+    for point, i, spec, plugin in _plugins(config):
+        if getattr(plugin, "protects", None):
+            raise ConfigError(
+                f"config key 'eval.per_client': each client's own metrics are not released under differential "
+                f"privacy (plugins.{point}[{i}] is {spec.name!r}); drop per_client"
+            )
+
+
 def asynchronous_aggregation(config: Any) -> None:
     """Asynchronous aggregation scales each delta by its staleness and has no rounds to set up."""
     if not config.asynchronous.enabled:
@@ -310,6 +331,8 @@ RULES: tuple[Callable[[Any], None], ...] = (
     plugin_order,
     asynchronous_aggregation,
     asynchronous_deployment,
+    per_client_evaluation,
+    attack_labels,
 )
 """The rules, in the order they are checked (plugin classes first: later rules read them)."""
 

@@ -39,6 +39,7 @@ from fedweave.build import (
     update_checks,
 )
 from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, check_params, load_checkpoint
+from fedweave.evaluation import hooks_of
 from fedweave.files import atomic_write_text
 from fedweave.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
@@ -317,6 +318,7 @@ def _build(config: Config, run_dir: Path, topology: Topology | None = None) -> _
         eval_batch_size=config.eval.batch_size,
         checks=update_checks(config, task, params),
         deadlines=build_deadlines(config),
+        hooks=hooks_of(config),
     )
     run_ = Run(
         config=config,

@@ -221,3 +221,28 @@ def test_a_server_of_sites_reads_the_test_set_only(tmp_path: Path) -> None:
     assert (len(blind.dataset.y_test), blind.dataset.input_shape) == (0, (4,))
     with pytest.raises(TaskError, match="^task.dataset_options.input_shape: a node that reads no data needs"):
         build_server_task(files_config(tmp_path, {"num_classes": 3, "label": "label"}))
+
+
+def write_table(path: Path, header: list[str], rows: np.ndarray) -> None:
+    path.write_text(",".join(header) + "\n" + "\n".join(",".join(f"{v:g}" for v in row) for row in rows) + "\n")
+
+
+def test_regression_and_multilabel_targets_from_label_columns(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 3))
+    tags = (x[:, :2] > 0).astype(float)
+    write_table(tmp_path / "t.csv", ["a", "b", "c", "y", "t0", "t1"], np.column_stack([x, x @ [1.0, -2.0, 0.5], tags]))
+    path = str(tmp_path / "t.csv")
+    scored = build_task(files_config(tmp_path, {"path": path, "label": "y", "features": ["a", "b", "c"]},
+                                     "task.kind=regression"))
+    assert scored.dataset.y_train.dtype == torch.float32 and scored.dataset.y_train.shape == (60,)
+    assert scored.dataset.num_classes == 1 and scored.schema == DataSchema((3,), 1, label_kind="target")
+    assert "label_counts" not in scored.partition_summary
+    assert torch.allclose(scored.dataset.y_train, torch.from_numpy(x @ [1.0, -2.0, 0.5]).float(), atol=1e-4)
+    tagged = build_task(files_config(tmp_path, {"path": path, "label": ["t0", "t1"], "features": ["a", "b", "c"]},
+                                     "task.kind=multilabel"))
+    assert torch.equal(tagged.dataset.y_train, torch.from_numpy(tags).float()) and tagged.dataset.num_classes == 2
+    assert DataSchema.from_dict(tagged.schema.to_dict()) == tagged.schema
+    with pytest.raises(TaskError, match=r"t.csv: label .* of a multilabel task is not 0 or 1$"):
+        build_task(files_config(tmp_path, {"path": path, "label": ["y", "t1"], "features": ["a", "b", "c"]},
+                                "task.kind=multilabel"))

@@ -168,7 +168,9 @@ def test_make_loss() -> None:
     assert float(ce) == pytest.approx(float(nll))
     manual = -(torch.log_softmax(logits, 1)[0, 1] + torch.log_softmax(logits, 1)[1, 2]) / 2
     assert float(ce) == pytest.approx(float(manual))
-    with pytest.raises(TaskError, match="unknown loss 'mse'; valid: cross_entropy, nll, bce or package.module:function"):
+    with pytest.raises(
+        TaskError, match="loss 'mse' is not a loss of kind classification; valid: cross_entropy, nll, bce or package"
+    ):
         make_loss("mse")
 
 

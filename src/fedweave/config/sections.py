@@ -48,14 +48,20 @@ class PartitionConfig:
             raise ConfigError(f"config key '{prefix}.file': scheme from_file needs the JSON file mapping clients to rows")
 
 
+LABEL_SCHEMES = ("dirichlet", "shards", "inner_dirichlet", "pathological")
+"""The partition schemes that split by class id."""
+
+
 @dataclass
 class TaskConfig:
     dataset: str = opt(
         "digits",
-        help="digits | mnist5k | synthetic | torchvision:mnist | torchvision:cifar10 | files (the sites' own files, "
+        help="digits | mnist5k | synthetic | diabetes (kind regression) | multilabel (kind multilabel, generated) | "
+        "torchvision:mnist | torchvision:cifar10 | files (the sites' own files, "
         "see dataset_options: path, format, label, ...) | package.module:function "
         "called f(seed=..., **dataset_options) returning (x_train, y_train, x_test, y_test), or (x, y) whose "
-        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels",
+        "test split is carved by test_fraction, or a fedweave.task.Dataset; x float arrays, y integer labels "
+        "(regression, multilabel: float targets)",
     )
     dataset_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the dataset")
     data_root: str | None = opt(None, help="local folder of torchvision datasets")
@@ -65,24 +71,54 @@ class TaskConfig:
         "num_classes=N) returning a torch.nn.Module whose output is (batch, num_classes) logits",
     )
     model_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the model")
-    loss: str = opt(
-        "cross_entropy",
-        help="training loss: cross_entropy | nll | bce (binary cross-entropy of each logit against the one-hot "
-        "label) | package.module:function called f(outputs, labels) returning the batch's mean loss",
+    kind: Literal["classification", "regression", "multilabel", "language_model"] = opt(
+        "classification",
+        help="what the model predicts: classification (class ids) | regression (float targets, shape [n] or "
+        "[n, k]) | multilabel (0/1 label matrices) | language_model (next token); the built-in models' output "
+        "size follows (classes, targets, labels)",
+    )
+    loss: str | None = opt(
+        None,
+        help="training loss (none: the kind's first): classification: cross_entropy | nll | bce (binary "
+        "cross-entropy of each logit against the one-hot label); regression: mse | huber; multilabel: bce (per "
+        "label); language_model: next_token (shifted cross-entropy, padding -100 ignored); or "
+        "package.module:function called f(outputs, labels) returning the batch's mean loss",
+    )
+    metrics: list[str] | None = opt(
+        None,
+        help="evaluation metrics (none: classification accuracy; regression mae, rmse, r2; multilabel accuracy, "
+        "f1_macro; language_model perplexity): accuracy | f1_macro | auroc (classification, multilabel) | mae | "
+        "rmse | r2 (regression) | perplexity (language_model) | package.module:function called "
+        "f(outputs, targets) returning a float, recorded under its function's name",
     )
     test_fraction: float = opt(0.2, gt=0, lt=1, help="share of the data held out as the global test set")
     local_test_fraction: float = opt(0.2, ge=0, lt=1, help="share of each client's data kept as its local test split")
     partition: PartitionConfig = opt(factory=PartitionConfig)
 
     def validate(self, prefix: str) -> None:
+        from fedweave.task.metrics import FITS
         from fedweave.task.models import LOSSES
 
-        if self.loss not in LOSSES and ":" not in self.loss:
+        if self.loss is not None and self.loss not in LOSSES[self.kind] and ":" not in self.loss:
             raise ConfigError(
-                f"config key '{prefix}.loss': {self.loss!r} is not a loss; valid: {', '.join(LOSSES)} "
-                "or package.module:function"
+                f"config key '{prefix}.loss': {self.loss!r} is not a loss of kind {self.kind}; valid: "
+                f"{', '.join(LOSSES[self.kind])} or package.module:function"
             )
+        for name in self.metrics or []:
+            if name not in FITS[self.kind] and ":" not in name:
+                raise ConfigError(
+                    f"config key '{prefix}.metrics': {name!r} is not a metric of kind {self.kind}; valid: "
+                    f"{', '.join(FITS[self.kind])} or package.module:function"
+                )
+        recorded = [name.rpartition(":")[2] for name in self.metrics or []]
+        if len(set(recorded)) != len(recorded):
+            raise ConfigError(f"config key '{prefix}.metrics': {self.metrics} records a metric twice")
         scheme = self.partition.scheme
+        if self.kind != "classification" and scheme in LABEL_SCHEMES:
+            raise ConfigError(
+                f"config key '{prefix}.partition.scheme': {scheme} splits by class, a {self.kind} task has no "
+                "classes; use iid, quantity, linear, square, exponential, natural or from_file"
+            )
         if self.dataset != "files":
             if scheme == "natural":
                 raise ConfigError(
@@ -273,6 +309,37 @@ class EvalConfig:
     federated_every: int = opt(0, ge=0, help="evaluate on clients' local test splits every N rounds (0: never)")
     federated_fraction: float = opt(1.0, gt=0, le=1, help="share of clients in a federated evaluation")
     batch_size: int = opt(1024, ge=1, help="evaluation batch size")
+    fit_metrics_aggregation: str | None = opt(
+        None,
+        help="package.module:function called f([(num_examples, metrics), ...]) with the clients' training "
+        "metrics, returning a dict of floats recorded as fit_<name> (none: only the weighted train_loss)",
+    )
+    evaluate_metrics_aggregation: str | None = opt(
+        None,
+        help="package.module:function called f([(num_examples, metrics), ...]) with the clients' evaluation "
+        "metrics, returning a dict of floats recorded as federated_<name> (none: the mean weighted by examples)",
+    )
+    server_function: str | None = opt(
+        None,
+        help="package.module:function called f(params) with the global parameters (name -> tensor) whenever "
+        "the server evaluates, returning a dict of floats recorded as server_<name>",
+    )
+    per_client: bool = opt(
+        False,
+        help="record each client's evaluation metrics (federated_per_client: client id -> metrics); refused "
+        "with a differential-privacy plugin",
+    )
+
+    def validate(self, prefix: str) -> None:
+        for key in ("fit_metrics_aggregation", "evaluate_metrics_aggregation", "server_function"):
+            spec = getattr(self, key)
+            module, _, function = (spec or "x:y").partition(":")
+            if not module or not function:
+                raise ConfigError(f"config key '{prefix}.{key}': {spec!r} is not of the form 'package.module:function'")
+        if self.per_client and not self.federated_every:
+            raise ConfigError(
+                f"config key '{prefix}.per_client': clients evaluate only with {prefix}.federated_every > 0"
+            )
 
 
 SIMULATION_CHECKPOINT_INTERVAL = 30.0

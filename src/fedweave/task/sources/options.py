@@ -33,10 +33,17 @@ class FileOptions:
     format: Format | None = opt(
         None, help="csv | parquet | npz | jsonl | imagefolder | leaf | hf (none: from the path's suffix or contents)"
     )
-    label: str | None = opt(None, help="the label column, field or array (imagefolder: label, leaf: y)")
+    label: str | list[str] | None = opt(
+        None,
+        help="the label column, field or array (imagefolder: label, leaf: y); task.kind regression or "
+        "multilabel: a list of columns gives one target or 0/1 label per column",
+    )
     features: list[str] | None = opt(None, help="the feature columns (none: every column but label and the partition's)")
     test_path: str | None = opt(None, help="the central test set, read by the server only (none: no central evaluation)")
-    num_classes: int | None = opt(None, ge=2, help="classes the model has (none: len(classes), else the data's largest label + 1)")
+    num_classes: int | None = opt(
+        None, ge=2, help="classes the model has (none: len(classes), else the data's largest label + 1); not used by "
+        "regression and multilabel tasks, whose outputs are their label columns",
+    )
     input_shape: list[int] | None = opt(None, help="the shape of one sample the model expects (none: the first file's)")
     classes: list[str] | None = opt(None, help="names of string labels in class-id order (none: the names read, sorted)")
     share_label_counts: bool = opt(False, help="write the clients' label histograms into partition.json")
@@ -76,7 +83,10 @@ class FileOptions:
                 raise ConfigError(
                     f"config key '{prefix}.num_classes': {self.num_classes}, but classes names {len(self.classes)}"
                 )
-        if self.features is not None and (not self.features or self.label in self.features):
+        labels = [self.label] if isinstance(self.label, str) else self.label or []
+        if isinstance(self.label, list) and (not self.label or len(set(self.label)) != len(self.label)):
+            raise ConfigError(f"config key '{prefix}.label': expected distinct columns, got {self.label}")
+        if self.features is not None and (not self.features or set(labels) & set(self.features)):
             raise ConfigError(
                 f"config key '{prefix}.features': expected feature columns other than the label, got {self.features}"
             )

@@ -1,4 +1,5 @@
-"""Columns to samples: the feature columns stacked into float32 samples, the label column into class ids."""
+"""Columns to samples: the feature columns stacked into float32 samples, the label column into class ids
+or, for regression and multilabel tasks, float targets (one column, or several stacked)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ def column_array(values: Sequence[object], path: str, name: str) -> np.ndarray:
     return array.astype(str)
 
 
-def select(columns: Columns, path: str, label: str, features: list[str] | None, by: str | None) -> Samples:
-    """The samples of ``columns``: ``features`` (default every column but ``label`` and ``by``), one column
-    keeping its shape, several flattened and concatenated in order; labels and the partition column raw."""
-    wanted = [("task.dataset_options.label", label), ("task.partition.by", by)]
+def select(columns: Columns, path: str, label: str | list[str], features: list[str] | None, by: str | None) -> Samples:
+    """The samples of ``columns``: ``features`` (default every column but the label's and ``by``), one column
+    keeping its shape, several flattened and concatenated in order; labels and the partition column raw
+    (a list of label columns: stacked into one (N, k) array, each column a number per row)."""
+    names = [label] if isinstance(label, str) else list(label)
+    wanted = [("task.dataset_options.label", name) for name in names] + [("task.partition.by", by)]
     wanted += [("task.dataset_options.features", name) for name in features or []]
     for option, name in wanted:
         if name is not None and name not in columns:
             raise TaskError(f"{option}: {path} has no column '{name}'; it has {', '.join(sorted(columns))}")
-    chosen = features if features is not None else [n for n in columns if n not in (label, by)]
+    chosen = features if features is not None else [n for n in columns if n not in (*names, by)]
     if not chosen:
         raise TaskError(f"task.dataset_options.features: {path} has no column besides the label")
     rows = {len(a) for a in columns.values()}
@@ -56,7 +59,14 @@ def select(columns: Columns, path: str, label: str, features: list[str] | None, 
         x = columns[chosen[0]]
     else:
         x = np.concatenate([columns[n].reshape(len(columns[n]), -1) for n in chosen], axis=1)
-    return Samples(path, np.ascontiguousarray(x, dtype=np.float32), columns[label], None if by is None else columns[by])
+    if isinstance(label, str):
+        labels = columns[label]
+    else:
+        for name in names:
+            if columns[name].dtype.kind not in "biuf" or columns[name].ndim != 1:
+                raise TaskError(f"task.dataset_options.label: column '{name}' of {path} is not one number per row")
+        labels = np.stack([columns[n] for n in names], axis=1).astype(np.float64)
+    return Samples(path, np.ascontiguousarray(x, dtype=np.float32), labels, None if by is None else columns[by])
 
 
 def class_ids(samples: Samples, classes: list[str] | None) -> np.ndarray:
@@ -77,3 +87,22 @@ def class_ids(samples: Samples, classes: list[str] | None) -> np.ndarray:
     if not whole.all():
         raise TaskError(f"{path}: label {y[~whole][0].item()!r} is not a class id (a whole number >= 0)")
     return y.astype(np.int64)
+
+
+def targets(samples: Samples, kind: str) -> np.ndarray:
+    """The labels of ``samples`` as float32 targets of a regression (any finite number) or a multilabel
+    task (0 or 1, one column per label)."""
+    y, path = samples.labels, samples.path
+    if y.dtype.kind not in "biuf":
+        raise TaskError(f"task.dataset_options.label: {path} has labels that are not numbers; a {kind} task needs numbers")
+    if y.ndim > 2 or (kind == "multilabel" and y.ndim != 2):
+        raise TaskError(
+            f"task.dataset_options.label: {path} has labels of shape {y.shape[1:]}; a {kind} task needs "
+            + ("one 0/1 column per label (a list of columns, or one column of lists)" if kind == "multilabel"
+               else "one number per row, or a list of columns")
+        )
+    if not np.isfinite(y).all():
+        raise TaskError(f"{path}: a label is not a finite number")
+    if kind == "multilabel" and not np.isin(y, (0, 1)).all():
+        raise TaskError(f"{path}: label {y[~np.isin(y, (0, 1))][0].item()!r} of a multilabel task is not 0 or 1")
+    return y.astype(np.float32)
