@@ -95,7 +95,9 @@ def test_keys_command_writes_a_secret_and_a_public_context(keys: Path) -> None:
 def test_a_secret_context_that_existed_with_a_looser_mode_ends_owner_only(tmp_path: Path) -> None:
     (tmp_path / SECRET_FILE).write_bytes(b"stale")
     (tmp_path / SECRET_FILE).chmod(0o644)
-    assert main(["keys", "--out", str(tmp_path)]) == 0
+    assert main(["keys", "--out", str(tmp_path)]) == 2  # not replaced without --force (issue 26 item 4)
+    assert (tmp_path / SECRET_FILE).read_bytes() == b"stale"
+    assert main(["keys", "--out", str(tmp_path), "--force", "--runs", str(tmp_path / "runs")]) == 0
     assert stat.S_IMODE((tmp_path / SECRET_FILE).stat().st_mode) == 0o600
     assert (tmp_path / SECRET_FILE).read_bytes() != b"stale"
 
