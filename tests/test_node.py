@@ -233,3 +233,23 @@ def test_fedweave_client_applies_its_site_file_to_its_own_config(
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("fedweave: error: config key 'threads'")
+
+
+def test_a_client_of_sites_with_their_own_files_reads_the_one_its_data_names(tmp_path: Path) -> None:
+    """`fedweave client --data PATH` on a `task.dataset: files` federation: the client builds its task
+    from that file alone, the rows and local split the simulation of the same files gives it."""
+    from fedweave.build import build_task
+    from fedweave.nodes.client import client_task, site_overrides
+
+    files = Path(__file__).parents[1] / "examples" / "data" / "files-csv"
+    base = ["clients=3", "transport=grpc", "task.dataset=files", "task.partition={scheme: iid}",
+            f"task.dataset_options={{path: '{files}/site_{{client}}.csv', label: label, num_classes: 3}}"]
+    simulated = build_task(config_mod.load(None, base)).clients
+    for cid in (0, 2):
+        site = config_mod.load(None, [*base, *site_overrides(data=str(files / f"site_{cid}.csv"))])
+        own = client_task(site, cid).clients
+        assert own.train_size(cid) == simulated.train_size(cid)
+        for mine, theirs in zip(own.split(cid), simulated.split(cid), strict=True):
+            assert torch.equal(mine, theirs)
+        with pytest.raises(ValueError, match=f"holds the data of client {cid} only"):
+            own.train_size(1)

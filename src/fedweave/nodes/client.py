@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from fedweave.build import build_chains, build_client_runtime, build_task
+from fedweave.build import TaskBundle, build_chains, build_client_runtime, build_site_task, build_task
 from fedweave.client import ClientStateStore
 from fedweave.config import Config, read_yaml
 from fedweave.errors import ConfigError
@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 SITE_KEYS = {"data": "task.dataset_options.path", "device": "local.device", "threads": "threads"}
 """A site's own settings (a site file's keys, and the flags ``--data``, ``--device``) and the config key
 each one sets in that client's config."""
+
+
+def client_task(config: Config, client_id: int) -> TaskBundle:
+    """What client ``client_id`` trains on: where sites bring their own data (``task.dataset: files``)
+    its own file alone (``task.dataset_options.path``, which its ``--data`` sets, else its file of the
+    path's ``{client}`` template), else its seeded share of the config's dataset."""
+    if config.task.dataset != "files":
+        return build_task(config)
+    options = config.task.file_options()
+    return build_site_task(config, client_id, None if options.template else options.path)
 
 
 def site_overrides(site_file: str | Path | None = None, data: str | None = None, device: str | None = None) -> list[str]:
@@ -60,7 +70,7 @@ def run_client(config: Config, client_id: int, *, address: str | None = None, to
         )
     if not 0 <= client_id < config.clients:
         raise ConfigError(f"--id {client_id} is not a client of this config (clients: 0..{config.clients - 1})")
-    task = build_task(config)
+    task = client_task(config, client_id)
     runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
     handler = emulated_handler(config, runtime.handle)  # sleeps to an emulated speed (heterogeneity), if any
     client = GrpcClient(config.grpc, client_id, handler, address=address, token=token, seed=config.seed)
