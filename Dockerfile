@@ -6,14 +6,19 @@
 #                                                           CUDA torch; its wheels carry the CUDA libraries
 #   docker build --build-arg BASE_IMAGE=REGISTRY/cuda-python:TAG ...
 #                                                           any base with python3 >= 3.10 as `python3`
+#   docker build --build-arg EXTRAS=grpc,prometheus,mlflow ...
+#                                                           the extras installed (default grpc)
 #
-# Two stages: the build stage installs the pinned project (pyproject.toml, the grpc extra)
+# The user's own modules (a strategy, a dataset, a model a config names by import path) go into an
+# image derived from this one: `fedweave deploy image --code DIR --extras LIST --out CONTEXT`.
+# Two stages: the build stage installs the pinned project (pyproject.toml, the EXTRAS)
 # into a virtual environment; the runtime stage copies only that environment and runs as a
 # non-root user. See docs/deployment.md (Kubernetes).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=grpc
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -21,7 +26,7 @@ RUN python3 -m venv /opt/fedweave
 COPY pyproject.toml README.md ./
 COPY src ./src
 # torch==2.13.0 is pinned in pyproject.toml; the torch index serves its CPU (or CUDA) build of it.
-RUN /opt/fedweave/bin/pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" ".[grpc]" \
+RUN /opt/fedweave/bin/pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" ".[${EXTRAS}]" \
     && /opt/fedweave/bin/fedweave --version
 
 FROM ${BASE_IMAGE} AS runtime

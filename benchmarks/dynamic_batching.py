@@ -18,7 +18,13 @@ first; its time is printed too):
   1:2:4), controller overhead = time in the controller / wall time;
 - time to accuracy: wall time until the test accuracy first reaches the target.
 
-    python benchmarks/dynamic_batching.py [--epochs 6] [--slowdown 2] [--target 0.9]
+The two policies run interleaved, ``--repeats`` pairs (the order alternating: dynamic, static,
+static, dynamic, ...), so a change of the host's load between them shows as spread, not as a
+speed-up: each pair's speed-up is printed, then their median and range. A speed-up above the
+ideal Σ s_i / (n · min s_i) is impossible on an unchanged machine and is flagged INVALID (the
+load changed during that pair), as is a median above it.
+
+    python benchmarks/dynamic_batching.py [--epochs 6] [--slowdown 2] [--target 0.9] [--repeats 3]
 
 ``--slowdown`` runs the fastest emulated worker that many times slower than native,
 so that the emulated cluster fits the cores: speeds 1:2:4 keep Σ 1/f_i = 1.75 / slowdown
@@ -58,6 +64,7 @@ import netns  # noqa: E402
 
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 
+SPEEDS = (1, 2, 4)
 BASE = [
     "mode=data_parallel",
     "name=dynamic-batching-bench",
@@ -72,9 +79,29 @@ BASE = [
     "data_parallel.controller.every=3",
     "data_parallel.controller.dead_band=0.02",  # emulated speeds are steady: balance more tightly
     "data_parallel.timeout=60",
-    "heterogeneity.speeds=[1, 2, 4]",
+    f"heterogeneity.speeds={list(SPEEDS)}",
     "checkpoint.every=0",
 ]
+
+
+def ideal_speedup(speeds: tuple[float, ...]) -> float:
+    """Static equal batches wait for the slowest worker each step; dynamic ones, at best, keep every
+    worker busy: Σ s_i / (n · min s_i) (7/3 at 1:2:4), communication left out (it only lowers it)."""
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def interleaved(repeats: int) -> list[tuple[int, str]]:
+    """(pair, policy) in the order they run: the order alternates, so neither policy always runs first."""
+    pairs = [("dynamic", "static") if k % 2 == 0 else ("static", "dynamic") for k in range(repeats)]
+    return [(k, policy) for k, pair in enumerate(pairs) for policy in pair]
+
+
+def speedups(static: list[float], dynamic: list[float], ideal: float) -> dict[str, Any]:
+    """Each pair's speed-up (static / dynamic epoch time), their median and range, and the pairs (by
+    index) whose speed-up exceeds ``ideal``, which no unchanged machine can give."""
+    ratios = [s / d for s, d in zip(static, dynamic, strict=True)]
+    return {"ratios": ratios, "median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+            "invalid": [k for k, r in enumerate(ratios) if r > ideal]}
 
 
 def run(policy: str, epochs: int, slowdown: float, out: Path) -> list[dict[str, Any]]:
@@ -175,7 +202,10 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy for time-to-accuracy")
     parser.add_argument("--hosts", type=int, choices=(0, 3), default=0,
                         help="3: each worker on a network namespace of its own under torchrun (root); 0: one host")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved pairs of a dynamic and a static run")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     B = 224
     hosts = None
@@ -186,15 +216,16 @@ def main() -> None:
         hosts = netns.Hosts(args.hosts)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results = {}
-            for policy in ("dynamic", "static"):
+            runs: dict[str, list[list[dict[str, Any]]]] = {"dynamic": [], "static": []}
+            for k, policy in interleaved(args.repeats):
+                out = Path(tmp) / f"pair-{k}"
                 if hosts is None:
-                    results[policy] = run(policy, args.epochs, args.slowdown, Path(tmp))
+                    runs[policy].append(run(policy, args.epochs, args.slowdown, out))
                     continue
                 overrides = [*BASE, f"data_parallel.epochs={args.epochs}", f"data_parallel.controller.policy={policy}",
                              f"heterogeneity.slowdown={args.slowdown}"]
-                run_hosts(hosts, overrides, Path(tmp) / policy)
-                results[policy] = read_metrics(Path(tmp) / policy / "metrics.jsonl")
+                run_hosts(hosts, overrides, out / policy)
+                runs[policy].append(read_metrics(out / policy / "metrics.jsonl"))
             if hosts is not None:
                 change = [*BASE, "data_parallel.epochs=2", "data_parallel.log_every=1",
                           f"heterogeneity.slowdown={args.slowdown}", "data_parallel.checkpoint_every=10"]
@@ -203,31 +234,41 @@ def main() -> None:
     finally:
         if hosts is not None:
             hosts.close()
-    summary = {}
-    for policy, records in results.items():
+    summaries: dict[str, list[dict[str, Any]]] = {"dynamic": [], "static": []}
+    for k, policy in interleaved(args.repeats):
+        records = runs[policy][k]
         stats = [epoch_stats(r, B) for r in records]
         steady = stats[1:]
         epoch = statistics.median(s["time"] for s in steady)
         ideal = statistics.median(s["ideal"] for s in steady)
         control = sum(s["controller"] for s in stats) / sum(s["time"] for s in stats)
-        summary[policy] = {"epoch": epoch, "ideal": ideal, "first": stats[0]["time"], "control": control,
-                           "records": records, "comm": statistics.median(s["comm"] for s in steady)}
+        one = {"epoch": epoch, "ideal": ideal, "first": stats[0]["time"], "control": control, "records": records,
+               "comm": statistics.median(s["comm"] for s in steady)}
+        summaries[policy].append(one)
         last = records[-1]
         print(
-            f"{policy:>7}: epoch {epoch:.2f} s (first epoch {stats[0]['time']:.2f} s), "
+            f"pair {k} {policy:>7}: epoch {epoch:.2f} s (first epoch {stats[0]['time']:.2f} s), "
             f"final batches {[round(b) for b in last['batch']]}, "
             f"throughput X_i {[round(x) for x in steady[-1]['throughput']]} samples/s, "
-            f"comm {summary[policy]['comm'] * 1000:.1f} ms/step, controller {control:.3%} of wall time"
+            f"comm {one['comm'] * 1000:.1f} ms/step, controller {control:.3%} of wall time"
         )
-    dyn, sta = summary["dynamic"], summary["static"]
-    print(f"ideal S·(B/ΣX_i + c): {dyn['ideal']:.2f} s per epoch (from the dynamic run's measured X_i and c)")
+    bound = ideal_speedup(SPEEDS)
+    spread = speedups([s["epoch"] for s in summaries["static"]], [d["epoch"] for d in summaries["dynamic"]], bound)
+    middle = sorted(range(args.repeats), key=lambda k: spread["ratios"][k])[(args.repeats - 1) // 2]
+    dyn, sta = summaries["dynamic"][middle], summaries["static"][middle]  # the pair of the median speed-up
+    print(f"ideal S·(B/ΣX_i + c): {dyn['ideal']:.2f} s per epoch (pair {middle}'s dynamic run: its measured X_i and c)")
     print(f"efficiency (ideal / dynamic epoch):  {dyn['ideal'] / dyn['epoch']:.1%}   target >= 95 %")
-    print(f"speed-up (static / dynamic epoch):   {sta['epoch'] / dyn['epoch']:.2f}x   target >= 2.2x (ideal 2.33x)")
+    for k, ratio in enumerate(spread["ratios"]):
+        flag = f"   INVALID: above the ideal {bound:.2f}x (the host's load changed)" if k in spread["invalid"] else ""
+        print(f"speed-up of pair {k} (static / dynamic epoch): {ratio:.2f}x{flag}")
+    verdict = f"   INVALID: above the ideal {bound:.2f}x" if spread["median"] > bound else ""
+    print(f"speed-up: median {spread['median']:.2f}x, range {spread['low']:.2f}-{spread['high']:.2f}x over "
+          f"{args.repeats} interleaved pairs   target >= 2.2x (ideal {bound:.2f}x){verdict}")
     print(f"controller overhead:                 {dyn['control']:.3%}   target <= 2 %")
-    for policy in ("dynamic", "static"):
-        records = summary[policy]["records"]
+    for policy, one in (("dynamic", dyn), ("static", sta)):
+        records = one["records"]
         accs = " ".join(f"{r['test_accuracy']:.3f}" for r in records)
-        print(f"{policy:>7} test accuracy per epoch: {accs}; "
+        print(f"pair {middle} {policy:>7} test accuracy per epoch: {accs}; "
               f"time to {args.target:.2f}: {_fmt(time_to(records, args.target))}")
     t_dyn, t_sta = time_to(dyn["records"], args.target), time_to(sta["records"], args.target)
     if t_dyn and t_sta:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,14 @@ class Hosts(NetworkNamespaces):
 
     def address(self, i: int) -> str:
         return f"{self.subnet}.{10 + i}"
+
+    def lie_about_hostname(self) -> None:
+        """Make this machine's hostname resolve to 127.0.0.1 on every host (``ip netns exec`` mounts
+        ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``), as on many a machine off DNS."""
+        for i in range(self.count):
+            folder = Path("/etc/netns") / self.namespace(i)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n")
 
     def exec(self, i: int) -> list[str]:
         """The command prefix that runs a command on host ``i``."""

@@ -228,7 +228,9 @@ def test_careless_flags_and_folders_get_one_line(capsys: pytest.CaptureFixture[s
         (["run", *SMALL, "--run-dir", str(a_file / "run"), "-q"], 1, f"cannot use '{a_file / 'run'}': Not a directory"),
         (["run", *SMALL, "task.model_options={hidden: [100000000000000]}", "-q"], 2, "task.model 'mlp' with"),
         (["certs", "--out", str(a_file), "--clients", "1"], 1, f"cannot use '{a_file}': File exists"),
-        (["certs", "--out", str(tmp_path / "c"), "--clients", "1", "--days", "-5"], 2, "certs: --days must be at least 1"),
+        (["certs", "--out", str(tmp_path / "c"), "--clients", "1", "--days", "-5"], 2, "certs: --days must lie in 1..36,500"),
+        (["certs", "--out", str(tmp_path / "c"), "--clients", "1", "--days", "10000000"], 2, "certs: --days must lie"),
+        (["certs", "--out", str(tmp_path / "c"), "--clients", "1000000"], 2, "certs: --clients must lie in 1..10,000"),
         (["certs", "--out", str(tmp_path / "c"), "--clients", "1", "--host", "bücher.example"], 2, "certs: --host"),
         (["keys", "--out", str(a_file)], 1, f"cannot use '{a_file}': File exists"),
         (["client", "x.yaml", "--id", "0", "--token", "abc\ndef"], 2, "--token: a token is one line of printable ASCII"),
@@ -247,3 +249,106 @@ def test_a_run_name_cannot_leave_output_dir(capsys: pytest.CaptureFixture[str], 
     assert main(["run", *SMALL, "name=../../escaped", f"output_dir={runs}", "-q"]) == 2
     assert one_line_error(capsys).startswith("fedweave: error: config key 'name': '../../escaped' is not a run name")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_resumed_from_the_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 26 item 10: kill -9 before any checkpoint leaves the config and metrics lines; --resume
+    begins the run again (its lines written anew) rather than refusing the folder."""
+    runner.prepare(config_mod.load(None, SMALL), tmp_path)
+    (tmp_path / rundir.METRICS_FILE).write_text('{"round": 1, "train_loss": 9.0}\n{"round": 2, "tr')
+    rundir.release(tmp_path)  # (the process that wrote them was killed: its lock went with it)
+    assert main(["run", "--resume", str(tmp_path), "-q"]) == 0
+    lines = [json.loads(line) for line in (tmp_path / rundir.METRICS_FILE).read_text().splitlines()]
+    assert [line["round"] for line in lines] == [1, 2, 3] and lines[0]["train_loss"] != 9.0
+
+
+def test_a_checkpoint_of_another_run_is_refused_with_both_run_ids(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 26 item 10: run b's checkpoint (another seed) copied into run a is not resumed."""
+    from fedweave.checkpoint import CHECKPOINT, run_id
+
+    for name, seed in (("a", 0), ("b", 1)):
+        assert main(["run", *SMALL, "rounds=1", f"seed={seed}", "--run-dir", str(tmp_path / name), "-q"]) == 0
+    (tmp_path / "a" / CHECKPOINT).write_bytes((tmp_path / "b" / CHECKPOINT).read_bytes())
+    assert main(["run", "--resume", str(tmp_path / "a"), "-q"]) == 1
+    a, b = run_id(tmp_path / "a"), run_id(tmp_path / "b")
+    assert a and b and a != b
+    assert one_line_error(capsys) == (
+        f"fedweave: error: checkpoint '{tmp_path / 'a' / CHECKPOINT}' was written by run {b}, but "
+        f"'{tmp_path / 'a'}' is run {a} (its run.json): a checkpoint of another run is not resumed; put this "
+        "run's checkpoint back, or begin a new run"
+    )
+
+
+def test_keys_and_certs_replace_nothing_without_force_and_never_what_a_run_uses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 item 4: over existing keys or credentials both commands refuse (rc 2, one line) and
+    leave the files as they were; --force replaces them, unless a run directory records them."""
+    monkeypatch.chdir(tmp_path)
+    commands = {"certs": (["certs", "--clients", "1"], "ca.pem"), "keys": (["keys"], "public.ctx")}
+    for command, (argv, kept) in commands.items():
+        out = tmp_path / command
+        assert main([*argv, "--out", str(out)]) == 0
+        capsys.readouterr()
+        before = (out / kept).read_bytes()
+        assert main([*argv, "--out", str(out)]) == 2
+        assert one_line_error(capsys).startswith(f"fedweave: error: {command}: '{out}' holds ")
+        assert (out / kept).read_bytes() == before
+        assert main([*argv, "--out", str(out), "--force"]) == 0
+        capsys.readouterr()
+        assert (out / kept).read_bytes() != before
+    he = f"plugins.client_send=[{{name: he, keys: {tmp_path / 'keys'}}}]"
+    used = config_mod.load(None, [*SMALL, he, "eval.every=0", f"grpc.credentials={tmp_path / 'certs'}"])
+    rundir.release(rundir.create(used, tmp_path / "runs" / "used")[0])
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "runs" / "used").rename(elsewhere)
+    for command, (argv, kept) in commands.items():
+        out = tmp_path / command
+        before = (out / kept).read_bytes()
+        assert main([*argv, "--out", str(out), "--force", "--runs", str(elsewhere)]) == 2
+        assert one_line_error(capsys).startswith(f"fedweave: error: {command}: '{out}/")
+        assert (out / kept).read_bytes() == before
+    elsewhere.rename(tmp_path / "runs" / "used")  # in ./runs, looked at by default
+    assert main(["certs", "--clients", "1", "--out", str(tmp_path / "certs"), "--force"]) == 2
+    assert one_line_error(capsys) == (
+        f"fedweave: error: certs: '{tmp_path / 'certs' / 'ca.pem'}' is a key of the run in 'runs/used' (its "
+        "run.json), which it would lock out: not replaced, --force or not; write to another folder"
+    )
+
+
+def test_status_and_report_on_corrupt_run_files_give_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 26 item 10: a config.yaml that is not YAML, a list, or nested too deep, and metrics
+    lines nested as deep or holding values of the wrong type, gave tracebacks; now one line and exit 2,
+    or the bad line left out (a note) when the rest of the run reads."""
+    import shutil
+
+    good = tmp_path / "good"
+    assert main(["run", *SMALL, "rounds=2", "--run-dir", str(good), "-q"]) == 0
+    deep = "[" * 1_500 + "]" * 1_500  # (past the interpreter's recursion limit, as 100,000 is, and quicker to read)
+    refused = {
+        "config.yaml": [(": : [", "config.yaml' line 1: not valid YAML"),
+                        ("- 1\n", "config.yaml': expected a mapping of keys at the top level"),
+                        (deep, "config.yaml': refused, it nests deeper than 100 levels")],
+        "metrics.jsonl": [('{"round": 3, "wall_time": Infinity, "train_loss": [1]}\n',
+                           "its config or metrics hold a value fedweave does not write")],
+    }
+    for name, cases in refused.items():
+        for k, (text, why) in enumerate(cases):
+            run = tmp_path / f"{name}-{k}"
+            shutil.copytree(good, run)
+            with (run / name).open("w" if name == "config.yaml" else "a") as f:
+                f.write(text)
+            for command in ("status", "report") if k == 0 else ("status",):  # (both read through load_run)
+                assert main([command, str(run)]) == 2, (command, name, k)
+                assert why in one_line_error(capsys), (command, name, k)
+    run = tmp_path / "left-out"
+    shutil.copytree(good, run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(deep + '\n{"round": "x", "wall_time": "b"}\n')
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "line 3 is not JSON; left out" in out and "line 4 has no round or step number; left out" in out

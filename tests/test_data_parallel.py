@@ -8,6 +8,7 @@ global batches, which is what correct b_i / B weighting must reproduce.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -363,11 +364,20 @@ def test_cli_runs_a_data_parallel_config(tmp_path: Path, capsys: pytest.CaptureF
         ("heterogeneity.joins=[{step: 5, worker: 4}]", "'heterogeneity.joins[0].worker': 4; .* this one is 3"),
         ("heterogeneity.joins=[{step: 0, worker: 3}]", "'heterogeneity.joins[0].step': must be >= 1"),
         ("heterogeneity.joins=[{step: 5, worker: 3}]", "3 values for data_parallel.workers=3 and 1 join;"),
+        ("data_parallel.max_bad_steps=0", "'data_parallel.max_bad_steps': must be >= 1, got 0"),
+        ("data_parallel.max_norm_ratio=1", "'data_parallel.max_norm_ratio': must be > 1"),
+        ("data_parallel.max_grad_norm=-1", "'data_parallel.max_grad_norm': must be > 0"),
     ],
 )
 def test_config_errors_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         dp_config(override)
+
+
+def test_only_synchronous_steps_take_a_gradient_bound() -> None:
+    with pytest.raises(ConfigError, match="'data_parallel.max_grad_norm': only sync bsp checks each worker's gradient"):
+        dp_config("data_parallel.sync=asp", "data_parallel.max_grad_norm=10", "heterogeneity.speeds=[1, 2]",
+                  "data_parallel.workers=2")
 
 
 def test_joins_are_checked_against_the_joining_workers() -> None:
@@ -377,3 +387,46 @@ def test_joins_are_checked_against_the_joining_workers() -> None:
         dp_config(*JOIN, "heterogeneity.crashes=[{step: 11, worker: 2}]")
     with pytest.raises(ConfigError, match="'heterogeneity.joins': applies to mode data_parallel only"):
         config_mod.load(None, ["heterogeneity.joins=[{step: 1, worker: 2}]"])
+
+
+def poisoning(monkeypatch: pytest.MonkeyPatch, worker: int, steps: dict[int, float]) -> None:
+    """Worker ``worker``'s share of the gradient at its ``steps`` (1-based calls) multiplied by their
+    factor (NaN, or a huge one); inherited by the forked workers, each counting its own calls."""
+    import multiprocessing
+
+    real = data_parallel.local_contribution
+    calls = [0]
+
+    def poisoned(model, loss_fn, x, y, weight):  # type: ignore[no-untyped-def]
+        flat, loss = real(model, loss_fn, x, y, weight)
+        if multiprocessing.current_process().name != f"fedweave-worker-{worker}":
+            return flat, loss
+        calls[0] += 1
+        return flat * steps.get(calls[0], 1.0), loss
+
+    monkeypatch.setattr(bsp, "local_contribution", poisoned)
+
+
+def test_a_nan_or_huge_gradient_of_one_worker_skips_its_step_and_the_model_stays_finite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker 1's share is NaN at step 3 and 10^6 times too large at step 6 (above max_grad_norm
+    1000): both steps are skipped (on every worker alike), the others train; the run finishes with a
+    finite model."""
+    poisoning(monkeypatch, 1, {3: float("nan"), 6: 1e6})
+    config = dp_config("data_parallel.epochs=1", "data_parallel.controller.every=100", "data_parallel.max_grad_norm=1000")
+    records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    assert records[-1]["step"] == 10 and [rec["skipped_steps"] for rec in records] == [1, 1]  # steps 1-5, 6-10
+    trained = torch.load(tmp_path / "run" / "model.pt")
+    assert all(bool(torch.isfinite(v).all()) for v in trained.values())
+    assert all(math.isfinite(rec["train_loss"]) for rec in records) and records[-1]["test_accuracy"] > 0.3
+
+
+def test_too_many_bad_steps_stop_the_run_with_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 2 sends NaN from its step 2 on: data_parallel.max_bad_steps 2 stops the run at step 3,
+    with an error, not rc 0 and a NaN model."""
+    poisoning(monkeypatch, 2, {n: float("nan") for n in range(2, 40)})
+    config = dp_config("data_parallel.epochs=1", "data_parallel.max_bad_steps=2")
+    with pytest.raises(data_parallel.DataParallelError, match=r"workers \[0, 1, 2\] lost \(exit codes \{0: 3, 1: 3, 2: 3\}\)"):
+        data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
+    assert not (tmp_path / "run" / "model.pt").exists()

@@ -253,3 +253,46 @@ def test_a_client_of_sites_with_their_own_files_reads_the_one_its_data_names(tmp
             assert torch.equal(mine, theirs)
         with pytest.raises(ValueError, match=f"holds the data of client {cid} only"):
             own.train_size(1)
+
+
+def test_a_second_server_on_a_run_directory_is_refused_while_the_first_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 5: the second `fedweave server` on the same --run-dir says which process writes
+    it, exits 1 and listens nowhere; the first keeps the run (it waits for its clients here)."""
+    from launchers.test_process import start, wait_for, write_config
+
+    from conftest import free_port
+    from fedweave.cli import main
+
+    config = write_config(tmp_path / "c.yaml", tmp_path / "hold", plugins={}, grpc={"join_timeout": 120})
+    run_dir, address = tmp_path / "run", tmp_path / "address"
+    first = start(["server", str(config), "--run-dir", str(run_dir), "--listen", "127.0.0.1:0",
+                   "--address-file", str(address), "-q"], tmp_path / "first.log")
+    try:
+        wait_for(address.exists, 120, "the first server to listen")
+        port = free_port()
+        assert main(["server", str(config), "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{port}", "-q"]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"fedweave: error: run directory '{run_dir}' is in use by process {first.pid}, which holds run.lock in "
+            "it; wait for that process to end or stop it, or choose another directory"
+        )
+        assert first.poll() is None
+    finally:
+        first.kill()
+        first.wait(10)
+
+
+def test_fedweave_site_on_a_star_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 26 item 10: `fedweave site` on a config without sites ended in a traceback."""
+    from fedweave.cli import main
+
+    path = tmp_path / "star.yaml"
+    path.write_text("name: star\nclients: 2\ntransport: grpc\n")
+    for rank in ("0", "1"):
+        assert main(["site", str(path), "--site", "0", "--rank", rank]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "fedweave: error: config key 'topology.kind': `fedweave site` runs a site of a hierarchical topology "
+            "with inner torchdist over transport grpc; this config has topology 'star' over 'grpc' (its clients are "
+            "`fedweave client` nodes, or run inside `fedweave run`)"
+        )

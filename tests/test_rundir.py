@@ -4,14 +4,19 @@ the saved config, the metrics kept on resume, the metrics tail, the model file."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import SMALL
 from fedweave import config as config_mod
 from fedweave import rundir
-from fedweave.checkpoint import CHECKPOINT
+from fedweave.checkpoint import CHECKPOINT, run_id
 from fedweave.config import Config
 from fedweave.errors import CheckpointError, ConfigError
 
@@ -24,8 +29,10 @@ def test_a_new_run_gets_a_named_directory_with_its_config(tmp_path: Path) -> Non
     config = demo_config(tmp_path)
     path, fresh = rundir.create(config)
     assert fresh and path.parent == tmp_path / "runs" and path.name.startswith("demo-")
-    assert sorted(p.name for p in path.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.yaml", "run.json", "run.lock"]
     assert rundir.saved_config(path) == config
+    assert json.loads((path / "run.json").read_text()) == {"id": run_id(path), "keys": {}}
+    assert len(run_id(path) or "") == 12 and run_id(path) != run_id(rundir.create(config)[0])
 
 
 def test_a_given_directory_is_fresh_only_when_absent_or_empty(tmp_path: Path) -> None:
@@ -80,3 +87,53 @@ def test_the_model_file_round_trips_its_tensors(tmp_path: Path) -> None:
     rundir.save_model(params, tmp_path)
     loaded = rundir.load_model(tmp_path)
     assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], params[k]) for k in params)
+
+
+HOLDER = """
+import subprocess, sys
+from pathlib import Path
+from fedweave import rundir
+for run_dir in sys.argv[1:]:
+    rundir.lock(Path(run_dir))
+child = "from pathlib import Path; import sys; from fedweave import rundir; print(rundir.lock(Path(sys.argv[1])))"
+print("locked", subprocess.run([sys.executable, "-c", child, sys.argv[1]], capture_output=True, text=True).stdout.strip(), flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def held(*run_dirs: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process that writes ``run_dirs`` (holds their locks) until the block ends."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, *map(str, run_dirs)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["locked", "True"]  # its own child writes under its lock
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_run_directory_has_one_writer_at_a_time(tmp_path: Path) -> None:
+    """Issue 26 item 5: while one process writes a run directory, a second writer (a new run there,
+    a resume, the data-parallel launcher's) is refused in one line naming the holder's pid; the lock
+    goes with its holder, however it ends (kill -9 here)."""
+    from fedweave import data_parallel, runner
+
+    config = config_mod.load(None, [*SMALL, "rounds=1"])
+    runner.execute(runner.prepare(config, tmp_path / "run"))  # its end frees the directory
+    dp = config_mod.load(None, [*SMALL, "mode=data_parallel", "data_parallel.workers=1"])
+    with held(tmp_path / "run", tmp_path / "new") as holder:
+        why = rf"run directory '{tmp_path / 'run'}' is in use by process {holder.pid}, which holds run.lock in it"
+        with pytest.raises(rundir.RunInUse, match=why):
+            runner.resume(tmp_path / "run")
+        with pytest.raises(rundir.RunInUse, match=why):
+            runner.reopen(config, tmp_path / "run")
+        for prepare in (lambda: runner.prepare(config, tmp_path / "new"), lambda: data_parallel.prepare(dp, tmp_path / "new")):
+            with pytest.raises(rundir.RunInUse, match=f"in use by process {holder.pid}"):
+                prepare()
+        assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["run.lock"]  # nothing written
+    assert runner.resume(tmp_path / "run").first_round == 2  # the holder was killed: free again
+    rundir.release(tmp_path / "run")
+    assert data_parallel.prepare(dp, tmp_path / "new").run_dir == tmp_path / "new"

@@ -91,6 +91,8 @@ def test_run_directory_layout(tmp_path: Path) -> None:
         "metrics.jsonl",
         "model.pt",
         "partition.json",
+        "run.json",
+        "run.lock",
     ]
     assert config_mod.load(run_dir / "config.yaml") == small_config()
 

@@ -58,4 +58,6 @@ def resume(run_dir: str | Path) -> runner.Run | DataParallelRun:
     r = runner.resume(run_dir)
     if r.first_round <= r.config.rounds:
         runner.execute(r)
+    else:
+        rundir.release(r.run_dir)
     return r

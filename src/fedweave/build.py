@@ -249,7 +249,7 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
         schema=dataclasses.replace(schema, kind=cls.update_kind),
         limits=ExampleLimits(config.aggregation.max_examples, size_of),
         max_weight_share=config.aggregation.max_weight_share,
-        weights=WeightPolicy(config.aggregation.weight_policy, config.aggregation.max_ratio_to_median),
+        weights=WeightPolicy.of(config.aggregation),
     )
 
 

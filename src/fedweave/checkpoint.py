@@ -4,11 +4,16 @@ file, fsync, rename), so a crash while saving leaves the previous checkpoint int
 Checkpoints are read with ``torch.load(weights_only=True)``: tensors, plain containers
 and the few fedweave types registered with :func:`checkpoint_type`; a file holding
 anything else is refused rather than unpickled, so a crafted checkpoint cannot run code.
+
+Each checkpoint records the id of its run (``run.json`` in the run directory,
+:mod:`fedweave.rundir`): a checkpoint of another run, copied into a run directory, is
+refused with both ids rather than resumed.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -25,6 +30,8 @@ from fedweave.types import Update, UpdateKind
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
+RUN_FILE = "run.json"
+"""The run's identity, written by :func:`fedweave.rundir.create`: ``{"id": ..., "keys": ...}``."""
 
 T = TypeVar("T", bound=type)
 
@@ -42,6 +49,20 @@ checkpoint_type(UpdateKind)
 def atomic_save(obj: Any, path: str | Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
     atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def run_id(run_dir: str | Path) -> str | None:
+    """The id of the run in ``run_dir`` (None: a directory of no run, or of an older version)."""
+    try:
+        found = json.loads((Path(run_dir) / RUN_FILE).read_text()).get("id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def save_state(run_dir: str | Path, state: dict[str, Any]) -> None:
+    """``state`` as the checkpoint of ``run_dir``, in the foreground, with the run's id."""
+    atomic_save({**state, "run_id": run_id(run_dir)}, Path(run_dir) / CHECKPOINT)
 
 
 class CheckpointWriter:
@@ -66,7 +87,7 @@ class CheckpointWriter:
 
     def save(self, state: dict[str, Any]) -> None:
         buffer = io.BytesIO()
-        torch.save(state, buffer)
+        torch.save({**state, "run_id": run_id(self.path.parent)}, buffer)
         self._wait()
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -108,6 +129,13 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {_reason(exc)}") from None
     if not isinstance(state, dict) or "round" not in state:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a fedweave server state")
+    written_by, mine = state.get("run_id"), run_id(run_dir)
+    if written_by is not None and mine is not None and written_by != mine:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written by run {written_by}, but {str(run_dir)!r} is run {mine} "
+            f"(its {RUN_FILE}): a checkpoint of another run is not resumed; put this run's checkpoint back, "
+            "or begin a new run"
+        )
     return state
 
 

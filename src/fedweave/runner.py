@@ -98,9 +98,13 @@ def prepare(config: Config, run_dir: Path | None = None, topology: Topology | No
 
 
 def resume(run_dir: str | Path, topology: Topology | None = None) -> Run:
-    """Rebuild the run saved in ``run_dir`` and continue after its last checkpoint."""
+    """Rebuild the run saved in ``run_dir`` and continue after its last checkpoint (begun again
+    when it died before its first: :func:`reopen`)."""
     run_dir = Path(run_dir)
+    rundir.lock(run_dir)
     config = rundir.saved_config(run_dir)
+    if rundir.died_unsaved(run_dir):
+        return reopen(config, run_dir, topology)
     state = load_checkpoint(run_dir)
     built = _build(config, run_dir, topology)
     r = built.run
@@ -126,23 +130,27 @@ def reopen(config: Config, run_dir: Path, topology: Topology | None = None) -> R
     metrics lines, which the new run writes again, are dropped). A run of another config is refused.
     """
     run_dir = Path(run_dir)
+    rundir.lock(run_dir)
     if not rundir.holds_run(run_dir):
         return prepare(config, run_dir, topology)
     rundir.check_same_config(config, run_dir)
     if (run_dir / CHECKPOINT).is_file():
         return resume(run_dir, topology)
-    log.info("%s holds no checkpoint of its run: beginning it again", run_dir)
-    (run_dir / rundir.METRICS_FILE).unlink(missing_ok=True)
+    rundir.begin_again(run_dir)
     return prepare(config, run_dir, topology)
 
 
 def execute(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:
-    """Run the remaining rounds where the config's launcher puts the nodes."""
-    if r.config.launcher.kind == "process":
-        from fedweave.launchers.process import launch_processes
+    """Run the remaining rounds where the config's launcher puts the nodes; then the run directory
+    is free for another writer."""
+    try:
+        if r.config.launcher.kind == "process":
+            from fedweave.launchers.process import launch_processes
 
-        return launch_processes(r, on_record)
-    return run_rounds(r, on_record)
+            return launch_processes(r, on_record)
+        return run_rounds(r, on_record)
+    finally:
+        rundir.release(r.run_dir)
 
 
 def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> list[Record]:

@@ -43,6 +43,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -307,6 +308,11 @@ class WeightPolicy:
 
     policy: str = "cap"
     ratio: float = 3.0
+
+    @classmethod
+    def of(cls, aggregation: Any) -> WeightPolicy:
+        """The policy of a run's ``aggregation`` config section."""
+        return cls(aggregation.weight_policy, aggregation.max_ratio_to_median)
 
     def bound(self, updates: Sequence[Update], reference: Sequence[float] = ()) -> Bounded:
         """``updates`` of one cohort with every claim within :func:`claim_ceilings`: lowered to it

@@ -257,3 +257,58 @@ def test_state_dict_round_trip_gives_the_same_future() -> None:
 def test_infeasible_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="cannot be split"):
         BatchController(10, [0, 1, 2], settings(min_batch=4))
+
+
+# ------------------------------------------------ issue 26 item 12: mutants of the rules above survived
+
+
+def test_the_dead_band_is_the_imbalance_threshold_itself() -> None:
+    """No change while max_i t_i / mean t < 1 + dead_band; a change once it is not: a band just above
+    the plan's imbalance holds it, one just below lets it change (a scaled band or a shifted bound fails)."""
+    probe = BatchController(90, [0, 1, 2], settings(dead_band=10.0))
+    simulate(probe, [1.0, 1.05, 1.08], 20)
+    imbalance = probe.imbalance()
+    assert imbalance == pytest.approx(30 / ((30 + 30 / 1.05 + 30 / 1.08) / 3))  # equal batches: t_i = 30 / s_i
+    for band, changes in ((imbalance - 1 + 1e-3, False), (imbalance - 1 - 1e-3, True)):
+        c = BatchController(90, [0, 1, 2], settings(dead_band=band))
+        assert (change_steps(simulate(c, [1.0, 1.05, 1.08], 20)) != []) is changes, band
+
+
+def _measure(c: BatchController, speeds: list[float], steps: int) -> None:
+    """``steps`` steps of 30 samples each at ``speeds`` (samples per second), exactly."""
+    for _ in range(steps):
+        c.observe({w: 30 for w in c.workers}, {w: 30 / s for w, s in zip(c.workers, speeds)})
+
+
+@pytest.mark.parametrize(("new", "followed"), [(14.0, True), (12.0, False)])
+def test_a_window_more_than_a_quarter_off_the_average_restarts_it(new: float, followed: bool) -> None:
+    """EWMA 0.1, a decision every 2 steps: worker 2 goes from 10 to ``new`` samples/s. Its average
+    after two steps is 10.76 (14) or 10.38 (12); the window's 14 is 30 % above 10.76, past JUMP = 0.25,
+    and restarts the average at 14; 12 is 16 % above 10.38 and is not followed."""
+    c = BatchController(90, [0, 1, 2], settings(every=2, warmup=0, ewma=0.1, dead_band=100.0))
+    _measure(c, [10.0, 10.0, 10.0], 2)
+    assert c.throughput == {0: 10.0, 1: 10.0, 2: 10.0}
+    _measure(c, [10.0, 10.0, new], 2)
+    blended = 0.1 * new + 0.9 * (0.1 * new + 0.9 * 10.0)
+    assert c.throughput[2] == pytest.approx(new if followed else blended)
+    assert c.throughput[0] == pytest.approx(10.0)
+
+
+def test_an_oom_without_a_recent_increase_caps_at_three_quarters_and_again_lower() -> None:
+    c = BatchController(90, [0, 1, 2])
+    assert c.batches == {0: 30, 1: 30, 2: 30}
+    assert c.report_oom(1) and c.max_batch == {1: 22}  # ⌊3 · 30 / 4⌋: no increase to go back to
+    assert c.batches == {0: 34, 1: 22, 2: 34}
+    assert c.report_oom(1) and c.max_batch == {1: 16} and c.batches[1] == 16  # ⌊3 · 22 / 4⌋, lower again
+    floor = BatchController(90, [0, 1, 2], settings(min_batch=25))
+    assert floor.report_oom(0) and floor.max_batch == {0: 25}  # never below min_batch
+
+
+def test_the_last_short_step_scales_the_plan_down_in_proportion() -> None:
+    c = BatchController(B, [0, 1, 2])
+    simulate(c, SPEEDS, 20)
+    assert c.batches == {0: 32, 1: 64, 2: 128}
+    assert c.allocation(B) == c.batches
+    assert c.allocation(112) == {0: 16, 1: 32, 2: 64}
+    assert c.allocation(7) == {0: 1, 1: 2, 2: 4}
+    assert c.allocation(10) == {0: 1, 1: 3, 2: 6} and sum(c.allocation(10).values()) == 10

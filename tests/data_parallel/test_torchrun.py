@@ -57,6 +57,7 @@ needs_hosts = pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavail
 def hosts() -> Iterator[netns.Hosts]:
     made = netns.Hosts(3)
     try:
+        made.lie_about_hostname()
         yield made
     finally:
         made.close()
@@ -70,14 +71,17 @@ def write_config(tmp_path: Path, **dp: Any) -> tuple[Path, config_mod.Config]:
 
 
 def agent(hosts: netns.Hosts, i: int, nnodes: str, config: Path, run_dir: Path, *overrides: str) -> subprocess.Popen[bytes]:
-    """Host ``i``'s torchrun agent (output in ``run_dir/../agent-<i>.log``)."""
-    command, env = hosts.torchrun(i, nnodes, RDZV_CONF)
-    env["PYTHONPATH"] = f"{ROOT / 'src'}:{ROOT / 'tests'}"
+    """Host ``i``'s torchrun agent as the docs start it (``fedweave worker ... --rdzv-endpoint``, nothing
+    about addresses or interfaces), output in ``run_dir/../agent-<i>.log``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    env.update(PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", OMP_NUM_THREADS="1", LOGLEVEL="INFO")
     log = (run_dir.parent / f"agent-{i}.log").open("wb")
-    return subprocess.Popen(
-        [*command, "-m", "fedweave.data_parallel", str(config), *overrides, "--run-dir", str(run_dir)],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
+    command = [
+        *hosts.exec(i), sys.executable, "-m", "fedweave", "worker", str(config), *overrides, "--run-dir", str(run_dir),
+        f"--nnodes={nnodes}", f"--rdzv-endpoint={hosts.address(0)}:29400", "--rdzv-id=job", "--max-restarts=3",
+        f"--rdzv-conf={RDZV_CONF}",
+    ]
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -153,7 +157,12 @@ def test_the_workers_agree_on_the_run_directory_from_the_rendezvous_id(tmp_path:
 
 
 @needs_hosts
-def test_two_hosts_train_the_model_of_one_process(hosts: netns.Hosts, tmp_path: Path) -> None:
+def test_two_hosts_whose_hostname_resolves_to_loopback_train_the_model_of_one_process(
+    hosts: netns.Hosts, tmp_path: Path,
+) -> None:
+    check = "import socket; print(socket.gethostbyname(socket.gethostname()))"
+    assert subprocess.run([*hosts.exec(1), sys.executable, "-c", check], capture_output=True, text=True, timeout=30,
+                          check=True).stdout.strip() == "127.0.0.1"  # the hostname lies, as the issue's did
     path, config = write_config(tmp_path)
     run_dir = tmp_path / "run"
     finish([agent(hosts, i, "2", path, run_dir) for i in range(2)], tmp_path)
@@ -176,6 +185,8 @@ def test_a_host_killed_mid_epoch_the_other_goes_on(hosts: netns.Hosts, tmp_path:
     # waits the last call (1 s), and starts the worker again (an interpreter and torch: seconds)
     assert time.monotonic() - killed < config.data_parallel.timeout + 10
     finish(agents[:1], tmp_path)
+    survivor = (tmp_path / "agent-0.log").read_text(errors="replace")
+    assert "fedweave: warning: worker 0 stopped at step" in survivor and "fedweave: error:" not in survivor
     written = records(run_dir)
     resumed = next(r for r in written if r["generation"] > 0)
     assert resumed["workers"] == [0]
@@ -201,3 +212,40 @@ def test_a_third_host_joining_gets_its_share_within_two_decisions(hosts: netns.H
     assert first["batch"][2] > 0 and first["adjustments"] - before[-1]["adjustments"] <= 2
     assert_each_epoch_covers_every_sample_once(written, 3)
     assert_matches_reference(run_dir, config)
+
+
+def test_a_second_job_on_the_run_directory_is_refused_by_its_first_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 item 5: rank 0 of a job writes its run directory; while another process does, rank 0
+    of a second job says which and leaves the directory untouched."""
+    from conftest import free_port
+    from fedweave import rundir
+    from test_rundir import held
+
+    _, config = write_config(tmp_path)
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with held(tmp_path / "run") as holder:
+        with pytest.raises(rundir.RunInUse, match=f"is in use by process {holder.pid}"):
+            torchrun.run(config, tmp_path / "run", environ)
+        assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]
+
+
+def test_a_rank_outside_the_world_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """Issue 26 item 10: `fedweave worker` with RANK >= WORLD_SIZE (or a rank that is no number) ended
+    in a traceback."""
+    from fedweave.cli import main
+
+    path, _ = write_config(tmp_path)
+    base = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for rank, why in [("3", "RANK=3 is not a rank of a world of WORLD_SIZE=2 (ranks 0..1)"),
+                      ("x", "RANK='x': torchrun sets it to a whole number 0 or more")]:
+        for name, value in {**base, "RANK": rank}.items():
+            monkeypatch.setenv(name, value)
+        assert main(["worker", str(path), "--run-dir", str(tmp_path / "run")]) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"fedweave: error: {why}"]
+    assert not (tmp_path / "run").exists()

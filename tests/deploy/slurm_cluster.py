@@ -6,8 +6,8 @@ munge``) run by root. ``slurm.conf`` is generated into a temporary folder and na
 ``/etc/slurm`` is left alone; state, spool, logs and pid files live in that folder too. The
 node is ``localhost`` (a name every machine resolves) and declares more CPUs than the
 machine may have (``SlurmdParameters=config_overrides``), so a job can run a server and its
-clients as tasks of their own. No accounting, ``proctrack/linuxproc`` and ``task/none``:
-nothing needs cgroups or a database.
+clients as tasks of their own. No accounting, ``proctrack/linuxproc`` and ``task/affinity``
+(tasks bound to their step's CPUs, as on most clusters): nothing needs cgroups or a database.
 
 munged answers on its default socket (``/run/munge``): one already running is used as it
 is, else the key is created if missing and munged started as user ``munge`` for the
@@ -52,7 +52,7 @@ SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 SwitchType=switch/none
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none

@@ -4,7 +4,9 @@ The federated job runs examples/digits-grpc.yaml as a gRPC server task and two c
 tasks with mutual TLS and tokens; its model and metrics equal the in-memory run of the same
 config and seed as tests/test_deploy_equivalence.py asks of the process launcher (params
 ≤ 1e-5, metrics ≤ 1e-6). The data-parallel job starts one torchrun agent on the node, which
-runs two workers; its model is the one a single process trains on the same global batches.
+runs two workers on the step's two CPUs (``--cpus-per-task=2``, which srun no longer inherits
+from the job since Slurm 22.05); its model is the one a single process trains on the same global
+batches.
 """
 
 from __future__ import annotations
@@ -127,9 +129,17 @@ def test_the_data_parallel_script_trains_the_model_of_one_process(
     config_path = tmp_path / "dp.yaml"
     config_path.write_text(yaml.safe_dump(DP))
     output_dir = tmp_path / "runs"
-    env = {"TORCHRUN": f"{sys.executable} -m torch.distributed.run", "FEDWEAVE_NPROC_PER_NODE": "2"}
+    # torchrun, started by srun, first writes down the CPUs it may run on (its workers inherit them)
+    torchrun = tmp_path / "torchrun.sh"
+    torchrun.write_text(f"""#!/bin/bash
+{sys.executable} -c "import os; print(len(os.sched_getaffinity(0)))" > "{tmp_path}/cpus-$SLURM_PROCID.txt"
+exec {sys.executable} -m torch.distributed.run "$@"
+""")
+    torchrun.chmod(0o755)
+    env = {"TORCHRUN": str(torchrun), "FEDWEAVE_NPROC_PER_NODE": "2"}
     run_job(slurm_cluster, DATA_PARALLEL, tmp_path, [str(config_path), f"output_dir={output_dir}"],
             ["--nodes=1", "--cpus-per-task=2"], env)
+    assert (tmp_path / "cpus-0.txt").read_text().split() == ["2"]  # the agent's CPUs, which its workers inherit
 
     (run_dir,) = [p.parent for p in output_dir.glob("*/metrics.jsonl")]
     config = config_mod.load(config_path)
@@ -141,3 +151,13 @@ def test_the_data_parallel_script_trains_the_model_of_one_process(
     last = records(run_dir)[-1]
     assert last["epoch"] == pytest.approx(2.0)
     assert last["test_accuracy"] == pytest.approx(metrics["accuracy"])
+
+
+@pytest.mark.parametrize("script", [DATA_PARALLEL, FEDERATED], ids=lambda p: p.name)
+def test_every_srun_passes_the_jobs_cpus_per_task_on(script: Path) -> None:
+    """Since Slurm 22.05 srun no longer reads SLURM_CPUS_PER_TASK: a step asks for the job's
+    --cpus-per-task itself, or its tasks may be bound to one CPU each (on this test cluster's single
+    task per node the step gets the job's CPUs either way, so the script's line is checked here)."""
+    command = script.read_text().replace("\\\n", " ")
+    (srun,) = [line.strip() for line in command.splitlines() if line.strip().startswith("srun ")]
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"' in srun.split()

@@ -176,3 +176,34 @@ def test_config_refuses_what_the_ray_launcher_cannot_run() -> None:
         config_mod.load(None, ["launcher=ray", "clients=2", "heterogeneity.speeds=[1, 2]"])
     with pytest.raises(ConfigError, match="ray.num_cpus"):
         config_mod.load(None, ["launcher=ray", "ray.num_cpus=0"])
+
+
+LISTENING = """
+import json
+from fedweave import config
+from fedweave.launchers.ray import join_ray
+ray, owns = join_ray(config.load(None, ["launcher=ray"]))
+import psutil  # (Ray's own copy, on the path once Ray is imported)
+try:
+    found = {c.laddr.ip for p in psutil.Process().children(recursive=True) if p.is_running()
+             for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+finally:
+    ray.shutdown()
+print(owns, json.dumps(sorted(found)))
+"""
+
+
+def test_a_local_cluster_listens_on_the_loopback_interface_only(tmp_path: Path) -> None:
+    """Issue 26 item 9: the cluster `launcher: ray` starts without ray.address listened on every interface."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'fedweave[ray]')")
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([sys.executable, "-c", LISTENING], capture_output=True, text=True, timeout=START_TIMEOUT,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    owns, found = done.stdout.splitlines()[-1].split(" ", 1)
+    assert owns == "True"
+    found = json.loads(found)
+    assert found and set(found) <= {"127.0.0.1", "::ffff:127.0.0.1"}, found

@@ -4,7 +4,9 @@ reader and MlflowClient read back is what metrics.jsonl holds."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -101,7 +103,7 @@ def test_tensorboard_events_hold_the_metrics_of_a_federated_run(tmp_path: Path) 
 def test_tensorboard_and_mlflow_of_a_data_parallel_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the default store needs no opt-in
     run = tmp_path / "dp"
     assert cli.main(["run", *DATA_PARALLEL, "observe.tensorboard=true", "observe.mlflow.experiment=dp-tests",
                      "--run-dir", str(run), "-q"]) == 0
@@ -109,7 +111,7 @@ def test_tensorboard_and_mlflow_of_a_data_parallel_run(tmp_path: Path, monkeypat
     got = event_scalars(run / "tensorboard")
     assert {"batch/worker_0", "batch/worker_1", "idle_time/worker_1", "train_loss"} <= set(got)
     assert got == expected(recs, "step")
-    client = MlflowClient(tracking_uri=(run / "mlruns").as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     (found,) = client.search_runs([client.get_experiment_by_name("dp-tests").experiment_id])
     assert found.data.params["mode"] == "data_parallel" and found.data.params["data_parallel.workers"] == "2"
     history = client.get_metric_history(found.info.run_id, "batch/worker_1")
@@ -119,11 +121,11 @@ def test_tensorboard_and_mlflow_of_a_data_parallel_run(tmp_path: Path, monkeypat
 def test_mlflow_run_has_params_metrics_per_round_and_artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the default store needs no opt-in
     run = tmp_path / "run"
     assert cli.main(["run", *FEDERATED, "observe.mlflow.enabled=true", "--run-dir", str(run), "-q"]) == 0
     recs = records(run)
-    client = MlflowClient(tracking_uri=(run / "mlruns").as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     run_id = (run / "mlflow-run-id").read_text().strip()
     found = client.get_run(run_id)
     assert found.info.status == "FINISHED"
@@ -138,6 +140,14 @@ def test_mlflow_run_has_params_metrics_per_round_and_artifacts(tmp_path: Path, m
     assert {"model.pt", "report"} <= top
     report = {a.path for a in client.list_artifacts(run_id, "report")}
     assert {"report/report.html", "report/report-accuracy-round.png"} <= report
+    assert (run / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()  # artifacts beside the store
+    # the installed MLflow reads the store back in a fresh process, its environment as it comes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    code = (f"from mlflow.tracking import MlflowClient; c = MlflowClient(tracking_uri='sqlite:///{run / 'mlflow.db'}');"
+            f"print(c.get_metric_history('{run_id}', 'test_accuracy')[-1].value)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) == recs[-1]["test_accuracy"]
 
 
 def test_mlflow_logs_the_encrypted_model_a_deployed_he_server_writes(tmp_path: Path,
@@ -149,12 +159,12 @@ def test_mlflow_logs_the_encrypted_model_a_deployed_he_server_writes(tmp_path: P
     from fedweave.config import MlflowConfig
     from fedweave.observe.mlflow import MlflowLogger
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the default store needs no opt-in
     run = write_run(tmp_path / "run", {"name": "he", "rounds": 1}, [fed_record(1, 0.5, 1.0)])
     torch.save({"w": torch.tensor([1, 2, 3], dtype=torch.uint8)}, run / "model.he.pt")
     logger = MlflowLogger(MlflowConfig(enabled=True), run, "he", {})
     logger.close(run, finished=True)
-    client = MlflowClient(tracking_uri=(run / "mlruns").as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     top = {a.path for a in client.list_artifacts(logger.run_id)}
     assert "model.he.pt" in top and "model.pt" not in top
     got = torch.load(client.download_artifacts(logger.run_id, "model.he.pt", str(tmp_path)), weights_only=True)
@@ -200,7 +210,7 @@ def test_an_interrupted_run_marks_its_mlflow_run_failed_and_frees_the_endpoint(
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the default store needs no opt-in
     port = free_port()
     r = runner.prepare(small_config("observe.mlflow.enabled=true", f"observe.prometheus_port={port}"), tmp_path / "run")
 
@@ -210,7 +220,7 @@ def test_an_interrupted_run_marks_its_mlflow_run_failed_and_frees_the_endpoint(
     with pytest.raises(KeyboardInterrupt):
         runner.execute(r, interrupt)
     run_id = (tmp_path / "run" / "mlflow-run-id").read_text().strip()
-    client = MlflowClient(tracking_uri=(tmp_path / "run" / "mlruns").as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [1]
     with socket.socket() as s:  # the endpoint let its port go

@@ -77,3 +77,48 @@ def test_the_endpoint_of_a_grpc_server_agrees_with_its_metrics(tmp_path: Path) -
         scrape(metrics_port)
     events = event_scalars(tmp_path / "run" / "tensorboard")  # the deployment's server logs as a local run does
     assert events["test_accuracy"] == [(r["round"], pytest.approx(r["test_accuracy"])) for r in records]
+
+
+class Counts:
+    """A gRPC server transport as the endpoint sees it: where it listens, its node counts."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def node_counts(self) -> tuple[int, int]:
+        return 3, 2
+
+
+def test_the_endpoint_binds_the_grpc_host_serves_metrics_only_and_bounds_its_threads(tmp_path: Path) -> None:
+    """Issue 26 item 9: it bound 0.0.0.0 when gRPC listened on 127.0.0.1, answered any path, and
+    4,000 half-open connections made 4,018 threads."""
+    import socket
+    import types
+
+    from fedweave.observe import prometheus
+    from fedweave.observe.loggers import open_loggers
+
+    port = free_port()
+    config = small_config(f"observe.prometheus_port={port}")
+    loggers = open_loggers(config, tmp_path, types.SimpleNamespace(transport=Counts("127.0.0.1:50051")))
+    (endpoint,) = loggers.loggers
+    assert isinstance(endpoint, prometheus.PrometheusLogger)
+    try:
+        assert endpoint.server.server_address[0] == "127.0.0.1"
+        assert scrape(port)[("fedweave_clients_registered", ())] == 3
+        for path in ("/", "/metrics/x", "/favicon.ico", "/../metrics"):
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+            assert answer.value.code == 404, path
+        before = threading.active_count()
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(60)]  # half-open: they send nothing
+        try:
+            flood[-1].settimeout(10)
+            assert flood[-1].recv(1) == b""  # past the workers and those waiting: closed at once, not queued
+            assert threading.active_count() - before <= prometheus.WORKERS
+        finally:
+            for sock in flood:
+                sock.close()
+        assert scrape(port)[("fedweave_rounds_planned", ())] == config.rounds  # free again once they left
+    finally:
+        loggers.close(tmp_path)

@@ -166,3 +166,15 @@ def test_asp_updates_and_staleness_per_worker(tmp_path: Path) -> None:
     assert series(data, "worker-throughput", "worker 1") == ([4, 8], [96.0, 80.0])  # batch / compute time
     assert series(data, "throughput", "all workers") == ([4, 8], [192.0, 200.0])  # samples / window time
     assert figure(data, "worker-batch")["marks"] == [[8, "worker 1 left"]]  # lost by the parameter server
+
+
+def test_run_names_are_drawn_as_written_not_as_mathtext() -> None:
+    """Issue 26 item 10: a run folder named with ``$...$`` reached matplotlib as mathtext and a
+    comparison report died in its parser."""
+    from fedweave.observe.figures import Figure, Series
+    from fedweave.observe.render import png
+
+    odd = r"a$\frac{x$"
+    drawn = png(Figure("acc", f"{odd} accuracy", "round", "$", [Series(f"{odd}: test_accuracy", [1, 2], [0.5, 0.6]),
+                                                                Series("b: test_accuracy", [1, 2], [0.4, 0.7])]))
+    assert drawn.startswith(b"\x89PNG")

@@ -47,8 +47,9 @@ def test_trimmed_mean_by_hand() -> None:
     weights = [1, 1, 1, 1, 1]
     # β = 0.2 of 5 drops one value at each end: column 0 keeps 2, 3, 4; column 1 keeps 0, 2, 4
     assert_same_params(trimmed_mean(values, weights, fraction=0.2), sets([[3.0, 2.0]])[0])
-    # β = 0.1 of 5 drops ⌊0.5⌋ = 0: the plain mean
+    # β = 0.1 of 5 drops ⌊0.5⌋ = 0: the plain mean; so does β = 0.15 (⌊0.75⌋ = 0, where rounding would drop 1)
     assert_same_params(trimmed_mean(values, weights, fraction=0.1), sets([[22.0, -6.8]])[0], atol=1e-12)
+    assert_same_params(trimmed_mean(values, weights, fraction=0.15), sets([[22.0, -6.8]])[0], atol=1e-12)
 
 
 def test_trimmed_mean_without_trimming_is_the_mean_of_equal_weights() -> None:

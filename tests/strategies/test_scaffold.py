@@ -13,7 +13,7 @@ from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
-from fedweave.strategies.scaffold import CONTROL, Scaffold, ScaffoldClient, ScaffoldParams
+from fedweave.strategies.scaffold import CONTROL, Scaffold, ScaffoldClient, ScaffoldParams, full_gradient
 from fedweave.training import ClientJob
 from fedweave.types import Params, Update, UpdateKind, Work
 
@@ -76,6 +76,15 @@ def test_option_one_client_by_hand() -> None:
     at_x = gradient(X, j.x_train, j.y_train)
     assert_same_params(j.state[CONTROL], at_x, atol=1e-12)
     assert_same_params(update.extras, {k: at_x[k] - C_I[k] for k in X}, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_option_one_gradient_is_the_whole_data_mean_over_unequal_batches(batch_size: int) -> None:
+    """∇f_i(x) over mini-batches (3 + 1 samples, or 4 of 1): each batch's mean loss weighted by its
+    share of the data, not summed, nor averaged over batches alike (the short last batch)."""
+    j = tiny_job(X, batch_size=batch_size)
+    assert_same_params(full_gradient(j), gradient(X, j.x_train, j.y_train), atol=1e-12)
+    assert_same_params(j.model.state_dict(), X)  # the model is back at x
 
 
 def test_option_one_gradient_pass_leaves_batch_norm_statistics_alone() -> None:

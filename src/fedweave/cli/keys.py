@@ -1,21 +1,68 @@
-"""The federation's HE keys: ``fedweave keys`` makes them, ``fedweave decrypt`` opens a run's encrypted model."""
+"""The federation's secrets: ``fedweave keys`` makes the HE keys, ``fedweave certs`` the gRPC
+credentials, ``fedweave decrypt`` opens a run's encrypted model.
+
+Neither command replaces what a folder holds already unless given ``--force``, and never a key
+file a run directory records (its run.json keeps the SHA-256 of the keys its config named:
+:func:`fedweave.rundir.key_fingerprints`): replaced HE keys leave that run's model undecryptable,
+replaced credentials lock every node of it out. The run directories looked at are those named by
+``--runs`` (a run directory, or a folder of them; by default ``runs``, the default output_dir).
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedweave.errors import ConfigError
 
+DEFAULT_RUNS = ("runs",)
+
 
 def make_keys(args: argparse.Namespace) -> int:
-    from fedweave.plugins.secure.he import write_keys
+    from fedweave.plugins.secure.he import PUBLIC_FILE, SECRET_FILE, write_keys
 
     if not 20 <= args.scale_bits <= 50:
         raise ConfigError(f"--scale-bits must lie in 20..50, got {args.scale_bits}")
-    secret, public = write_keys(args.out, args.poly_degree, args.scale_bits)
+    out = Path(args.out)
+    refuse_replacing("keys", out, [out / SECRET_FILE, out / PUBLIC_FILE], args.force, args.runs or DEFAULT_RUNS)
+    secret, public = write_keys(out, args.poly_degree, args.scale_bits)
     print(f"secret context (clients only): {secret}\npublic context (server): {public}")
     return 0
+
+
+def make_certs(args: argparse.Namespace) -> int:
+    from fedweave.transports.grpc.certs import DEFAULT_HOSTS, credential_files, make_credentials
+
+    out = Path(args.out)
+    refuse_replacing("certs", out, credential_files(out), args.force, args.runs or DEFAULT_RUNS)
+    make_credentials(out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites)
+    sites = f" and {args.sites} site leaders" if args.sites else ""
+    print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
+    return 0
+
+
+def refuse_replacing(command: str, out: Path, files: Sequence[Path], force: bool, runs: Sequence[str]) -> None:
+    """A ConfigError when ``out`` holds any of ``files`` already: without ``force`` always; with it,
+    when a run directory among ``runs`` records one of them."""
+    from fedweave import rundir
+
+    present = [f for f in files if f.is_file()]
+    if not present:
+        return
+    names = ", ".join(f.name for f in present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+    if not force:
+        raise ConfigError(
+            f"{command}: {str(out)!r} holds {names} already: replacing them locks out every run that uses them; "
+            "write to another folder, or pass --force to replace them"
+        )
+    for path in present:
+        using = rundir.runs_using(path, [Path(r) for r in runs])
+        if using:
+            raise ConfigError(
+                f"{command}: {str(path)!r} is a key of the run in {str(using[0])!r} (its {rundir.RUN_FILE}), "
+                "which it would lock out: not replaced, --force or not; write to another folder"
+            )
 
 
 def decrypt(run_dir: str, keys: str) -> int:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from fedweave.cli.keys import decrypt, make_keys
+from fedweave.cli.keys import decrypt, make_certs, make_keys
 from fedweave.cli.listing import list_builtins, schema
 from fedweave.cli.nodes import deploy, join, node_command, worker
 from fedweave.cli.outcome import report
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # `fedweave run -q CONFIG rounds=5` and `fedweave run CONFIG -q rounds=5` mean the same:
     # overrides that follow an option arrive here, not in args.overrides.
-    if getattr(args, "command", None) in ("run", "server", "client", "site", "deploy", "worker"):
+    if hasattr(args, "overrides"):  # run, server, client, site, worker, deploy k8s
         stray = [e for e in extra if "=" in e and not e.startswith("-")]
         args.overrides = [*args.overrides, *stray]
         extra = [e for e in extra if e not in stray]
@@ -41,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
             return show_status(args.run_dir)
         if args.command == "keys":
             return make_keys(args)
+        if args.command == "certs":
+            return make_certs(args)
         if args.command == "decrypt":
             return decrypt(args.run_dir, args.keys)
         if args.command == "join":
             return join(args)
         if args.command == "worker":
             return worker(args)
-        if args.command in ("server", "client", "site", "certs"):
+        if args.command in ("server", "client", "site"):
             return node_command(args)
         if args.command == "deploy":
             return deploy(args)

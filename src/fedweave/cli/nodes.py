@@ -1,4 +1,4 @@
-"""The nodes of a deployment, each a process of its own: ``server``, ``client``, ``site``, ``certs``,
+"""The nodes of a deployment, each a process of its own: ``server``, ``client``, ``site``,
 ``worker`` and ``join`` (data-parallel), and ``deploy`` (the manifests that start them on a cluster)."""
 
 from __future__ import annotations
@@ -16,14 +16,7 @@ from fedweave.errors import ConfigError
 
 
 def node_command(args: argparse.Namespace) -> int:
-    """``fedweave server`` / ``client`` / ``certs``."""
-    if args.command == "certs":
-        from fedweave.transports.grpc.certs import DEFAULT_HOSTS, make_credentials
-
-        out = make_credentials(args.out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites)
-        sites = f" and {args.sites} site leaders" if args.sites else ""
-        print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
-        return 0
+    """``fedweave server`` / ``client`` / ``site``."""
     from fedweave.nodes.signals import PARENT_ENV
 
     log_to_stderr(level=args.log_level)
@@ -115,23 +108,46 @@ def join(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    """``fedweave worker CONFIG``: one worker of a torchrun job (``python -m fedweave.data_parallel``)."""
+    """``fedweave worker CONFIG``: one worker of a torchrun job (``python -m fedweave.data_parallel``);
+    with ``--rdzv-endpoint``, this host's torchrun agent, whose workers are such workers."""
+    log_to_stderr(args.verbose)
+    if args.rdzv_endpoint is not None:  # this host's agent (torch is imported by the workers only)
+        from fedweave.deploy.torchrun import Agent, agent_command
+
+        worker_args = [args.config, *args.overrides, *(["--run-dir", args.run_dir] if args.run_dir else []),
+                       *(["-v"] if args.verbose else [])]
+        agent = Agent(args.rdzv_endpoint, args.nnodes, args.nproc_per_node, args.rdzv_id, args.max_restarts,
+                      args.rdzv_conf)
+        command, env = agent_command(agent, worker_args, os.environ)
+        sys.stderr.flush()
+        os.execve(command[0], command, env)
     from fedweave import config as config_mod
     from fedweave.data_parallel import torchrun
 
-    log_to_stderr(args.verbose)
     config = config_mod.load(args.config, args.overrides)
-    run_dir = torchrun.run(config, args.run_dir)
+    try:
+        run_dir = torchrun.run(config, args.run_dir)
+    except torchrun.WorkerStopped as exc:  # torchrun restarts the workers: a warning, not an error
+        print(f"fedweave: warning: {exc}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"fedweave: the job's run directory is {run_dir}", file=sys.stderr)
     return 0
 
 
 def deploy(args: argparse.Namespace) -> int:
+    if args.target == "image":
+        from fedweave.deploy.image import write_context
+
+        path = write_context(args.code, args.extras.split(","), args.out, args.base)
+        print(f"build context in {path.parent}; build it with: docker build -t REGISTRY/NAME:TAG {path.parent}")
+        return 0
     from fedweave.deploy.kubernetes import render_args
 
     rendered = render_args(args)
     print(f"manifests of {rendered.name} in {rendered.out}; apply one with kubectl apply -k:")
     for path in rendered.kustomizations:
         print(f"  {path.parent}")
+    for note in rendered.notes:
+        print(f"fedweave deploy k8s: {note}", file=sys.stderr)
     return 0

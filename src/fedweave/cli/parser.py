@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--out", required=True, metavar="DIR", help="folder to write secret.ctx and public.ctx into")
     keys.add_argument("--poly-degree", type=int, default=8192, choices=(8192, 16384), help="CKKS ring degree")
     keys.add_argument("--scale-bits", type=int, default=40, help="CKKS scale 2^bits (20..50)")
+    _replacing_flags(keys, "keys")
 
     decrypt = sub.add_parser(
         "decrypt",
@@ -89,22 +90,35 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
     worker = sub.add_parser(
         "worker",
-        help="be one worker of a data-parallel job started by torchrun (on one host or many)",
-        description="One worker of a data-parallel job under torchrun: `torchrun --nnodes=MIN:MAX "
-        "--nproc-per-node=K --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --max-restarts=R -m "
-        "fedweave.data_parallel CONFIG` runs this command in every process it starts.",
+        help="be one host's torchrun agent of a data-parallel job (--rdzv-endpoint), or one worker under torchrun",
+        description="With --rdzv-endpoint HOST:PORT: this host's torchrun agent, on the address of the interface "
+        "that reaches HOST (whatever the hostname resolves to), the store hosted on HOST; run it on every host "
+        "(docs/heterogeneity.md, Many hosts). Without: one worker of a data-parallel job under torchrun, which "
+        "`torchrun ... -m fedweave.data_parallel CONFIG` runs in every process it starts.",
     )
     worker.add_argument("config", help="YAML config file (mode: data_parallel)")
     worker.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data_parallel.epochs=3")
     worker.add_argument("--run-dir", metavar="DIR", help="the job's run directory (default: "
                         "<output_dir>/<name>-<rendezvous id>), on storage every host sees")
     worker.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
+    agent = worker.add_argument_group("the torchrun agent of this host (with --rdzv-endpoint)")
+    agent.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous: HOST hosts its store")
+    agent.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="hosts in the job (default 1)")
+    agent.add_argument("--nproc-per-node", default="1", metavar="K", help="workers on this host (default 1)")
+    agent.add_argument("--rdzv-id", default="fedweave", metavar="ID", help="the job's id, alike on every host")
+    agent.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                       help="times torchrun starts the workers again after a failure or a world change")
+    agent.add_argument("--rdzv-conf", default="", metavar="K=V,...", help="torchrun's --rdzv-conf (timeouts)")
     _node_parsers(sub)
     deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
     targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)
+    from fedweave.deploy import image
     from fedweave.deploy.kubernetes import add_arguments
 
     add_arguments(targets.add_parser("k8s", help="a kustomize base and overlays for Kubernetes (docs/deployment.md)"))
+    image.add_arguments(targets.add_parser(
+        "image", help="the build context of an image with your modules and extras (docs/deployment.md, Images)"
+    ))
     return parser
 
 
@@ -179,3 +193,16 @@ def _node_parsers(sub: Any) -> None:
         "--host", action="append", metavar="NAME", help="server host name or IP (repeatable; default localhost, 127.0.0.1, ::1)"
     )
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    _replacing_flags(certs, "credentials")
+
+
+def _replacing_flags(command: argparse.ArgumentParser, what: str) -> None:
+    """``--force`` and ``--runs`` of the commands that write secrets (see fedweave.cli.keys)."""
+    command.add_argument(
+        "--force", action="store_true",
+        help=f"replace the {what} DIR holds already (never those a run directory records in its run.json)",
+    )
+    command.add_argument(
+        "--runs", action="append", metavar="PATH",
+        help=f"a run directory, or a folder of them, whose {what} --force must not replace (repeatable; default runs)",
+    )

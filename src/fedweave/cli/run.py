@@ -142,6 +142,8 @@ def write_report(run_dirs: list[str] | list[Path], out: str | None, target: floa
         written = write_report(run_dirs, out, target)
     except FileNotFoundError as exc:  # not a run directory
         raise ConfigError(str(exc)) from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise _not_written_by_fedweave(run_dirs, exc) from None
     print(f"report written to {written}", file=sys.stderr)
     return 0
 
@@ -153,7 +155,19 @@ def show_status(run_dir: str) -> int:
 
     try:
         run = load_run(run_dir)
+        rows = status_rows(run)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
-    print(summary_table(status_rows(run)))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise _not_written_by_fedweave([run_dir], exc) from None
+    print(summary_table(rows))
     return 0
+
+
+def _not_written_by_fedweave(run_dirs: list[str] | list[Path], exc: Exception) -> ConfigError:
+    """The one line for run files holding values of a type or range fedweave never writes (an edit,
+    a corruption): a metrics value that is not a number where one is, a config value likewise."""
+    from fedweave.errors import first_line
+
+    where = ", ".join(repr(str(d)) for d in run_dirs)
+    return ConfigError(f"{where}: its config or metrics hold a value fedweave does not write ({first_line(exc)})")

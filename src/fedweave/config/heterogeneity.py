@@ -78,6 +78,25 @@ class DataParallelConfig(StalenessOptions):
         "worker's gradient as it arrives, nobody waits (see fedweave.data_parallel.asp)",
     )
     buffer: int = opt(1, ge=1, help="asp: arriving gradients summed into one server step (K)")
+    max_grad_norm: float | None = opt(
+        None, gt=0, help="bsp: the largest L2 norm of one worker's mean gradient; a step with a larger one is "
+        "skipped (none: no absolute bound)",
+    )
+    max_norm_ratio: float | None = opt(
+        None, gt=1, help="bsp: a step is skipped when one worker's mean gradient's norm is above this many times "
+        "the median of the workers' (none: no relative bound; honest mini-batch norms can differ 100-fold near "
+        "convergence); a non-finite gradient is always skipped",
+    )
+    max_bad_steps: int = opt(
+        3, ge=1, help="bsp: skipped steps (a non-finite or too large gradient) after which the run stops with an error",
+    )
+
+    def validate(self, prefix: str) -> None:
+        if self.sync == "asp" and self.max_grad_norm is not None:
+            raise ConfigError(
+                f"config key '{prefix}.max_grad_norm': only sync bsp checks each worker's gradient before its step; "
+                "the parameter server (asp) does not"
+            )
     controller: BatchControllerConfig = opt(factory=BatchControllerConfig)
 
 

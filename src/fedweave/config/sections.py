@@ -264,7 +264,7 @@ class MlflowConfig:
     """MLflow tracking (extra ``mlflow``): see :mod:`fedweave.observe.mlflow`."""
 
     enabled: bool | None = opt(None, help="log to MLflow (none: when tracking_uri or experiment is set)")
-    tracking_uri: str | None = opt(None, help="tracking URI (none: a local file: store, RUN_DIR/mlruns)")
+    tracking_uri: str | None = opt(None, help="tracking URI (none: a SQLite store, RUN_DIR/mlflow.db)")
     experiment: str | None = opt(None, help="experiment name (none: the run's name)")
 
     @property

@@ -5,9 +5,10 @@ N worker processes train one model on one dataset. Each step::
     sizes   = controller.batches                    # b_i, Σ b_i = B (identical on every worker)
     mine    = sampler.take(sizes)[rank]             # disjoint index ranges of one global batch
     g_i     = ∇ (b_i / B) · mean loss on mine        # timed: compute time t_i (+ emulated slowness)
-    buffer  = [g_i, buffers · b_i / B, tail]        # tail: loss share, then t_i (and more) in slot i
+    buffer  = [g_i, buffers · b_i / B, tail]        # tail: loss share, then t_i, ‖g_i‖ (and more) in slot i
     all_reduce(buffer, SUM)                         # ONE collective: Σ_i g_i is the gradient of the
                                                     # whole batch, and every t_j reaches every worker
+    check   Σ_i g_i finite, each ‖g_i‖ finite and within its bounds, else skip the step (no update)
     optimizer.step()                                # the same step on every worker
     controller.observe(sizes, t)                    # the same decision on every worker
     sampler.advance(B)
@@ -15,7 +16,15 @@ N worker processes train one model on one dataset. Each step::
 A world-size mean (what DDP does) would weight a worker's samples by 1/n instead of
 b_i / B, which is wrong as soon as the b_i differ; the weighting here makes the step
 exactly that of one process on the concatenated batch
-(:mod:`fedweave.data_parallel.gradients`). Workers that leave or join between steps:
+(:mod:`fedweave.data_parallel.gradients`).
+
+One worker's NaN or huge gradient would end in a NaN model: every worker reads each
+member's contribution norm in the tail and checks the summed gradient before stepping
+(:func:`~fedweave.data_parallel.gradients.refused_shares`: ``data_parallel.max_grad_norm``,
+``max_norm_ratio``); a bad step is skipped on every worker alike (sampler and controller move
+on, the model and buffers do not), the worker named in an error line, and after
+``data_parallel.max_bad_steps`` skipped steps every worker stops (:class:`BadSteps`), so the run
+exits non-zero with its last checkpoint intact. Workers that leave or join between steps:
 :mod:`fedweave.data_parallel.elastic`.
 """
 
@@ -33,8 +42,15 @@ import torch
 from fedweave.batching.dynamic import BatchController
 from fedweave.batching.sampler import GlobalSampler
 from fedweave.data_parallel.elastic import Joins, admission, next_members
-from fedweave.data_parallel.gradients import assign_gradient, copy_flat, float_buffers, local_contribution, trainable
-from fedweave.data_parallel.group import Group, PeerFailure, Stopped, worker_store
+from fedweave.data_parallel.gradients import (
+    assign_gradient,
+    copy_flat,
+    float_buffers,
+    local_contribution,
+    refused_shares,
+    trainable,
+)
+from fedweave.data_parallel.group import BadSteps, Group, PeerFailure, Stopped, worker_store
 from fedweave.data_parallel.records import (
     Record,
     Window,
@@ -50,11 +66,12 @@ from fedweave.observe.metrics import MetricsWriter
 from fedweave.rundir import METRICS_FILE
 from fedweave.seeding import derive_seed
 from fedweave.task import make_loss
+from fedweave.validation import finite
 
 log = logging.getLogger(__name__)
 
 
-PER_MEMBER = ("compute", "wait", "oom", "seen")
+PER_MEMBER = ("compute", "wait", "oom", "seen", "norm")
 """The values of a step's tail that each member has one of, in the order of their blocks."""
 
 
@@ -62,7 +79,7 @@ PER_MEMBER = ("compute", "wait", "oom", "seen")
 class StepTail:
     """The scalars that ride after the gradient and the buffers in a step's all-reduce.
 
-    Laid out as ``[loss | compute × n | wait × n | oom × n | seen × n]`` for n members:
+    Laid out as ``[loss | compute × n | wait × n | oom × n | seen × n | norm × n]`` for n members:
     each member writes its share of the loss and, in the slot of its rank in each block,
     its own values, zeros elsewhere, so the sum hands every member the batch's loss and
     all members' values (an all-gather at no extra cost).
@@ -73,6 +90,7 @@ class StepTail:
     wait: list[float]  # by rank: seconds the previous step's all-reduce waited
     oom: list[float]  # by rank: 1.0 when its batch did not fit in memory
     seen: list[float]  # by rank: the count of announced joiners it last read in the store
+    norm: list[float]  # by rank: the L2 norm of its share of the gradient
 
 
 def tail_size(members: int) -> int:
@@ -86,13 +104,13 @@ def tail_slot(members: int, name: str, rank: int) -> int:
 
 
 def pack_tail(
-    members: int, rank: int, loss: float, *, compute: float, wait: float, oom: float, seen: int,
+    members: int, rank: int, loss: float, *, compute: float, wait: float, oom: float, seen: int, norm: float,
     dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
     """Member ``rank``'s tail: its loss share and its own values in its slots, zeros elsewhere."""
     tail = torch.zeros(tail_size(members), dtype=dtype, device=device)
     tail[0] = loss
-    for name, value in zip(PER_MEMBER, (compute, wait, oom, seen)):
+    for name, value in zip(PER_MEMBER, (compute, wait, oom, seen, norm)):
         tail[tail_slot(members, name, rank)] = value
     return tail
 
@@ -125,6 +143,7 @@ class Worker:
         self.sampler = GlobalSampler(len(self.dataset.y_train), cfg.seed)
         self.controller = BatchController(dp.global_batch, shared.members, dp.controller)
         self.step = 0
+        self.bad_steps = 0  # steps skipped for a refused gradient
         self.window = Window()
         self.prev_wait = 0.0
         self.members = list(shared.members)
@@ -148,6 +167,7 @@ class Worker:
             "controller": self.controller.state_dict(),
             "window": self.window,
             "elapsed": time.perf_counter() - self.started,
+            "bad_steps": self.bad_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -157,6 +177,7 @@ class Worker:
         self.sampler.load_state_dict(state["sampler"])
         self.controller.load_state_dict(state["controller"])
         self.window = state["window"]
+        self.bad_steps = int(state.get("bad_steps", 0))  # absent in checkpoints older than the check
         self.started = time.perf_counter() - float(state["elapsed"])
 
     # ---------------------------------------------------------------- the run
@@ -263,7 +284,7 @@ class Worker:
         n = group.size
         tail = pack_tail(
             n, group.rank, loss, compute=compute, wait=self.prev_wait, oom=oom, seen=self.joins.seen,
-            dtype=self.dtype, device=self.device,
+            norm=float(torch.linalg.vector_norm(flat, dtype=torch.float64)), dtype=self.dtype, device=self.device,
         )
         weight = mine / total
         parts = [flat, *(b.detach().reshape(-1).to(self.dtype) * weight for b in self.buffers), tail]
@@ -278,11 +299,30 @@ class Worker:
             for w in ooms:
                 self.controller.report_oom(w)
             return None
-        assign_gradient(self.model, buffer[: self.num_params])
-        self.optimizer.step()
-        copy_flat(self.buffers, buffer[self.num_params : self.num_params + self.num_buffers])
-        self._advance(group, sizes, total, summed, step_start)
+        refused = refused_shares(summed.norm, [sizes[w] / total for w in members], dp.max_grad_norm, dp.max_norm_ratio)
+        gradient = buffer[: self.num_params]
+        if not refused and not finite(gradient):  # finite shares whose sum overflows
+            refused = {int(np.argmax(summed.norm)): "the summed gradient is not finite (the largest share is its)"}
+        if refused:
+            self._skip({members[r]: why for r, why in refused.items()})
+        else:
+            assign_gradient(self.model, gradient)
+            self.optimizer.step()
+            copy_flat(self.buffers, buffer[self.num_params : self.num_params + self.num_buffers])
+        self._advance(group, sizes, total, summed, step_start, skipped=bool(refused))
         return summed
+
+    def _skip(self, refused: dict[int, str]) -> None:
+        """Step ``self.step + 1`` applies nothing: ``refused`` names each worker whose gradient was
+        refused, and why; the run stops (:class:`BadSteps`) at data_parallel.max_bad_steps of them."""
+        limit = self.config.data_parallel.max_bad_steps
+        self.bad_steps += 1
+        named = "; ".join(f"worker {w}: {why}" for w, why in refused.items())
+        log.error("worker %d: step %d skipped (%d of max_bad_steps %d): %s", self.id, self.step + 1,
+                  self.bad_steps, limit, named)
+        if self.bad_steps >= limit:
+            raise BadSteps(f"{self.bad_steps} steps skipped for refused gradients (data_parallel.max_bad_steps "
+                           f"{limit}), the last at step {self.step + 1}: {named}")
 
     def _contribution(
         self, index: np.ndarray, mine: int, total: int, step_start: float
@@ -308,7 +348,8 @@ class Worker:
         return flat, loss, oom
 
     def _advance(
-        self, group: Group, sizes: dict[int, int], total: int, summed: StepTail, step_start: float
+        self, group: Group, sizes: dict[int, int], total: int, summed: StepTail, step_start: float,
+        skipped: bool = False,
     ) -> None:
         """After the optimiser's step: the controller observes every member's compute time,
         the sampler moves on, and the metrics window takes the step (written when due)."""
@@ -324,7 +365,7 @@ class Worker:
         control = time.perf_counter() - control_start
         self.step += 1
         waits = summed.wait
-        self.window.add(sizes, times, summed.loss, min(waits) if self.step > 1 and all(waits) else None)
+        self.window.add(sizes, times, summed.loss, min(waits) if self.step > 1 and all(waits) else None, skipped)
         self.window.controller_time += control
         self.window.step_time += time.perf_counter() - step_start
         if epoch_end or self.step % dp.log_every == 0 or self._done():
@@ -358,7 +399,8 @@ class Worker:
             "step": self.step,
             "epoch": self.sampler.epoch + self.sampler.offset / self.sampler.num_samples,
             "samples": w.samples,
-            "train_loss": w.loss / max(w.samples, 1),
+            "train_loss": w.loss / (w.samples - w.skipped_samples) if w.samples > w.skipped_samples else None,
+            "skipped_steps": w.skipped,
             "workers": workers,
             "batch": [w.batch[i] / w.taken[i] for i in workers],
             "compute_time": [w.compute[i] / w.taken[i] for i in workers],

@@ -8,6 +8,7 @@ worker's samples by 1/n instead, which is wrong as soon as the b_i differ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -75,3 +76,25 @@ def summed_gradient(
     """Σ_i ∇ (b_i / B) · mean loss of chunk i: what the all-reduce computes, in one process."""
     total = sum(len(y) for y in ys)
     return torch.stack([local_contribution(model, loss_fn, x, y, len(y) / total)[0] for x, y in zip(xs, ys)]).sum(0)
+
+
+def refused_shares(
+    norms: Sequence[float], weights: Sequence[float], max_norm: float | None, max_ratio: float | None
+) -> dict[int, str]:
+    """By rank, why a member's share of a step's gradient may not be applied: its norm
+    (``norms``, of the share b_i / B · g_i) is not finite, or its mean gradient's norm
+    (norm / weight b_i / B) is above ``max_norm`` or above ``max_ratio`` times the lower median
+    of the members' (``data_parallel.max_grad_norm``, ``data_parallel.max_norm_ratio``; None: no
+    such bound). A member with no samples (weight 0) is judged by finiteness alone."""
+    refused = {rank: f"its gradient's norm is {norm}" for rank, norm in enumerate(norms) if not math.isfinite(norm)}
+    mean = {r: n / w for r, (n, w) in enumerate(zip(norms, weights)) if w > 0 and r not in refused}
+    if max_norm is not None:
+        refused.update({r: f"its mean gradient's norm {n:.4g} is above max_grad_norm {max_norm:g}"
+                        for r, n in mean.items() if n > max_norm})
+    if max_ratio is not None and mean:
+        median = sorted(mean.values())[(len(mean) - 1) // 2]
+        refused.update({
+            r: f"its mean gradient's norm {n:.4g} is above max_norm_ratio {max_ratio:g} x the median {median:.4g}"
+            for r, n in mean.items() if r not in refused and n > max_ratio * median
+        })
+    return dict(sorted(refused.items()))

@@ -29,6 +29,10 @@ class PeerFailure(Exception):
     """A collective failed: a peer died, hung past the timeout, or left."""
 
 
+class BadSteps(DataParallelError):
+    """Too many steps were skipped for a non-finite or too large gradient (``data_parallel.max_bad_steps``)."""
+
+
 class Stopped(Exception):
     """The launcher ended this worker's part in the run (too few survivors, or excluded)."""
 

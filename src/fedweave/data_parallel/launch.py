@@ -58,7 +58,11 @@ def resume(run_dir: str | Path) -> DataParallelRun:
     checkpoint and the model of the saved config (a config edited since), before any worker starts.
     """
     run_dir = Path(run_dir)
+    rundir.lock(run_dir)
     config = rundir.saved_config(run_dir)
+    if rundir.died_unsaved(run_dir):  # killed before its first checkpoint: begun again
+        rundir.begin_again(run_dir)
+        return prepare(config, run_dir)
     saved = load_checkpoint(run_dir)
     if saved.get("mode") != "data_parallel":
         raise CheckpointError(f"checkpoint in {str(run_dir)!r} is not of a data-parallel run")
@@ -80,8 +84,20 @@ def execute(
 
     ``on_record`` gets each metrics line as it appears; ``on_start`` the worker pids
     (worker id -> pid). Raises :class:`DataParallelError` when the run could not finish
-    (the last checkpoint stays intact: continue with :func:`resume`).
+    (the last checkpoint stays intact: continue with :func:`resume`). Then the run directory is
+    free for another writer.
     """
+    try:
+        return _execute(r, on_record, on_start)
+    finally:
+        rundir.release(r.run_dir)
+
+
+def _execute(
+    r: DataParallelRun,
+    on_record: Callable[[Record], None] | None,
+    on_start: Callable[[dict[int, int]], None] | None,
+) -> list[Record]:
     if r.finished:
         log.info("%s already finished", r.run_dir)
         return r.records

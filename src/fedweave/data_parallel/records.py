@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fedweave import rundir
-from fedweave.checkpoint import CHECKPOINT, atomic_save, checkpoint_type
+from fedweave.checkpoint import checkpoint_type, save_state
 from fedweave.config import Config
 from fedweave.observe.metrics import read_metrics
 from fedweave.training import LocalOptimizer, LossFn
@@ -67,12 +67,21 @@ class Window:
     comm_steps: int = 0
     step_time: float = 0.0  # this worker's wall time per step (rank 0's is what is logged)
     controller_time: float = 0.0
+    skipped: int = 0  # steps whose gradient was refused: no update, no loss counted
+    skipped_samples: int = 0
 
-    def add(self, sizes: Mapping[int, int], times: Mapping[int, float], loss: float, comm: float | None) -> None:
+    def add(
+        self, sizes: Mapping[int, int], times: Mapping[int, float], loss: float, comm: float | None,
+        skipped: bool = False,
+    ) -> None:
         self.steps += 1
         total = sum(sizes.values())
         self.samples += total
-        self.loss += loss * total
+        if skipped:
+            self.skipped += 1
+            self.skipped_samples += total
+        else:
+            self.loss += loss * total
         slowest = max(times.values())
         for w in sizes:
             self.taken[w] = self.taken.get(w, 0) + 1
@@ -95,7 +104,7 @@ def evaluation(config: Config, model: nn.Module, dataset: Dataset, loss_fn: Loss
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> None:
     """The run's checkpoint after ``step``: ``state`` is what the run resumes from."""
-    atomic_save({"mode": "data_parallel", "round": step, "state": state}, run_dir / CHECKPOINT)
+    save_state(run_dir, {"mode": "data_parallel", "round": step, "state": state})
 
 
 def save_model(model: nn.Module, run_dir: Path) -> None:

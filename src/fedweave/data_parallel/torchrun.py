@@ -22,6 +22,10 @@ job loses when no worker could save), the controller replans over the new world,
 training goes on from the sampler's saved position, so each epoch still covers every
 sample once. The in-place re-formation of :mod:`fedweave.data_parallel.elastic` stays the
 path of a job whose workers one launcher started on one host.
+
+Each host's torchrun agent is best started by ``fedweave worker CONFIG --nnodes N
+--rdzv-endpoint HOST:PORT`` (:mod:`fedweave.deploy.torchrun`), which works where a machine's
+hostname resolves to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets for every worker (and ``env://`` reads)."""
 
 
+class WorkerStopped(DataParallelError):
+    """This worker stopped with the job's state saved (its group broke, or torchrun stopped it):
+    torchrun starts the workers again, within ``--max-restarts``."""
+
+
 @dataclass(frozen=True)
 class TorchrunEnv:
     """Where this process stands in the torchrun job."""
@@ -71,7 +80,13 @@ class TorchrunEnv:
                 f"not started by torchrun: {', '.join(missing)} unset (run `torchrun ... -m fedweave.data_parallel "
                 "CONFIG`)"
             )
-        return cls(
+        numbers = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "GROUP_RANK": "0",
+                   "TORCHELASTIC_RESTART_COUNT": "0"}
+        for name, default in numbers.items():
+            value = environ.get(name, default)
+            if value is None or not (value.isascii() and value.isdigit()):
+                raise DataParallelError(f"{name}={value!r}: torchrun sets it to a whole number 0 or more")
+        env = cls(
             rank=int(environ["RANK"]),
             world_size=int(environ["WORLD_SIZE"]),
             local_rank=int(environ["LOCAL_RANK"]),
@@ -79,6 +94,10 @@ class TorchrunEnv:
             restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"),
         )
+        if env.rank >= env.world_size:
+            raise DataParallelError(f"RANK={env.rank} is not a rank of a world of WORLD_SIZE={env.world_size} "
+                                    f"(ranks 0..{env.world_size - 1})")
+        return env
 
 
 def agreed_run_dir(config: Config, env: TorchrunEnv, run_dir: str | Path | None = None) -> Path:
@@ -118,6 +137,12 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
     members = list(range(env.world_size))
     device = torch.device(f"cuda:{env.local_rank}") if backend == "nccl" else torch.device("cpu")
     group = Group(None, env.restart_count, members, env.rank, backend, config.data_parallel.timeout, device)
+    if env.rank == 0:
+        try:
+            rundir.lock(path)  # the job's writer: a second job on the run directory is refused
+        except BaseException:
+            group.close()
+            raise
     if env.rank == 0 and not (path / CONFIG_FILE).exists():
         rundir.create(config, path)
     resume = load_checkpoint(path)["state"] if (path / CHECKPOINT).exists() else None
@@ -142,7 +167,9 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
         if env.local_rank == 0 and (path / CONFIG_FILE).exists() and worker.step > saved_step(path):
             save_checkpoint(path, worker.step, worker.state_dict())
             log.info("worker %d: saved the job's state after step %d", env.rank, worker.step)
-        raise DataParallelError(f"worker {env.rank} stopped at step {worker.step}: {first_line(exc)}") from None
+        raise WorkerStopped(f"worker {env.rank} stopped at step {worker.step}: {first_line(exc)}; torchrun "
+                            "starts the workers again (within --max-restarts)") from None
     finally:
         group.close()
+        rundir.release(path)
     return path

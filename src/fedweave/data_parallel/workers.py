@@ -21,7 +21,7 @@ from torch import nn
 from fedweave import config as config_mod
 from fedweave.batching.heterogeneity import Emulator, worker_threads
 from fedweave.config import Config
-from fedweave.data_parallel.group import Stopped
+from fedweave.data_parallel.group import BadSteps, Stopped
 from fedweave.errors import ConfigError
 from fedweave.training import LocalOptimizer, LocalSettings
 from fedweave.task import Dataset, build_model, load_dataset
@@ -112,7 +112,7 @@ def worker_process(
     address = port_conn.recv()
     try:
         run(address)
-    except Stopped as exc:
+    except (Stopped, BadSteps) as exc:
         logger.error("worker %d: %s", worker, exc)
         raise SystemExit(3) from None
 

@@ -1,7 +1,7 @@
 """The Ray launcher: the server in this process (the driver), clients trained by a pool of Ray actors.
 
-``launcher: ray`` (extra ``ray``) joins the Ray cluster at ``ray.address``, or starts a local one,
-and starts ``ray.actors`` actors, each reserving ``ray.num_cpus`` CPUs and ``ray.num_gpus`` GPUs.
+``launcher: ray`` (extra ``ray``) joins the Ray cluster at ``ray.address``, or starts a local one
+that listens on 127.0.0.1 only (:data:`LOOPBACK_ENV`), and starts ``ray.actors`` actors, each reserving ``ray.num_cpus`` CPUs and ``ray.num_gpus`` GPUs.
 Each actor builds the task once (the dataset and its partition, from the same config and seed,
 as every fedweave process does) and then serves any client: a client's local work is one task on
 whichever actor is free, so 10,000 clients need no 10,000 actors.
@@ -50,6 +50,12 @@ from fedweave.transports.serialization import decode, encode
 from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, body_nbytes
 
 log = logging.getLogger(__name__)
+
+
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0 before Ray is imported (it reads it once), Ray's node address is 127.0.0.1, where its servers
+(GCS, raylet, workers) listen, instead of the host's outward address on every interface: a local cluster
+that no other machine can reach. Set by :func:`launch_ray` when no ``ray.address`` is given."""
 
 
 def import_ray() -> Any:
@@ -331,6 +337,21 @@ def pool_size(ray: Any, config: Config) -> int:
 
 def launch_ray(config: Config, runtime: ClientRuntime) -> RayTransport:
     """Join (or start) the Ray cluster and start the actor pool that serves ``runtime``'s clients."""
+    ray, owns = join_ray(config)
+    try:
+        pool = ActorPool(ray, config, pool_size(ray, config))
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise
+    return RayTransport(ray, runtime, pool, owns)
+
+
+def join_ray(config: Config) -> tuple[Any, bool]:
+    """The ``ray`` module joined to the cluster at ``ray.address``, or to a new local one (on the loopback
+    interface), unless this process has joined one already; and whether it started that cluster."""
+    if config.ray.address is None:  # a new local cluster: on the loopback interface (inherited by its processes)
+        os.environ.setdefault(LOOPBACK_ENV, "0")
     ray = import_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # fedweave never reports usage anywhere
     owns = not ray.is_initialized()
@@ -344,10 +365,4 @@ def launch_ray(config: Config, runtime: ClientRuntime) -> RayTransport:
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise FedweaveError(f"cannot join the Ray cluster at ray.address={address!r}: {exc}") from None
         log.info("joined Ray at %s in %.1f s", address or "a new local cluster", time.perf_counter() - started)
-    try:
-        pool = ActorPool(ray, config, pool_size(ray, config))
-    except BaseException:
-        if owns:
-            ray.shutdown()
-        raise
-    return RayTransport(ray, runtime, pool, owns)
+    return ray, owns

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedweave import result, runner
+from fedweave import result, rundir, runner
 from fedweave.config import Config
 from fedweave.files import atomic_write_text
 from fedweave.reach import server_topology
@@ -41,11 +41,16 @@ def serve(
     clients to stop if its predecessor died before it could, writes the model, and returns.
     ``address_file`` receives the address actually bound (``listen`` may ask for port 0).
     """
-    topology = server_topology(config, listen)
+    run_dir = Path(run_dir)
+    rundir.lock(run_dir)  # before listening: a second server of the run is refused before a client reaches it
+    try:
+        topology = server_topology(config, listen)
+    except BaseException:
+        rundir.release(run_dir)
+        raise
     try:
         if address_file is not None:
             atomic_write_text(topology.transport.address + "\n", address_file)
-        run_dir = Path(run_dir)
         r = runner.resume(run_dir, topology=topology) if resume else runner.reopen(config, run_dir, topology=topology)
         if r.first_round <= r.config.rounds:
             runner.run_rounds(r, on_record)
@@ -54,6 +59,7 @@ def serve(
         return r
     finally:
         topology.close()
+        rundir.release(run_dir)
 
 
 def _finished(r: runner.Run, topology: Star | SiteBatches) -> None:

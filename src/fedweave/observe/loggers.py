@@ -95,7 +95,9 @@ def open_loggers(config: Config, run_dir: Path, topology: object = None) -> Logg
 
             transport = getattr(topology, "transport", None)
             nodes = transport if isinstance(transport, NodeCounter) else None
-            loggers.append(PrometheusLogger(obs.prometheus_port, config.rounds, nodes))
+            listening = getattr(transport, "address", None)  # a gRPC server's: the endpoint binds its host
+            host = listening.rpartition(":")[0].strip("[]") if isinstance(listening, str) else "127.0.0.1"
+            loggers.append(PrometheusLogger(obs.prometheus_port, config.rounds, nodes, host))
     if obs.tensorboard is not False or obs.mlflow.on:
         import yaml
 

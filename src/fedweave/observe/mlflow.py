@@ -3,10 +3,13 @@ the resolved config as params, each record's numbers as metrics at its round or 
 at the end the final model (``model.pt``, and ``model.he.pt`` where the server keeps it encrypted:
 plugin he; a deployed server writes only that one) and the run's report as artifacts.
 
-Without ``tracking_uri`` the run logs to a local ``file:`` store in ``RUN_DIR/mlruns``
-(MLflow keeps that store in maintenance mode and asks for ``MLFLOW_ALLOW_FILE_STORE``,
-which is set for such a URI). The MLflow run's id is kept in ``RUN_DIR/mlflow-run-id``, so
-a resumed run logs on to the same MLflow run.
+Without ``tracking_uri`` the run logs to a SQLite store, ``sqlite:///RUN_DIR/mlflow.db``, its
+artifacts in ``RUN_DIR/mlartifacts``: what the installed MLflow reads back as it is
+(``mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db``). A run directory that already holds
+the ``file:`` store of an earlier version (``RUN_DIR/mlruns``) keeps logging there (MLflow keeps
+that store in maintenance mode and asks for ``MLFLOW_ALLOW_FILE_STORE``, which is set for a
+``file:`` URI). The MLflow run's id is kept in ``RUN_DIR/mlflow-run-id``, so a resumed run logs
+on to the same MLflow run.
 """
 
 from __future__ import annotations
@@ -25,8 +28,19 @@ from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "mlflow-run-id"
+STORE_FILE = "mlflow.db"
+ARTIFACTS_DIR = "mlartifacts"
+FILE_STORE_DIR = "mlruns"  # the default store before STORE_FILE
 MAX_PARAM = 6000  # characters of a param value MLflow stores
 BATCH = 100  # params or metrics per call
+
+
+def default_uri(run_dir: Path) -> str:
+    """The tracking URI of a run that names none: the SQLite store in ``run_dir`` (the ``file:``
+    store where an earlier version made one)."""
+    if (run_dir / FILE_STORE_DIR).is_dir():
+        return (run_dir / FILE_STORE_DIR).resolve().as_uri()
+    return f"sqlite:///{(run_dir / STORE_FILE).resolve()}"
 
 
 class MlflowLogger:
@@ -37,7 +51,7 @@ class MlflowLogger:
             raise ConfigError(
                 "config key 'observe.mlflow': needs MLflow; install it with pip install 'fedweave[mlflow]'"
             ) from exc
-        uri = settings.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
+        uri = settings.tracking_uri or default_uri(run_dir)
         if uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
@@ -48,7 +62,9 @@ class MlflowLogger:
             return
         experiment = settings.experiment or name
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        artifacts = None if settings.tracking_uri else (run_dir / ARTIFACTS_DIR).resolve().as_uri()
+        experiment_id = (found.experiment_id if found is not None
+                         else self.client.create_experiment(experiment, artifact_location=artifacts))
         run = self.client.create_run(experiment_id, run_name=run_dir.name, tags={"fedweave.run_dir": str(run_dir)})
         self.run_id = run.info.run_id
         saved.write_text(self.run_id + "\n")

@@ -3,7 +3,11 @@
 
 Served by the process that runs the rounds (``fedweave server``, the server process of
 the process launcher, ``fedweave run``) from the start of the run to its end, at
-``http://HOST:PORT/metrics``. Every value comes from the round's record, as written to
+``http://HOST:PORT/metrics`` and no other path (404), where HOST is the one the gRPC server
+listens on (127.0.0.1 without gRPC): an endpoint is never more exposed than the server. At most
+:data:`WORKERS` scrapes are served at once, each connection given :data:`READ_TIMEOUT` seconds to
+send its request; a connection past :data:`WAITING` more is closed at once, so half-open
+connections hold no more than that many threads. Every value comes from the round's record, as written to
 ``metrics.jsonl``, except the node counts, read from the gRPC transport at each scrape:
 
 =====================================  ===============================================
@@ -25,10 +29,15 @@ the process launcher, ``fedweave run``) from the start of the run to its end, at
 
 from __future__ import annotations
 
+import http.server
 import logging
+import socket
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
 
 from fedweave import validation
 from fedweave.errors import ConfigError
@@ -36,6 +45,13 @@ from fedweave.errors import ConfigError
 log = logging.getLogger(__name__)
 
 REASONS = (*validation.REASONS, "no_answer", "round_skipped")
+PATH = "/metrics"
+WORKERS = 4
+"""Scrapes served at once."""
+WAITING = 8
+"""Connections accepted beyond those served, waiting for a worker; one more is closed at once."""
+READ_TIMEOUT = 3.0
+"""Seconds a connection has to send its request (and take the answer) before it is closed."""
 
 
 @runtime_checkable
@@ -60,10 +76,68 @@ def updates(record: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
     return (0 if skipped else completed), reasons
 
 
-class PrometheusLogger:
-    """Serves the metrics above on ``port`` (all interfaces) until :meth:`close`."""
+class _Scrape(http.server.BaseHTTPRequestHandler):
+    """One connection: ``GET /metrics`` answered with the registry's text format, any other path 404."""
 
-    def __init__(self, port: int, planned: int, nodes: NodeCounter | None = None):
+    server: _Endpoint
+    timeout = READ_TIMEOUT
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        if urlsplit(self.path).path != PATH:
+            self.send_error(404, f"only {PATH} is served here")
+            return
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+        log.debug("%s: %s", self.address_string(), format % args)
+
+
+class _Endpoint(http.server.HTTPServer):
+    """An HTTP server whose connections a fixed pool of :data:`WORKERS` threads serves."""
+
+    request_queue_size = 64  # connections the system queues before the accept (no thread each)
+
+    def __init__(self, host: str, port: int, registry: Any):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.registry = registry
+        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="fedweave-metrics")
+        self._slots = threading.BoundedSemaphore(WORKERS + WAITING)
+        super().__init__((host, port), _Scrape)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # all busy, the queue full: not queued
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._serve, request, client_address)
+
+    def _serve(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - a broken connection ends that connection only
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PrometheusLogger:
+    """Serves the metrics above on ``host:port`` until :meth:`close`."""
+
+    def __init__(self, port: int, planned: int, nodes: NodeCounter | None = None, host: str = "127.0.0.1"):
         try:
             import prometheus_client as pc
             from prometheus_client.core import GaugeMetricFamily
@@ -96,10 +170,15 @@ class PrometheusLogger:
 
             r.register(Nodes())
         try:
-            self.server, self.thread = pc.start_http_server(port, registry=r)
+            self.server = _Endpoint(host, port, r)
         except OSError as exc:
-            raise ConfigError(f"config key 'observe.prometheus_port': cannot serve on port {port}: {exc}") from exc
-        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+            raise ConfigError(
+                f"config key 'observe.prometheus_port': cannot serve on {host} port {port}: {exc}"
+            ) from exc
+        self.thread = threading.Thread(target=self.server.serve_forever, name="fedweave-metrics", daemon=True)
+        self.thread.start()
+        where = f"[{host}]" if ":" in host else host
+        log.info("Prometheus metrics on http://%s:%d%s", where, port, PATH)
 
     def record(self, step: int, record: Mapping[str, Any]) -> None:
         self.round.set(step)

@@ -62,7 +62,14 @@ def _draw_heatmap(fig_, ax, fig: Figure) -> None:  # type: ignore[no-untyped-def
 
 
 def png(fig: Figure) -> bytes:
-    """The figure drawn as a PNG."""
+    """The figure drawn as a PNG. Its text is drawn as written: a run named ``a$x$`` is no mathtext."""
+    from matplotlib import rc_context
+
+    with rc_context({"text.parse_math": False}):
+        return _png(fig)
+
+
+def _png(fig: Figure) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as MplFigure
 

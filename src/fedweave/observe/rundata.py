@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from fedweave.config.yaml_safe import read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,17 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (a nesting deeper than the parser goes)
             last = number == len(lines)  # no newline after it: still being written
             notes.append(f"{path.name} line {number} {'is incomplete (being written)' if last else 'is not JSON'}; left out")
             continue
-        if isinstance(record, dict):
-            records.append(record)
+        if not isinstance(record, dict):
+            continue
+        axis = next((record[key] for key in ("round", "step") if key in record), None)
+        if type(axis) is not int or axis < 0:
+            notes.append(f"{path.name} line {number} has no round or step number; left out")
+            continue
+        records.append(record)
     return records, notes
 
 
@@ -78,8 +83,8 @@ def load_run(path: str | Path) -> RunData:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a run directory: it has no {CONFIG_FILE}")
+    config = read_yaml(config_path)  # a ConfigError in one line for a file that is not a YAML mapping
     text = config_path.read_text()
-    config = yaml.safe_load(text) or {}
     records, notes = read_records(path / METRICS_FILE)
     partition = None
     partition_path = path / PARTITION_FILE

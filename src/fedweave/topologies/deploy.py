@@ -121,7 +121,14 @@ def site_port(config: Config, site: int) -> int:
 
 def site_members(config: Config, site: int) -> dict[int, int]:
     """Client id -> rank in site ``site``'s own world (the leader is rank 0)."""
-    tree = site_tree(config.topology.sites, config.clients)  # type: ignore[arg-type]
+    top = config.topology
+    if top.kind != "hierarchical" or top.inner != "torchdist" or config.transport.kind != "grpc":
+        raise ConfigError(
+            f"config key 'topology.kind': `fedweave site` runs a site of a hierarchical topology with inner torchdist "
+            f"over transport grpc; this config has topology {top.kind!r} over {config.transport.kind!r} (its clients "
+            "are `fedweave client` nodes, or run inside `fedweave run`)"
+        )
+    tree = site_tree(top.sites, config.clients)  # type: ignore[arg-type]
     if not 0 <= site < len(tree):
         raise ConfigError(
             f"--site {site} is not a site of this config (sites: 0..{len(tree) - 1})"

@@ -39,11 +39,23 @@ def test_a_token_that_cannot_travel_in_a_header_is_refused_without_echoing_it(to
     assert check_token("0123abcdef", "--token") == "0123abcdef"
 
 
+def test_more_nodes_than_the_limit_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Issue 26 item 10: `certs --clients 1000000` ran for hours without a word."""
+    for clients, sites, error in [(1_000_000, 0, "certs: --clients must lie in 1..10,000, got 1,000,000"),
+                                  (0, 0, "certs: --clients must lie in 1..10,000, got 0"),
+                                  (1, 10_001, "certs: --sites must lie in 0..10,000, got 10,001")]:
+        with pytest.raises(ConfigError) as refused:
+            make_credentials(tmp_path / "out", clients, sites=sites)
+        assert str(refused.value) == error
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("days", "hosts", "error"),
     [
-        (0, ["localhost"], "certs: --days must be at least 1, got 0"),
-        (-5, ["localhost"], "certs: --days must be at least 1, got -5"),
+        (0, ["localhost"], "certs: --days must lie in 1..36,500 (100 years), got 0"),
+        (-5, ["localhost"], "certs: --days must lie in 1..36,500 (100 years), got -5"),
+        (10_000_000, ["localhost"], "certs: --days must lie in 1..36,500 (100 years), got 10,000,000"),  # issue 26
         (1, ["bücher.example"], "certs: --host 'bücher.example' is neither an IP address nor a DNS name of ASCII "
          "letters, digits and hyphens (its ASCII form is 'xn--bcher-kva.example')"),
         (1, ["two words"], "certs: --host 'two words' is neither an IP address nor a DNS name of ASCII letters, "

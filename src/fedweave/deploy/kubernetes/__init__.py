@@ -2,24 +2,34 @@
 
 Writes a kustomize base and its overlays (``kubectl apply -k DIR/base`` or an overlay):
 
-==============================  ==========================================================
-``DIR/base/``                   ``kustomization.yaml``; ``config.yaml`` (the ConfigMap every pod
-                                mounts); ``credentials/`` (``fedweave certs``' files, the source
-                                of the Secrets: each pod mounts its own); the workloads
-``DIR/overlays/gpu/``           the CUDA image (tag ``<tag>-cuda``), one GPU per training pod
-``DIR/overlays/pytorchjob/``    (``mode: data_parallel``) a Kubeflow PyTorchJob with an
-                                elasticPolicy in place of the Indexed Job
-==============================  ==========================================================
+================================  ========================================================
+``DIR/base/``                     ``kustomization.yaml``; ``config.yaml`` (the ConfigMap every pod
+                                  mounts); ``credentials/`` (``fedweave certs``' files, the source
+                                  of the Secrets: each pod mounts its own); the workloads and
+                                  their NetworkPolicies
+``DIR/overlays/namespace/``       (``--namespace`` other than default) the base and its Namespace
+``DIR/overlays/servicemonitor/``  (``observe.prometheus_port``) the base and a ServiceMonitor of the
+                                  Prometheus operator
+``DIR/overlays/pytorchjob/``      (``mode: data_parallel``) a Kubeflow PyTorchJob with an
+                                  elasticPolicy in place of the Indexed Job
+================================  ========================================================
 
 The workloads follow the config: a federated star is the server (a Job restarted on failure,
 which resumes from its run directory, a Service, the PersistentVolumeClaim of that run
-directory, a NetworkPolicy) and one Job per client; a
-hierarchical gRPC deployment has the same server and, per top-level site, a leader Job, a
-headless Service for the site's torch.distributed rendezvous and one Job per member;
-``mode: data_parallel`` is an Indexed Job of torchrun pods, the headless Service of its
-rendezvous and the PersistentVolumeClaim (ReadWriteMany) of the run directory they share. Each client (and site leader) is a Job of its own rather than a pod of one
-StatefulSet or Indexed Job, because pods of one template mount the same volumes: only a
-pod of its own can hold a key that no other client can read.
+directory) and one Job per client; a hierarchical gRPC deployment has the same server and, per
+top-level site, a leader Job, a headless Service for the site's torch.distributed rendezvous and
+one Job per member; ``mode: data_parallel`` is an Indexed Job of torchrun pods, the headless
+Service of its rendezvous and the PersistentVolumeClaim (ReadWriteMany) of the run directory they
+share. Each client (and site leader) is a Job of its own rather than a pod of one StatefulSet or
+Indexed Job, because pods of one template mount the same volumes: only a pod of its own can hold a
+key that no other client can read.
+
+Every pod is under a NetworkPolicy that admits only the job's own pods (the server's port: its
+clients and site leaders, or anyone with ``--external-host``; a site's or the workers'
+unauthenticated torch.distributed ports: the site's or the job's pods; the Prometheus port: pods
+labelled ``fedweave.io/scraper: "true"``) and lets it reach only the cluster's DNS and the pods it
+talks to. Pods whose device is cuda (``local.device``; workers also with ``data_parallel.backend:
+nccl``) take the CUDA image, one GPU, the GPU nodes' toleration and node selector.
 
 The deployed config is the user's with the deployment's settings on top: the server's
 Service name as ``grpc.address``, credentials at their mount path, mutual TLS and tokens on
@@ -41,11 +51,13 @@ from fedweave.deploy.kubernetes.layout import (
     DATA_DIR,
     KUBERNETES_VERSION,
     RUN_DIR,
+    SCRAPER_LABEL,
     UID,
+    ImageRef,
     Options,
     k8s_name,
 )
-from fedweave.deploy.kubernetes.render import Rendered, add_arguments, deployed_config, render, render_args
+from fedweave.deploy.kubernetes.render import Rendered, add_arguments, deployed_config, emulated, render, render_args
 
 __all__ = [
     "CLIENT_PATIENCE",
@@ -54,11 +66,14 @@ __all__ = [
     "DATA_DIR",
     "KUBERNETES_VERSION",
     "RUN_DIR",
+    "SCRAPER_LABEL",
     "UID",
+    "ImageRef",
     "Options",
     "Rendered",
     "add_arguments",
     "deployed_config",
+    "emulated",
     "k8s_name",
     "render",
     "render_args",

@@ -1,5 +1,5 @@
 """The objects of one deployment, as dicts ``kubectl`` reads: pods, Jobs, Services, claims,
-the NetworkPolicy, the PyTorchJob and the overlays."""
+the NetworkPolicies, the PyTorchJob and the overlays."""
 
 from __future__ import annotations
 
@@ -13,17 +13,28 @@ from fedweave.deploy.kubernetes.layout import (
     CONFIG_PATH,
     CREDENTIALS_DIR,
     DATA_DIR,
+    GPU_RESOURCE,
     HEALTH_PORT,
     PYTORCHJOB_API,
     RENDEZVOUS_PORT,
+    ROLE_OF,
     RUN_DIR,
     SCRATCH,
-    TRAINERS,
+    SCRAPER_LABEL,
+    SERVICEMONITOR_API,
     UID,
+    ImageRef,
     Options,
     port_of,
 )
 from fedweave.transports.grpc import certs
+
+DNS = {
+    "to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+    "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+}
+"""Egress to the cluster's DNS (CoreDNS and kube-dns both carry ``k8s-app: kube-dns``)."""
 
 
 class Manifests:
@@ -33,9 +44,11 @@ class Manifests:
         self.config = config
         self.name = name
         self.options = options
+        self.metrics_port: int | None = None
         if config.mode == "federated":
             self.port = port_of(config.grpc.address)
             self.health_port = port_of(config.grpc.health_listen or f":{HEALTH_PORT}")
+            self.metrics_port = config.observe.prometheus_port
         if config.topology.kind == "hierarchical":
             from fedweave.topologies.deploy import site_members, site_port
             from fedweave.topologies.hierarchical import site_tree
@@ -55,9 +68,23 @@ class Manifests:
     def meta(self, name: str, component: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
         return {"name": name, "namespace": self.options.namespace, "labels": {**self.labels(component), **(extra or {})}}
 
+    def device(self, component: str) -> str:
+        """``cuda`` or ``cpu``: where the pods of ``component`` train (``local.device``; a worker also
+        with ``data_parallel.backend: nccl``); the server aggregates on the CPU."""
+        if component == "server":
+            return "cpu"
+        if component == "worker" and self.config.data_parallel.backend == "nccl":
+            return "cuda"
+        return "cuda" if str(getattr(self.config.local, "device", "cpu")).startswith("cuda") else "cpu"
+
+    def cuda_image(self) -> str | None:
+        """The image of the cuda pods: ``--gpu-image``, else the CUDA build of ``--image``'s tag."""
+        return self.options.gpu_image or ImageRef.parse(self.options.image).cuda()
+
     def container(
         self,
         name: str,
+        component: str,
         args: list[str],
         mounts: list[dict[str, Any]],
         *,
@@ -66,7 +93,9 @@ class Manifests:
         env: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         o = self.options
-        body: dict[str, Any] = {"name": name, "image": o.image, "imagePullPolicy": "IfNotPresent"}
+        cuda = self.device(component) == "cuda"
+        body: dict[str, Any] = {"name": name, "image": self.cuda_image() if cuda else o.image,
+                                "imagePullPolicy": "IfNotPresent"}
         if command is not None:
             body["command"] = command
         body["args"] = args
@@ -77,10 +106,10 @@ class Manifests:
             {"name": "MPLCONFIGDIR", "value": f"{SCRATCH}/matplotlib"},
             *(env or []),
         ]
-        body["resources"] = {
-            "requests": {"cpu": o.cpu, "memory": o.memory},
-            "limits": {"cpu": o.cpu, "memory": o.memory},
-        }
+        role = ROLE_OF[component]
+        amounts = {"cpu": o.resource(role, "cpu"), "memory": o.resource(role, "memory"),
+                   "ephemeral-storage": o.ephemeral_storage}
+        body["resources"] = {"requests": amounts, "limits": {**amounts, **({GPU_RESOURCE: 1} if cuda else {})}}
         body["volumeMounts"] = [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": SCRATCH},
@@ -93,8 +122,9 @@ class Manifests:
         }
         return body
 
-    def pod_spec(self, container: dict[str, Any], volumes: list[dict[str, Any]], restart: str) -> dict[str, Any]:
-        return {
+    def pod_spec(self, component: str, container: dict[str, Any], volumes: list[dict[str, Any]],
+                 restart: str) -> dict[str, Any]:
+        spec: dict[str, Any] = {
             "restartPolicy": restart,
             "automountServiceAccountToken": False,
             "securityContext": {
@@ -104,13 +134,17 @@ class Manifests:
                 "fsGroup": UID,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
-            "containers": [container],
-            "volumes": [
-                {"name": "config", "configMap": {"name": f"{self.name}-config"}},
-                {"name": "tmp", "emptyDir": {}},
-                *volumes,
-            ],
         }
+        if self.device(component) == "cuda":
+            spec["nodeSelector"] = dict(self.options.gpu_node_selector)
+            spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        spec["containers"] = [container]
+        spec["volumes"] = [
+            {"name": "config", "configMap": {"name": f"{self.name}-config"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": self.options.tmp_size}},
+            *volumes,
+        ]
+        return spec
 
     def secret_volume(self, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """The volume of ``node``'s Secret and its mount at the credentials path (readable by the pod's group)."""
@@ -119,9 +153,12 @@ class Manifests:
 
     def job(
         self, name: str, component: str, container: dict[str, Any], volumes: list[dict[str, Any]],
-        extra: dict[str, str] | None = None, **spec: Any,
+        extra: dict[str, str] | None = None, annotations: dict[str, str] | None = None, **spec: Any,
     ) -> dict[str, Any]:
         meta = self.meta(name, component, extra)
+        template: dict[str, Any] = {"labels": meta["labels"]}
+        if annotations:
+            template["annotations"] = annotations
         return {
             "apiVersion": "batch/v1",
             "kind": "Job",
@@ -129,93 +166,112 @@ class Manifests:
             "spec": {
                 **spec,
                 "backoffLimit": spec.get("backoffLimit", 6),
-                "template": {
-                    "metadata": {"labels": meta["labels"]},
-                    "spec": self.pod_spec(container, volumes, "OnFailure"),
-                },
+                "template": {"metadata": template, "spec": self.pod_spec(component, container, volumes, "OnFailure")},
             },
+        }
+
+    def claim(self, component: str, access: str) -> dict[str, Any]:
+        """The PersistentVolumeClaim of the run directory (``--storage``, ``--storage-class``)."""
+        spec: dict[str, Any] = {"accessModes": [access], "resources": {"requests": {"storage": self.options.storage}}}
+        if self.options.storage_class is not None:
+            spec["storageClassName"] = self.options.storage_class
+        return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": self.meta(f"{self.name}-run", component),
+                "spec": spec}
+
+    def pods(self, *components: str, **labels: str) -> dict[str, Any]:
+        """The selector of this deployment's pods of ``components`` (and ``labels``)."""
+        selector: dict[str, Any] = {"matchLabels": {**self.labels(), **labels}}
+        if components:
+            selector["matchExpressions"] = [
+                {"key": "app.kubernetes.io/component", "operator": "In", "values": list(components)}
+            ]
+        return selector
+
+    def policy(self, name: str, component: str, selector: dict[str, Any], ingress: list[dict[str, Any]],
+               egress: list[dict[str, Any]]) -> dict[str, Any]:
+        """A NetworkPolicy: the pods ``selector`` picks take only ``ingress`` and reach only the DNS and ``egress``."""
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": self.meta(name, component),
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress", "Egress"], "ingress": ingress,
+                     "egress": [DNS, *egress]},
         }
 
     # ------------------------------------------------------------------ federated
 
     def server(self) -> list[dict[str, Any]]:
-        n, port, health = self.name, self.port, self.health_port
+        n, port, health, metrics = self.name, self.port, self.health_port, self.metrics_port
         volume, mount = self.secret_volume("server")
         probe = {"grpc": {"port": health}, "periodSeconds": 10, "timeoutSeconds": 2}
+        ports = [
+            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+            {"name": "health", "containerPort": health, "protocol": "TCP"},
+        ]
+        service_ports = [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]
+        annotations = None
+        if metrics is not None:
+            ports.append({"name": "metrics", "containerPort": metrics, "protocol": "TCP"})
+            service_ports.append({"name": "metrics", "port": metrics, "targetPort": "metrics", "protocol": "TCP"})
+            annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics),
+                           "prometheus.io/path": "/metrics"}
         container = self.container(
-            "server",
-            ["server", CONFIG_PATH, "--run-dir", RUN_DIR],
-            [mount, {"name": "run", "mountPath": DATA_DIR}],
-            ports=[
-                {"name": "grpc", "containerPort": port, "protocol": "TCP"},
-                {"name": "health", "containerPort": health, "protocol": "TCP"},
-            ],
+            "server", "server", ["server", CONFIG_PATH, "--run-dir", RUN_DIR],
+            [mount, {"name": "run", "mountPath": DATA_DIR}], ports=ports,
         )
         container["readinessProbe"] = {**probe, "failureThreshold": 3}
         container["livenessProbe"] = {**probe, "initialDelaySeconds": 30, "failureThreshold": 6}
         pvc = {"name": "run", "persistentVolumeClaim": {"claimName": f"{n}-run"}}
         selector = self.labels("server")
-        return [
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": self.meta(f"{n}-run", "server"),
-                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": self.options.storage}}},
-            },
+        # the federation port: the job's clients and site leaders, or anyone where clients come from outside
+        federation: dict[str, Any] = {"ports": [{"port": port, "protocol": "TCP"}]}
+        if self.options.external_host is None:
+            federation["from"] = [{"podSelector": self.pods("client", "site-leader")}]
+        ingress = [federation]
+        if metrics is not None:
+            scrapers = {"namespaceSelector": {}, "podSelector": {"matchLabels": {SCRAPER_LABEL: "true"}}}
+            ingress.append({"from": [scrapers], "ports": [{"port": metrics, "protocol": "TCP"}]})
+        objects = [
+            self.claim("server", "ReadWriteOnce"),
             # A Job, not a Deployment: a crashed server is restarted with the same arguments and resumes
             # from its run directory's checkpoint, and a finished one completes instead of being restarted
             # forever. A replacement pod starts only once the previous one has ended: one writer at a time.
-            self.job(f"{n}-server", "server", container, [volume, pvc], podReplacementPolicy="Failed"),
+            self.job(f"{n}-server", "server", container, [volume, pvc], annotations=annotations,
+                     podReplacementPolicy="Failed"),
             {
                 "apiVersion": "v1",
                 "kind": "Service",
                 "metadata": self.meta(f"{n}-server", "server"),
-                "spec": {
-                    "selector": selector,
-                    "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}],
-                },
+                "spec": {"selector": selector, "ports": service_ports},
             },
-            {
-                "apiVersion": "networking.k8s.io/v1",
-                "kind": "NetworkPolicy",
-                "metadata": self.meta(f"{n}-server", "server"),
-                "spec": {
-                    "podSelector": {"matchLabels": selector},
-                    "policyTypes": ["Ingress"],
-                    "ingress": [
-                        {
-                            "from": [
-                                {
-                                    "podSelector": {
-                                        "matchLabels": self.labels(),
-                                        "matchExpressions": [
-                                            {
-                                                "key": "app.kubernetes.io/component",
-                                                "operator": "In",
-                                                "values": ["client", "site-leader"],
-                                            }
-                                        ],
-                                    }
-                                }
-                            ],
-                            "ports": [{"port": port, "protocol": "TCP"}],
-                        }
-                    ],
-                },
-            },
+            self.policy(f"{n}-server", "server", {"matchLabels": selector}, ingress, []),
+            # clients and site leaders listen on nothing and reach the server alone
+            self.policy(f"{n}-clients", "client", self.pods("client", "site-leader"), [],
+                        [{"to": [{"podSelector": {"matchLabels": selector}}],
+                          "ports": [{"port": port, "protocol": "TCP"}]}]),
         ]
+        if self.options.external_host is not None:
+            objects.append({
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": self.meta(f"{n}-server-external", "server"),
+                "spec": {"type": "LoadBalancer", "selector": selector, "ports": service_ports[:1]},
+            })
+        return objects
 
     def clients(self) -> list[dict[str, Any]]:
         jobs = []
         for cid in range(self.config.clients):
             node = certs.client_name(cid)
             volume, mount = self.secret_volume(node)
-            container = self.container("client", ["client", CONFIG_PATH, "--id", str(cid)], [mount])
+            container = self.container("client", "client", ["client", CONFIG_PATH, "--id", str(cid)], [mount])
             jobs.append(self.job(f"{self.name}-{node}", "client", container, [volume], {"fedweave.io/client": str(cid)}))
         return jobs
 
     def sites(self) -> list[dict[str, Any]]:
-        """Per top-level site: the leader's Job and rendezvous Service, a Job per member."""
+        """Per top-level site: the leader's Job and rendezvous Service, a Job per member, and the NetworkPolicy
+        that lets the site's pods (and no others) reach each other: their torch.distributed ports are
+        unauthenticated."""
         objects = []
         for s in range(self.num_sites):
             node = certs.site_name(s)
@@ -226,11 +282,13 @@ class Manifests:
             leader_labels = {"fedweave.io/site": str(s)}
             volume, mount = self.secret_volume(node)
             leader = self.container(
-                "site-leader",
+                "site-leader", "site-leader",
                 ["site", *common, "--rank", "0", *site_args],
                 [mount],
                 ports=[{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}],
             )
+            probe = {"tcpSocket": {"port": "rendezvous"}, "periodSeconds": 10, "timeoutSeconds": 2}
+            leader["livenessProbe"] = {**probe, "initialDelaySeconds": 60, "failureThreshold": 6}
             objects.append(self.job(f"{service}-leader", "site-leader", leader, [volume], leader_labels))
             objects.append(
                 {
@@ -246,9 +304,13 @@ class Manifests:
                 }
             )
             for rank in range(1, self.site_members[s] + 1):
-                member = self.container("site-member", ["site", *common, "--rank", str(rank), *site_args], [])
+                member = self.container("site-member", "site-member",
+                                        ["site", *common, "--rank", str(rank), *site_args], [])
                 labels = {"fedweave.io/site": str(s), "fedweave.io/rank": str(rank)}
                 objects.append(self.job(f"{service}-member-{rank}", "site-member", member, [], labels))
+            site = self.pods("site-leader", "site-member", **leader_labels)
+            objects.append(self.policy(service, "site-leader", site, [{"from": [{"podSelector": site}]}],
+                                       [{"to": [{"podSelector": site}]}]))
         return objects
 
     # ------------------------------------------------------------------ data-parallel
@@ -261,24 +323,16 @@ class Manifests:
         elastic join needs (torch 2.13's agents otherwise share a rendezvous store a joining host never reaches)."""
         env = [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}]
         mount = {"name": "run", "mountPath": DATA_DIR}
-        return self.container(name, [*args, *self.torchrun_args()], [mount], command=["torchrun"], env=env, **extra)
+        return self.container(name, "worker", [*args, *self.torchrun_args()], [mount], command=["torchrun"],
+                              env=env, **extra)
 
     def run_volume(self) -> dict[str, Any]:
         return {"name": "run", "persistentVolumeClaim": {"claimName": f"{self.name}-run"}}
 
-    def run_claim(self) -> dict[str, Any]:
-        """The run directory every worker pod sees (ReadWriteMany: pods on many nodes): the model, the metrics,
-        and the checkpoint restarted workers resume from."""
-        return {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": self.meta(f"{self.name}-run", "worker"),
-            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": self.options.storage}}},
-        }
-
     def workers(self) -> list[dict[str, Any]]:
-        """An Indexed Job of torchrun pods (node rank = completion index), its headless Service and the claim
-        of its run directory."""
+        """An Indexed Job of torchrun pods (node rank = completion index), its headless Service, the claim
+        of its run directory (ReadWriteMany: pods on many nodes; the model, the metrics, and the checkpoint
+        restarted workers resume from) and the NetworkPolicy of the workers' unauthenticated gloo ports."""
         n, workers = f"{self.name}-workers", self.config.data_parallel.workers
         rendezvous = f"{n}-0.{n}"  # pod 0's name under the headless Service
         container = self.torchrun_container(
@@ -308,7 +362,9 @@ class Manifests:
                 "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
             },
         }
-        return [self.run_claim(), job, service]
+        peers = self.pods("worker")
+        policy = self.policy(n, "worker", peers, [{"from": [{"podSelector": peers}]}], [{"to": [{"podSelector": peers}]}])
+        return [self.claim("worker", "ReadWriteMany"), job, service, policy]
 
     def pytorchjob(self) -> dict[str, Any]:
         """The Kubeflow training operator's PyTorchJob: elastic torchrun workers (the operator sets PET_* for torchrun)."""
@@ -334,12 +390,14 @@ class Manifests:
                         "restartPolicy": "OnFailure",
                         "template": {
                             "metadata": {"labels": meta["labels"]},
-                            "spec": self.pod_spec(container, [self.run_volume()], "OnFailure"),
+                            "spec": self.pod_spec("worker", container, [self.run_volume()], "OnFailure"),
                         },
                     }
                 },
             },
         }
+
+    # ------------------------------------------------------------------ overlays
 
     def pytorchjob_overlay(self) -> dict[str, Any]:
         n = f"{self.name}-workers"
@@ -347,36 +405,32 @@ class Manifests:
             {"apiVersion": "batch/v1", "kind": "Job"},
             {"apiVersion": "v1", "kind": "Service"},
         ]
-        return {
-            "apiVersion": "kustomize.config.k8s.io/v1beta1",
-            "kind": "Kustomization",
-            "resources": ["../../base", "pytorchjob.yaml"],
-            "patches": [
+        return overlay(
+            ["../../base", "pytorchjob.yaml"],
+            patches=[
                 {"patch": yaml.safe_dump({"$patch": "delete", **d, "metadata": {"name": n}}, sort_keys=False)}
                 for d in delete
             ],
-        }
-
-    # ------------------------------------------------------------------ overlays
-
-    def gpu_overlay(self) -> dict[str, Any]:
-        """The CUDA image (``<tag>-cuda``, see the Dockerfile) and one GPU per training pod."""
-        image, _, tag = self.options.image.rpartition(":")
-        if not image or "/" in tag:
-            image, tag = self.options.image, "latest"
-        add_gpu = yaml.safe_dump(
-            [{"op": "add", "path": "/spec/template/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": 1}],
-            sort_keys=False,
         )
+
+    def namespace(self) -> dict[str, Any]:
+        """The Namespace (the base only names it: it may be an operator's, with its own quotas and policies)."""
+        return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.options.namespace}}
+
+    def servicemonitor(self) -> dict[str, Any]:
+        """The Prometheus operator's ServiceMonitor of the server's ``metrics`` port."""
         return {
-            "apiVersion": "kustomize.config.k8s.io/v1beta1",
-            "kind": "Kustomization",
-            "resources": ["../../base"],
-            "images": [{"name": image, "newTag": f"{tag}-cuda"}],
-            "patches": [
-                {
-                    "target": {"kind": "Job", "labelSelector": f"app.kubernetes.io/component in ({','.join(TRAINERS)})"},
-                    "patch": add_gpu,
-                }
-            ],
+            "apiVersion": SERVICEMONITOR_API,
+            "kind": "ServiceMonitor",
+            "metadata": self.meta(f"{self.name}-server", "server"),
+            "spec": {
+                "selector": {"matchLabels": self.labels("server")},
+                "namespaceSelector": {"matchNames": [self.options.namespace]},
+                "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "30s"}],
+            },
         }
+
+
+def overlay(resources: list[str], **fields: Any) -> dict[str, Any]:
+    """A kustomization of ``resources`` (the base, and the overlay's own files)."""
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": resources, **fields}

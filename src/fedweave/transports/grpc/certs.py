@@ -17,6 +17,9 @@
 A site leader of a hierarchical gRPC deployment is one node for its whole site, so it
 has credentials of its own, not its members'.
 
+``fedweave certs`` refuses a folder that holds credentials already unless given ``--force``, and
+even then while a run directory refers to them (:func:`fedweave.cli.keys.refuse_replacing`).
+
 A config points ``grpc.credentials`` at such a folder; :mod:`fedweave.transports.grpc`
 reads the files a node needs by these names. Keys and tokens are written readable by
 their owner only.
@@ -42,6 +45,18 @@ SERVER_CERT = "server.pem"
 SERVER_KEY = "server.key"
 TOKENS = "tokens.json"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+MAX_NODES = 10_000
+"""The most clients (and, apart, site leaders) one ``fedweave certs`` makes: a key pair and a signature
+each, some milliseconds apiece; a federation of more makes its credentials in its own PKI."""
+MAX_DAYS = 36_500
+"""The longest validity (100 years; an X.509 date ends at 9999)."""
+
+
+def credential_files(folder: Path) -> list[Path]:
+    """The files of a credentials folder that exist in ``folder``."""
+    fixed = [folder / name for name in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY, TOKENS)]
+    nodes = sorted(p for pattern in ("client-*", "site-*") for p in folder.glob(pattern)) if folder.is_dir() else []
+    return [p for p in fixed if p.is_file()] + [p for p in nodes if p.suffix in (".pem", ".key", ".token")]
 
 
 def client_name(client_id: int) -> str:
@@ -125,12 +140,12 @@ def make_credentials(
 ) -> Path:
     """Write a CA, a server certificate for ``hosts``, and a certificate and token for each of
     ``clients`` clients and ``sites`` site leaders."""
-    if clients < 1:
-        raise ConfigError(f"certs: --clients must be at least 1, got {clients}")
-    if sites < 0:
-        raise ConfigError(f"certs: --sites must be at least 0, got {sites}")
-    if days < 1:
-        raise ConfigError(f"certs: --days must be at least 1, got {days}")
+    if not 1 <= clients <= MAX_NODES:
+        raise ConfigError(f"certs: --clients must lie in 1..{MAX_NODES:,}, got {clients:,}")
+    if not 0 <= sites <= MAX_NODES:
+        raise ConfigError(f"certs: --sites must lie in 0..{MAX_NODES:,}, got {sites:,}")
+    if not 1 <= days <= MAX_DAYS:
+        raise ConfigError(f"certs: --days must lie in 1..{MAX_DAYS:,} (100 years), got {days:,}")
     for host in hosts:
         _check_host(host)
     x509, hashes, serialization, ec, eku, name_oid = _crypto()

@@ -392,20 +392,21 @@ class GrpcServerTransport:
         session = secrets.token_hex(8)
         with self._cond:
             current = self._clients.get(cid)
-            # Unauthenticated, anyone may claim any id: a second claim must not take a live node's place
-            # (a restarted node gets in once its predecessor has been silent for heartbeat_timeout).
-            taken = (
-                current is not None
-                and not p.authenticated(self.settings)
-                and time.monotonic() - current.last_seen <= self.settings.heartbeat_timeout
-            )
+            # A second claim must not take a live node's place: unauthenticated, anyone may claim any id;
+            # authenticated, two processes holding one node's credentials would replace each other every
+            # call. A restarted node (it retries) gets in once its predecessor has been silent for
+            # heartbeat_timeout; a site leader whose group broke, at once (its restarted site).
+            silent = time.monotonic() - current.last_seen if current is not None else 0.0
+            taken = current is not None and current.broken is None and silent <= self.settings.heartbeat_timeout
             if not taken:
                 self._clients[cid] = _Client(session, context.peer(), time.monotonic())
                 self._cond.notify_all()
         if taken:
+            assert current is not None
             why = (
-                f"{self.role} {cid} is already connected: without tokens or mTLS another registration "
-                "may not replace it while it is alive"
+                f"{self.role} {cid} is already connected (from {current.peer}, heard from {silent:.1f} s ago): "
+                f"another process may not take its place until it has been silent for grpc.heartbeat_timeout "
+                f"({self.settings.heartbeat_timeout:g} s)"
             )
             self._refuse(context, self._grpc.StatusCode.ALREADY_EXISTS, why)
         again = current is not None
