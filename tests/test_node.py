@@ -231,6 +231,8 @@ def test_fedweave_client_applies_its_site_file_to_its_own_config(
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("fedweave: error: config key 'threads'")
+
+
 def test_a_second_server_on_a_run_directory_is_refused_while_the_first_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
