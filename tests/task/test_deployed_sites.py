@@ -16,7 +16,7 @@ from fedweave import config as config_mod
 from fedweave import rundir, runner
 from fedweave.transports.grpc.certs import make_credentials
 
-from .conftest import blobs, write_csv
+from .conftest import assert_same_run, blobs, write_csv
 
 SIZES = [30, 40, 50]
 
@@ -61,11 +61,7 @@ def test_three_sites_over_mtls_each_reading_its_own_csv_equal_the_simulation(tmp
     )
     reference = runner.run_config(simulated, tmp_path / "reference")
     assert len(deployed_records) == 3
-    for a, b in zip(reference.records, deployed_records):
-        for key in ("train_loss", "test_loss", "test_accuracy", "federated_accuracy", "federated_loss"):
-            assert (a.get(key) is None) == (b.get(key) is None), key
-            if a.get(key) is not None:
-                assert b[key] == pytest.approx(a[key], rel=1e-6), key
+    assert_same_run(reference.records, deployed_records)
     deployed = rundir.load_model(run_dir)
     assert deployed.keys() == reference.params.keys()
     for name, tensor in reference.params.items():

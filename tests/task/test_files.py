@@ -18,7 +18,7 @@ from fedweave.errors import ConfigError, TaskError
 from fedweave.task import format_summary, load_dataset
 from fedweave.task.schema import DataSchema
 
-from .conftest import blobs, write_csv, write_leaf
+from .conftest import blobs, write_csv, write_hf_sites, write_image_sites, write_leaf
 
 SIZES = [30, 40, 50]  # the three clients' rows
 
@@ -82,31 +82,14 @@ def test_without_test_path_the_run_evaluates_on_the_clients(tmp_path: Path, capl
 
 
 def test_hf_sites_learn(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
-    datasets.disable_progress_bars()
-    names = np.array(["ant", "bee", "cow"])
-    for name, (size, seed) in {"0": (30, 0), "1": (40, 1), "2": (50, 2), "test": (60, 99)}.items():
-        x, y = blobs(size, seed)
-        datasets.Dataset.from_dict({"x": x.tolist(), "animal": names[y].tolist()}).save_to_disk(str(tmp_path / f"hf_{name}"))
-    options = {"path": str(tmp_path / "hf_{client}"), "label": "animal", "test_path": str(tmp_path / "hf_test")}
+    options = write_hf_sites(tmp_path)
     config = files_config(tmp_path, options)
     assert build_task(config).dataset.num_classes == 3  # the names read, sorted: ant 0, bee 1, cow 2
     assert run(config, tmp_path / "run")[-1]["test_accuracy"] > 0.8
 
 
 def test_imagefolder_sites_learn(tmp_path: Path) -> None:
-    image = pytest.importorskip("PIL.Image")
-    rng = np.random.default_rng(0)
-    for site, count in (("0", 8), ("1", 10), ("2", 12), ("test", 10)):
-        for label, rows in (("dark_top", slice(0, 4)), ("dark_bottom", slice(4, 8))):
-            folder = tmp_path / f"images_{site}" / label
-            folder.mkdir(parents=True)
-            for i in range(count):
-                pixels = rng.integers(150, 256, size=(8, 8))
-                pixels[rows] = rng.integers(0, 100, size=(4, 8))
-                image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
-    options = {"path": str(tmp_path / "images_{client}"), "test_path": str(tmp_path / "images_test"),
-               "classes": ["dark_top", "dark_bottom"]}
+    options = write_image_sites(tmp_path)
     config = files_config(tmp_path, options)
     assert build_task(config).dataset.input_shape == (1, 8, 8)
     assert run(config, tmp_path / "run")[-1]["test_accuracy"] > 0.75  # 2 classes: chance is 1/2
