@@ -225,13 +225,14 @@ def test_a_second_job_on_the_run_directory_is_refused_by_its_first_worker(
 
     _, config = write_config(tmp_path)
     environ = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port())}
+               "MASTER_PORT": str(free_port()), "FEDWEAVE_HEARTBEAT": str(tmp_path / "heartbeat")}
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     with held(tmp_path / "run") as holder:
         with pytest.raises(rundir.RunInUse, match=f"is in use by process {holder.pid}"):
             torchrun.run(config, tmp_path / "run", environ)
         assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]
+    assert (tmp_path / "heartbeat").exists()  # the worker's liveness file (issue 27), from its start
 
 
 def test_a_rank_outside_the_world_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,

@@ -110,6 +110,33 @@ def test_every_overlay_builds_and_validates_strictly(rendered: dict[str, k8s.Ren
     assert built["data_parallel", "pytorchjob"] == {"ConfigMap", "PersistentVolumeClaim", "PyTorchJob", "NetworkPolicy"}
 
 
+def test_every_pod_that_listens_on_no_port_has_a_startup_and_a_liveness_probe_of_its_file(
+    rendered: dict[str, k8s.Rendered],
+) -> None:
+    """Issue 27: clients, site members and workers (torchrun Jobs and the PyTorchJob) touch the file
+    FEDWEAVE_HEARTBEAT names; ``fedweave probe`` (the image's entry point, no shell) reads it, failing the pod
+    once it is older than the config's grpc.heartbeat_timeout, after a startup probe of STARTUP_SECONDS."""
+    seen = set()
+    for shape in ("star", "hierarchical", "data_parallel", "cuda"):
+        r = rendered[shape]
+        timeout = config_mod.load(r.out / "base" / "config.yaml").grpc.heartbeat_timeout
+        command = ["fedweave", "probe", "--heartbeat", "/tmp/fedweave-heartbeat", "--max-age", f"{timeout:g}"]
+        for kustomization in r.kustomizations:
+            for pod in pods(kustomize(kustomization.parent)):
+                component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+                (c,) = pod["spec"]["containers"]
+                if component == "site-leader":  # it listens: its rendezvous port, once it has started
+                    assert c["startupProbe"]["tcpSocket"] == c["livenessProbe"]["tcpSocket"] == {"port": "rendezvous"}
+                if component not in ("client", "site-member", "worker"):
+                    continue
+                seen.add(component)
+                assert {"name": "FEDWEAVE_HEARTBEAT", "value": "/tmp/fedweave-heartbeat"} in c["env"]
+                assert c["livenessProbe"] == {"exec": {"command": command}, "periodSeconds": 10, "timeoutSeconds": 5,
+                                              "failureThreshold": 3}
+                assert c["startupProbe"] == {**c["livenessProbe"], "failureThreshold": 60}  # 10 minutes to start
+    assert seen == {"client", "site-member", "worker"}
+
+
 def test_strict_validation_and_the_crd_schema_refuse_a_wrong_field(rendered: dict[str, k8s.Rendered]) -> None:
     """The checks are live: one unknown field, one value outside an enum, each fails."""
     server = by_kind(kustomize(rendered["star"].out / "base"), "Job")[f"{rendered['star'].name}-server"]
@@ -292,7 +319,7 @@ def test_a_client_whose_local_device_is_cuda_gets_a_gpu(tmp_path: Path) -> None:
     """``local.device`` (read where the config has it): the clients train on the GPU, the server does not."""
     options = k8s.Options(image="fw:1")
     _, config, name = k8s.deployed_config(STAR, options)
-    config.local = types.SimpleNamespace(**vars(config.local), device="cuda:0")
+    config.local = types.SimpleNamespace(**{**vars(config.local), "device": "cuda:0"})
     m = manifests.Manifests(config, name, options)
     (client, *_) = m.clients()
     (c,) = client["spec"]["template"]["spec"]["containers"]

@@ -307,6 +307,10 @@ def run_pods(running: list[Pod], objects: list[dict[str, Any]], network: Loopbac
             except subprocess.TimeoutExpired:
                 pytest.fail(f"{pod.name} did not finish:\n{pod.tail()}")
             assert code == 0, f"{pod.name} exited {code}:\n{pod.tail()}"
+        for pod in running:  # those that listen on no port wrote the liveness file their probes read (issue 27)
+            if "exec" in pod.container["livenessProbe"]:
+                command = pod.container["livenessProbe"]["exec"]["command"]
+                assert Path(pod.rewrite(command[command.index("--heartbeat") + 1])).is_file(), pod.name
     finally:
         for pod in running:
             if pod.process is not None and pod.process.poll() is None:

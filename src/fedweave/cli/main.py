@@ -8,7 +8,7 @@ import sys
 
 from fedweave.cli.keys import decrypt, make_certs, make_keys
 from fedweave.cli.listing import list_builtins, schema
-from fedweave.cli.nodes import deploy, join, node_command, worker
+from fedweave.cli.nodes import deploy, join, node_command, probe, worker
 from fedweave.cli.outcome import report
 from fedweave.cli.parser import build_parser
 from fedweave.cli.run import run, show_status, write_report
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             return write_report(args.run_dirs, args.out, args.target, args.figures, args.band)
         if args.command == "status":
             return show_status(args.run_dir)
+        if args.command == "probe":
+            return probe(args.heartbeat, args.max_age)
         if args.command == "keys":
             return make_keys(args)
         if args.command == "certs":

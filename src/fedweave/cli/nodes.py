@@ -1,5 +1,5 @@
 """The nodes of a deployment, each a process of its own: ``server``, ``client``, ``site``,
-``worker`` and ``join`` (data-parallel), and ``deploy`` (the manifests that start them on a cluster)."""
+``worker`` and ``join`` (data-parallel), ``probe`` (their liveness), and ``deploy`` (the manifests that start them on a cluster)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,16 @@ def _server_bar(args: argparse.Namespace, config: Any) -> Any:
     if args.quiet or os.environ.get(PARENT_ENV):
         return None
     return ProgressBar(config.rounds, sys.stderr).update
+
+
+def probe(heartbeat: str, max_age: float) -> int:
+    """``fedweave probe --heartbeat FILE --max-age S``: one line, and 0 when the node that touches
+    ``FILE`` did so within ``S`` seconds, else 1 (a Kubernetes exec probe; no shell in the image needed)."""
+    from fedweave.liveness import check
+
+    why = check(heartbeat, max_age)
+    print(f"alive: {heartbeat}" if why is None else f"not alive: {why}")
+    return 0 if why is None else 1
 
 
 def join(args: argparse.Namespace) -> int:

@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print where a run stands (round, accuracy, ETA) from its files")
     status.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (of a run here or elsewhere)")
 
+    probe = sub.add_parser(
+        "probe",
+        help="exit 0 if a node's liveness file is fresh, 1 if it is missing or stale (an exec probe)",
+        description="The liveness check of a node that listens on no port: a client, site or worker started "
+        "with FEDWEAVE_HEARTBEAT=FILE touches FILE while its loop runs (docs/deployment.md, Kubernetes).",
+    )
+    probe.add_argument("--heartbeat", required=True, metavar="FILE", help="the node's liveness file")
+    probe.add_argument("--max-age", required=True, type=float, metavar="S",
+                       help="seconds since the file's last touch past which the node counts as dead")
+
     keys = sub.add_parser(
         "keys",
         help="make the federation's CKKS keys for the 'he' plugin",

@@ -48,6 +48,7 @@ from fedweave.data_parallel.group import DataParallelError, Group, PeerFailure
 from fedweave.data_parallel.records import save_checkpoint
 from fedweave.data_parallel.workers import Shared
 from fedweave.errors import CheckpointError, ConfigError, first_line
+from fedweave.liveness import heartbeat
 from fedweave.rundir import CONFIG_FILE, METRICS_FILE
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,12 @@ def run(config: Config, run_dir: str | Path | None = None, environ: Mapping[str,
     """
     if config.mode != "data_parallel" or config.data_parallel.sync != "bsp":
         raise ConfigError("config key 'mode': torchrun workers train mode data_parallel with data_parallel.sync bsp")
-    env = TorchrunEnv.read(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    with heartbeat(config.grpc.heartbeat_interval, environ):  # FEDWEAVE_HEARTBEAT's file, while it trains
+        return _run(config, TorchrunEnv.read(environ), run_dir)
+
+
+def _run(config: Config, env: TorchrunEnv, run_dir: str | Path | None) -> Path:
     path = agreed_run_dir(config, env, run_dir)
     backend = backend_for(config)
     members = list(range(env.world_size))

@@ -18,6 +18,7 @@ from fedweave.build import build_chains, build_client_runtime, build_site_task, 
 from fedweave.client import ClientStateStore
 from fedweave.config import Config, read_yaml
 from fedweave.errors import ConfigError
+from fedweave.liveness import heartbeat
 from fedweave.topologies.emulated import emulated_handler
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def run_client(
     )
     samples = task.clients.train_size(client_id)
     log.info("client %d built (%d training samples); connecting to %s", client_id, samples, client.address)
-    done = client.run()
+    with heartbeat(config.grpc.heartbeat_interval):  # FEDWEAVE_HEARTBEAT's file, while it serves
+        done = client.run()
     log.info("client %d answered %d jobs", client_id, done)
     return done

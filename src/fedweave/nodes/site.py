@@ -14,6 +14,7 @@ from fedweave.build import build_chains, build_client_runtime, build_task, strat
 from fedweave.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config
 from fedweave.errors import ConfigError
+from fedweave.liveness import heartbeat
 from fedweave.topologies.deploy import site_handler, site_members, site_port, site_ranks
 from fedweave.topologies.hierarchical import exact_pre_aggregation
 from fedweave.transports.torchdist import Handler, Rendezvous, TorchDistLeader, TorchDistMember, World
@@ -49,7 +50,8 @@ def run_site_leader(
             config.grpc, site, site_handler(leader, site), role="site", address=address, token=token, seed=config.seed
         )
         try:
-            return client.run()
+            with heartbeat(config.grpc.heartbeat_interval):
+                return client.run()
         finally:
             leader.close()
     finally:
@@ -65,12 +67,13 @@ def run_site_member(config: Config, site: int, rank: int, port: int | None = Non
     ranks = list(range(1 + len(members)))
     rdv = Rendezvous(config.torchdist.address or "127.0.0.1", port, rank, len(ranks))
     runtime = _runtime(config)
-    world = World(config.torchdist, rdv)
-    try:
-        (group,) = world.site_groups([ranks])
-        return TorchDistMember(world, group, ranks, runtime.handle).serve()
-    finally:
-        world.close()
+    with heartbeat(config.grpc.heartbeat_interval):  # FEDWEAVE_HEARTBEAT's file, from the rendezvous on
+        world = World(config.torchdist, rdv)
+        try:
+            (group,) = world.site_groups([ranks])
+            return TorchDistMember(world, group, ranks, runtime.handle).serve()
+        finally:
+            world.close()
 
 
 def run_members(configs: list[Config], rdv: Rendezvous) -> int:

@@ -26,6 +26,13 @@ matplotlib's cache live there."""
 DATA_DIR = "/var/lib/fedweave"
 RUN_DIR = f"{DATA_DIR}/run"
 HEALTH_PORT = 8081
+HEARTBEAT_FILE = f"{SCRATCH}/fedweave-heartbeat"
+"""The liveness file a client, site or worker touches while its loop runs (``FEDWEAVE_HEARTBEAT``)."""
+PROBE_PERIOD = 10
+"""Seconds between two probes of a pod."""
+STARTUP_SECONDS = 600
+"""How long a pod may take to start its loop (imports, data loading, the rendezvous) before its
+startup probe fails; its liveness probe asks only from then on."""
 CLIENT_PATIENCE = 600
 """Seconds a deployed client keeps retrying an unreachable server (``grpc.connect_timeout``, unless the
 config sets it): a restarted server pod may take minutes (the kubelet's back-off, a reschedule)."""

@@ -15,6 +15,8 @@ from fedweave.deploy.kubernetes.layout import (
     DATA_DIR,
     GPU_RESOURCE,
     HEALTH_PORT,
+    HEARTBEAT_FILE,
+    PROBE_PERIOD,
     PYTORCHJOB_API,
     RENDEZVOUS_PORT,
     ROLE_OF,
@@ -22,11 +24,13 @@ from fedweave.deploy.kubernetes.layout import (
     SCRATCH,
     SCRAPER_LABEL,
     SERVICEMONITOR_API,
+    STARTUP_SECONDS,
     UID,
     ImageRef,
     Options,
     port_of,
 )
+from fedweave.liveness import HEARTBEAT_ENV
 from fedweave.transports.grpc import certs
 
 DNS = {
@@ -121,6 +125,23 @@ class Manifests:
             "capabilities": {"drop": ["ALL"]},
         }
         return body
+
+    def watched(self, container: dict[str, Any]) -> dict[str, Any]:
+        """``container`` with its liveness file (a node that listens on no port touches it while its loop
+        runs) and the exec probes that read it with ``fedweave probe``: the startup probe waits up to
+        :data:`STARTUP_SECONDS` for the first touch, then the liveness probe fails the pod once the file is
+        older than ``grpc.heartbeat_timeout`` (the server's own bound on a silent client)."""
+        max_age = f"{self.config.grpc.heartbeat_timeout:g}"
+
+        def probe(failures: int) -> dict[str, Any]:
+            check = ["fedweave", "probe", "--heartbeat", HEARTBEAT_FILE, "--max-age", max_age]
+            return {"exec": {"command": check}, "periodSeconds": PROBE_PERIOD, "timeoutSeconds": 5,
+                    "failureThreshold": failures}
+
+        container["env"].append({"name": HEARTBEAT_ENV, "value": HEARTBEAT_FILE})
+        container["startupProbe"] = probe(STARTUP_SECONDS // PROBE_PERIOD)
+        container["livenessProbe"] = probe(3)
+        return container
 
     def pod_spec(self, component: str, container: dict[str, Any], volumes: list[dict[str, Any]],
                  restart: str) -> dict[str, Any]:
@@ -264,7 +285,8 @@ class Manifests:
         for cid in range(self.config.clients):
             node = certs.client_name(cid)
             volume, mount = self.secret_volume(node)
-            container = self.container("client", "client", ["client", CONFIG_PATH, "--id", str(cid)], [mount])
+            container = self.watched(
+                self.container("client", "client", ["client", CONFIG_PATH, "--id", str(cid)], [mount]))
             jobs.append(self.job(f"{self.name}-{node}", "client", container, [volume], {"fedweave.io/client": str(cid)}))
         return jobs
 
@@ -287,8 +309,9 @@ class Manifests:
                 [mount],
                 ports=[{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}],
             )
-            probe = {"tcpSocket": {"port": "rendezvous"}, "periodSeconds": 10, "timeoutSeconds": 2}
-            leader["livenessProbe"] = {**probe, "initialDelaySeconds": 60, "failureThreshold": 6}
+            probe = {"tcpSocket": {"port": "rendezvous"}, "periodSeconds": PROBE_PERIOD, "timeoutSeconds": 2}
+            leader["startupProbe"] = {**probe, "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD}
+            leader["livenessProbe"] = {**probe, "failureThreshold": 6}
             objects.append(self.job(f"{service}-leader", "site-leader", leader, [volume], leader_labels))
             objects.append(
                 {
@@ -304,8 +327,8 @@ class Manifests:
                 }
             )
             for rank in range(1, self.site_members[s] + 1):
-                member = self.container("site-member", "site-member",
-                                        ["site", *common, "--rank", str(rank), *site_args], [])
+                member = self.watched(self.container("site-member", "site-member",
+                                                     ["site", *common, "--rank", str(rank), *site_args], []))
                 labels = {"fedweave.io/site": str(s), "fedweave.io/rank": str(rank)}
                 objects.append(self.job(f"{service}-member-{rank}", "site-member", member, [], labels))
             site = self.pods("site-leader", "site-member", **leader_labels)
@@ -323,8 +346,8 @@ class Manifests:
         elastic join needs (torch 2.13's agents otherwise share a rendezvous store a joining host never reaches)."""
         env = [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}]
         mount = {"name": "run", "mountPath": DATA_DIR}
-        return self.container(name, "worker", [*args, *self.torchrun_args()], [mount], command=["torchrun"],
-                              env=env, **extra)
+        return self.watched(self.container(name, "worker", [*args, *self.torchrun_args()], [mount],
+                                           command=["torchrun"], env=env, **extra))
 
     def run_volume(self) -> dict[str, Any]:
         return {"name": "run", "persistentVolumeClaim": {"claimName": f"{self.name}-run"}}
