@@ -31,9 +31,11 @@ from fedweave import config as config_mod
 from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import ConfigError, SerializationError, TransportError
+from fedweave.loop import declared_examples
 from fedweave.task.schema import DataSchema
 from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine
+from fedweave.topologies.star import Star
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
 from fedweave.transports.grpc.server import GrpcServerTransport, upload_deadline
@@ -352,6 +354,23 @@ def test_a_site_whose_data_schema_differs_is_refused_with_the_reason_in_both_log
         assert any(reason in line for line in server_log) and any(reason in line for line in client_log)
         result = c.server.exchange(jobs([0], PARAMS), timeout=20)  # the fitting site is served
         assert result.failures == {} and len(result.replies) == 1
+
+
+def test_a_client_declares_its_examples_at_registration_and_a_bad_count_is_refused() -> None:
+    """The count a client declares is bound to its authenticated id; one that is not a whole
+    number in 0..2^53 is refused with the reason."""
+    with cluster(settings("grpc.join_timeout=0", clients=4), clients=4, start=0) as c:
+        c.start(0, examples=64)
+        c.start(1)  # declares nothing
+        c.start(2, examples=-1)
+        c.start(3, examples=True)
+        c.join(2, timeout=5)
+        c.join(3, timeout=5)
+        assert "client 2 may not join: it declares '-1' training examples, not a whole number" in str(c.errors[2])
+        assert "client 3 may not join: it declares 'True' training examples" in str(c.errors[3])
+        result = c.server.exchange(jobs([0, 1], PARAMS), timeout=20)
+        assert result.failures == {} and c.server.declared_examples() == {0: 64}
+        assert declared_examples(Star(c.server)) == {0: 64}  # what the loop bounds each claim by
 
 
 def _register(address: str, cid: int, *extra: tuple[str, str]) -> grpc.RpcError | None:
