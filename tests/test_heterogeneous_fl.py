@@ -12,7 +12,7 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.topologies.emulated import client_speeds
+from fedweave.topologies.emulated import EmulatedClients, client_speeds
 from fedweave.errors import ConfigError, NothingTrained
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
@@ -39,10 +39,23 @@ def test_speeds_drawn_from_a_range_are_seeded() -> None:
     assert len(speeds) == 10 and all(1 <= s <= 8 for s in speeds)
 
 
-def test_real_clock_slows_a_client_by_sleeping(tmp_path: Path) -> None:
+def test_real_clock_slows_a_client_by_sleeping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speeds [1, 10, 10, 10]: client 0's compute time is at least 10 x its training's CPU time and it
+    sleeps to it; the others report their own time and never sleep. Checked against the CPU times
+    the emulation measured and lower bounds of the wall time, which no load can break."""
+    measured: dict[int, tuple[float, float]] = {}
+    duration = EmulatedClients.duration
+
+    def spy(self: EmulatedClients, client_id: int, rnd: int, samples: int, cpu: float, wall: float) -> float:
+        measured[client_id] = (cpu / self.emulator(client_id).threads, wall)
+        return duration(self, client_id, rnd, samples, cpu, wall)
+
+    monkeypatch.setattr(EmulatedClients, "duration", spy)
     _, records = run_to_end(tmp_path, "heterogeneity.speeds=[1, 10, 10, 10]", "local.steps=20", "rounds=1")
     compute = {c["id"]: c["compute"] for c in records[-1]["clients"]}
-    assert compute[0] > 2 * max(compute[1], compute[2], compute[3])  # 10x its CPU time; the others' wall time
+    assert compute[0] >= 10 * measured[0][0] > 0  # 10x its CPU time
+    for cid in (1, 2, 3):  # the fastest: their own time, the longer of CPU and wall
+        assert compute[cid] == pytest.approx(max(measured[cid][1], measured[cid][0]))
     assert records[-1]["wall_time"] > compute[0]  # the sleep really happened
 
 
