@@ -478,8 +478,10 @@ def bound_weights(
     counted = {u.client_id: u.num_examples for u in bounded.kept}
     for cid in bounded.capped:
         own = (declared or {}).get(cid)
-        bound = f"the {own} it declared at registration" if own is not None and counted[cid] == max(1, own) else "its cohort's bound"
-        log.warning("round %d: client %d claims %d examples, above %s: counted as %d", rnd, cid, claims[cid], bound, counted[cid])
+        declared_bound = own is not None and counted[cid] == max(1, own)
+        bound = f"the {own} it declared at registration" if declared_bound else "its cohort's bound"
+        log.warning("round %d: client %d claims %d examples, above %s: counted as %d",
+                    rnd, cid, claims[cid], bound, counted[cid])
     for cid, why in bounded.refused.items():
         log.warning("round %d: update of client %d rejected: %s (examples)", rnd, cid, why)
         failures[cid] = f"rejected: {why}"

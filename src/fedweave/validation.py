@@ -326,7 +326,8 @@ class WeightPolicy:
         if self.policy == "trust" or not updates:
             return Bounded(list(updates))
         own = [(declared or {}).get(u.client_id) if u.clients == 1 else None for u in updates]
-        claims = [(u.num_examples if d is None else min(u.num_examples, max(1, d)), u.clients) for u, d in zip(updates, own)]
+        claims = [(u.num_examples if d is None else min(u.num_examples, max(1, d)), u.clients)
+                  for u, d in zip(updates, own)]
         ceilings = claim_ceilings(claims, self.ratio, reference)
         kept, capped, refused = [], [], {}
         for update, cohort, d in zip(updates, ceilings, own):
