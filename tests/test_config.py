@@ -420,7 +420,7 @@ def test_an_alias_bomb_is_refused_fast_before_it_expands(tmp_path: Path) -> None
         f"config file '{path}': refused, its aliases expand to more than "
         f"{config_mod.MAX_YAML_VALUES} values (an alias bomb?)"
     )
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 10  # expanding 9^9 values would take minutes
 
 
 def test_cycles_and_deep_nesting_are_refused(tmp_path: Path) -> None:

@@ -5,14 +5,16 @@ and their plot."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.topologies.emulated import client_speeds
+from fedweave.topologies.emulated import EmulatedClients, client_speeds
 from fedweave.errors import ConfigError, NothingTrained
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
@@ -21,14 +23,27 @@ VIRTUAL = "heterogeneity.clock=virtual"
 SPEEDS = "heterogeneity.speeds=[1, 1, 8, 8]"  # 10 steps x 16 samples x 1 ms / speed: 0.16, 0.16, 0.02, 0.02 s
 
 
-def test_virtual_clock_times_follow_work_and_speed(tmp_path: Path) -> None:
+def emulation_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The sleeps the client emulation asks for from now on (its own ``time`` module patched): what
+    the code decided, which no load on the host changes."""
+    from fedweave.topologies import emulated
+
+    slept: list[float] = []
+    clock = SimpleNamespace(process_time=time.process_time, perf_counter=time.perf_counter,
+                            sleep=lambda s: (slept.append(s), time.sleep(s)))
+    monkeypatch.setattr(emulated, "time", clock)
+    return slept
+
+
+def test_virtual_clock_times_follow_work_and_speed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slept = emulation_sleeps(monkeypatch)
     _, records = run_to_end(tmp_path, VIRTUAL, SPEEDS, "local.steps=10", "rounds=1")
     (record,) = records
     assert [(c["id"], c["steps"], c["batch"]) for c in record["clients"]] == [(i, 10, 16) for i in range(4)]
     assert [c["compute"] for c in record["clients"]] == pytest.approx([0.16, 0.16, 0.02, 0.02])
     assert [c["idle"] for c in record["clients"]] == pytest.approx([0.0, 0.0, 0.14, 0.14])
     assert record["round_time"] == pytest.approx(0.16)
-    assert record["wall_time"] < 5  # nothing slept
+    assert slept == []  # the virtual clock never sleeps
 
 
 def test_speeds_drawn_from_a_range_are_seeded() -> None:
@@ -39,10 +54,23 @@ def test_speeds_drawn_from_a_range_are_seeded() -> None:
     assert len(speeds) == 10 and all(1 <= s <= 8 for s in speeds)
 
 
-def test_real_clock_slows_a_client_by_sleeping(tmp_path: Path) -> None:
+def test_real_clock_slows_a_client_by_sleeping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speeds [1, 10, 10, 10]: client 0's compute time is at least 10 x its training's CPU time and it
+    sleeps to it; the others report their own time and never sleep. Checked against the CPU times
+    the emulation measured and lower bounds of the wall time, which no load can break."""
+    measured: dict[int, tuple[float, float]] = {}
+    duration = EmulatedClients.duration
+
+    def spy(self: EmulatedClients, client_id: int, rnd: int, samples: int, cpu: float, wall: float) -> float:
+        measured[client_id] = (cpu / self.emulator(client_id).threads, wall)
+        return duration(self, client_id, rnd, samples, cpu, wall)
+
+    monkeypatch.setattr(EmulatedClients, "duration", spy)
     _, records = run_to_end(tmp_path, "heterogeneity.speeds=[1, 10, 10, 10]", "local.steps=20", "rounds=1")
     compute = {c["id"]: c["compute"] for c in records[-1]["clients"]}
-    assert compute[0] > 2 * max(compute[1], compute[2], compute[3])  # 10x its CPU time; the others' wall time
+    assert compute[0] >= 10 * measured[0][0] > 0  # 10x its CPU time
+    for cid in (1, 2, 3):  # the fastest: their own time, the longer of CPU and wall
+        assert compute[cid] == pytest.approx(max(measured[cid][1], measured[cid][0]))
     assert records[-1]["wall_time"] > compute[0]  # the sleep really happened
 
 
@@ -64,13 +92,14 @@ def test_the_deadline_drops_emulated_stragglers_and_aggregates_the_rest(tmp_path
     assert_same_params(kept.params, start)
 
 
-def test_the_real_clock_deadline_cuts_a_straggler_short(tmp_path: Path) -> None:
+def test_the_real_clock_deadline_cuts_a_straggler_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slept = emulation_sleeps(monkeypatch)
     _, records = run_to_end(
         tmp_path, "heterogeneity.speeds=[0.001, 1, 1, 1]", "local.steps=10", "round_timeout=0.25", "rounds=1"
     )
     (record,) = records
     assert [c["id"] for c in record["clients"]] == [1, 2, 3]
-    assert record["wall_time"] < 2.0  # client 0 would take over 1000 x its native time; it sleeps until 0.25 s
+    assert slept and max(slept) < 0.25  # client 0 would take over 1000 x its native time; it sleeps until 0.25 s
 
 
 def test_adaptive_steps_with_fednova_even_out_the_round(tmp_path: Path) -> None:

@@ -263,6 +263,21 @@ def test_the_weight_policy_caps_refuses_or_trusts_a_claim_above_its_cohort() -> 
     assert list(WeightPolicy("cap").bound(encoded).refused) == [3]
 
 
+def test_a_claim_above_the_count_declared_at_registration_is_capped_or_refused() -> None:
+    """Client 3 declared 150 examples at registration: its claim of 300, within its cohort's bound
+    (3 x 110 = 330), counts 150; declaring 10^6 gains nothing beyond the cohort's 330."""
+    updates = [dataclasses.replace(update(), num_examples=n, client_id=i) for i, n in enumerate((100, 110, 120, 300))]
+    capped = WeightPolicy("cap").bound(updates, declared={3: 150, 0: 100})
+    assert [u.num_examples for u in capped.kept] == [100, 110, 120, 150] and capped.capped == [3]
+    refused = WeightPolicy("refuse").bound(updates, declared={3: 150})
+    assert refused.kept == updates[:3] and list(refused.refused) == [3]
+    assert "claims 300 examples, more than the 150 it declared at registration" in refused.refused[3]
+    inflated = [*updates[:3], dataclasses.replace(updates[3], num_examples=10**6)]
+    declared_high = WeightPolicy("cap").bound(inflated, declared={3: 10**6})
+    assert [u.num_examples for u in declared_high.kept] == [100, 110, 120, 330]
+    assert WeightPolicy("trust").bound(updates, declared={3: 150}).kept == updates
+
+
 def test_non_finite_values_of_any_float_dtype_are_found() -> None:
     schema = UpdateSchema.of({"w": torch.zeros(1, dtype=torch.float16), "n": torch.tensor(0)})
     check_update(update({"w": torch.ones(1, dtype=torch.float16), "n": torch.tensor(2)}), schema)

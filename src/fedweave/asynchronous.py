@@ -69,6 +69,7 @@ from fedweave.loop import (
     accept_updates,
     add_evaluation_traffic,
     bound_weights,
+    declared_examples,
     encode_instructions,
     evaluate_round,
     missed_deadline,
@@ -307,7 +308,8 @@ class BufferedServer:
         inside = {f.client_id for f in arrived}
         reference = [v for cid, v in sorted(self.claims.items()) if cid not in inside]
         updates, capped = bound_weights(
-            rnd, [f.update for f in arrived if f.update is not None], parts.checks, {}, parts.rejected, reference
+            rnd, [f.update for f in arrived if f.update is not None], parts.checks, {}, parts.rejected, reference,
+            declared_examples(parts.topology),
         )
         kept = {u.client_id for u in updates}
         for update in updates:

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +44,7 @@ from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy, training_metrics
 from fedweave.topologies.base import Relaying, Topology
 from fedweave.topologies.emulated import DEADLINE
-from fedweave.transports.base import Exchange, KnowsAbsent
+from fedweave.transports.base import Exchange, KnowsAbsent, KnowsDeclared
 from fedweave.types import (
     ACCEPTED_ROUND,
     Control,
@@ -71,6 +71,7 @@ from fedweave.validation import (
 log = logging.getLogger(__name__)
 
 _reports_metrics, _knows_absent, _relaying = Conforms(ReportsMetrics), Conforms(KnowsAbsent), Conforms(Relaying)
+_knows_declared = Conforms(KnowsDeclared)
 
 Record = dict[str, Any]
 
@@ -216,7 +217,9 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
             parts.chains, exchange.replies, exchange.failures, params, parts.checks,
             stand_for(parts.topology, {w.client_id for w in plan}), parts.rejected,
         )
-        updates, record["capped"] = bound_weights(rnd, updates, parts.checks, exchange.failures, parts.rejected)
+        updates, record["capped"] = bound_weights(
+            rnd, updates, parts.checks, exchange.failures, parts.rejected, declared=declared_examples(parts.topology)
+        )
         record["clients_completed"] = sum(u.clients for u in updates)
         if record["clients_completed"] < parts.min_clients:
             reasons = "; ".join(f"client {c}: {why}" for c, why in sorted(exchange.failures.items())[:3])
@@ -281,6 +284,11 @@ def absent_clients(topology: Topology, wait_for: int = 0) -> frozenset[int]:
     """The clients the topology's transport knows are gone (none in simulation): no round samples them.
     With fewer than ``wait_for`` present, the transport first waits a bounded time for them to come back."""
     return topology.absent(wait_for) if _knows_absent(topology) else frozenset()
+
+
+def declared_examples(topology: Topology) -> Mapping[int, int]:
+    """The training examples each client declared when it registered, by authenticated id (none in simulation)."""
+    return topology.declared_examples() if _knows_declared(topology) else {}
 
 
 def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:
@@ -459,22 +467,28 @@ def bound_weights(
     failures: dict[int, str],
     rejected: Counter[str],
     reference: Collection[float] = (),
+    declared: Mapping[int, int] | None = None,
 ) -> tuple[list[Update], int]:
     """``updates``, one cohort, with each claim within its bound (``checks.weights``,
     :meth:`~fedweave.validation.WeightPolicy.bound`; ``reference``: other clients' latest claims
-    per client), and how many were capped; a refused one is logged, counted in ``rejected``
-    (``examples``) and in ``failures``."""
-    bounded = checks.weights.bound(updates, list(reference))
+    per client; ``declared``: the examples clients declared at registration), and how many were
+    capped; a refused one is logged, counted in ``rejected`` (``examples``) and in ``failures``."""
+    bounded = checks.weights.bound(updates, list(reference), declared)
     claims = {u.client_id: u.num_examples for u in updates}
     counted = {u.client_id: u.num_examples for u in bounded.kept}
     for cid in bounded.capped:
-        log.warning("round %d: client %d claims %d examples, above its cohort's bound: counted as %d",
-                    rnd, cid, claims[cid], counted[cid])
+        own = (declared or {}).get(cid)
+        declared_bound = own is not None and counted[cid] == max(1, own)
+        bound = f"the {own} it declared at registration" if declared_bound else "its cohort's bound"
+        log.warning("round %d: client %d claims %d examples, above %s: counted as %d",
+                    rnd, cid, claims[cid], bound, counted[cid])
     for cid, why in bounded.refused.items():
         log.warning("round %d: update of client %d rejected: %s (examples)", rnd, cid, why)
         failures[cid] = f"rejected: {why}"
         rejected["examples"] += 1
     return bounded.kept, len(bounded.capped)
+
+
 def train_metrics(strategy: Strategy, updates: list[Update]) -> Record:
     """Each training metric the strategy's clients send (``train_loss`` and those it declares), weighted by examples."""
     return {name: weighted_metric(updates, name) for name in sorted(training_metrics(strategy.Client))}

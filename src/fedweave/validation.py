@@ -33,7 +33,9 @@ to the cohort it is aggregated with (:class:`WeightPolicy`, ``aggregation.weight
 no update may claim more than ``aggregation.max_ratio_to_median`` times the lower median
 of the cohort's claims per client, times the clients it stands for (:func:`claim_ceilings`);
 a claim above it is lowered to it (``cap``), or the update refused (``refuse``, and always
-for an encoded one); ``trust`` takes every claim as it is.
+for an encoded one); ``trust`` takes every claim as it is. A client that declared its
+training-set size when it registered (a site that reads its own data) is also held to that
+count: a later claim above it is lowered to it or refused, by the same policy.
 """
 
 from __future__ import annotations
@@ -314,20 +316,32 @@ class WeightPolicy:
         """The policy of a run's ``aggregation`` config section."""
         return cls(aggregation.weight_policy, aggregation.max_ratio_to_median)
 
-    def bound(self, updates: Sequence[Update], reference: Sequence[float] = ()) -> Bounded:
-        """``updates`` of one cohort with every claim within :func:`claim_ceilings`: lowered to it
-        (``cap``; an encoded update, whose weight is inside its encoding, is refused), or refused
-        (``refuse``); unchanged with ``trust``."""
+    def bound(
+        self, updates: Sequence[Update], reference: Sequence[float] = (), declared: Mapping[int, int] | None = None
+    ) -> Bounded:
+        """``updates`` of one cohort with every claim within its ceiling: :func:`claim_ceilings`
+        and, for a client that declared its examples at registration (``declared``, by id), that
+        count; lowered to it (``cap``; an encoded update, whose weight is inside its encoding, is
+        refused), or refused (``refuse``); unchanged with ``trust``."""
         if self.policy == "trust" or not updates:
             return Bounded(list(updates))
-        ceilings = claim_ceilings([(u.num_examples, u.clients) for u in updates], self.ratio, reference)
+        own = [(declared or {}).get(u.client_id) if u.clients == 1 else None for u in updates]
+        claims = [(u.num_examples if d is None else min(u.num_examples, max(1, d)), u.clients)
+                  for u, d in zip(updates, own)]
+        ceilings = claim_ceilings(claims, self.ratio, reference)
         kept, capped, refused = [], [], {}
-        for update, ceiling in zip(updates, ceilings):
+        for update, cohort, d in zip(updates, ceilings, own):
+            ceiling = cohort if d is None else min(cohort, max(1, d))
             if update.num_examples <= ceiling:
                 kept.append(update)
             elif self.policy == "cap" and not update.applied:
                 kept.append(dataclasses.replace(update, num_examples=ceiling))
                 capped.append(update.client_id)
+            elif ceiling < cohort:
+                refused[update.client_id] = (
+                    f"it claims {update.num_examples} examples, more than the {d} it declared at registration "
+                    f"(weight_policy {self.policy})"
+                )
             else:
                 refused[update.client_id] = (
                     f"it claims {update.num_examples} examples, more than the {ceiling} its cohort allows "

@@ -80,10 +80,11 @@ def run_client(
     runtime = build_client_runtime(config, task, build_chains(config), ClientStateStore())
     handler = emulated_handler(config, runtime.handle)  # sleeps to an emulated speed (heterogeneity), if any
     declaration = task.schema.to_dict() if own and task.schema is not None else None
-    client = GrpcClient(
-        config.grpc, client_id, handler, address=address, token=token, seed=config.seed, declaration=declaration
-    )
     samples = task.clients.train_size(client_id)
+    client = GrpcClient(
+        config.grpc, client_id, handler, address=address, token=token, seed=config.seed, declaration=declaration,
+        examples=samples if own else None,  # a site that reads its own data knows its size: its claims' ceiling
+    )
     log.info("client %d built (%d training samples); connecting to %s", client_id, samples, client.address)
     with heartbeat(config.grpc.heartbeat_interval):  # FEDWEAVE_HEARTBEAT's file, while it serves
         done = client.run()

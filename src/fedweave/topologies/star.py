@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fedweave.conforms import Conforms
-from fedweave.transports.base import Exchange, KnowsAbsent, Transport
+from fedweave.transports.base import Exchange, KnowsAbsent, KnowsDeclared, Transport
 from fedweave.types import Message
 
 _knows_absent = Conforms(KnowsAbsent)
+_knows_declared = Conforms(KnowsDeclared)
 
 
 class Star:
@@ -22,6 +25,10 @@ class Star:
         """The clients its transport knows are gone (none, for a transport that cannot tell); with
         ``wait_for``, after waiting a bounded time for that many to be present."""
         return self.transport.absent(wait_for) if _knows_absent(self.transport) else frozenset()
+
+    def declared_examples(self) -> Mapping[int, int]:
+        """The examples each client declared at registration (none, for a transport without declarations)."""
+        return self.transport.declared_examples() if _knows_declared(self.transport) else {}
 
     def close(self) -> None:
         self.transport.close()

@@ -7,6 +7,7 @@ on with the others.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -45,6 +46,15 @@ class KnowsAbsent(Protocol):
     again); with ``wait_for``, it first waits a bounded time for that many to be present."""
 
     def absent(self, wait_for: int = 0) -> frozenset[int]: ...
+
+
+@runtime_checkable
+class KnowsDeclared(Protocol):
+    """A transport whose nodes declared their training examples when they registered (a gRPC
+    server whose clients read their own data), by authenticated id: no claim of a node may
+    count more than its declaration (:meth:`fedweave.validation.WeightPolicy.bound`)."""
+
+    def declared_examples(self) -> Mapping[int, int]: ...
 
 
 @runtime_checkable

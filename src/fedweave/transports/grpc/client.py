@@ -66,10 +66,12 @@ class GrpcClient:
         token: str | None = None,
         seed: int = 0,
         declaration: dict[str, Any] | None = None,
+        examples: int | None = None,
     ):
         grpc = p.grpc_module()
         self.settings = settings
         self.declaration = declaration  # what the node declares at registration (its data schema), if anything
+        self.examples = examples  # its training examples, declared at registration: the ceiling of its claims
         self.node = p.Node(role, node_id)
         self.handler = handler
         self.address = address or settings.address
@@ -158,6 +160,8 @@ class GrpcClient:
         request: dict[str, Any] = {"version": p.VERSION}
         if self.declaration is not None:
             request[p.DATA_SCHEMA_KEY] = self.declaration
+        if self.examples is not None:
+            request[p.EXAMPLES_KEY] = self.examples
         reply = p.decode_json(
             self._register_rpc(
                 p.encode_json(request),

@@ -26,7 +26,9 @@ Register sends ``{"version": VERSION}``; a server refuses any other version (thi
 came with version 2). A client whose site reads its own data adds ``"data_schema"`` (a
 :class:`fedweave.task.schema.DataSchema`: sample shape, dtype, label kind, classes; never
 data or label counts), and a server of such a federation refuses a registration whose schema
-differs from its own, with the reason.
+differs from its own, with the reason; it also adds ``"num_examples"``, its training-set size
+(a whole number in 0..2^53, or the registration is refused), which the server binds to its
+authenticated id as the ceiling of every claim it makes later.
 
 Every call carries the caller's identity, ``fedweave-client`` (a client id) or, for the
 site leader of a hierarchical deployment, ``fedweave-site`` (a top-level site index), and,
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from fedweave.transports.grpc import certs
 from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.seeding import derive_seed
+from fedweave.validation import MAX_EXAMPLES
 from fedweave.transports.serialization import FRAME, load_json
 
 if TYPE_CHECKING:
@@ -62,6 +65,9 @@ PUSH_ONE = "PushOne"
 
 DATA_SCHEMA_KEY = "data_schema"
 """The field of a Register request that declares the client's data schema."""
+
+EXAMPLES_KEY = "num_examples"
+"""The field of a Register request that declares the client's training examples."""
 
 CLIENT_KEY = "fedweave-client"
 SITE_KEY = "fedweave-site"
@@ -355,3 +361,13 @@ def transport_error(what: str, exc: Any) -> TransportError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return TransportError(f"{what}: {getattr(code, 'name', code)}: {details}")
+
+
+def declared_examples(value: Any) -> int | None:
+    """The training examples a Register request declares (``value``, None: none declared);
+    :class:`ValueError` with the reason unless a whole number in 0..2^53."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_EXAMPLES:
+        raise ValueError(f"it declares {str(value)[:40]!r} training examples, not a whole number in 0..2^53")
+    return value

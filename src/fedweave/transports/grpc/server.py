@@ -53,6 +53,7 @@ class _Client:
     last_seen: float
     told_to_stop: bool = False
     broken: str | None = None  # a site leader's report that its site's group is broken, for this session
+    examples: int | None = None  # the training examples it declared at registration, if it did
 
 
 @dataclass
@@ -402,6 +403,10 @@ class GrpcServerTransport:
             )
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, why)
         refusal = None if self._admit is None else self._admit(body.get(p.DATA_SCHEMA_KEY))
+        try:
+            examples = p.declared_examples(body.get(p.EXAMPLES_KEY))
+        except ValueError as exc:
+            refusal = refusal or str(exc)
         if refusal is not None:
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, f"{self.role} {cid} may not join: {refusal}")
         session = secrets.token_hex(8)
@@ -414,7 +419,7 @@ class GrpcServerTransport:
             silent = time.monotonic() - current.last_seen if current is not None else 0.0
             taken = current is not None and current.broken is None and silent <= self.settings.heartbeat_timeout
             if not taken:
-                self._clients[cid] = _Client(session, context.peer(), time.monotonic())
+                self._clients[cid] = _Client(session, context.peer(), time.monotonic(), examples=examples)
                 self._cond.notify_all()
         if taken:
             assert current is not None
@@ -429,6 +434,11 @@ class GrpcServerTransport:
         return p.encode_json(
             {"session": session, "heartbeat_interval": self.settings.heartbeat_interval, "closing": self._closing}
         )
+
+    def declared_examples(self) -> dict[int, int]:
+        """The training examples each registered node declared, by its authenticated id."""
+        with self._cond:
+            return {cid: c.examples for cid, c in self._clients.items() if c.examples is not None}
 
     def _heartbeat(self, request: bytes, context: Any) -> bytes:
         cid = self._authenticate(context)
