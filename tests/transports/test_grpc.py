@@ -38,7 +38,8 @@ from fedweave.topologies.hierarchical import combine
 from fedweave.topologies.star import Star
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.client import GrpcClient
-from fedweave.transports.grpc.server import GrpcServerTransport, upload_deadline
+from fedweave.transports.grpc.server import GrpcServerTransport
+from fedweave.transports.grpc.uploads import upload_deadline
 from fedweave.transports.inmemory import InMemoryTransport
 from fedweave.transports.serialization import FRAME, HEADER, SiteJob, SiteReply, encode, encode_frames
 from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work

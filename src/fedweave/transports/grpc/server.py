@@ -38,7 +38,9 @@ from fedweave.transports.base import Exchange
 from fedweave.transports.grpc import protocol as p
 from fedweave.transports.grpc.health import Health
 from fedweave.transports.serialization import FRAME, FrameDecoder, SiteJob, SiteReply, ascii_id, encode_frames
-from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, body_nbytes
+from fedweave.transports.grpc.jobs import Job, check_answer, expected_shapes, payload_nbytes
+from fedweave.transports.grpc.uploads import UploadWatchdog
+from fedweave.types import Message, Update
 
 if TYPE_CHECKING:
     from fedweave.config import GrpcConfig
@@ -54,41 +56,6 @@ class _Client:
     told_to_stop: bool = False
     broken: str | None = None  # a site leader's report that its site's group is broken, for this session
     examples: int | None = None  # the training examples it declared at registration, if it did
-
-
-@dataclass
-class _Job:
-    id: str
-    client_id: int
-    message: Message
-    expected: dict[str, tuple[int, ...]] | None
-    state: str = "pending"  # pending | sending | sent | done | failed
-    reply: Message | None = None
-    reason: str = ""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    deadline: float | None = None  # monotonic seconds
-    timeout: float | None = None
-    posted: float = 0.0  # monotonic seconds
-    answered: float | None = None
-
-    @property
-    def open(self) -> bool:
-        return self.state in ("pending", "sending", "sent")
-
-
-def _expected(message: Message) -> dict[str, tuple[int, ...]] | None:
-    """The shapes a plain update to this instruction (or to a site job's) must have (None when
-    plugins encoded it)."""
-    body = message.body
-    bodies = [m.body for m in body.messages] if isinstance(body, SiteJob) else [body]
-    shapes = {
-        name: tuple(t.shape)
-        for b in bodies
-        if isinstance(b, Instruction) and b.task is TaskKind.TRAIN and not b.applied
-        for name, t in b.params.items()
-    }
-    return shapes or None
 
 
 class GrpcServerTransport:
@@ -117,8 +84,8 @@ class GrpcServerTransport:
         self._cond = threading.Condition(self._lock)
         self._wake: dict[int, threading.Condition] = {}
         self._clients: dict[int, _Client] = {}
-        self._jobs: dict[int, _Job] = {}
-        self._posted: list[_Job] = []  # jobs posted one by one (asynchronous aggregation), not yet collected
+        self._jobs: dict[int, Job] = {}
+        self._posted: list[Job] = []  # jobs posted one by one (asynchronous aggregation), not yet collected
         self._tokens = p.token_hashes(settings)
         self._closing = False
         self._closed = False
@@ -216,17 +183,17 @@ class GrpcServerTransport:
         if self._first_round is None:
             self._first_round = time.monotonic()
 
-    def _new_job(self, msg: Message, deadline: float | None, timeout: float | None) -> _Job:
+    def _new_job(self, msg: Message, deadline: float | None, timeout: float | None) -> Job:
         """Post ``msg`` as its node's job (the caller holds the lock); the node's pull wakes."""
         self._count += 1
         job_id = f"{self._epoch}-{self._count}"
-        job = _Job(job_id, msg.client_id, msg, _expected(msg), deadline=deadline, timeout=timeout,
+        job = Job(job_id, msg.client_id, msg, expected_shapes(msg), deadline=deadline, timeout=timeout,
                    posted=time.monotonic())
         self._jobs[msg.client_id] = job
         self._wake_of(msg.client_id).notify_all()
         return job
 
-    def _expire(self, jobs: list[_Job], now: float) -> None:
+    def _expire(self, jobs: list[Job], now: float) -> None:
         """Fail the open jobs whose node has gone silent or whose deadline has passed (lock held)."""
         lost_after = self.settings.heartbeat_timeout
         for job in jobs:
@@ -242,7 +209,7 @@ class GrpcServerTransport:
             elif job.deadline is not None and now >= job.deadline:
                 self._close_job(job, failed=f"missed the round deadline ({job.timeout:g} s)")
 
-    def _release(self, jobs: list[_Job]) -> None:
+    def _release(self, jobs: list[Job]) -> None:
         """Drop ended jobs (an open one fails as interrupted), so memory does not grow (lock held)."""
         for job in jobs:
             if job.open:
@@ -250,7 +217,7 @@ class GrpcServerTransport:
             if self._jobs.get(job.client_id) is job:
                 del self._jobs[job.client_id]
 
-    def _result(self, jobs: list[_Job], waited: float | None) -> Exchange:
+    def _result(self, jobs: list[Job], waited: float | None) -> Exchange:
         result = Exchange(waited=waited)
         for job in jobs:  # replies in the order of the messages, as in simulation
             result.wire_bytes_sent += job.bytes_sent
@@ -451,7 +418,7 @@ class GrpcServerTransport:
     def _pull(self, request: bytes, context: Any) -> Iterator[bytes]:
         cid = self._authenticate(context)
         deadline = time.monotonic() + self.settings.poll_timeout
-        job: _Job | None = None
+        job: Job | None = None
         stop = False
         with self._cond:
             while True:
@@ -579,7 +546,7 @@ class GrpcServerTransport:
         )
 
     @staticmethod
-    def _check_reply(job: _Job, reply: Message) -> None:
+    def _check_reply(job: Job, reply: Message) -> None:
         sent = job.message
         if reply.client_id != job.client_id or reply.round != sent.round:
             raise SerializationError(
@@ -587,7 +554,7 @@ class GrpcServerTransport:
                 f"{job.client_id} round {sent.round}"
             )
         if not isinstance(sent.body, SiteJob):
-            _check_answer(sent, reply.body)
+            check_answer(sent, reply.body)
             return
         if not isinstance(reply.body, SiteReply):
             raise SerializationError(f"reply holds a {type(reply.body).__name__}, expected a SiteReply")
@@ -597,7 +564,7 @@ class GrpcServerTransport:
         for item in reply.body.messages:
             if item.client_id not in members:
                 raise SerializationError(f"the site answers for client {item.client_id}, which is not in its job")
-            _check_answer(members[item.client_id], item.body)
+            check_answer(members[item.client_id], item.body)
             counted += item.body.clients if isinstance(item.body, Update) else 1
             named = item.body.senders if isinstance(item.body, Update) else [item.client_id]
             ids = set(named)
@@ -617,7 +584,7 @@ class GrpcServerTransport:
             )
 
     def _close_job(
-        self, job: _Job, *, reply: Message | None = None, failed: str | None = None, received: int = 0
+        self, job: Job, *, reply: Message | None = None, failed: str | None = None, received: int = 0
     ) -> None:
         with self._cond:
             if not job.open:
@@ -628,89 +595,3 @@ class GrpcServerTransport:
             else:
                 job.state, job.reason = "failed", failed or "failed"
             self._cond.notify_all()
-
-
-def upload_deadline(received: int, grace: float, min_rate: float) -> float:
-    """Seconds an upload may have taken once it has ``received`` bytes: ``grace`` plus those bytes
-    at ``min_rate`` bytes per second (``grpc.push_grace``, ``grpc.push_min_rate``)."""
-    return grace + received / min_rate
-
-
-class UploadWatchdog:
-    """Cuts off a reply's upload (cancels its call) that runs past :func:`upload_deadline`: a
-    stalled or trickling stream (slowloris) holds a server thread no longer than that. Re-armed
-    at each frame; ``too_slow`` says why it fired (None: it did not)."""
-
-    def __init__(self, context: Any, grace: float, min_rate: float):
-        self.context = context
-        self.grace = grace
-        self.min_rate = min_rate
-        self.start = time.monotonic()
-        self.bytes = 0
-        self.too_slow: str | None = None
-        self._stopped = False
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        self._arm()
-
-    def received(self, nbytes: int) -> None:
-        """A frame of ``nbytes`` came: the deadline moves on by its bytes' time at the minimum rate."""
-        with self._lock:
-            self.bytes += nbytes
-        self._arm()
-
-    def _arm(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-            if self._stopped or self.too_slow is not None:
-                return
-            left = self.start + upload_deadline(self.bytes, self.grace, self.min_rate) - time.monotonic()
-            self._timer = threading.Timer(max(left, 0.0), self._fire)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._stopped:
-                return
-            self.too_slow = (
-                f"upload too slow: {self.bytes} bytes in {time.monotonic() - self.start:.1f} s, below "
-                f"grpc.push_min_rate {self.min_rate:g} B/s after grpc.push_grace {self.grace:g} s"
-            )
-        self.context.cancel()
-
-    def stop(self) -> None:
-        """The upload ended: the watchdog fires no more."""
-        with self._lock:
-            self._stopped = True
-            if self._timer is not None:
-                self._timer.cancel()
-def payload_nbytes(body: object) -> int:
-    """The tensor data a body carries (:func:`~fedweave.types.body_nbytes`); a site's job or reply
-    carries each tensor its members' messages share once, as its batch does on the wire."""
-    if isinstance(body, (SiteJob, SiteReply)):
-        distinct = {id(t): t for m in body.messages for t in _tensors(m.body)}
-        return sum(t.numel() * t.element_size() for t in distinct.values())
-    if isinstance(body, (Instruction, Update, Evaluation, Control)):
-        return body_nbytes(body)
-    return 0
-
-
-def _tensors(body: object) -> list[Any]:
-    if isinstance(body, Control):
-        return list(body.tensors.values())
-    if isinstance(body, Instruction):
-        return [*body.params.values(), *body.extras.values()]
-    if isinstance(body, Update):
-        return [*body.tensors.values(), *body.extras.values()]
-    return []
-
-
-def _check_answer(sent: Message, body: object) -> None:
-    """A client's answer must be an evaluation for an evaluation, a control step for a control step, else an update."""
-    instruction = sent.body
-    wanted = Evaluation if isinstance(instruction, Instruction) and instruction.task is TaskKind.EVALUATE else Update
-    wanted = Control if isinstance(instruction, Control) else wanted
-    if not isinstance(body, wanted):
-        raise SerializationError(f"reply holds a {type(body).__name__}, expected a {wanted.__name__}")
