@@ -191,15 +191,6 @@ class BatchController:
         mean = sum(times) / len(times)
         return max(times) / mean if mean > 0 else 1.0
 
-    def predicted_step_time(self, batches: Mapping[int, int] | None = None) -> float:
-        """max_i b_i / X_i of ``batches`` (default: the current plan)."""
-        batches = self.batches if batches is None else batches
-        return max(batches[w] / self.throughput[w] for w in self.workers)
-
-    def ideal_step_time(self) -> float:
-        """B / Σ X_j: every worker busy all the time."""
-        return self.global_batch / sum(self.throughput[w] for w in self.workers)
-
     # ------------------------------------------------------------------ measurements
 
     def observe(self, sizes: Mapping[int, int], times: Mapping[int, float]) -> bool:
