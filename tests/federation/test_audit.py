@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,10 +86,15 @@ def test_removed_inserted_and_cut_lines(tmp_path: Path):
 
 
 WRITER = """
-import sys
+import sys, time
 from pathlib import Path
 from fedweave.federation.audit import AuditLog
 log = AuditLog(Path(sys.argv[1]))
+go = Path(sys.argv[1] + ".go")
+for _ in range(3000):  # both start together: at most 30 s
+    if go.exists():
+        break
+    time.sleep(0.01)
 for i in range(int(sys.argv[3])):
     log.append("started", writer=sys.argv[2], i=i, padding="x" * 3000)
 """
@@ -96,18 +102,16 @@ for i in range(int(sys.argv[3])):
 
 def test_two_processes_appending_keep_whole_lines_and_the_chain(tmp_path: Path):
     path = tmp_path / "log.jsonl"
-    env_path = str(Path(__file__).resolve().parents[2] / "src")
-    import os
-
-    env = {**os.environ, "PYTHONPATH": env_path}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     writers = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, "60"], env=env) for name in ("a", "b")
+        subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, "150"], env=env) for name in ("a", "b")
     ]
+    Path(f"{path}.go").touch()
     for writer in writers:
         assert writer.wait(timeout=120) == 0
     log = AuditLog(path)
     log.verify()
     records = log.records()
-    assert len(records) == 120
+    assert len(records) == 300
     for name in ("a", "b"):
-        assert [r["fields"]["i"] for r in records if r["fields"]["writer"] == name] == list(range(60))
+        assert [r["fields"]["i"] for r in records if r["fields"]["writer"] == name] == list(range(150))

@@ -82,6 +82,11 @@ def test_catalog_entries_and_raw_paths():
     raw = {"task": {"dataset": "files", "dataset_options": {"path": "/etc/passwd"}}}
     refusal = refused({}, raw)  # never a path on the site, whatever the policy
     assert refusal.rule == "policy.catalog" and "/etc/passwd" in refusal.reason
+    assert "with no path" in refused({}, {"task": {"dataset": "files"}}).reason
+    for job in ({"task": {"dataset": "torchvision:mnist", "data_root": "/home"}},
+                {"task": {"partition": {"scheme": "from_file", "file": "/etc/rows.json"}}}):
+        refusal = refused({}, job)
+        assert refusal.rule == "policy.catalog" and "a path on the site" in refusal.reason
 
 
 def test_min_dp_noise():

@@ -8,11 +8,13 @@ refused by the rule that reads it, never trusted.
 
 Rules are checked in the order of :data:`ORDER`; the first one a job breaks is its
 :class:`Refusal`. A job never names a path on the site: ``task.dataset: files`` must read a
-catalogue entry (``catalog:NAME``), whatever the policy says.
+catalogue entry (``catalog:NAME``), and ``task.data_root`` and ``task.partition.file`` are refused,
+whatever the policy says.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import typing
 from collections.abc import Collection, Mapping
@@ -59,6 +61,9 @@ CODE_KEYS = (
     "plugins",
 )
 """The keys of a config that may name user code (``package.module:Name``, imported and run)."""
+
+SITE_PATH_KEYS = ("task.data_root", "task.partition.file")
+"""Keys besides the dataset's path that would make a site read a file of the job's choosing."""
 
 NOT_CODE_PREFIXES = ("torchvision:", CATALOG_PREFIX)
 """Values with a colon that name no module: built-in datasets and catalogue entries."""
@@ -144,7 +149,7 @@ def user_code(job: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _data_reference(job: Mapping[str, Any]) -> tuple[str | None, str | None]:
-    """``(entry, raw path)``: the catalogue entry a job reads, or the site path it names instead."""
+    """``(entry, refusal)``: the catalogue entry a job reads, or why its ``task.dataset: files`` reads none."""
     dataset = _get(job, "task.dataset", None)
     if isinstance(dataset, str) and dataset.startswith(CATALOG_PREFIX):
         return dataset[len(CATALOG_PREFIX):], None
@@ -153,9 +158,14 @@ def _data_reference(job: Mapping[str, Any]) -> tuple[str | None, str | None]:
     path = _get(job, "task.dataset_options.path", None)
     if isinstance(path, str) and path.startswith(CATALOG_PREFIX):
         return path[len(CATALOG_PREFIX):], None
-    return None, str(path)
+    named = "no path" if path is None else f"task.dataset_options.path {path!r}"
+    return None, (
+        f"the job reads task.dataset: files with {named}; a job names a site's data by catalogue entry "
+        "(catalog:NAME), never by a path on the site"
+    )
 
 
+@functools.cache
 def _defaults() -> dict[str, Any]:
     """The defaults of the keys the rules read, from the config schema itself."""
     from fedweave.config import Config
@@ -298,12 +308,13 @@ class SitePolicy:
         return None
 
     def _check_catalog(self, job: Mapping[str, Any], *_: Any) -> str | None:
-        entry, path = _data_reference(job)
-        if path is not None:
-            return (
-                f"the job reads task.dataset_options.path {path!r}; a job names a site's data by catalogue "
-                "entry (catalog:NAME), never by a path on the site"
-            )
+        entry, refusal = _data_reference(job)
+        if refusal is not None:
+            return refusal
+        for key in SITE_PATH_KEYS:
+            value = _get(job, key, None)
+            if value is not None:
+                return f"the job names {key} {value!r}, a path on the site; a job reads a site's data by catalogue entry"
         if entry is not None and self.catalog is not None and entry not in self.catalog:
             return f"the job reads catalogue entry {entry!r}; this site lets jobs read {_listing(self.catalog)}"
         return None
