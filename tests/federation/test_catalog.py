@@ -37,6 +37,8 @@ def test_relative_paths_are_the_site_files_folder(site: Path):
     [
         ({"x": {"path": "data/none.csv", "label": "y"}}, "config key 'site.catalog.x.path': no such file or folder"),
         ({"x": {"format": "csv", "label": "y"}}, "config key 'site.catalog.x.path' is required"),
+        ({"x": {"path": None, "label": "y"}}, "config key 'site.catalog.x.path' is required"),
+        ({"x": {"path": 5}}, "config key 'site.catalog.x.path': expected a string"),
         ({"x": {"path": "data/cardiology.csv", "format": "xls"}}, "config key 'site.catalog.x.format'"),
         ({"x": {"path": "data/cardiology.csv", "format": "csv"}}, "config key 'site.catalog.x.label'"),
         ({"x": {"path": "data/cardiology.csv", "num_classes": 2}}, "unknown config key 'site.catalog.x.num_classes'"),

@@ -132,6 +132,10 @@ def test_a_malformed_job_key_is_refused_by_the_rule_reading_it():
     assert refusal == Refusal("policy.max_rounds", "job key 'rounds' is not an integer ('ten')")
     assert refused({"plugins": ["clip"]}, {"plugins": "clip"}).rule == "policy.code"  # read first by the code rule
     assert refused({}, ["not", "a", "mapping"]).rule == "policy"
+    nan = {"plugins": {"client_send": [{"name": "dp_local", "noise_multiplier": float("nan")}]}}
+    assert refused({"min_dp_noise": 1.0}, nan) == Refusal(
+        "policy.min_dp_noise", "job key 'plugins.client_send[0].noise_multiplier' is not a finite number (nan)"
+    )
 
 
 def test_the_first_rule_in_order_is_reported():

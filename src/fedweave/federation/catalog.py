@@ -76,9 +76,9 @@ class Catalog:
             for option in spec:
                 if option != "path" and option not in SITE_OWNED:
                     raise unknown_key(at, str(option), ["path", *SITE_OWNED])
-            if "path" not in spec:
-                raise ConfigError(f"config key '{at}.path' is required (the entry's file or folder)")
             options = parse(FileOptions, dict(spec), at)  # types, formats, label rules as task.dataset_options
+            if options.path is None:
+                raise ConfigError(f"config key '{at}.path' is required (the entry's file or folder)")
             path = Path(options.path)
             path = (path if path.is_absolute() else (base or Path.cwd()) / path).resolve()
             if not path.exists():

@@ -15,6 +15,7 @@ whatever the policy says.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import typing
 from collections.abc import Collection, Mapping
@@ -329,8 +330,8 @@ class SitePolicy:
             if name in DP_PLUGINS:
                 default = PLUGINS.get(name, key).Params.__dataclass_fields__["noise_multiplier"].default
                 noise = settings.get("noise_multiplier", default)
-                if isinstance(noise, bool) or not isinstance(noise, (int, float)):
-                    raise _Malformed(f"job key '{key}.noise_multiplier' is not a number ({noise!r})")
+                if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise):
+                    raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({noise!r})")
                 noises.append(float(noise))
         if not noises:
             return f"the job applies no differential privacy; this site needs noise_multiplier >= {self.min_dp_noise:g}"
