@@ -177,3 +177,10 @@ def test_user_code_lists_every_reference():
     assert sorted(user_code(job)) == sorted(
         [("strategy.name", "a.b:C"), ("task.dataset", "d:f"), ("task.metrics", "m:n"), ("plugins.client_send[0]", "p:Q")]
     )
+
+
+def test_policy_catalog_entries_must_be_the_sites():
+    policy = SitePolicy.from_dict({"catalog": ["cardiology", "oncolgy"]}, key="site.policy")
+    policy.check_entries(["cardiology", "oncolgy"])
+    with pytest.raises(ConfigError, match=r"config key 'site.policy.catalog\[1\]': 'oncolgy' is not an entry"):
+        policy.check_entries(["cardiology", "oncology"], key="site.policy")

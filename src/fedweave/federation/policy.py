@@ -235,6 +235,16 @@ class SitePolicy:
                     f"{', '.join(SECURE_AGGREGATION)}"
                 )
 
+    def check_entries(self, names: Collection[str], key: str = "policy") -> None:
+        """A ConfigError naming ``key.catalog[i]`` when the policy lets jobs read an entry the site's catalogue
+        (``names``) does not hold: a typo there would refuse every job that reads the entry meant."""
+        for i, entry in enumerate(self.catalog or []):
+            if entry not in names:
+                raise ConfigError(
+                    f"config key '{key}.catalog[{i}]': {entry!r} is not an entry of this site's catalogue "
+                    f"({', '.join(sorted(names)) or 'none'})"
+                )
+
     def _secure(self) -> list[str]:
         value = self.require_secure_aggregation
         return [] if value is None else [value] if isinstance(value, str) else list(value)
