@@ -115,3 +115,15 @@ def test_two_processes_appending_keep_whole_lines_and_the_chain(tmp_path: Path):
     assert len(records) == 300
     for name in ("a", "b"):
         assert [r["fields"]["i"] for r in records if r["fields"]["writer"] == name] == list(range(150))
+
+
+def test_nothing_is_appended_after_a_broken_last_line(tmp_path: Path):
+    log = filled(tmp_path / "log.jsonl", 2)
+    whole = log.path.read_bytes()
+    log.path.write_bytes(whole[:-7])  # a writer cut off mid-line
+    with pytest.raises(AuditError, match="line 2 is not a whole record; nothing appended") as error:
+        log.append("started", job="j1")
+    assert error.value.line == 2 and log.path.read_bytes() == whole[:-7]
+    log.path.write_bytes(whole + b"[1, 2]\n")
+    with pytest.raises(AuditError, match="line 3 is not a whole record"):
+        log.head()

@@ -84,8 +84,7 @@ class AuditLog:
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            last = _last_line(fd)
-            prev = GENESIS if last is None else json.loads(last)["hash"]
+            prev = self._last_hash(fd)
             record: dict[str, Any] = {
                 "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
                 "event": event,
@@ -99,6 +98,23 @@ class AuditLog:
             os.close(fd)  # releases the lock
         return record
 
+    def _last_hash(self, fd: int) -> str:
+        """The last record's hash; an AuditError when the last line is no whole record (a log is never
+        extended past a break: :meth:`verify` finds where it is)."""
+        last = _last_line(fd)
+        if last is None:
+            return GENESIS
+        whole = os.pread(fd, 1, os.lseek(fd, 0, os.SEEK_END) - 1) == b"\n"
+        try:
+            record = json.loads(last) if whole else None
+            found = record.get("hash") if isinstance(record, dict) else None
+        except ValueError:
+            found = None
+        if not isinstance(found, str):
+            lines = self.path.read_bytes().count(b"\n") + (0 if whole else 1)
+            raise AuditError(f"{self.path}: line {lines} is not a whole record; nothing appended after it", lines)
+        return found
+
     def records(self) -> list[dict[str, Any]]:
         """Every record, in order (none when the log does not exist yet)."""
         if not self.path.exists():
@@ -111,10 +127,9 @@ class AuditLog:
             return GENESIS
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            last = _last_line(fd)
+            return self._last_hash(fd)
         finally:
             os.close(fd)
-        return GENESIS if last is None else str(json.loads(last)["hash"])
 
     def verify(self) -> None:
         """Check the whole chain; an :class:`AuditError` names the first line that breaks it."""
