@@ -362,7 +362,8 @@ class SitePolicy:
             elif name == "he":
                 present.add("he")
         if present.isdisjoint(required):
-            return f"the job applies {_listing(present) if present else 'no secure aggregation'}; this site needs {' or '.join(required)}"
+            applied = _listing(present) if present else "no secure aggregation"
+            return f"the job applies {applied}; this site needs {' or '.join(required)}"
         return None
 
     def _check_max_rounds(self, job: Mapping[str, Any], *_: Any) -> str | None:
