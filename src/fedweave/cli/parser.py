@@ -130,9 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
     targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)
     from fedweave.deploy import image
-    from fedweave.deploy.kubernetes import add_arguments
+    from fedweave.deploy.kubernetes import add_arguments, federation
 
     add_arguments(targets.add_parser("k8s", help="a kustomize base and overlays for Kubernetes (docs/deployment.md)"))
+    federation.add_arguments(targets.add_parser(
+        "federation", help="the federation service on Kubernetes: its server and sites (docs/federation-policy.md)"
+    ))
     image.add_arguments(targets.add_parser(
         "image", help="the build context of an image with your modules and extras (docs/deployment.md, Images)"
     ))

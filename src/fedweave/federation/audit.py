@@ -1,0 +1,158 @@
+"""An append-only, hash-chained audit log: every decision of a federation server or a site.
+
+One JSON object a line, its keys sorted, written compactly::
+
+    {"event":"refused","fields":{"job":"j3","reason":"...","rule":"policy.code","site":"lab-a"},
+     "hash":"<sha256>","prev":"<sha256 of the line before>","time":"2026-12-02T15:04:05.123456+00:00"}
+
+``hash`` is the sha256 of the line's canonical JSON without ``hash``; ``prev`` is the line before's
+``hash`` (:data:`GENESIS` for the first). So altering a line is found at that line, and altering it
+with its hash recomputed, removing or inserting lines, at the line after. Only the last line can be
+rewritten unnoticed: compare :meth:`AuditLog.head` with a copy kept elsewhere (``fedweave job`` shows
+it). Writers take an exclusive ``flock`` on the file, read the last line's hash, append with
+``O_APPEND`` in one write and ``fsync``: two processes appending interleave whole lines and keep the chain.
+
+Events: submitted (who, job, config_sha256, bundle_sha256), assigned, accepted, refused (site, rule,
+reason), started, finished, cancelled (who), failed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fedweave.errors import FedweaveError
+
+GENESIS = "0" * 64
+"""The ``prev`` of a log's first line."""
+
+EVENTS = ("submitted", "assigned", "accepted", "refused", "started", "finished", "cancelled", "failed")
+"""The events the federation service writes (:meth:`AuditLog.append` takes any name)."""
+
+TAIL_CHUNK = 4096
+
+
+class AuditError(FedweaveError):
+    """An audit log is not a whole chain; ``line`` is the first line (1-based) that breaks it."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.line = line
+
+
+def _canonical(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def record_hash(record: dict[str, Any]) -> str:
+    """The sha256 of ``record``'s canonical JSON without its ``hash``."""
+    body = {key: value for key, value in record.items() if key != "hash"}
+    return hashlib.sha256(_canonical(body).encode()).hexdigest()
+
+
+def _last_line(fd: int) -> bytes | None:
+    """The last line of the file open as ``fd`` (without its newline), or None when it is empty."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    if end == 0:
+        return None
+    tail, position = b"", end
+    while position > 0:
+        step = min(TAIL_CHUNK, position)
+        position -= step
+        tail = os.pread(fd, step, position) + tail
+        if tail.rstrip(b"\n").count(b"\n") >= 1:
+            break
+    return tail.rstrip(b"\n").rpartition(b"\n")[2]
+
+
+class AuditLog:
+    """The audit log at ``path`` (created, with its folder, on the first :meth:`append`)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append one record of ``event`` with ``fields`` (JSON values) and return it."""
+        if not event or not isinstance(event, str):
+            raise ValueError(f"an audit event is a non-empty name, got {event!r}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            prev = self._last_hash(fd)
+            record: dict[str, Any] = {
+                "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+                "event": event,
+                "fields": fields,
+                "prev": prev,
+            }
+            record["hash"] = record_hash(record)
+            os.write(fd, (_canonical(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # releases the lock
+        return record
+
+    def _last_hash(self, fd: int) -> str:
+        """The last record's hash; an AuditError when the last line is no whole record (a log is never
+        extended past a break: :meth:`verify` finds where it is)."""
+        last = _last_line(fd)
+        if last is None:
+            return GENESIS
+        whole = os.pread(fd, 1, os.lseek(fd, 0, os.SEEK_END) - 1) == b"\n"
+        try:
+            record = json.loads(last) if whole else None
+            found = record.get("hash") if isinstance(record, dict) else None
+        except ValueError:
+            found = None
+        if not isinstance(found, str):
+            lines = self.path.read_bytes().count(b"\n") + (0 if whole else 1)
+            raise AuditError(f"{self.path}: line {lines} is not a whole record; nothing appended after it", lines)
+        return found
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record, in order (none when the log does not exist yet)."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines()]
+
+    def head(self) -> str:
+        """The last record's hash (:data:`GENESIS` for an empty log): keep a copy to detect a rewritten tail."""
+        if not self.path.exists():
+            return GENESIS
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return self._last_hash(fd)
+        finally:
+            os.close(fd)
+
+    def verify(self) -> None:
+        """Check the whole chain; an :class:`AuditError` names the first line that breaks it."""
+        if not self.path.exists():
+            return
+        prev = GENESIS
+        with open(self.path, "rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                where = f"{self.path}: line {number}"
+                if not raw.endswith(b"\n"):
+                    raise AuditError(f"{where} is not a whole line (no newline at its end)", number)
+                try:
+                    record = json.loads(raw)
+                except ValueError as exc:
+                    raise AuditError(f"{where} is not JSON ({exc})", number) from None
+                if not isinstance(record, dict) or set(record) != {"time", "event", "fields", "prev", "hash"}:
+                    raise AuditError(f"{where} is not an audit record (time, event, fields, prev, hash)", number)
+                if record["hash"] != record_hash(record):
+                    raise AuditError(f"{where} was altered: its hash is not the sha256 of its content", number)
+                if record["prev"] != prev:
+                    raise AuditError(
+                        f"{where}: its prev is not the hash of line {number - 1}; a line before it was altered, "
+                        "removed or inserted" if number > 1 else f"{where}: the first line's prev is not {GENESIS}",
+                        number,
+                    )
+                prev = record["hash"]
