@@ -189,6 +189,17 @@ def test_the_cli_names_the_target(files: dict[str, Path], tmp_path: Path):
     assert (tmp_path / "out" / "base" / "site-lab-a.yaml").is_file()
 
 
+def test_the_command_line_renders_the_federation(files: dict[str, Path], tmp_path: Path, capsys):
+    from fedweave.cli import main
+
+    out = tmp_path / "cli"
+    rc = main(["deploy", "federation", str(files["fed"]), "--site", str(files["a"]),
+               "--site-data", "lab-a=claim:data-a", "--out", str(out)])
+    assert rc == 0
+    assert (out / "base" / "site-lab-a.yaml").is_file()
+    assert str(out / "base") in capsys.readouterr().out
+
+
 def test_the_slurm_script_joins_each_site_from_a_node_of_its_own(files: dict[str, Path], tmp_path: Path):
     assert subprocess.run(["bash", "-n", str(SITES_SCRIPT)], check=False).returncode == 0
     text = SITES_SCRIPT.read_text()

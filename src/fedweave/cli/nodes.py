@@ -153,12 +153,17 @@ def deploy(args: argparse.Namespace) -> int:
         path = write_context(args.code, args.extras.split(","), args.out, args.base)
         print(f"build context in {path.parent}; build it with: docker build -t REGISTRY/NAME:TAG {path.parent}")
         return 0
-    from fedweave.deploy.kubernetes import render_args
+    if args.target == "federation":
+        from fedweave.deploy.kubernetes.federation import render_args as render_federation
 
-    rendered = render_args(args)
+        rendered = render_federation(args)
+    else:
+        from fedweave.deploy.kubernetes import render_args
+
+        rendered = render_args(args)
     print(f"manifests of {rendered.name} in {rendered.out}; apply one with kubectl apply -k:")
     for path in rendered.kustomizations:
         print(f"  {path.parent}")
     for note in rendered.notes:
-        print(f"fedweave deploy k8s: {note}", file=sys.stderr)
+        print(f"fedweave deploy {args.target}: {note}", file=sys.stderr)
     return 0
