@@ -31,6 +31,7 @@ from fedweave.config.sections import (
     ObserveConfig,
     PluginsConfig,
     SelectionConfig,
+    SimulationConfig,
     StrategyConfig,
     TaskConfig,
 )
@@ -58,6 +59,7 @@ class Config:
     output_dir: str = opt("runs", help="where run directories are created")
     task: TaskConfig = opt(factory=TaskConfig)
     local: LocalConfig = opt(factory=LocalConfig)
+    simulation: SimulationConfig = opt(factory=SimulationConfig)
     strategy: StrategyConfig = opt(factory=StrategyConfig)
     aggregation: AggregationConfig = opt(factory=AggregationConfig)
     selection: SelectionConfig = opt(factory=SelectionConfig)
