@@ -30,6 +30,7 @@ class StackedOptimizer:
         self.settings = settings
         self.state: dict[str, dict[str, torch.Tensor]] = {}
 
+    @torch.no_grad()
     def step(self, t: int, params: Stacked, grads: Stacked, active: torch.Tensor, all_active: bool) -> Stacked:
         """The parameters after step ``t`` (0-based) of every client in ``active``."""
         s = self.settings

@@ -3,8 +3,9 @@
 The group's trainable parameters are stacked, one client per leading index (all start from the
 parameters each received), and so are its buffers (BatchNorm's running statistics: each client
 keeps its own). At step t every client takes its own batch (:mod:`fedweave.cohort.schedule`):
-``vmap`` over the clients of ``grad`` of the client's objective, evaluated by ``functional_call``
-on the shared architecture, gives each client's gradient; the client's :class:`LocalStep` adds its
+``vmap`` over the clients of the client's objective, evaluated by ``functional_call`` on the
+shared architecture, and one backward pass of their sum give each client's gradient (the clients
+share no parameter; ``vmap`` of ``grad`` computes the same, slower on small models); the client's :class:`LocalStep` adds its
 penalty to the objective and its correction to the gradient; :class:`StackedOptimizer` steps the
 clients whose steps are not yet done.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedweave.cohort.optim import StackedOptimizer
@@ -95,9 +96,7 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
             x = x_all.index_select(0, rows[:, t].reshape(-1)).view(len(jobs), plan.batch, *x_all.shape[1:])
             y = y_all.index_select(0, rows[:, t].reshape(-1)).view(len(jobs), plan.batch, *y_all.shape[1:])
             weight = (torch.arange(plan.batch, device=device) < count.unsqueeze(1)).to(x_all.dtype)
-            grads, task = vmap(grad(objective, has_aux=True), in_dims=(0, 0, 0, 0, 0, anchor_dims))(
-                params, buffers, x, y, weight, anchors
-            )
+            grads, task = _gradients(objective, anchor_dims, params, buffers, x, y, weight, anchors)
         if corrections is not None:
             grads = {name: g.add(corrections[name]) for name, g in grads.items()}
         params = optimizer.step(t, params, grads, active, all_active)
@@ -123,17 +122,34 @@ def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalSte
     """One client's ``(params, buffers, x, y, weight, anchor) -> (objective, task loss)``: the mean
     of the per-example task losses over the rows of ``weight`` 1, plus the step's penalty."""
     penalty = step.penalty
-
-    def per_example(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(out.unsqueeze(0), target.unsqueeze(0))
+    per_example = per_example_loss(loss_fn)
 
     def objective(params, buffers, x, y, weight, anchor):
         out = functional_call(model, {**params, **buffers, **frozen}, (x,))
-        task = (vmap(per_example)(out, y) * weight).sum() / weight.sum().clamp_min(1)
+        task = (per_example(out, y) * weight).sum() / weight.sum().clamp_min(1)
         total = task if penalty is None else task + penalty(params, anchor)
         return total, task.detach()
 
     return objective
+
+
+def per_example_loss(loss_fn: LossFn):
+    """``(outputs, targets) -> each example's loss`` of a mean-reducing ``loss_fn``: cross-entropy
+    written out (log-softmax, the target's entry), any other one applied to each example alone."""
+    inner = getattr(loss_fn, "loss", loss_fn)
+    if type(inner) is nn.CrossEntropyLoss and inner.weight is None and inner.label_smoothing == 0 and inner.reduction == "mean":
+        ignore = inner.ignore_index
+
+        def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            picked = out.log_softmax(-1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            return torch.where(target == ignore, torch.zeros_like(picked), -picked)
+
+        return cross_entropy
+
+    def each(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(out.unsqueeze(0), target.unsqueeze(0))
+
+    return vmap(each)
 
 
 def _anchors(steps: list[LocalStep], trainable: list[str]) -> tuple[Params | None, int | None | dict]:
@@ -152,6 +168,17 @@ def _corrections(steps: list[LocalStep], trainable: list[str]) -> Params | None:
     return {name: torch.stack([s.correction[name] for s in steps]) for name in trainable}  # type: ignore[index]
 
 
+def _gradients(objective, anchor_dims, params, buffers, x, y, weight, anchors):
+    """Each client's gradient of its objective and its task loss: ``vmap`` of the objective over
+    the clients, and one backward pass of their sum (the clients share no parameter, so each
+    client's slice of the gradient is its own objective's)."""
+    leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+    with torch.enable_grad():
+        total, task = vmap(objective, in_dims=(0, 0, 0, 0, 0, anchor_dims))(leaves, buffers, x, y, weight, anchors)
+        grads = torch.autograd.grad(total.sum(), list(leaves.values()))
+    return dict(zip(leaves, grads)), task
+
+
 def _split_step(objective, params, buffers, x_all, y_all, rows, count, anchors, anchor_dims):
     """A step of a model with batch statistics: the active clients in subgroups of equal batch
     size, each subgroup's batches cut to its size; buffers updated in place, per client."""
@@ -168,9 +195,7 @@ def _split_step(objective, params, buffers, x_all, y_all, rows, count, anchors, 
         sub_anchors = anchors if anchor_dims is None or anchors is None else {
             name: a.index_select(0, lanes) for name, a in anchors.items()
         }
-        g, loss = vmap(grad(objective, has_aux=True), in_dims=(0, 0, 0, 0, 0, anchor_dims))(
-            sub_params, sub_buffers, x, y, weight, sub_anchors
-        )
+        g, loss = _gradients(objective, anchor_dims, sub_params, sub_buffers, x, y, weight, sub_anchors)
         for name in grads:
             grads[name].index_copy_(0, lanes, g[name])
         for name, b in buffers.items():
