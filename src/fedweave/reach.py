@@ -68,13 +68,20 @@ def clients_topology(config: Config, runtime: ClientRuntime) -> Topology:
 
 def simulation_link(config: Config, runtime: ClientRuntime) -> Transport:
     """The in-memory link to ``runtime``'s clients: one after another (``simulation.cohort: off``)
-    or in vectorised cohorts (:mod:`fedweave.cohort`)."""
-    cohort = config.simulation.cohort
-    if cohort == "off":
+    or in vectorised cohorts (:mod:`fedweave.cohort`), in this process or, with
+    ``simulation.workers`` above 1, in that many worker processes."""
+    cohort, workers = config.simulation.cohort, config.simulation.workers
+    if cohort == "off" and workers == 1:
         return launch_local(runtime).transport
+    from fedweave.cohort.trainer import CohortTrainer
     from fedweave.cohort.transport import CohortTransport
 
-    return CohortTransport(runtime, None if cohort == "auto" else int(cohort), config.simulation.cohort_memory * 2**20)
+    if workers > 1:
+        from fedweave.cohort.workers import WorkerPool
+
+        return CohortTransport(runtime, WorkerPool(config, runtime))
+    limit = None if cohort == "auto" else int(cohort)
+    return CohortTransport(runtime, CohortTrainer(runtime, limit, config.simulation.cohort_memory * 2**20))
 
 
 def server_topology(config: Config, listen: str | None = None) -> Star | SiteBatches:

@@ -96,8 +96,28 @@ def test_an_ineligible_run_trains_sequentially_and_says_why_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], why: str
 ) -> None:
     off, _, _ = trained(tmp_path, "off", overrides)
-    with caplog.at_level(logging.INFO, logger="fedweave.cohort.transport"):
+    with caplog.at_level(logging.INFO, logger="fedweave.cohort.trainer"):
         on, _, _ = trained(tmp_path, "auto", overrides)
-    lines = [r.getMessage() for r in caplog.records if r.name == "fedweave.cohort.transport"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fedweave.cohort.trainer"]
     assert len(lines) == 1 and why in lines[0]
     assert all(torch.equal(off[k], on[k]) for k in off)  # the same sequential loop, bit for bit
+
+
+@pytest.mark.parametrize("cohort", ["off", "auto"])
+def test_two_workers_train_the_model_of_one(tmp_path: Path, cohort: str) -> None:
+    one, one_records, _ = trained(tmp_path / "one", cohort, ["strategy=scaffold"])
+    r = runner.prepare(
+        config_mod.load(None, [*BASE, "strategy=scaffold", f"simulation.cohort={cohort}", "simulation.workers=2"]),
+        tmp_path / "two",
+    )
+    try:
+        params = r.params
+        for rnd in range(1, 6):
+            params, record = loop.train_round(r.parts, rnd, params)
+            assert record["clients_completed"] == 6
+    finally:
+        r.parts.topology.close()
+    if cohort == "off":  # each client's work is its own: the same bits in whichever process
+        assert all(torch.equal(one[k], params[k]) for k in one)
+    else:  # the groups differ with the split: float rounding
+        assert relative_difference(one, params) < 1e-5

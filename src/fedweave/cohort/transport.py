@@ -1,71 +1,84 @@
 """The in-memory link of a simulation whose clients train in vectorised cohorts.
 
-:class:`CohortTransport` receives a round's messages as :class:`~fedweave.transports.inmemory.InMemoryTransport`
-does, and answers each as the client runtime would, message by message: it opens every message
-(:meth:`~fedweave.client.ClientRuntime.open`), trains the training jobs that may (:mod:`.eligibility`)
-in groups (:func:`groups`: by their settings and step, largest first, at most ``cohort`` clients and
-``cohort_memory`` bytes each) with :func:`~fedweave.cohort.vectorised.train_group`, makes each
-client's update with its strategy's ``finish`` and closes it as the runtime does; evaluations and
-the clients that may not train in a cohort are the runtime's own work, one after another. A
-reason a client trains on its own is logged once.
+:class:`CohortTransport` answers a round's messages as :class:`~fedweave.transports.inmemory.InMemoryTransport`
+does, in message order, but does the round's client work together: each message is opened by the
+client runtime (:meth:`~fedweave.client.ClientRuntime.open`: decoded, the client's state settled),
+the work of all of them is done by a :class:`~fedweave.cohort.trainer.CohortTrainer` (training jobs in
+cohorts), and each answer is closed by the runtime (its state kept pending, its update encoded). A
+message that is not a training instruction (a plugin's control step, an evaluation) is answered by
+``handler`` (the runtime's ``handle``) alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+
+from typing import Protocol
 
 from fedweave.client import ClientRuntime, Opened
-from fedweave.cohort.eligibility import job_reason, static_reason
-from fedweave.cohort.vectorised import group_bytes, group_size, steps_of, train_group
-from fedweave.training import ClientJob, LocalStep
+from fedweave.cohort.trainer import Done, Work
 from fedweave.transports.base import Exchange
 from fedweave.types import Message, TaskKind, body_nbytes
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Pending:
-    """A training job waiting for its cohort."""
+class DoesWork(Protocol):
+    """What does the clients' work: a :class:`~fedweave.cohort.trainer.CohortTrainer` in this
+    process, or a :class:`~fedweave.cohort.workers.WorkerPool`."""
 
-    index: int  # its message's place in the exchange
-    opened: Opened
-    job: ClientJob
-    step: LocalStep
+    reason: str | None
+
+    def work(self, batch: list[Work]) -> list[Done | Exception]: ...
 
 
 class CohortTransport:
-    """Serves ``runtime``'s clients in memory, training cohorts of at most ``limit`` clients
-    (None: as many as fit) within ``budget_bytes``."""
+    """Serves ``runtime``'s clients in memory through ``trainer``."""
 
-    def __init__(self, runtime: ClientRuntime, limit: int | None, budget_bytes: int):
+    def __init__(self, runtime: ClientRuntime, trainer: DoesWork):
         self.runtime = runtime
+        self.trainer = trainer
         self.handler = runtime.handle  # what answers a message alone, as InMemoryTransport's
-        self.limit = limit
-        self.budget = budget_bytes
-        self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn)
-        self._told: set[str] = set()
-        if self.reason is not None:
-            self._tell(f"clients train one after another: {self.reason}")
+
+    @property
+    def reason(self) -> str | None:
+        """Why no client trains in a cohort (None: they do where they may)."""
+        return self.trainer.reason
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         result = Exchange()
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: dict[int, Message] = {}
-        pending: list[Pending] = []
+        opened: dict[int, Opened] = {}
         for i, msg in enumerate(messages):
             result.bytes_sent += body_nbytes(msg.body)
             try:
-                done = self._open(msg, i, pending)
+                if getattr(msg.body, "task", None) is not TaskKind.TRAIN:
+                    replies[i] = self.handler(msg)
+                    continue
+                step = self.runtime.open(msg)
+                if isinstance(step, Message):
+                    replies[i] = step
+                    self.runtime.release(msg.client_id)
+                else:
+                    opened[i] = step
             except Exception as exc:  # one client's failure must not stop the round
-                self._failed(result, msg.client_id, msg.round, exc)
-                continue
-            if done is not None:
-                replies[i] = done
-        for group in groups(pending, self.limit, self.budget, self.runtime):
-            self._train(group, replies, result)
+                self.runtime.release(msg.client_id)
+                failed(result, msg.client_id, msg.round, exc)
+        store = self.runtime.store
+        order = list(opened)
+        done = self.trainer.work([(opened[i].client_id, opened[i].instruction, store.get(opened[i].client_id)) for i in order])
+        for i, outcome in zip(order, done):
+            o = opened[i]
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                replies[i] = self.runtime.close(o, *outcome)
+            except Exception as exc:
+                failed(result, o.client_id, o.round, exc)
+            finally:
+                self.runtime.release(o.client_id)
         for i in sorted(replies):
             reply = replies[i]
             if deadline is not None and time.monotonic() > deadline:
@@ -76,87 +89,14 @@ class CohortTransport:
             result.replies.append(reply)
         return result
 
-    def _open(self, msg: Message, index: int, pending: list[Pending]) -> Message | None:
-        """The reply to ``msg`` when the runtime answers it alone, else None (its job is pending)."""
-        runtime = self.runtime
-        if self.reason is not None or not _trains(msg):
-            return self.handler(msg)
-        queued = False
-        try:
-            opened = runtime.open(msg)
-            if isinstance(opened, Message):
-                return opened
-            instruction = opened.instruction
-            if instruction.task is TaskKind.TRAIN:
-                job = runtime.job(opened.client_id, instruction, runtime.store.get(opened.client_id), load=False)
-                why = job_reason(job)
-                if why is None:
-                    pending.append(Pending(index, opened, job, runtime.algorithm.local_step(job)))  # type: ignore[attr-defined]
-                    queued = True
-                    return None
-                self._tell(f"client {opened.client_id} trains on its own: {why}")
-            body, state = runtime.work(opened.client_id, instruction, runtime.store.get(opened.client_id))
-            return runtime.close(opened, body, state)
-        finally:
-            if not queued:
-                runtime.release(msg.client_id)
-
-    def _train(self, group: list[Pending], replies: dict[int, Message], result: Exchange) -> None:
-        runtime = self.runtime
-        started = time.perf_counter()
-        try:
-            trained = train_group(runtime.model, runtime.loss_fn, [p.job for p in group], [p.step for p in group])
-        except Exception as exc:
-            for p in group:
-                runtime.release(p.opened.client_id)
-                self._failed(result, p.opened.client_id, p.opened.round, exc)
-            return
-        elapsed = time.perf_counter() - started
-        total_steps = sum(r.steps for r in trained.results) or 1
-        for p, res, delta in zip(group, trained.results, trained.deltas):
-            cid = p.opened.client_id
-            try:
-                share = elapsed * res.steps / total_steps  # the group's compute time, by each client's steps
-                update = runtime.algorithm.finish(p.job, res, delta)  # type: ignore[attr-defined]
-                body, state = runtime.trained(p.job, p.opened.instruction, update, share)
-                replies[p.index] = runtime.close(p.opened, body, state)
-            except Exception as exc:
-                self._failed(result, cid, p.opened.round, exc)
-            finally:
-                runtime.release(cid)
-
-    def _failed(self, result: Exchange, cid: int, rnd: int, exc: Exception) -> None:
-        log.warning("client %d failed in round %d: %s", cid, rnd, exc, exc_info=True)
-        result.failures[cid] = f"{type(exc).__name__}: {exc}"
-
-    def _tell(self, line: str) -> None:
-        key = line.split(":", 1)[1] if line.startswith("client ") else line
-        if key not in self._told:
-            self._told.add(key)
-            log.info("simulation.cohort: %s", line)
-
     def close(self) -> None:
-        """Nothing to release."""
+        """Stop the trainer's worker processes, if it has any."""
+        close = getattr(self.trainer, "close", None)
+        if close is not None:
+            close()
 
 
-def _trains(msg: Message) -> bool:
-    """Whether ``msg`` may be a training instruction (a control step or an evaluation is answered alone)."""
-    return getattr(msg.body, "task", None) is TaskKind.TRAIN
-
-
-def groups(pending: list[Pending], limit: int | None, budget: int, runtime: ClientRuntime) -> list[list[Pending]]:
-    """``pending`` in cohorts: clients with the same settings and the same kind of step together,
-    the most steps first (so that the clients of a group stop at nearly the same step), each group
-    at most ``limit`` clients and ``budget`` bytes."""
-    by_kind: dict[tuple, list[Pending]] = {}
-    for p in pending:
-        step = p.step
-        kind = (p.job.settings, step.penalty, step.correction is not None)
-        by_kind.setdefault(kind, []).append(p)
-    out = []
-    for members in by_kind.values():
-        members.sort(key=lambda p: -steps_of(p.job))
-        batch = max(min(p.job.instruction.work.batch_size, p.job.x_train.shape[0]) for p in members)
-        size = group_size(limit, budget, group_bytes(runtime.model, members[0].job.x_train[0], batch))
-        out.extend(members[i : i + size] for i in range(0, len(members), size))
-    return out
+def failed(result: Exchange, cid: int, rnd: int, exc: BaseException) -> None:
+    """Count client ``cid``'s failure in ``result``, logged."""
+    log.warning("client %d failed in round %d: %s", cid, rnd, exc, exc_info=True)
+    result.failures[cid] = f"{type(exc).__name__}: {exc}"
