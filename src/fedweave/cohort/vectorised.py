@@ -54,7 +54,7 @@ def steps_of(job: ClientJob) -> int:
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     first = tensors[0]
-    if all(t is first for t in tensors):
+    if _shared(tensors):
         return first.unsqueeze(0).expand(len(tensors), *first.shape).clone()
     return torch.stack(tensors)
 
@@ -65,57 +65,61 @@ def _shared(tensors: list[torch.Tensor]) -> bool:
 
 def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps: list[LocalStep]) -> Trained:
     """Train ``jobs`` (one settings for all, each with training rows) with their ``steps`` at once."""
-    settings = jobs[0].settings
+    order = sorted(range(len(jobs)), key=lambda k: -steps_of(jobs[k]))  # the clients not yet done: a prefix
+    jobs, steps = [jobs[k] for k in order], [steps[k] for k in order]
     model.train()
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     entries = list(model.state_dict())
     others = [name for name in entries if name not in set(trainable)]
-    received = {name: [job.instruction.params[name] for job in jobs] for name in entries}
-    start = {name: _stack(received[name]) for name in entries}
-    params = {name: start[name] for name in trainable}
+    start = {name: _stack([job.instruction.params[name] for job in jobs]) for name in entries}
+    params = {name: start[name].clone() for name in trainable}
     buffers = {name: start[name].clone() for name in others}
     frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
     plan = schedule(jobs, [steps_of(job) for job in jobs])
     x_all = torch.cat([job.x_train for job in jobs])
     y_all = torch.cat([job.y_train for job in jobs])
+    device = x_all.device
     objective = _objective(model, loss_fn, frozen, steps[0])
     anchors, anchor_dims = _anchors(steps, trainable)
     corrections = _corrections(steps, trainable)
-    optimizer = StackedOptimizer(settings)
-    loss_sum = torch.zeros(len(jobs), dtype=torch.float64)
-    device = x_all.device
-    rows, counts = plan.rows.to(device), plan.counts.to(device)
+    optimizer = StackedOptimizer(jobs[0].settings)
+    rows = plan.rows.transpose(0, 1).contiguous().to(device)  # (T, K, B)
+    counts = plan.counts.transpose(0, 1).contiguous()  # (T, K), on the CPU: read per step
+    weights = (torch.arange(plan.batch) < counts.unsqueeze(2)).to(x_all.dtype).to(device)
+    running = (counts > 0).sum(dim=1).tolist()
+    loss_sum = torch.zeros(len(jobs), dtype=torch.float64, device=device)
     split = has_batch_statistics(model)
     for t in range(plan.length):
-        count = counts[:, t]
-        active = count > 0
-        all_active = bool(active.all())
+        a = running[t]
         if split:
-            grads, task = _split_step(objective, params, buffers, x_all, y_all, rows[:, t], count, anchors, anchor_dims)
+            grads, task = _split_step(objective, params, buffers, x_all, y_all, rows[t], counts[t], a, anchors, anchor_dims)
         else:
-            x = x_all.index_select(0, rows[:, t].reshape(-1)).view(len(jobs), plan.batch, *x_all.shape[1:])
-            y = y_all.index_select(0, rows[:, t].reshape(-1)).view(len(jobs), plan.batch, *y_all.shape[1:])
-            weight = (torch.arange(plan.batch, device=device) < count.unsqueeze(1)).to(x_all.dtype)
-            grads, task = _gradients(objective, anchor_dims, params, buffers, x, y, weight, anchors)
+            index = rows[t, :a].reshape(-1)
+            x = x_all.index_select(0, index).view(a, plan.batch, *x_all.shape[1:])
+            y = y_all.index_select(0, index).view(a, plan.batch, *y_all.shape[1:])
+            active_anchors = anchors if anchor_dims is None or anchors is None else _prefix(anchors, a)
+            grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
+                                     weights[t, :a], active_anchors)
         if corrections is not None:
-            grads = {name: g.add(corrections[name]) for name, g in grads.items()}
-        params = optimizer.step(t, params, grads, active, all_active)
-        loss_sum += task.detach().double() * count.double()
+            grads = {name: g.add(corrections[name][:a]) for name, g in grads.items()}
+        optimizer.step(t, params, grads, a)
+        loss_sum[:a] += task.detach().double() * counts[t, :a].to(device).double()
     end = {**params, **buffers}
-    deltas = []
-    for k, _ in enumerate(jobs):
-        delta = {}
-        for name in entries:
-            v = end[name][k]
-            delta[name] = v - start[name][k] if v.is_floating_point() else v.clone()
-        deltas.append(delta)
-    seen = plan.counts.sum(dim=1).double()
-    means = (loss_sum.cpu() / seen).tolist()
+    out: list[Params] = [{} for _ in jobs]
+    for name in entries:
+        changed = end[name] - start[name] if end[name].is_floating_point() else end[name]
+        for k, v in enumerate(changed.unbind(0)):
+            out[k][name] = v.clone()
+    means = (loss_sum.cpu() / plan.counts.sum(dim=1).double()).tolist()
     results = [
-        TrainResult(steps=s, num_examples=job.x_train.shape[0], mean_loss=m)
-        for job, s, m in zip(jobs, plan.steps, means)
+        TrainResult(steps=s, num_examples=job.x_train.shape[0], mean_loss=m) for job, s, m in zip(jobs, plan.steps, means)
     ]
-    return Trained(results, deltas)
+    back = sorted(range(len(jobs)), key=lambda k: order[k])
+    return Trained([results[k] for k in back], [out[k] for k in back])
+
+
+def _prefix(tensors: Params, a: int) -> Params:
+    return {name: t[:a] for name, t in tensors.items()}
 
 
 def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalStep):
@@ -179,22 +183,24 @@ def _gradients(objective, anchor_dims, params, buffers, x, y, weight, anchors):
     return dict(zip(leaves, grads)), task
 
 
-def _split_step(objective, params, buffers, x_all, y_all, rows, count, anchors, anchor_dims):
-    """A step of a model with batch statistics: the active clients in subgroups of equal batch
-    size, each subgroup's batches cut to its size; buffers updated in place, per client."""
-    grads = {name: torch.zeros_like(p) for name, p in params.items()}
-    task = torch.zeros(rows.shape[0], dtype=x_all.dtype, device=x_all.device)
-    for size in sorted(set(count.tolist()) - {0}):
-        lanes = (count == size).nonzero().flatten()
+def _split_step(objective, params, buffers, x_all, y_all, rows, count, a, anchors, anchor_dims):
+    """A step of the first ``a`` clients of a model with batch statistics: in subgroups of equal
+    batch size, each subgroup's batches cut to its size; buffers updated in place, per client."""
+    device = x_all.device
+    grads = {name: torch.zeros_like(p[:a]) for name, p in params.items()}
+    task = torch.zeros(a, dtype=x_all.dtype, device=device)
+    sizes = count[:a]
+    for size in sorted(set(sizes.tolist())):
+        lanes = (sizes == size).nonzero().flatten().to(device)
         index = rows.index_select(0, lanes)[:, :size].reshape(-1)
         x = x_all.index_select(0, index).view(len(lanes), size, *x_all.shape[1:])
         y = y_all.index_select(0, index).view(len(lanes), size, *y_all.shape[1:])
-        weight = torch.ones(len(lanes), size, dtype=x_all.dtype, device=x_all.device)
-        sub_params = {name: p.index_select(0, lanes) for name, p in params.items()}
+        weight = torch.ones(len(lanes), size, dtype=x_all.dtype, device=device)
         sub_buffers = {name: b.index_select(0, lanes) for name, b in buffers.items()}
         sub_anchors = anchors if anchor_dims is None or anchors is None else {
-            name: a.index_select(0, lanes) for name, a in anchors.items()
+            name: t.index_select(0, lanes) for name, t in anchors.items()
         }
+        sub_params = {name: p.index_select(0, lanes) for name, p in params.items()}
         g, loss = _gradients(objective, anchor_dims, sub_params, sub_buffers, x, y, weight, sub_anchors)
         for name in grads:
             grads[name].index_copy_(0, lanes, g[name])
