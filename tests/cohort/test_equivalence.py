@@ -121,3 +121,24 @@ def test_two_workers_train_the_model_of_one(tmp_path: Path, cohort: str) -> None
         assert all(torch.equal(one[k], params[k]) for k in one)
     else:  # the groups differ with the split: float rounding
         assert relative_difference(one, params) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["simulation.cohort=0"], "config key 'simulation.cohort': must be auto, off or a group size >= 1"),
+        (["simulation.cohort=some"], "config key 'simulation.cohort': expected an integer or one of"),
+        (["simulation.cohort_memory=0"], "config key 'simulation.cohort_memory': must be >= 1"),
+        (["simulation.workers=0"], "config key 'simulation.workers': must be >= 1"),
+        (["simulation.workers=2", "launcher=ray"], "config key 'simulation.workers': worker processes train"),
+        (["simulation.workers=2", "heterogeneity.slowdown=2.0"], "config key 'simulation.workers': emulated"),
+    ],
+)
+def test_the_simulation_keys_are_checked_at_load(overrides: list[str], message: str) -> None:
+    with pytest.raises(config_mod.ConfigError, match="^" + message.replace("(", r"\(")):
+        config_mod.load(None, [*BASE, *overrides])
+
+
+def test_a_bare_off_in_yaml_is_off() -> None:
+    assert config_mod.load(None, ["simulation.cohort=off"]).simulation.cohort == "off"
+    assert config_mod.load(None, ["simulation.cohort=12"]).simulation.cohort == 12
