@@ -106,7 +106,7 @@ def groups(pending: list[Pending], limit: int | None, budget: int, runtime: Clie
     for p in pending:
         kind = (p.job.settings, p.step.penalty, p.step.correction is not None)
         by_kind.setdefault(kind, []).append(p)
-    out = []
+    out: list[list[Pending]] = []
     for members in by_kind.values():
         members.sort(key=lambda p: -steps_of(p.job))
         batch = max(min(p.job.instruction.work.batch_size, p.job.x_train.shape[0]) for p in members)

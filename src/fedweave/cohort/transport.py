@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-
 from typing import Protocol
 
 from fedweave.client import ClientRuntime, Opened

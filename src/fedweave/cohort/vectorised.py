@@ -25,7 +25,7 @@ from torch.func import functional_call, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedweave.cohort.optim import StackedOptimizer
-from fedweave.cohort.schedule import Schedule, schedule
+from fedweave.cohort.schedule import schedule
 from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
 from fedweave.types import Params
 

@@ -101,7 +101,7 @@ class WorkerPool:
             context.Process(target=_serve, args=(config, i, inbox, self.outbox), daemon=True, name=f"fedweave-worker-{i}")
             for i, inbox in enumerate(self.inboxes)
         ]
-        limit, budget, enabled = _limits(config)
+        enabled = _limits(config)[2]
         self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
         for p in self.processes:
             p.start()

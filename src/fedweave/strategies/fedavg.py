@@ -22,9 +22,9 @@ from fedweave.training import (
     train_local,
 )
 from fedweave.types import (
-    Params,
     Evaluation,
     Instruction,
+    Params,
     TaskKind,
     Update,
     UpdateKind,
