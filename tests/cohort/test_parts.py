@@ -72,3 +72,16 @@ def test_work_goes_to_the_least_loaded_worker() -> None:
     assert assign([5, 3, 3, 2], 2) == [0, 1, 1, 0]
     assert assign([1, 1, 1], 3) == [0, 1, 2]
     assert assign([], 2) == []
+
+
+def test_groups_are_sized_to_the_memory_budget() -> None:
+    from fedweave.cohort.vectorised import group_bytes, group_size
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    state = (64 * 16 + 16 + 16 * 10 + 10) * 4
+    # outputs per example: flatten 64, linear 16, relu 16, linear 10, the Sequential's 10; the input 64
+    per_example = (64 + 16 + 16 + 10 + 10 + 64) * 4
+    assert group_bytes(model, torch.zeros(1, 8, 8), 16) == 8 * state + 2 * 16 * per_example
+    assert group_size(None, 10_000, 3_000) == 3  # as many as fit
+    assert group_size(2, 10_000, 3_000) == 2  # simulation.cohort: K caps it
+    assert group_size(None, 1_000, 3_000) == 1  # never less than one client
