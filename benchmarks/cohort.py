@@ -47,15 +47,15 @@ TASKS = {
     # chaotic enough on MNIST to turn the paths' 1e-7 rounding differences into 1e-3 after a round.
     "mnist5k-cnn": ["task.dataset=mnist5k", "task.model=cnn", "local={epochs: 1, batch_size: 16, lr: 0.01}"],
 }
-ROWS = {f"{task}-{k}": [*overrides, f"clients={k}"] for task, overrides in TASKS.items() for k in (10, 50, 100)}
+ROWS = {f"{task}-{k}": (k, [*overrides, f"clients={k}"]) for task, overrides in TASKS.items() for k in (10, 50, 100)}
 
 
-def paired(overrides: list[str], pairs: int, threads: int, out: Path) -> dict[str, float]:
+def paired(k: int, overrides: list[str], pairs: int, threads: int, out: Path) -> dict[str, float]:
     runs = {
         mode: runner.prepare(
-            config_mod.load(None, [*BASE, *overrides, f"threads={threads}", f"simulation.cohort={mode}"]), out / mode
+            config_mod.load(None, [*BASE, *overrides, f"threads={threads}", f"simulation.cohort={cohort}"]), out / mode
         )
-        for mode in ("off", "auto")
+        for mode, cohort in (("off", "off"), ("auto", k))
     }
     params = {mode: r.params for mode, r in runs.items()}
     seconds: dict[str, list[float]] = {"off": [], "auto": []}
@@ -93,7 +93,7 @@ def main() -> int:
     print(f"{'row':<18} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12}")
     with tempfile.TemporaryDirectory() as out:
         for name in args.only or ROWS:
-            m = paired(ROWS[name], args.pairs, args.threads, Path(out) / name)
+            m = paired(*ROWS[name], args.pairs, args.threads, Path(out) / name)
             print(f"{name:<18} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
                   f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -54,7 +54,7 @@ ROWS: dict[str, list[str]] = {
     "mlp": MLP,
     "cnn": ["task.dataset=mnist5k", "task.model=cnn"],
     "mlp-cohort": [*MLP, "simulation.cohort=auto"],
-    "cnn-cohort": ["task.dataset=mnist5k", "task.model=cnn", "simulation.cohort=auto"],
+    "cnn-cohort": ["task.dataset=mnist5k", "task.model=cnn", "simulation.cohort=8"],  # auto: sequential on the cpu
     "digits-100-cohort": ["task.dataset=digits", "clients=100", "simulation.cohort=auto"],
     "mlp-dpsgd": [  # per-example gradients: the work DP-SGD adds
         "task.dataset=synthetic",

@@ -5,11 +5,13 @@ be :class:`~fedweave.strategies.base.Vectorisable` without overriding ``train`` 
 that declares its step; the model must draw no random numbers in training (dropout draws from
 torch's global generator, one client after another); the loss must be a built-in mean over
 examples (padding needs each example's loss). Per client (:func:`job_reason`): a plugin that
-takes the loop over (DP-SGD) or a client without training rows trains on its own.
+takes the loop over (DP-SGD) or a client without training rows trains on its own. ``cohort: auto``
+also leaves a model with convolutions on a CPU to the sequential loop (:func:`auto_reason`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
@@ -43,6 +45,18 @@ def static_reason(algorithm: ClientAlgorithm, model: nn.Module, loss_fn: LossFn)
         return "the model has dropout, whose random draws a cohort would not make as the sequential loop does"
     if not isinstance(loss_fn, TaskLoss) or loss_fn.kind not in PER_EXAMPLE:
         return "the loss is not a built-in mean over examples (a user loss or the next-token loss)"
+    return None
+
+
+def auto_reason(model: nn.Module, device: torch.device) -> str | None:
+    """Why ``cohort: auto`` leaves the clients one after another on ``device`` though they may train
+    in cohorts, or None: on a CPU, ``vmap`` runs convolutions with per-client weights as grouped
+    convolutions, slower than the clients' own (``benchmarks/cohort.py``: 0.5-1.1x for MNIST's CNN)."""
+    if device.type == "cpu" and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
+        return (
+            "cohort auto on a CPU: the model's convolutions would run as grouped convolutions, slower than one "
+            "client after another (simulation.cohort: K trains them in cohorts anyway)"
+        )
     return None
 
 

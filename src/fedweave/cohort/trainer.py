@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave.client import ClientRuntime
-from fedweave.cohort.eligibility import job_reason, static_reason
+from fedweave.cohort.eligibility import auto_reason, job_reason, static_reason
 from fedweave.cohort.vectorised import group_bytes, group_size, steps_of, train_group
 from fedweave.training import ClientJob, LocalStep
 from fedweave.types import Evaluation, Instruction, TaskKind, Update
@@ -40,14 +40,17 @@ class Pending:
 
 
 class CohortTrainer:
-    """Does ``runtime``'s clients' work, training in cohorts of at most ``limit`` clients (None: as
-    many as fit ``budget`` bytes); ``enabled`` False: one client after another."""
+    """Does ``runtime``'s clients' work, training in cohorts of at most ``limit`` clients (None:
+    ``cohort: auto``, as many as fit ``budget`` bytes, where :func:`auto_reason` does not object);
+    ``enabled`` False: one client after another."""
 
     def __init__(self, runtime: ClientRuntime, limit: int | None, budget: int, enabled: bool = True):
         self.runtime = runtime
         self.limit = limit
         self.budget = budget
         self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
+        if self.reason is None and limit is None:
+            self.reason = auto_reason(runtime.model, runtime.device)
         self._told: set[str] = set()
         if self.reason not in (None, "off"):
             self._tell(f"clients train one after another: {self.reason}")
