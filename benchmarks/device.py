@@ -12,8 +12,11 @@ the next) and the peak, and the largest difference between the two final models.
 
     python benchmarks/device.py [--rounds 10] [--only mlp cnn ...]
 
-On a machine without CUDA it says so in one line and exits 0. Every row is cohort-free:
-all clients train every round, none is sampled, so both devices run the same work.
+On a machine without CUDA it says so in one line and exits 0. Every client trains every
+round, none is sampled, so both devices run the same work. The rows train the clients one
+after another (``simulation.cohort: off``) but those named ``-cohort``, which train each round's
+clients as one vectorised cohort (``simulation.cohort: auto``, :mod:`fedweave.cohort`) on both
+devices; ``benchmarks/cohort.py`` sets the two paths side by side on one device.
 """
 
 from __future__ import annotations
@@ -38,15 +41,21 @@ BASE = [
     "eval.federated_every=0",
     "checkpoint.every=0",
     "seed=0",
+    "simulation.cohort=off",
+]
+
+MLP = [  # 0.4 M parameters: matrix products large enough for a GPU to matter
+    "task.dataset=synthetic",
+    "task.dataset_options={samples: 20000, features: 256, classes: 10}",
+    "task.model_options={hidden: [512, 512]}",
 ]
 
 ROWS: dict[str, list[str]] = {
-    "mlp": [  # 0.4 M parameters: matrix products large enough for a GPU to matter
-        "task.dataset=synthetic",
-        "task.dataset_options={samples: 20000, features: 256, classes: 10}",
-        "task.model_options={hidden: [512, 512]}",
-    ],
+    "mlp": MLP,
     "cnn": ["task.dataset=mnist5k", "task.model=cnn"],
+    "mlp-cohort": [*MLP, "simulation.cohort=auto"],
+    "cnn-cohort": ["task.dataset=mnist5k", "task.model=cnn", "simulation.cohort=8"],  # auto: sequential on the cpu
+    "digits-100-cohort": ["task.dataset=digits", "clients=100", "simulation.cohort=auto"],
     "mlp-dpsgd": [  # per-example gradients: the work DP-SGD adds
         "task.dataset=synthetic",
         "task.dataset_options={samples: 10000, features: 256, classes: 10}",
@@ -104,13 +113,13 @@ def main() -> int:
         print("benchmarks/device.py: this machine has no CUDA device, so there is no cuda round to measure")
         return 0
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.rounds} pairs of rounds per row")
-    header = f"{'row':<10} {'cpu s':>8} {'cuda s':>8} {'cpu/cuda':>9} {'IQR':>13} {'held MiB':>15} {'peak MiB':>9} {'max |Δ|':>9}"
+    header = f"{'row':<18} {'cpu s':>8} {'cuda s':>8} {'cpu/cuda':>9} {'IQR':>13} {'held MiB':>15} {'peak MiB':>9} {'max |Δ|':>9}"
     print(header)
     with tempfile.TemporaryDirectory() as out:
         for name in args.only or ROWS:
             m = paired(ROWS[name], args.rounds, Path(out) / name)
             print(
-                f"{name:<10} {m['cpu']:>8.3f} {m['cuda']:>8.3f} {m['ratio']:>8.2f}x "
+                f"{name:<18} {m['cpu']:>8.3f} {m['cuda']:>8.3f} {m['ratio']:>8.2f}x "
                 f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['held_min']:>7.1f}-{m['held_max']:<7.1f} {m['peak']:>9.1f} {m['diff']:>9.2e}"
             )
     return 0

@@ -118,6 +118,7 @@ def main() -> None:
         "local.momentum=0.0",
         "eval.federated_every=0",
         "threads=1",
+        "simulation.cohort=off",  # the bare loop trains one client after another: so does fedweave here
     ]
     if args.checkpoint_every is not None:
         overrides.append(f"checkpoint.every={args.checkpoint_every}")

@@ -281,18 +281,27 @@ class ClientRuntime:
     ) -> tuple[Update | Evaluation, dict[str, Any]]:
         """Client ``cid``'s local work on ``instruction`` from its committed ``state``: the update
         (before the client_send chain) or evaluation, and the client's new state, on the CPU."""
-        job = self._job(cid, instruction, state)
+        job = self.job(cid, instruction, state)
         if instruction.task is TaskKind.EVALUATE:
             return dataclasses.replace(self.algorithm.evaluate(job), client_id=cid), moved(job.state, CPU)
         start = time.perf_counter()
         update = self.algorithm.train(job)
+        return self.trained(job, instruction, update, time.perf_counter() - start)
+
+    def trained(
+        self, job: ClientJob, instruction: Instruction, update: Update, compute_time: float
+    ) -> tuple[Update, dict[str, Any]]:
+        """What leaves the client of ``job``'s training (``update``, from ``instruction`` as received,
+        in ``compute_time`` seconds): the update on the CPU with the metrics it may send, as an
+        attacking client changes it, and the client's new state on the CPU."""
+        cid = job.client_id
         update = dataclasses.replace(
             update,
             tensors=moved(update.tensors, CPU),
             extras=moved(update.extras, CPU),
             metrics={**self._sent_metrics(cid, update.metrics), **job.training.report()},
             client_id=cid,
-            compute_time=time.perf_counter() - start,
+            compute_time=compute_time,
         )
         for p in self._parameters:  # the device keeps nothing of this client but the model's values
             p.grad = None
@@ -314,9 +323,13 @@ class ClientRuntime:
         if not self.plugin_state.get(cid, True):
             del self.plugin_state[cid]
 
-    def _job(self, cid: int, instruction: Instruction, state: dict[str, Any]) -> ClientJob:
+    def job(self, cid: int, instruction: Instruction, state: dict[str, Any], load: bool = True) -> ClientJob:
+        """Client ``cid``'s job for ``instruction`` from its committed ``state``, on this runtime's
+        device; the model holds the received parameters unless not ``load`` (a vectorised cohort
+        trains stacked copies of them instead: :mod:`fedweave.cohort`)."""
         settings, work = self._instructed(cid, instruction)
-        self.model.load_state_dict(instruction.params)
+        if load:
+            self.model.load_state_dict(instruction.params)
         # Dropout and other in-model randomness draw from torch's global generator.
         torch.default_generator.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
         x_train, y_train, x_test, y_test = self.data.split(cid)

@@ -3,7 +3,8 @@
 =================================================  ==============================================
 config                                             the server's topology
 =================================================  ==============================================
-``transport: inmemory``, star                      an in-memory star (:func:`~fedweave.launchers.local.launch_local`)
+``transport: inmemory``, star                      an in-memory star (:func:`simulation_link`: clients one after
+                                                   another, or in vectorised cohorts, ``simulation.cohort``)
 ... with emulated client speeds                    :func:`~fedweave.topologies.emulated.emulated_clients`
 ``transport: inmemory``, hierarchical or ring      :func:`arrange` over the in-memory link
 ``launcher: ray``                                  :func:`arrange` over a pool of Ray actors
@@ -62,9 +63,25 @@ def clients_topology(config: Config, runtime: ClientRuntime) -> Topology:
     emulated = emulated_clients(config, runtime.handle)  # None unless client speeds are emulated (star only)
     if emulated is not None:
         return emulated
-    if config.topology.kind == "star":
-        return launch_local(runtime)
-    return arrange(config, launch_local(runtime).transport, strategy_class(config))
+    return arrange(config, simulation_link(config, runtime), strategy_class(config))
+
+
+def simulation_link(config: Config, runtime: ClientRuntime) -> Transport:
+    """The in-memory link to ``runtime``'s clients: one after another (``simulation.cohort: off``)
+    or in vectorised cohorts (:mod:`fedweave.cohort`), in this process or, with
+    ``simulation.workers`` above 1, in that many worker processes."""
+    cohort, workers = config.simulation.cohort, config.simulation.workers
+    if cohort == "off" and workers == 1:
+        return launch_local(runtime).transport
+    from fedweave.cohort.trainer import CohortTrainer
+    from fedweave.cohort.transport import CohortTransport
+
+    if workers > 1:
+        from fedweave.cohort.workers import WorkerPool
+
+        return CohortTransport(runtime, WorkerPool(config, runtime))
+    limit = None if cohort == "auto" else int(cohort)
+    return CohortTransport(runtime, CohortTrainer(runtime, limit, config.simulation.cohort_memory * 2**20))
 
 
 def server_topology(config: Config, listen: str | None = None) -> Star | SiteBatches:

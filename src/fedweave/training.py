@@ -34,6 +34,7 @@ from fedweave.schema import checked
 from fedweave.types import Instruction, Params, Update, UpdateKind, Work
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Penalty = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], torch.Tensor]
 LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 AfterBackward = Callable[[nn.Module], None]
 
@@ -90,6 +91,51 @@ class Hooks:
     optimizer: LocalOptimizer | None = None
     loss: LossHook | None = None
     after_backward: AfterBackward | None = None
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """The math a client half adds to a plain local step, declared rather than written into a loop,
+    so that the sequential loop (:meth:`hooks`) and the vectorised cohort (:mod:`fedweave.cohort`)
+    compute the same step:
+
+    - ``penalty(params, anchor)``: added to the task loss, a pure function of the trainable
+      parameters by name and of ``anchor`` (FedProx: μ/2·‖w − w_global‖²); the same function
+      for every client of a strategy, ``anchor`` the client's own;
+    - ``correction``: added to each trainable parameter's gradient after the backward pass, before
+      the optimiser step (SCAFFOLD's c − c_i).
+    """
+
+    penalty: Penalty | None = None
+    anchor: Params | None = None
+    correction: Params | None = None
+
+    def hooks(self, model: nn.Module, loss_fn: LossFn) -> dict[str, Any]:
+        """The :func:`train_local` hooks of this step for ``model``."""
+        hooks: dict[str, Any] = {}
+        penalty, anchor, correction = self.penalty, self.anchor, self.correction
+        if penalty is not None:
+            trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+            def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                task = loss_fn(m(x), y)
+                return task + penalty(trainable, anchor or {}), task
+
+            hooks["loss"] = loss
+        if correction is not None:
+            named = [(p, correction[name]) for name, p in model.named_parameters() if p.requires_grad]
+
+            def correct(_: nn.Module) -> None:
+                for p, c in named:
+                    if p.grad is not None:
+                        p.grad.add_(c)
+
+            hooks["after_backward"] = correct
+        return hooks
+
+
+PLAIN_STEP = LocalStep()
+"""A plain local step: the task loss, its gradient, the optimiser."""
 
 
 class LocalTraining(Protocol):

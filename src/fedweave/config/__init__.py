@@ -51,6 +51,7 @@ from fedweave.config.sections import (
     PluginsConfig,
     PluginSpec,
     SelectionConfig,
+    SimulationConfig,
     StrategyConfig,
     TaskConfig,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "PartitionConfig",
     "PluginSpec",
     "SelectionConfig",
+    "SimulationConfig",
     "PluginsConfig",
     "RayConfig",
     "SpeedChange",

@@ -31,6 +31,7 @@ from fedweave.config.sections import (
     ObserveConfig,
     PluginsConfig,
     SelectionConfig,
+    SimulationConfig,
     StrategyConfig,
     TaskConfig,
 )
@@ -58,6 +59,7 @@ class Config:
     output_dir: str = opt("runs", help="where run directories are created")
     task: TaskConfig = opt(factory=TaskConfig)
     local: LocalConfig = opt(factory=LocalConfig)
+    simulation: SimulationConfig = opt(factory=SimulationConfig)
     strategy: StrategyConfig = opt(factory=StrategyConfig)
     aggregation: AggregationConfig = opt(factory=AggregationConfig)
     selection: SelectionConfig = opt(factory=SelectionConfig)
@@ -109,6 +111,7 @@ class Config:
         if self.topology.kind == "hierarchical":
             _check_sites(self)
         _check_heterogeneity_aware(self)
+        _check_simulation_workers(self)
         if self.attacks.kinds:
             _check_attacks(self)
 
@@ -153,6 +156,23 @@ def _check_sites(config: Config) -> None:
         raise ConfigError(
             f"config key 'topology.sites': every client must be in exactly one site "
             f"(in several: {twice}, in none: {missing})"
+        )
+
+
+def _check_simulation_workers(config: Config) -> None:
+    """Worker processes serve an in-memory simulation's clients, which this process reaches directly."""
+    if config.simulation.workers == 1:
+        return
+    if config.mode != "federated" or config.transport.kind != "inmemory" or config.launcher.kind != "local":
+        raise ConfigError(
+            "config key 'simulation.workers': worker processes train the clients of a federated in-memory simulation "
+            f"(transport inmemory, launcher local), not of mode {config.mode}, transport {config.transport.kind}, "
+            f"launcher {config.launcher.kind}; set it to 1"
+        )
+    if emulates_clients(config):
+        raise ConfigError(
+            "config key 'simulation.workers': emulated client speeds (heterogeneity.*) time each client in this "
+            "process, one after another; set it to 1"
         )
 
 

@@ -168,6 +168,29 @@ class LocalConfig:
 
 
 @dataclass
+class SimulationConfig:
+    """How an in-memory simulation runs its clients (:mod:`fedweave.cohort`); the models it trains
+    are the same whatever these say, up to float rounding."""
+
+    cohort: int | Literal["auto", "off", False] = opt(
+        "auto",
+        help="train a round's clients as vectorised cohorts: auto (where the strategy, plugins, model and "
+        "loss allow it, groups as large as cohort_memory allows) | off (one client after another) | K "
+        "(groups of at most K clients)",
+    )
+    cohort_memory: int = opt(1024, ge=1, help="MiB a cohort's stacked parameters, optimiser state and activations may take")
+    workers: int = opt(
+        1, ge=1, help="processes that train clients (each on local.device, round-robin over CUDA devices); 1: this process"
+    )
+
+    def validate(self, prefix: str) -> None:
+        if self.cohort is False:  # YAML reads a bare off as false
+            self.cohort = "off"
+        if isinstance(self.cohort, int) and self.cohort < 1:
+            raise ConfigError(f"config key '{prefix}.cohort': must be auto, off or a group size >= 1, got {self.cohort}")
+
+
+@dataclass
 class StrategyConfig:
     """``name`` plus the hyper-parameters the named strategy declares in its ``Params``."""
 

@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from torch import nn
 
 from fedweave.strategies.aggregate import weighted_average
-from fedweave.training import ClientJob
+from fedweave.training import ClientJob, LocalStep, TrainResult
 from fedweave.types import Evaluation, Instruction, Params, Update, UpdateKind, Work
 from fedweave.validation import UpdateSchema
 
@@ -82,6 +82,19 @@ class ClientAlgorithm(Protocol):
     def train(self, job: ClientJob) -> Update: ...
 
     def evaluate(self, job: ClientJob) -> Evaluation: ...
+
+
+@runtime_checkable
+class Vectorisable(Protocol):
+    """A client half whose round is plain local optimisation of the shared model: its step is what
+    ``local_step`` declares, its update what ``finish`` makes of the trained model's change. The
+    simulation may then train a cohort of its clients as one vectorised computation
+    (:mod:`fedweave.cohort`); its own ``train`` must be ``local_step`` → :func:`train_local` →
+    ``finish`` (a subclass that overrides ``train`` alone runs sequentially)."""
+
+    def local_step(self, job: ClientJob) -> LocalStep: ...
+
+    def finish(self, job: ClientJob, result: TrainResult, delta: Params) -> Update: ...
 
 
 @runtime_checkable

@@ -12,10 +12,19 @@ from typing import Any
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
 from fedweave.task.models import evaluate
-from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.training import (
+    PLAIN_STEP,
+    ClientJob,
+    LocalStep,
+    TrainResult,
+    delta_update,
+    model_delta,
+    train_local,
+)
 from fedweave.types import (
     Evaluation,
     Instruction,
+    Params,
     TaskKind,
     Update,
     UpdateKind,
@@ -29,14 +38,27 @@ class FedAvgParams:
 
 
 class FedAvgClient:
-    """Train the received global model with local SGD and send back the delta."""
+    """Train the received global model with local SGD and send back the delta.
+
+    Its round is :class:`~fedweave.strategies.base.Vectorisable`: the step ``local_step`` declares
+    (plain here; FedProx adds its penalty, SCAFFOLD its correction), the update ``finish`` makes of
+    the delta (SCAFFOLD adds Δc, FedNova a_i)."""
 
     def __init__(self, hp: FedAvgParams):
         self.hp = hp
 
     def train(self, job: ClientJob) -> Update:
-        result = train_local(job)
-        return delta_update(result, model_delta(job.model, job.instruction.params))
+        step = self.local_step(job)
+        result = train_local(job, **step.hooks(job.model, job.loss_fn))
+        return self.finish(job, result, model_delta(job.model, job.instruction.params))
+
+    def local_step(self, job: ClientJob) -> LocalStep:
+        """A plain local step."""
+        return PLAIN_STEP
+
+    def finish(self, job: ClientJob, result: TrainResult, delta: Params) -> Update:
+        """The delta, as it is."""
+        return delta_update(result, delta)
 
     def evaluate(self, job: ClientJob) -> Evaluation:
         num_examples = int(job.y_test.shape[0])

@@ -24,7 +24,7 @@ from fedweave.strategies.aggregate import (
     with_selection,
 )
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.training import PLAIN_STEP, ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Params, Update
 from fedweave.validation import TensorSpec, UpdateSchema, specs_of
 
@@ -67,14 +67,17 @@ def _scaled(tensors: Params, scale: float, plain_average: Sequence[str]) -> Para
 class FedNovaClient(FedAvgClient):
     """Local SGD as FedAvg; also sends a_i (from its steps and momentum) in ``extras``."""
 
-    def train(self, job: ClientJob) -> Update:
+    def local_step(self, job: ClientJob) -> LocalStep:
+        """A plain SGD step; another optimiser is refused."""
         if job.settings.optimizer != "sgd":
             raise ValueError(
                 f"FedNova normalises by the steps of local SGD; local.optimizer is {job.settings.optimizer!r}"
             )
-        result = train_local(job)
+        return PLAIN_STEP
+
+    def finish(self, job: ClientJob, result: TrainResult, delta: Params) -> Update:
+        """The delta and a_i."""
         a = normalizing_factor(result.steps, job.settings.momentum)
-        delta = model_delta(job.model, job.instruction.params)
         return delta_update(result, delta, {NORM: torch.tensor(a, dtype=torch.float64)})
 
 

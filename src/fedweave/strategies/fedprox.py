@@ -6,6 +6,7 @@ https://arxiv.org/abs/1812.06127
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -13,8 +14,8 @@ from torch import nn
 
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
-from fedweave.training import ClientJob, delta_update, model_delta, train_local
-from fedweave.types import Params, Update
+from fedweave.training import ClientJob, LocalStep
+from fedweave.types import Params
 
 
 @dataclass
@@ -22,25 +23,26 @@ class FedProxParams:
     mu: float = opt(0.01, ge=0, help="weight μ of the proximal term μ/2·‖w − w_global‖² (0: FedAvg)")
 
 
+def proximal(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """``μ/2 · Σ ‖w − anchor‖²`` over ``params`` (trainable parameters by name)."""
+    total = sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
+    return 0.5 * mu * total
+
+
 def proximal_term(model: nn.Module, anchor: Params, mu: float) -> torch.Tensor:
     """``μ/2 · Σ ‖w − anchor‖²`` over the model's trainable parameters."""
-    total = sum(((p - anchor[name]) ** 2).sum() for name, p in model.named_parameters() if p.requires_grad)
-    return 0.5 * mu * total
+    return proximal({name: p for name, p in model.named_parameters() if p.requires_grad}, anchor, mu)
 
 
 class FedProxClient(FedAvgClient):
     """Minimise ``loss + μ/2·‖w − w_t‖²`` with w_t the global model received this round."""
 
-    def train(self, job: ClientJob) -> Update:
-        anchor = job.instruction.params
-        mu = self.hp.mu
+    def local_step(self, job: ClientJob) -> LocalStep:
+        """The proximal term against the received parameters."""
+        return LocalStep(penalty=self.penalty, anchor=job.instruction.params)
 
-        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            task = job.loss_fn(model(x), y)
-            return task + proximal_term(model, anchor, mu), task
-
-        result = train_local(job, loss=loss)
-        return delta_update(result, model_delta(job.model, anchor))
+    def penalty(self, params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return proximal(params, anchor, self.hp.mu)
 
 
 class FedProx(FedAvg):

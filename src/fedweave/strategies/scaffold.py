@@ -24,7 +24,7 @@ from fedweave.strategies.aggregate import (
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
-from fedweave.training import ClientJob, delta_update, model_delta, train_local
+from fedweave.training import ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Instruction, Params, TaskKind, Update, Work
 from fedweave.validation import UpdateSchema, specs_of
 
@@ -45,9 +45,10 @@ class ScaffoldParams:
 
 def full_gradient(job: ClientJob) -> Params:
     """∇f_i(x) for option I: the mean gradient of the client's whole training data at the
-    received parameters (mini-batches of the round's batch size, a mean-reducing loss).
-    The model is reset to the received state afterwards, so buffers are untouched."""
+    received parameters (mini-batches of the round's batch size, a mean-reducing loss), whatever
+    the model holds when called. The model is left in the received state, so buffers are untouched."""
     model = job.model
+    model.load_state_dict(job.instruction.params)
     model.train()
     model.zero_grad(set_to_none=True)
     n = job.x_train.shape[0]
@@ -78,29 +79,29 @@ class ScaffoldClient(FedAvgClient):
     momentum ρ, since momentum moves the model ~1/(1 − ρ) times further per gradient.
     """
 
-    def train(self, job: ClientJob) -> Update:
-        params = {name: p for name, p in job.model.named_parameters() if p.requires_grad}
-        zeros = {name: torch.zeros_like(p) for name, p in params.items()}
-        control = job.state.get(CONTROL, zeros)
-        server_control = {name: job.instruction.extras.get(name, zeros[name]) for name in params}
-        start_gradient = full_gradient(job) if self.hp.option == "I" else None
-        correction = {name: server_control[name] - control[name] for name in params}
+    def local_step(self, job: ClientJob) -> LocalStep:
+        """The step on ``g − c_i + c``."""
+        control, server_control = self._controls(job)
+        return LocalStep(correction={name: server_control[name] - control[name] for name in control})
 
-        def correct(_: nn.Module) -> None:
-            for name, p in params.items():
-                if p.grad is not None:
-                    p.grad.add_(correction[name])
-
-        result = train_local(job, after_backward=correct)
-        delta = model_delta(job.model, job.instruction.params)
-        if start_gradient is not None:
-            new_control = {name: start_gradient.get(name, zeros[name]) for name in params}
+    def finish(self, job: ClientJob, result: TrainResult, delta: Params) -> Update:
+        """Δy and Δc = c_i⁺ − c_i; c_i⁺ kept in the client's state."""
+        control, server_control = self._controls(job)
+        if self.hp.option == "I":
+            start_gradient = full_gradient(job)
+            new_control = {name: start_gradient.get(name, torch.zeros_like(c)) for name, c in control.items()}
         else:
             new_control = option_two(
                 control, server_control, delta, normalizing_factor(result.steps, job.settings.momentum), job.settings.lr
             )
         job.state[CONTROL] = new_control
-        return delta_update(result, delta, {name: new_control[name] - control[name] for name in params})
+        return delta_update(result, delta, {name: new_control[name] - control[name] for name in control})
+
+    def _controls(self, job: ClientJob) -> tuple[Params, Params]:
+        """c_i (zeros the first time) and c (zeros where absent), over the trainable parameters."""
+        zeros = {name: torch.zeros_like(p) for name, p in job.model.named_parameters() if p.requires_grad}
+        control = job.state.get(CONTROL, zeros)
+        return control, {name: job.instruction.extras.get(name, zeros[name]) for name in zeros}
 
 
 class Scaffold(FedAvg):

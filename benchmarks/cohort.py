@@ -1,0 +1,104 @@
+"""Per-round time of a round's clients trained one after another against vectorised cohorts.
+
+Each row trains one federation twice in this process from the same seed, once with
+``simulation.cohort: off`` (the sequential loop) and once with ``simulation.cohort: auto`` (one
+vectorised group of the round's clients, :mod:`fedweave.cohort`), every client sampled every
+round. Their rounds are interleaved in pairs (sequential round r, then cohort round r) so that
+the machine's load falls on both alike; the first pair (lazy imports, caches) is left out. A
+round's time is :func:`fedweave.loop.train_round`'s wall time (configure, the clients' work,
+checks, aggregation; no evaluation). Printed per row: the median seconds of a round on each path,
+the median of the per-pair ratios sequential / cohort with its interquartile range, and the
+largest relative difference between the two final models (float rounding: the cohort's matrix
+products are batched). The load average of the machine is printed before and after.
+
+    python benchmarks/cohort.py [--pairs 8] [--only digits-10 mnist5k-cnn-50 ...] [--threads 1]
+
+Rows: digits with the MLP (the quickstart's local settings: 3 epochs, batch 16, lr 0.1, momentum
+0.9) and MNIST-5k with the CNN (1 epoch, batch 16, lr 0.01), 10, 50 and 100 clients per round, a
+Dirichlet(0.5) partition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fedweave import config as config_mod
+from fedweave import loop, runner
+
+BASE = [
+    "sample_fraction=1.0",
+    "task.partition={scheme: dirichlet, alpha: 0.5}",
+    "eval.every=0",
+    "eval.federated_every=0",
+    "checkpoint.every=0",
+    "seed=0",
+]
+TASKS = {
+    "digits": ["task.dataset=digits", "task.model=mlp"],
+    # One epoch at lr 0.01 without momentum: at the quickstart's lr 0.1 and momentum 0.9 the CNN's training is
+    # chaotic enough on MNIST to turn the paths' 1e-7 rounding differences into 1e-3 after a round.
+    "mnist5k-cnn": ["task.dataset=mnist5k", "task.model=cnn", "local={epochs: 1, batch_size: 16, lr: 0.01}"],
+}
+ROWS = {f"{task}-{k}": (k, [*overrides, f"clients={k}"]) for task, overrides in TASKS.items() for k in (10, 50, 100)}
+
+
+def paired(k: int, overrides: list[str], pairs: int, threads: int, out: Path) -> dict[str, float]:
+    runs = {
+        mode: runner.prepare(
+            config_mod.load(None, [*BASE, *overrides, f"threads={threads}", f"simulation.cohort={cohort}"]), out / mode
+        )
+        for mode, cohort in (("off", "off"), ("auto", k))
+    }
+    params = {mode: r.params for mode, r in runs.items()}
+    seconds: dict[str, list[float]] = {"off": [], "auto": []}
+    for rnd in range(1, pairs + 2):
+        for mode, r in runs.items():
+            started = time.perf_counter()
+            params[mode], _ = loop.train_round(r.parts, rnd, params[mode])
+            seconds[mode].append(time.perf_counter() - started)
+    off, auto = seconds["off"][1:], seconds["auto"][1:]
+    ratios = [a / b for a, b in zip(off, auto)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    a, b = params["off"], params["auto"]
+    return {
+        "off": statistics.median(off),
+        "auto": statistics.median(auto),
+        "ratio": statistics.median(ratios),
+        "q1": q1,
+        "q3": q3,
+        "diff": max(
+            float((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max().clamp_min(1e-12))
+            for k in a
+            if a[k].is_floating_point()
+        ),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=8, help="measured pairs of rounds (after one left out)")
+    parser.add_argument("--only", nargs="*", choices=list(ROWS), help="rows to run (default: all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of both paths (config threads)")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; threads={args.threads}; {args.pairs} pairs per row; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'row':<18} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12}")
+    with tempfile.TemporaryDirectory() as out:
+        for name in args.only or ROWS:
+            m = paired(*ROWS[name], args.pairs, args.threads, Path(out) / name)
+            print(f"{name:<18} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
+                  f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e}", flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

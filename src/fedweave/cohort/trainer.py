@@ -1,0 +1,118 @@
+"""A batch of client work done by one client runtime, training jobs in vectorised cohorts.
+
+:class:`CohortTrainer` takes the local work of several clients (each ``(client id, instruction as
+received, committed state)``, as :meth:`~fedweave.client.ClientRuntime.work` does it for one) and
+does it all: the training jobs that may (:mod:`.eligibility`) in groups (:func:`groups`: by their
+settings and kind of step, the most steps first, at most ``limit`` clients and ``budget`` bytes
+each) with :func:`~fedweave.cohort.vectorised.train_group`, each update made by its strategy's
+``finish`` and sent out as the runtime sends it (:meth:`~fedweave.client.ClientRuntime.trained`);
+evaluations and the clients that may not train in a cohort are the runtime's own work, one after
+another. A reason a client trains on its own is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fedweave.client import ClientRuntime
+from fedweave.cohort.eligibility import auto_reason, job_reason, static_reason
+from fedweave.cohort.vectorised import group_bytes, group_size, steps_of, train_group
+from fedweave.training import ClientJob, LocalStep
+from fedweave.types import Evaluation, Instruction, TaskKind, Update
+
+log = logging.getLogger(__name__)
+
+Work = tuple[int, Instruction, dict[str, Any]]  # client id, the instruction as received, its committed state
+Done = tuple[Update | Evaluation, dict[str, Any]]  # the body (before client_send) and the new state
+
+
+@dataclass
+class Pending:
+    """A training job waiting for its cohort."""
+
+    index: int  # its place in the batch of work
+    instruction: Instruction
+    job: ClientJob
+    step: LocalStep
+
+
+class CohortTrainer:
+    """Does ``runtime``'s clients' work, training in cohorts of at most ``limit`` clients (None:
+    ``cohort: auto``, as many as fit ``budget`` bytes, where :func:`auto_reason` does not object);
+    ``enabled`` False: one client after another."""
+
+    def __init__(self, runtime: ClientRuntime, limit: int | None, budget: int, enabled: bool = True):
+        self.runtime = runtime
+        self.limit = limit
+        self.budget = budget
+        self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
+        if self.reason is None and limit is None:
+            self.reason = auto_reason(runtime.model, runtime.device)
+        self._told: set[str] = set()
+        if self.reason not in (None, "off"):
+            self._tell(f"clients train one after another: {self.reason}")
+
+    def work(self, batch: list[Work]) -> list[Done | Exception]:
+        """Each item's outcome, in order: what the runtime's ``work`` returns, or the exception it raised."""
+        out: list[Done | Exception | None] = [None] * len(batch)
+        pending: list[Pending] = []
+        for i, (cid, instruction, state) in enumerate(batch):
+            try:
+                if self.reason is None and instruction.task is TaskKind.TRAIN:
+                    job = self.runtime.job(cid, instruction, state, load=False)
+                    why = job_reason(job)
+                    if why is None:
+                        pending.append(Pending(i, instruction, job, self.runtime.algorithm.local_step(job)))  # type: ignore[attr-defined]
+                        continue
+                    self._tell(f"client {cid} trains on its own: {why}")
+                out[i] = self.runtime.work(cid, instruction, state)
+            except Exception as exc:  # one client's failure must not stop the others
+                out[i] = exc
+        for group in groups(pending, self.limit, self.budget, self.runtime):
+            self._train(group, out)
+        return out  # type: ignore[return-value]
+
+    def _train(self, group: list[Pending], out: list[Done | Exception | None]) -> None:
+        runtime = self.runtime
+        started = time.perf_counter()
+        try:
+            trained = train_group(runtime.model, runtime.loss_fn, [p.job for p in group], [p.step for p in group])
+        except Exception as exc:
+            for p in group:
+                out[p.index] = exc
+            return
+        elapsed = time.perf_counter() - started
+        total_steps = sum(r.steps for r in trained.results) or 1
+        for p, result, delta in zip(group, trained.results, trained.deltas):
+            try:
+                update = runtime.algorithm.finish(p.job, result, delta)  # type: ignore[attr-defined]
+                share = elapsed * result.steps / total_steps  # the group's compute time, by each client's steps
+                out[p.index] = runtime.trained(p.job, p.instruction, update, share)
+            except Exception as exc:
+                out[p.index] = exc
+
+    def _tell(self, line: str) -> None:
+        key = line.split(":", 1)[1] if line.startswith("client ") else line
+        if key not in self._told:
+            self._told.add(key)
+            log.info("simulation.cohort: %s", line)
+
+
+def groups(pending: list[Pending], limit: int | None, budget: int, runtime: ClientRuntime) -> list[list[Pending]]:
+    """``pending`` in cohorts: clients with the same settings and the same kind of step together,
+    the most steps first (so that the clients of a group stop at nearly the same step), each group
+    at most ``limit`` clients and ``budget`` bytes."""
+    by_kind: dict[tuple, list[Pending]] = {}
+    for p in pending:
+        kind = (p.job.settings, p.step.penalty, p.step.correction is not None)
+        by_kind.setdefault(kind, []).append(p)
+    out: list[list[Pending]] = []
+    for members in by_kind.values():
+        members.sort(key=lambda p: -steps_of(p.job))
+        batch = max(min(p.job.instruction.work.batch_size, p.job.x_train.shape[0]) for p in members)
+        size = group_size(limit, budget, group_bytes(runtime.model, members[0].job.x_train[0], batch))
+        out.extend(members[i : i + size] for i in range(0, len(members), size))
+    return out

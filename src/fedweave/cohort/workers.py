@@ -1,0 +1,163 @@
+"""Simulation workers: ``simulation.workers`` processes that do the round's client work.
+
+Each worker is a process this one spawns (``torch.multiprocessing``, start method spawn), which
+builds the task and a client runtime from the run's config, as a Ray actor does, on its own
+device: ``local.device``, or with ``cuda`` and several CUDA devices, ``cuda:i`` round-robin over
+them. The client runtime of this process keeps every client's state and plugin state and opens
+and closes every message (:class:`~fedweave.cohort.transport.CohortTransport`); a worker only does
+the local work, in cohorts as this process would (:class:`~fedweave.cohort.trainer.CohortTrainer`).
+Work goes to the least-loaded worker (:func:`assign`: the largest jobs first, each to the worker
+with the fewest examples so far), so the assignment depends only on the round's jobs.
+
+The workers are this run's own processes, one trust domain: jobs and answers travel through
+torch's multiprocessing queues (tensors in shared memory), never from another party. A client's
+outcome does not depend on which worker trained it: its seeds are its own (round, client), so with
+``cohort: off`` the model is the same bit for bit whatever the number of workers; with cohorts,
+the groups differ with the split, and so do the models, at float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from fedweave.cohort.eligibility import static_reason
+from fedweave.cohort.trainer import CohortTrainer, Done, Work
+from fedweave.config import Config
+from fedweave.errors import FedweaveError
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 300.0
+"""Seconds a worker may take to build its task."""
+POLL = 0.5
+"""Seconds between checks that the workers are alive while the main process waits for them."""
+
+
+def worker_device(device: str, index: int) -> str:
+    """Worker ``index``'s device for ``local.device`` ``device``: ``cuda`` round-robin over this
+    machine's CUDA devices where there are several; any other as it is."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device in ("cuda", "auto") and count > 1:
+        return f"cuda:{index % count}"
+    return device
+
+
+def assign(loads: list[int], workers: int) -> list[int]:
+    """Each job's worker: the largest loads first (ties: the earlier job), each to the worker with
+    the least load so far (ties: the lower index)."""
+    totals = [0] * workers
+    out = [0] * len(loads)
+    for i in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        w = min(range(workers), key=lambda w: (totals[w], w))
+        out[i] = w
+        totals[w] += loads[i]
+    return out
+
+
+def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
+    """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)."""
+    from fedweave.build import build_chains, build_client_runtime, build_task, use_threads
+    from fedweave.client import ClientStateStore
+
+    config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
+    use_threads(config)
+    runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
+    trainer = CohortTrainer(runtime, *_limits(config))
+    outbox.put((index, "ready"))
+    while (batch := inbox.get()) is not None:
+        indices = [i for i, _ in batch]
+        done = trainer.work([w for _, w in batch])
+        outbox.put((index, [(i, _sendable(d)) for i, d in zip(indices, done)]))
+
+
+def _sendable(outcome: Done | Exception) -> Done | Exception:
+    if isinstance(outcome, Exception):  # not every exception pickles: its type and message do
+        return RuntimeError(f"{type(outcome).__name__}: {outcome}")
+    return outcome
+
+
+def _limits(config: Config) -> tuple[int | None, int, bool]:
+    cohort = config.simulation.cohort
+    limit = None if cohort in ("auto", "off") else int(cohort)
+    return limit, config.simulation.cohort_memory * 2**20, cohort != "off"
+
+
+class WorkerPool:
+    """``config.simulation.workers`` worker processes doing ``runtime``'s clients' work."""
+
+    def __init__(self, config: Config, runtime: Any):
+        context = mp.get_context("spawn")
+        self.runtime = runtime
+        self.outbox = context.Queue()
+        self.inboxes = [context.Queue() for _ in range(config.simulation.workers)]
+        self.processes = [
+            context.Process(target=_serve, args=(config, i, inbox, self.outbox), daemon=True, name=f"fedweave-worker-{i}")
+            for i, inbox in enumerate(self.inboxes)
+        ]
+        enabled = _limits(config)[2]
+        self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
+        for p in self.processes:
+            p.start()
+        try:
+            for _ in self.processes:
+                self._get(START_TIMEOUT, "to build its task")
+        except BaseException:
+            self.close()
+            raise
+        log.info("simulation.workers: %d worker processes ready", len(self.processes))
+
+    def work(self, batch: list[Work]) -> list[Done | Exception]:
+        """Each item's outcome, in order, the items spread over the workers (:func:`assign`)."""
+        if not batch:
+            return []
+        loads = [self._load(cid, instruction) for cid, instruction, _ in batch]
+        where = assign(loads, len(self.processes))
+        for w, inbox in enumerate(self.inboxes):
+            mine = [(i, item) for i, item in enumerate(batch) if where[i] == w]
+            if mine:
+                inbox.put(mine)
+        out: list[Done | Exception | None] = [None] * len(batch)
+        for _ in {where[i] for i in range(len(batch))}:
+            _, answers = self._get(None, "to do its clients' work")
+            for i, outcome in answers:
+                out[i] = outcome
+        return out  # type: ignore[return-value]
+
+    def _load(self, cid: int, instruction: Any) -> int:
+        """Examples a job goes through: its steps times its batch."""
+        work = instruction.work
+        n = self.runtime.data.train_size(cid)
+        batch = min(work.batch_size, n) or 1
+        steps = work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
+        return steps * batch
+
+    def _get(self, timeout: float | None, what: str) -> Any:
+        """The next message of a worker, failing when one has died (or, with ``timeout``, took longer)."""
+        started = time.monotonic()
+        while timeout is None or time.monotonic() - started < timeout:
+            try:
+                return self.outbox.get(timeout=POLL)
+            except queue.Empty:
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead:
+                    raise FedweaveError(f"simulation.workers: {', '.join(dead)} stopped (exit code "
+                                        f"{self.processes[0].exitcode}) before it had finished {what}")
+        raise FedweaveError(f"simulation.workers: a worker took more than {timeout:g} s {what}")
+
+    def close(self) -> None:
+        """Stop the workers (each told to, then waited for a bounded time, then ended)."""
+        for inbox, p in zip(self.inboxes, self.processes):
+            if p.is_alive():
+                inbox.put(None)
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
