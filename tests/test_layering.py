@@ -1,5 +1,5 @@
-"""Import layering: strategies and plugins never reach transports, launchers, topologies, the runner or the CLI;
-no module imports a private name of another; no import circle anywhere in ``src/``
+"""Import layering: strategies and plugins never reach transports, launchers, topologies, the runner or the CLI,
+nor the config loader; no module imports a private name of another; no import circle anywhere in ``src/``
 (lazy ones and the registries' named imports included).
 
 Checked on the source (``ast``), so a module that fails to import is still checked, and
@@ -276,6 +276,82 @@ def test_no_new_import_circle_in_src_even_lazily() -> None:
     found = cycles(src_graph())
     assert [c for c in found if c not in KNOWN_CIRCLES] == [], "a new import circle"
     assert [c for c in KNOWN_CIRCLES if c not in found] == [], "a circle is gone: drop it from KNOWN_CIRCLES"
+
+
+# --------------------------------------------------------------------------- the config loader
+
+LOADER = ("fedweave.config.loading", "fedweave.rules", "fedweave.api")
+"""The config loader and what it runs: strategies and plugins get their settings (hyper-parameters, the
+strategy context, a plugin's bound context) and never load or check a config themselves."""
+
+LOADER_EDGES = {("fedweave.training", "fedweave.config.sections")}
+"""Imports through which strategies and plugins reach the loader today, which may only go: local training
+(the client halves', DP-SGD's) checks an instruction's keys against the ``local`` schema, and importing
+``fedweave.config.sections`` runs the config package, which imports its loader."""
+
+
+def runs_on_import(name: str, root: Path = PACKAGE_ROOT) -> list[str]:
+    """The fedweave modules importing ``name`` runs: it and each package above it (``a.b.c``: ``a``, ``a.b``)."""
+    parts = name.split(".")
+    return [p for p in (".".join(parts[:d]) for d in range(1, len(parts) + 1)) if source_of(p, root) is not None]
+
+
+def loader_chain(start: str, graph: dict[str, set[str]], root: Path = PACKAGE_ROOT) -> list[str] | None:
+    """The import path from ``start`` to the loader (:data:`LOADER`) not through :data:`LOADER_EDGES`; None if none."""
+    chains = {start: [start]}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        for target in sorted(graph.get(module, ())):
+            if (module, target) in LOADER_EDGES:
+                continue
+            for ran in runs_on_import(target, root):
+                if ran in chains:
+                    continue
+                chains[ran] = [*chains[module], ran]
+                if ran in LOADER:
+                    return chains[ran]
+                queue.append(ran)
+    return None
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: module_name(p))
+def test_strategies_and_plugins_never_reach_the_config_loader(path: Path) -> None:
+    chain = loader_chain(module_name(path), src_graph())
+    assert chain is None, "reaches the config loader: " + " -> ".join(chain or [])
+
+
+def test_the_imports_allowed_to_reach_the_loader_are_still_there() -> None:
+    graph = src_graph()
+    assert [(a, b) for a, b in sorted(LOADER_EDGES) if b not in graph.get(a, set())] == [], "drop it from LOADER_EDGES"
+
+
+def test_the_loader_check_follows_packages_lazy_imports_and_registries_not_type_checking(tmp_path: Path) -> None:
+    package = tmp_path / "fedweave"
+    for sub in ("strategies", "config"):
+        (package / sub).mkdir(parents=True)
+    sources = {
+        "__init__.py": "",
+        "rules.py": "",
+        "config/__init__.py": "from fedweave.config.loading import load\n",
+        "config/loading.py": "",
+        "config/sections.py": "",
+        "strategies/__init__.py": "NAMED = 'fedweave.strategies.named:Named'\n",
+        "strategies/schema.py": "from fedweave.config.sections import LocalConfig\n",
+        "strategies/lazy.py": "def f():\n    from fedweave import rules\n",
+        "strategies/named.py": "from fedweave.config import loading\n",
+        "strategies/typed.py": "from typing import TYPE_CHECKING\n"
+                               "if TYPE_CHECKING:\n    from fedweave.config import Config\n",
+    }
+    for name, text in sources.items():
+        (package / name).write_text(text)
+    graph = import_graph(sorted(package.rglob("*.py")), tmp_path)
+    chain = {n: loader_chain(f"fedweave.strategies.{n}", graph, tmp_path) for n in ("schema", "lazy", "typed")}
+    assert chain["schema"] == ["fedweave.strategies.schema", "fedweave.config", "fedweave.config.loading"]
+    assert chain["lazy"] == ["fedweave.strategies.lazy", "fedweave.rules"]
+    assert chain["typed"] is None
+    assert loader_chain("fedweave.strategies", graph, tmp_path) == [
+        "fedweave.strategies", "fedweave.strategies.named", "fedweave.config.loading"]
 
 
 def test_the_checks_see_private_names_and_lazy_and_type_checking_imports(tmp_path: Path) -> None:
