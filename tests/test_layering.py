@@ -1,6 +1,6 @@
-"""Import layering: strategies and plugins never reach transports, launchers, topologies, the runner or the CLI;
-no module imports a private name of another; no import circle (lazy ones included around data_parallel and
-the deployment wing).
+"""Import layering: strategies and plugins never reach transports, launchers, topologies, the runner or the CLI,
+nor the config loader; no module imports a private name of another; no import circle anywhere in ``src/``
+(lazy ones and the registries' named imports included).
 
 Checked on the source (``ast``), so a module that fails to import is still checked, and
 through every fedweave module they import in turn, so a detour does not hide a violation.
@@ -9,7 +9,9 @@ through every fedweave module they import in turn, so a detour does not hide a v
 from __future__ import annotations
 
 import ast
+import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,9 +168,14 @@ def _runs_at_import(tree: ast.Module) -> list[ast.stmt]:
     return statements
 
 
+REGISTERED = re.compile(r"(fedweave(?:\.\w+)+):\w+")
+"""A registry's entry (``fedweave.strategies.fedavg:FedAvg``): the registry imports the module by name."""
+
+
 def import_graph(paths: list[Path], root: Path = PACKAGE_ROOT, lazy: bool = True) -> dict[str, set[str]]:
-    """Module -> the fedweave modules it imports (``lazy``: also inside functions; never under
-    ``TYPE_CHECKING``). ``from a import b`` points at ``a.b`` when that is a module, else at ``a``."""
+    """Module -> the fedweave modules it imports (``lazy``: also inside functions and the entries of a
+    registry; never under ``TYPE_CHECKING``). ``from a import b`` points at ``a.b`` when that is a module,
+    else at ``a``."""
     graph: dict[str, set[str]] = {}
     for path in paths:
         name = module_name(path, root)
@@ -191,8 +198,18 @@ def import_graph(paths: list[Path], root: Path = PACKAGE_ROOT, lazy: bool = True
                 for alias in node.names:
                     full = f"{module}.{alias.name}"
                     targets.add(full if source_of(full, root) is not None else module)
+            elif lazy and isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named = REGISTERED.fullmatch(node.value)  # a registry's entry: imported when its name is asked for
+                if named:
+                    targets.add(named.group(1))
         graph[name] = {t for t in targets if t.split(".")[0] == "fedweave" and source_of(t, root) is not None} - {name}
     return graph
+
+
+@functools.cache
+def src_graph() -> dict[str, set[str]]:
+    """:func:`import_graph` of every module of ``src/``, lazy imports included (parsed once)."""
+    return import_graph(ALL)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -247,36 +264,94 @@ def test_no_import_cycle_when_modules_load() -> None:
     assert cycles(import_graph(ALL, lazy=False)) == []
 
 
-def test_no_import_cycle_through_the_data_parallel_package_or_the_run_directory_even_lazily() -> None:
-    """Lazy imports (inside functions) hide a circle from Python, not from the reader."""
-    mine = [c for c in cycles(import_graph(ALL)) if any(m.startswith(DATA_PARALLEL) or m == "fedweave.rundir" for m in c)]
-    assert mine == []
+KNOWN_CIRCLES: list[list[str]] = []
+"""Today's import circles in ``src/`` (lazy imports included), each as the sorted modules of one: none.
+This list may only shrink; a new circle fails :func:`test_no_new_import_circle_in_src_even_lazily`."""
 
 
-WING = (
-    "fedweave.api",
-    "fedweave.build",
-    "fedweave.cli.nodes",
-    "fedweave.cli.run",
-    "fedweave.launchers",
-    "fedweave.nodes",
-    "fedweave.reach",
-    "fedweave.result",
-    "fedweave.runner",
-    "fedweave.topologies",
-)
-"""The deployment wing: how a run is assembled and driven, how a process reaches its peers, its entry points."""
+def test_no_new_import_circle_in_src_even_lazily() -> None:
+    """Lazy imports (inside functions) and a registry's named ones hide a circle from Python, not from the reader."""
+    assert {module_name(p) for p in ALL} >= {"fedweave.nodes.server", "fedweave.reach", "fedweave.rules",
+                                              "fedweave.config.loading", "fedweave.observe.loggers"}
+    found = cycles(src_graph())
+    assert [c for c in found if c not in KNOWN_CIRCLES] == [], "a new import circle"
+    assert [c for c in KNOWN_CIRCLES if c not in found] == [], "a circle is gone: drop it from KNOWN_CIRCLES"
 
 
-def in_wing(module: str) -> bool:
-    return any(module == w or module.startswith(w + ".") for w in WING)
+# --------------------------------------------------------------------------- the config loader
+
+LOADER = ("fedweave.config.loading", "fedweave.rules", "fedweave.api")
+"""The config loader and what it runs: strategies and plugins get their settings (hyper-parameters, the
+strategy context, a plugin's bound context) and never load or check a config themselves."""
+
+LOADER_EDGES = {("fedweave.training", "fedweave.config.sections")}
+"""Imports through which strategies and plugins reach the loader today, which may only go: local training
+(the client halves', DP-SGD's) checks an instruction's keys against the ``local`` schema, and importing
+``fedweave.config.sections`` runs the config package, which imports its loader."""
 
 
-def test_no_import_cycle_through_the_deployment_wing_even_lazily() -> None:
-    """runner, launchers, nodes, topologies, build: each imports the others one way only."""
-    assert {module_name(p) for p in ALL} >= {"fedweave.nodes.server", "fedweave.reach", "fedweave.launchers.process"}
-    mine = [c for c in cycles(import_graph(ALL)) if any(in_wing(m) for m in c)]
-    assert mine == []
+def runs_on_import(name: str, root: Path = PACKAGE_ROOT) -> list[str]:
+    """The fedweave modules importing ``name`` runs: it and each package above it (``a.b.c``: ``a``, ``a.b``)."""
+    parts = name.split(".")
+    return [p for p in (".".join(parts[:d]) for d in range(1, len(parts) + 1)) if source_of(p, root) is not None]
+
+
+def loader_chain(start: str, graph: dict[str, set[str]], root: Path = PACKAGE_ROOT) -> list[str] | None:
+    """The import path from ``start`` to the loader (:data:`LOADER`) not through :data:`LOADER_EDGES`; None if none."""
+    chains = {start: [start]}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        for target in sorted(graph.get(module, ())):
+            if (module, target) in LOADER_EDGES:
+                continue
+            for ran in runs_on_import(target, root):
+                if ran in chains:
+                    continue
+                chains[ran] = [*chains[module], ran]
+                if ran in LOADER:
+                    return chains[ran]
+                queue.append(ran)
+    return None
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: module_name(p))
+def test_strategies_and_plugins_never_reach_the_config_loader(path: Path) -> None:
+    chain = loader_chain(module_name(path), src_graph())
+    assert chain is None, "reaches the config loader: " + " -> ".join(chain or [])
+
+
+def test_the_imports_allowed_to_reach_the_loader_are_still_there() -> None:
+    graph = src_graph()
+    assert [(a, b) for a, b in sorted(LOADER_EDGES) if b not in graph.get(a, set())] == [], "drop it from LOADER_EDGES"
+
+
+def test_the_loader_check_follows_packages_lazy_imports_and_registries_not_type_checking(tmp_path: Path) -> None:
+    package = tmp_path / "fedweave"
+    for sub in ("strategies", "config"):
+        (package / sub).mkdir(parents=True)
+    sources = {
+        "__init__.py": "",
+        "rules.py": "",
+        "config/__init__.py": "from fedweave.config.loading import load\n",
+        "config/loading.py": "",
+        "config/sections.py": "",
+        "strategies/__init__.py": "NAMED = 'fedweave.strategies.named:Named'\n",
+        "strategies/schema.py": "from fedweave.config.sections import LocalConfig\n",
+        "strategies/lazy.py": "def f():\n    from fedweave import rules\n",
+        "strategies/named.py": "from fedweave.config import loading\n",
+        "strategies/typed.py": "from typing import TYPE_CHECKING\n"
+                               "if TYPE_CHECKING:\n    from fedweave.config import Config\n",
+    }
+    for name, text in sources.items():
+        (package / name).write_text(text)
+    graph = import_graph(sorted(package.rglob("*.py")), tmp_path)
+    chain = {n: loader_chain(f"fedweave.strategies.{n}", graph, tmp_path) for n in ("schema", "lazy", "typed")}
+    assert chain["schema"] == ["fedweave.strategies.schema", "fedweave.config", "fedweave.config.loading"]
+    assert chain["lazy"] == ["fedweave.strategies.lazy", "fedweave.rules"]
+    assert chain["typed"] is None
+    assert loader_chain("fedweave.strategies", graph, tmp_path) == [
+        "fedweave.strategies", "fedweave.strategies.named", "fedweave.config.loading"]
 
 
 def test_the_checks_see_private_names_and_lazy_and_type_checking_imports(tmp_path: Path) -> None:
@@ -289,11 +364,14 @@ def test_the_checks_see_private_names_and_lazy_and_type_checking_imports(tmp_pat
         "sub/b.py": "def f():\n    from fedweave import c\n",
         "c.py": "from fedweave.a import _hidden, shown\n",
         "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fedweave import a\n",
+        "e.py": "NAMED = {'f': 'fedweave.f:F'}\n",
+        "f.py": "from fedweave import e\n",
     }
     for name, text in sources.items():
         (package / name).write_text(text)
     paths = sorted(package.rglob("*.py"))
-    assert cycles(import_graph(paths, tmp_path)) == [["fedweave.a", "fedweave.c", "fedweave.sub.b"]]
+    assert cycles(import_graph(paths, tmp_path)) == [
+        ["fedweave.a", "fedweave.c", "fedweave.sub.b"], ["fedweave.e", "fedweave.f"]]
     assert cycles(import_graph(paths, tmp_path, lazy=False)) == []
     assert import_graph(paths, tmp_path)["fedweave.d"] == set()
     assert private_imports(package / "c.py", tmp_path) == ["fedweave.a._hidden"]

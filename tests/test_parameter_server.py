@@ -23,7 +23,7 @@ from fedweave import config as config_mod
 from fedweave import data_parallel
 from fedweave.batching.sampler import GlobalSampler
 from fedweave.config import Config, ConfigError, StalenessOptions
-from fedweave.data_parallel.asp import pack, unpack
+from fedweave.data_parallel.asp import pack_header, unpack_header
 from fedweave.data_parallel.parameter_server import Assignment, ParameterServer, Ranges, update_weight
 from fedweave.training import LocalOptimizer, LocalSettings
 
@@ -148,8 +148,8 @@ def test_float_buffers_move_by_the_weighted_deltas() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_header_travels_bit_exactly(dtype: torch.dtype) -> None:
     values = [2.0**40 + 1, 0.1, float("nan"), -3.0]
-    message = torch.cat([pack(values, dtype), torch.ones(5, dtype=dtype)])
-    got = unpack(message, 4)
+    message = torch.cat([pack_header(values, dtype), torch.ones(5, dtype=dtype)])
+    got = unpack_header(message, 4)
     assert got[0] == 2.0**40 + 1 and got[1] == 0.1 and got[2] != got[2] and got[3] == -3.0
 
 

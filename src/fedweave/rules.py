@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fedweave.config.root import emulates_clients
 from fedweave.errors import ConfigError
 from fedweave.plugins.compose import check_chains, configured
 from fedweave.plugins.contracts import BeginsRound, SealsModel, check_plugin_class
@@ -57,8 +58,6 @@ def launcher_transport(config: Any) -> None:
 
 def ray_launcher(config: Any) -> None:
     """The Ray launcher carries the clients' work to its actors itself, at their real speed."""
-    from fedweave.config import emulates_clients
-
     if config.mode == "federated" and config.launcher.kind == "ray" and (
         config.transport.kind != "inmemory" or emulates_clients(config)
     ):
@@ -117,8 +116,6 @@ def own_data_topology(config: Any) -> None:
 
 def emulation_topology(config: Any) -> None:
     """Emulated client speeds exist only in the in-process star simulation."""
-    from fedweave.config import emulates_clients
-
     if config.mode != "federated" or not emulates_clients(config):
         return
     if config.transport.kind == "grpc" and config.topology.kind == "star":

@@ -2,7 +2,7 @@
 
 The federated job runs examples/digits-grpc.yaml as a gRPC server task and two client
 tasks with mutual TLS and tokens; its model and metrics equal the in-memory run of the same
-config and seed as tests/test_deploy_equivalence.py asks of the process launcher (params
+config and seed as tests/scenarios/test_deploy_equivalence.py asks of the process launcher (params
 ≤ 1e-5, metrics ≤ 1e-6). The data-parallel job starts one torchrun agent on the node, which
 runs two workers on the step's two CPUs (``--cpus-per-task=2``, which srun no longer inherits
 from the job since Slurm 22.05); its model is the one a single process trains on the same global

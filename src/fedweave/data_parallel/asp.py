@@ -106,12 +106,12 @@ def header_slots(count: int, dtype: torch.dtype) -> int:
     return count * 8 // dtype.itemsize
 
 
-def pack(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+def pack_header(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     """Header values as float64, viewed bit for bit as ``dtype`` slots."""
     return torch.tensor(values, dtype=torch.float64).view(dtype)
 
 
-def unpack(message: torch.Tensor, count: int) -> list[float]:
+def unpack_header(message: torch.Tensor, count: int) -> list[float]:
     """The ``count`` header values at the start of ``message``."""
     return message[: header_slots(count, message.dtype)].view(torch.float64).tolist()
 
@@ -127,11 +127,11 @@ def _group(store: dist.Store, rank: int, size: int, timeout: float) -> dist.Proc
 # --------------------------------------------------------------------------- the worker
 
 
-class _ServerGone(Stopped):
+class ServerGone(Stopped):
     """The server stopped answering (it finished and left, failed, or hung)."""
 
 
-class _AspWorker:
+class Worker:
     """One worker: pull, compute, push, until the server says stop."""
 
     def __init__(self, worker: int, shared: Shared):
@@ -154,14 +154,14 @@ class _AspWorker:
         try:
             group = _group(store, self.id + 1, dp.workers + 1, dp.timeout)
         except Exception as exc:
-            raise _ServerGone(f"joining the parameter server failed: {first_line(exc)}") from exc
+            raise ServerGone(f"joining the parameter server failed: {first_line(exc)}") from exc
         size = sum(t.numel() for t in (*self.params, *self.buffers))
         task = torch.empty(header_slots(TASK_HEADER, self.dtype) + size, dtype=self.dtype)
         pushed: float | None = None
         while True:
             _complete(group.recv([task], SERVER, TAG), "waiting for a task")
             received = time.perf_counter()
-            kind, version, epoch, start, count = (int(v) for v in unpack(task, TASK_HEADER))
+            kind, version, epoch, start, count = (int(v) for v in unpack_header(task, TASK_HEADER))
             if kind == STOP:
                 return
             waited = received - pushed if pushed is not None else math.nan
@@ -194,7 +194,7 @@ class _AspWorker:
             self.emulator.maybe_crash(step)
         self.last_version = max(self.last_version, version)
         self.updates += 1
-        header = pack([version, compute, waited, loss], self.dtype)
+        header = pack_header([version, compute, waited, loss], self.dtype)
         return torch.cat([header, gradient.cpu(), *deltas])
 
 
@@ -203,19 +203,19 @@ def _complete(work: Any, what: str) -> None:
     try:
         work.wait()
     except Exception as exc:
-        raise _ServerGone(f"{what}: {first_line(exc)}") from exc
+        raise ServerGone(f"{what}: {first_line(exc)}") from exc
 
 
-def _worker_main(worker: int, shared: Shared, port_conn: Any) -> None:
+def worker_main(worker: int, shared: Shared, port_conn: Any) -> None:
     """Entry point of a worker process."""
-    worker_process(worker, shared, port_conn, lambda address: _AspWorker(worker, shared).run(address), log)
+    worker_process(worker, shared, port_conn, lambda address: Worker(worker, shared).run(address), log)
 
 
 # --------------------------------------------------------------------------- the server
 
 
 @dataclass
-class _Window:
+class PushWindow:
     """Per-worker sums over the pushes since the last metrics line."""
 
     version: int
@@ -269,7 +269,7 @@ class _Window:
         }
 
 
-class _Server:
+class Server:
     """The launcher's side of an asp run: the parameter server, the ranges, the controller,
     the messages to and from the workers, metrics and checkpoints."""
 
@@ -314,7 +314,7 @@ class _Server:
         self.started = time.perf_counter()
         if r.resume_state is not None:
             self.load_state_dict(r.resume_state)
-        self.window = _Window(self.ps.version)
+        self.window = PushWindow(self.ps.version)
 
     # ---------------------------------------------------------------- state
 
@@ -405,7 +405,7 @@ class _Server:
             self.parked.add(worker)
             return
         self.outstanding[worker] = a
-        header = pack([WORK, self.ps.version, a.epoch, a.start, a.count], self.ps.dtype)
+        header = pack_header([WORK, self.ps.version, a.epoch, a.start, a.count], self.ps.dtype)
         self._send(worker, torch.cat([header, self._params()]))
         self.deadlines[worker] = time.monotonic() + self.config.data_parallel.timeout
         self.futures[self.pool.submit(self._receive, worker)] = worker
@@ -414,7 +414,7 @@ class _Server:
         began = time.perf_counter()
         message = self.inbox[worker]
         a = self.outstanding.pop(worker)
-        version, compute, waited, loss = unpack(message, PUSH_HEADER)
+        version, compute, waited, loss = unpack_header(message, PUSH_HEADER)
         h = header_slots(PUSH_HEADER, self.ps.dtype)
         n = self.ps.num_params
         arrival = self.ps.receive(message[h : h + n], message[h + n :], a.count, int(version))
@@ -464,7 +464,7 @@ class _Server:
         """Answer every outstanding push with a stop (gradients discarded), within the timeout.
         A live worker exits on its stop; the launcher waits for that, and kills the rest."""
         stop = torch.zeros(self.task_size, dtype=self.ps.dtype)
-        stop[: header_slots(TASK_HEADER, self.ps.dtype)] = pack([STOP, self.ps.version, 0, 0, 0], self.ps.dtype)
+        stop[: header_slots(TASK_HEADER, self.ps.dtype)] = pack_header([STOP, self.ps.version, 0, 0, 0], self.ps.dtype)
         for w in sorted(self.parked):
             self._send(w, stop)
         deadline = time.monotonic() + self.config.data_parallel.timeout
@@ -482,7 +482,7 @@ class _Server:
         ends, save the model at the end."""
         cfg = self.config
         record = self.window.record(self.ps.version)
-        self.window = _Window(self.ps.version)
+        self.window = PushWindow(self.ps.version)
         record["epoch"] = self.ranges.progress
         record["adjustments"] = self.controller.adjustments
         record["lost"] = sorted(self.lost)
@@ -526,7 +526,7 @@ def execute(
     shared = Shared(
         config=cfg, run_dir=r.run_dir, members=workers, backend=backend, dataset=dataset if method == "fork" else None,
     )
-    procs, conns = spawn_workers(ctx, workers, _worker_main, lambda w, pipe: (w, shared, pipe), "fedweave-asp-worker")
+    procs, conns = spawn_workers(ctx, workers, worker_main, lambda w, pipe: (w, shared, pipe), "fedweave-asp-worker")
     store = launcher_store(dp.timeout)
     release_workers(conns, workers, store.port)
     if on_start is not None:
@@ -542,7 +542,7 @@ def execute(
         except Exception as exc:
             raise DataParallelError(f"the asp workers did not all start: {first_line(exc)}") from exc
         log.info("asp: parameter server in the launcher, %d workers, buffer %d", dp.workers, dp.buffer)
-        _Server(r, group, pool, procs, dataset, on_record).run()
+        Server(r, group, pool, procs, dataset, on_record).run()
         finished = True
     finally:
         deadline = time.monotonic() + (dp.timeout if finished else 0.0)

@@ -2,9 +2,9 @@
 (TensorBoard, MLflow), fed from the same place that appends the record to the file.
 
 A logger gets the resolved config once, then each record at its round or step (most log
-its numbers, :func:`scalars`), then :meth:`RunLogger.close` at the end of the run. A logger that fails
-mid-run (a tracking server gone) is dropped with a warning: the run goes on, and
-``metrics.jsonl`` keeps every record.
+its numbers, :func:`~fedweave.observe.flatten.scalars`), then :meth:`RunLogger.close` at the
+end of the run. A logger that fails mid-run (a tracking server gone) is dropped with a
+warning: the run goes on, and ``metrics.jsonl`` keeps every record.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedweave.config import Config
+from fedweave.observe.flatten import flat_params
 
 log = logging.getLogger(__name__)
 
@@ -23,36 +24,6 @@ class RunLogger(Protocol):
     def record(self, step: int, record: Mapping[str, Any]) -> None: ...
 
     def close(self, run_dir: Path, finished: bool) -> None: ...
-
-
-def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of a record: its numeric fields, counts by reason (a round's ``rejected``)
-    as ``<key>/<reason>``, and per-worker lists (aligned with ``workers``) as
-    ``<key>/worker_<id>``. The round or step itself is the x axis, not a value."""
-    out: dict[str, float] = {}
-    workers = record.get("workers") or []
-    for key, value in record.items():
-        if key in ("round", "step") or isinstance(value, bool):
-            continue
-        if isinstance(value, (int, float)):
-            out[key] = float(value)
-        elif isinstance(value, Mapping):
-            out.update({f"{key}/{k}": float(v) for k, v in value.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        elif isinstance(value, list) and key != "workers" and len(value) == len(workers):
-            out.update({f"{key}/worker_{w}": float(v) for w, v in zip(workers, value)
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return out
-
-
-def flat_params(data: Any, prefix: str = "") -> dict[str, str]:
-    """A nested config mapping as dotted keys and string values (MLflow params, TensorBoard text)."""
-    if isinstance(data, Mapping) and data:
-        out: dict[str, str] = {}
-        for key, value in data.items():
-            out.update(flat_params(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: str(data)}
 
 
 class Loggers:

@@ -23,6 +23,7 @@ from typing import Any
 
 from fedweave.config import MlflowConfig
 from fedweave.errors import ConfigError
+from fedweave.observe.flatten import scalars
 from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,6 @@ class MlflowLogger:
         log.info("logging to MLflow run %s (experiment %r, %s)", self.run_id, experiment, uri)
 
     def record(self, step: int, record: Mapping[str, Any]) -> None:
-        from fedweave.observe.loggers import scalars
-
         values = scalars(record)
         from mlflow.entities import Metric
 

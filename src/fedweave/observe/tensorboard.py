@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave.errors import ConfigError
+from fedweave.observe.flatten import scalars
 
 
 class TensorBoardLogger:
@@ -23,8 +24,6 @@ class TensorBoardLogger:
         self.writer.add_text("config", "\n".join("    " + line for line in resolved_config.splitlines()))
 
     def record(self, step: int, record: Mapping[str, Any]) -> None:
-        from fedweave.observe.loggers import scalars
-
         values = scalars(record)
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)

@@ -23,18 +23,36 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from fedweave.config import AggregationConfig
 from fedweave.errors import RoundError
 from fedweave.strategies.aggregate import Selected, weighted_average
 from fedweave.strategies.base import Average
 from fedweave.types import Params
 
 
-def averager(config: AggregationConfig) -> Average:
-    """The combine function named by ``config.rule``."""
+class RuleSettings(Protocol):
+    """What an aggregation rule is built from: the config's ``aggregation`` section gives it, read
+    where the strategy's context is built (:func:`fedweave.build.build_strategy`)."""
+
+    @property
+    def rule(self) -> str: ...
+
+    @property
+    def trim_fraction(self) -> float: ...
+
+    @property
+    def byzantine(self) -> int: ...
+
+    @property
+    def multi_krum_m(self) -> int | None: ...
+
+
+def averager(config: RuleSettings) -> Average:
+    """The combine function named by ``config.rule``, for :attr:`StrategyContext.average
+    <fedweave.strategies.base.StrategyContext.average>`."""
     if config.rule == "mean":
         return weighted_average
     if config.rule == "median":
