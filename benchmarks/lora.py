@@ -9,8 +9,8 @@ fine-tuning: every weight of the model trains and travels (lr 0.001).
 
 Printed side by side: the uplink bytes of a round (every client's update) and their ratio, the test
 perplexity of the base model and after the last round, and the peak memory of a client: the resident
-set of a process that runs a one-client round (its peak, and its growth over the process once the
-run is built: the round's own working memory).
+set of a process that runs a one-client round, sampled every 2 ms during the round (its peak, and the
+peak's growth over the resident set as the round began: the round's own working memory).
 
     python benchmarks/lora.py [--rounds 10]
 """
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -52,17 +53,35 @@ def perplexity_before(config: config_mod.Config) -> float:
     return evaluate(model, task.dataset.x_test, task.dataset.y_test, task.loss_fn)["perplexity"]
 
 
+def resident() -> int:
+    """This process's resident set, in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def one_client_round(folder: Path, mode: str) -> None:
-    """In this (fresh) process: build a one-client, one-round run, then run it; print the peak RSS
-    (MiB) after building and after the round."""
+    """In this (fresh) process: build a one-client, one-round run, then run it while a thread samples
+    the resident set; print it (MiB) as the round began and at its peak."""
     torch.set_num_threads(1)
     config = config_mod.load(EXAMPLE, [*overrides(folder, mode, 1), "clients=1", "eval.every=0"])
     with tempfile.TemporaryDirectory() as run_dir:
         r = runner.prepare(config, Path(run_dir) / "run")
-        built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        runner.execute(r)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"built": built, "peak": peak}))
+        start = peak = resident()
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.wait(0.002):
+                peak = max(peak, resident())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            runner.execute(r)
+        finally:
+            done.set()
+            sampler.join()
+    print(json.dumps({"start": start / 2**20, "peak": peak / 2**20}))
 
 
 def client_memory(folder: Path, mode: str) -> dict[str, float]:
@@ -97,10 +116,10 @@ def main() -> None:
             rows[mode] = (records[0]["bytes_received"], before, records[-1]["test_perplexity"], client_memory(folder, mode))
     full = rows["full"][0]
     print(f"{'':>6} {'uplink B/round':>15} {'share':>7} {'ppl before':>11} {'ppl after':>10} {'fall':>6} "
-          f"{'client peak MiB':>16} {'round growth MiB':>17}")
+          f"{'client round peak MiB':>22} {'growth MiB':>11}")
     for mode, (up, before, after, memory) in rows.items():
         print(f"{mode:>6} {up:>15,} {up / full:>7.1%} {before:>11.2f} {after:>10.2f} {1 - after / before:>6.1%} "
-              f"{memory['peak']:>16.0f} {memory['peak'] - memory['built']:>17.1f}")
+              f"{memory['peak']:>22.0f} {memory['peak'] - memory['start']:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -54,25 +54,6 @@ LAYER_STRATEGIES = {
 """Strategies that work on a model's layers rather than elementwise on its named tensors."""
 
 
-def hf_extra(config: Any) -> None:
-    """``task.model: hf:`` and ``task.peft`` need transformers and peft: the extra hf."""
-    import importlib.util
-
-    if not config.task.model.startswith("hf:"):
-        return
-    wanted = ("transformers", "peft") if config.task.peft.method is not None else ("transformers",)
-    for module in wanted:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # hidden, or a module without a spec
-            found = False
-        if not found:
-            raise ConfigError(
-                f"config key 'task.model': {config.task.model} needs {module}, which is not installed; it comes "
-                "with the extra hf: pip install 'fedweave[hf]'"
-            )
-
-
 def adapter_strategies(config: Any) -> None:
     """LoRA adapters are named tensors that every elementwise strategy averages, steps or robustly
     combines; a strategy that works on the model's layers has none of them to work on."""
@@ -373,7 +354,6 @@ RULES: tuple[Callable[[Any], None], ...] = (
     asynchronous_deployment,
     per_client_evaluation,
     attack_labels,
-    hf_extra,
     adapter_strategies,
 )
 """The rules, in the order they are checked (plugin classes first: later rules read them)."""

@@ -51,6 +51,16 @@ class PartitionConfig:
 LABEL_SCHEMES = ("dirichlet", "shards", "inner_dirichlet", "pathological")
 """The partition schemes that split by class id."""
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # hidden by an import hook, or a module without a spec
+        return False
+
+
 HF_MODEL = "hf:"
 """The prefix of ``task.model`` that names a local folder of a ``transformers`` model."""
 
@@ -154,6 +164,13 @@ class TaskConfig:
             )
         if hf and not self.model[len(HF_MODEL):].strip():
             raise ConfigError(f"config key '{prefix}.model': hf: needs the model's local folder, hf:PATH")
+        if hf:
+            for module in ("transformers", "peft") if self.peft.method is not None else ("transformers",):
+                if not _installed(module):
+                    raise ConfigError(
+                        f"config key '{prefix}.model': {self.model} needs {module}, which is not installed; it "
+                        "comes with the extra hf: pip install 'fedweave[hf]'"
+                    )
         if self.peft.method is not None and not hf:
             raise ConfigError(
                 f"config key '{prefix}.peft.method': adapters wrap a transformers model; set {prefix}.model: hf:PATH"
