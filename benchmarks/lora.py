@@ -9,8 +9,9 @@ fine-tuning: every weight of the model trains and travels (lr 0.001).
 
 Printed side by side: the uplink bytes of a round (every client's update) and their ratio, the test
 perplexity of the base model and after the last round, and the peak memory of a client: the resident
-set of a process that runs a one-client round, sampled every 2 ms during the round (its peak, and the
-peak's growth over the resident set as the round began: the round's own working memory).
+set of a fresh process running a client's local work of one round (its model built, 20 steps),
+sampled every 2 ms (its peak, and the peak's growth over the resident set as the round began: the
+round's own working memory: gradients, optimiser state, activations).
 
     python benchmarks/lora.py [--rounds 10]
 """
@@ -32,6 +33,7 @@ from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.build import build_task, initial_params
 from fedweave.task import evaluate
+from fedweave.training import LocalOptimizer, LocalSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "lora-stdlib.yaml"
@@ -60,27 +62,39 @@ def resident() -> int:
 
 
 def one_client_round(folder: Path, mode: str) -> None:
-    """In this (fresh) process: build a one-client, one-round run, then run it while a thread samples
-    the resident set; print it (MiB) as the round began and at its peak."""
+    """In this (fresh) process: client 0's local work of a round (its model from the run's initial
+    params, ``local.steps`` steps of ``local.batch_size`` blocks with fedweave's local optimiser and
+    the task's loss), while a thread samples the resident set; print it (MiB) as the round began and
+    at its peak."""
     torch.set_num_threads(1)
-    config = config_mod.load(EXAMPLE, [*overrides(folder, mode, 1), "clients=1", "eval.every=0"])
-    with tempfile.TemporaryDirectory() as run_dir:
-        r = runner.prepare(config, Path(run_dir) / "run")
-        start = peak = resident()
-        done = threading.Event()
+    config = config_mod.load(EXAMPLE, overrides(folder, mode, 1))
+    task = build_task(config)
+    model = task.make_model()
+    model.load_state_dict(initial_params(config, task))
+    x, y, _, _ = task.clients.split(0)
+    local = config.local
+    optimizer = LocalOptimizer(model.parameters(), LocalSettings(local.optimizer, local.lr, local.momentum, local.weight_decay))
+    generator = torch.Generator().manual_seed(0)
+    start = peak = resident()
+    done = threading.Event()
 
-        def sample() -> None:
-            nonlocal peak
-            while not done.wait(0.002):
-                peak = max(peak, resident())
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.002):
+            peak = max(peak, resident())
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            runner.execute(r)
-        finally:
-            done.set()
-            sampler.join()
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for _ in range(local.steps or 1):
+            rows = torch.randint(0, len(x), (local.batch_size,), generator=generator)
+            optimizer.zero_grad()
+            task.loss_fn(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+    finally:
+        done.set()
+        sampler.join()
+    peak = max(peak, resident())
     print(json.dumps({"start": start / 2**20, "peak": peak / 2**20}))
 
 

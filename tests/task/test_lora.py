@@ -148,6 +148,7 @@ def test_grpc_processes_equal_the_simulation(tiny: Path, tmp_path: Path) -> None
     ["plugins.client_send=[{name: quantize}]"],
     ["plugins.client_send=[{name: secagg}]"],
     ["plugins.client_send=[{name: clip, max_norm: 1.0}, {name: dp_local, noise_multiplier: 0.1}]"],
+    ["plugins.client_receive=[{name: dpsgd, noise_multiplier: 1.0, max_grad_norm: 1.0}]"],
 ], ids=lambda o: o[0].split("=", 1)[1][:24])
 def test_elementwise_strategies_rules_and_plugins_work_on_adapters(tiny: Path, tmp_path: Path, overrides: list[str]) -> None:
     r, records = run(tiny, tmp_path / "run", "rounds=1", *overrides)
