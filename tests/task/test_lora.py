@@ -17,15 +17,15 @@ import torch
 
 pytest.importorskip("peft")
 
-from conftest import assert_same_params  # noqa: E402
+from conftest import assert_same_params
 
-from fedweave import config as config_mod  # noqa: E402
-from fedweave import runner  # noqa: E402
-from fedweave.build import build_task, initial_params, update_checks  # noqa: E402
-from fedweave.errors import ConfigError, TaskError  # noqa: E402
-from fedweave.rundir import load_model  # noqa: E402
-from fedweave.task.hf import language_model, model_folder  # noqa: E402
-from fedweave.task.lora import LoraLM  # noqa: E402
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.build import build_task, initial_params, update_checks
+from fedweave.errors import ConfigError, TaskError
+from fedweave.rundir import load_model
+from fedweave.task.hf import language_model, model_folder
+from fedweave.task.lora import LoraLM
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 EXAMPLE = EXAMPLES / "lora-stdlib.yaml"
@@ -70,7 +70,7 @@ def test_only_adapters_are_sent_aggregated_and_stored(tiny: Path, tmp_path: Path
     assert set(params) == adapters and len(adapters) == 2 * 2  # lora_A, lora_B of c_attn in 2 layers
     assert all(".lora_A." in n or ".lora_B." in n for n in params)
     assert set(update_checks(config, task, params).schema.tensors) == adapters
-    r, records = run(tiny, tmp_path / "run")
+    _, records = run(tiny, tmp_path / "run")
     per_round = sum(t.numel() * 4 for t in params.values()) * 2  # float32, both clients
     assert [rec["bytes_received"] for rec in records] == [per_round, per_round]
     assert set(load_model(tmp_path / "run")) == adapters

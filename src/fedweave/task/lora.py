@@ -71,9 +71,12 @@ class LoraLM(CausalLM):
 def with_lora(base: torch.nn.Module, settings: PeftConfig) -> LoraLM:
     """``base`` with LoRA adapters of ``settings`` on its ``target_modules``, its own weights frozen."""
     peft = require("peft", "task.peft")
+    conv1d = require("transformers").pytorch_utils.Conv1D  # GPT-2's layers, their weights stored (in, out)
+    targets = set(settings.target_modules)
+    transposed = any(isinstance(m, conv1d) for name, m in base.named_modules() if name.rpartition(".")[2] in targets)
     config = peft.LoraConfig(
         r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
+        target_modules=list(settings.target_modules), fan_in_fan_out=transposed,
     )
     try:
         model = peft.get_peft_model(base, config)
