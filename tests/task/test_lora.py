@@ -163,6 +163,15 @@ def test_a_strategy_on_the_models_layers_is_refused_with_adapters(tiny: Path, st
     assert "\n" not in str(caught.value)
 
 
+def test_a_language_model_reads_text_at_load(tiny: Path) -> None:
+    with pytest.raises(ConfigError, match="^config key 'task.dataset_options.label': .* names its text field"):
+        tiny_config(tiny, "task.dataset_options.format=jsonl")
+    with pytest.raises(ConfigError, match="^config key 'task.dataset_options.format': a language model reads text"):
+        tiny_config(tiny, "task.dataset_options.format=jsonl", "task.dataset_options.label=y")
+    with pytest.raises(ConfigError, match="^config key 'task.kind': text is read into token blocks"):
+        tiny_config(tiny, "task.kind=regression", "task.model=mlp", "task.peft.method=null")
+
+
 def test_a_missing_model_folder_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(TaskError, match="^task.model: no transformers model in .*nothing is downloaded"):
         model_folder(f"hf:{tmp_path}/absent")

@@ -193,6 +193,16 @@ class TaskConfig:
                 )
             return
         options = self.file_options(prefix)
+        reads_text = options.format == "text" or options.text is not None
+        if self.kind == "language_model" and options.format is not None and not reads_text:
+            raise ConfigError(
+                f"config key '{prefix}.dataset_options.format': a language model reads text: format text, or jsonl "
+                f"with its text field ({prefix}.dataset_options.text), got {options.format}"
+            )
+        if reads_text and self.kind != "language_model":
+            raise ConfigError(
+                f"config key '{prefix}.kind': text is read into token blocks for kind language_model, got {self.kind}"
+            )
         if options.template and scheme != "iid":
             raise ConfigError(
                 f"config key '{prefix}.partition.scheme': each client reads its own file ({{client}} in "

@@ -82,7 +82,8 @@ class FileOptions:
             raise ConfigError(f"config key '{prefix}.text': only format jsonl has fields of text")
         reads_text = self.format == "text" or self.text is not None
         if self.format is not None and self.format not in LABEL_DEFAULTS and self.label is None and not reads_text:
-            raise ConfigError(f"config key '{prefix}.label': format {self.format} needs the label column's name")
+            text = " (a language model's jsonl names its text field instead: text)" if self.format == "jsonl" else ""
+            raise ConfigError(f"config key '{prefix}.label': format {self.format} needs the label column's name{text}")
         if self.input_shape is not None and (not self.input_shape or min(self.input_shape) < 1):
             raise ConfigError(f"config key '{prefix}.input_shape': expected positive sizes, got {self.input_shape}")
         if self.classes is not None:
