@@ -97,6 +97,11 @@ BROKEN: dict[str, tuple[list[str], str]] = {
         ["eval.federated_every=1", "eval.per_client=true", "plugins.client_send=[{name: dp_local, noise_multiplier: 1.0}]"],
         "config key 'eval.per_client': each client's own metrics are not released under differential privacy",
     ),
+    "adapter_strategies": (
+        ["task.kind=language_model", "task.model=hf:base", "task.model_options={}", "task.peft=lora", "task.partition=iid",
+         "strategy=moon"],
+        "config key 'strategy.name': moon contrasts the model's representation layer, but task.peft trains",
+    ),
 }
 
 

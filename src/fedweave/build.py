@@ -22,6 +22,7 @@ from fedweave.batching.federated import AdaptiveController
 from fedweave.batching.selection import build_selection
 from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
+from fedweave.config.sections import HF_MODEL
 from fedweave.deadlines import Deadlines
 from fedweave.device import resolve
 from fedweave.errors import ConfigError
@@ -40,6 +41,7 @@ from fedweave.task.files import FileData, SiteData, load_files, simulation_paths
 from fedweave.task.generated import GeneratedClients
 from fedweave.task.partition import natural
 from fedweave.task.schema import DataSchema
+from fedweave.task.tokenize import Blocks
 from fedweave.training import LocalSettings, LossFn
 from fedweave.types import Params
 from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema, WeightPolicy
@@ -85,7 +87,7 @@ def data_admission(config: Config) -> Callable[[Any], str | None] | None:
     their own data; None (nothing asked) otherwise."""
     if not sites_read_own_data(config):
         return None
-    return load_files(config.task.file_options(), [], deployed=True).schema.refusal
+    return load_files(config.task.file_options(), [], deployed=True, kind=config.task.kind, text=blocks_of(config)).schema.refusal
 
 
 def build_task(config: Config) -> TaskBundle:
@@ -105,6 +107,7 @@ def build_task(config: Config) -> TaskBundle:
             by=task.partition.by,
             natural=task.partition.scheme == "natural",
             kind=task.kind,
+            text=blocks_of(config),
         )
         dataset = files.dataset
     else:
@@ -152,7 +155,7 @@ def build_site_task(config: Config, client_id: int, data: str | None = None) -> 
             f"task.dataset_options.path: client {client_id} reads only its own data: give --data PATH, or a path "
             "with {client}"
         )
-    files = load_files(options, [path], test=False, deployed=True, kind=task.kind)
+    files = load_files(options, [path], test=False, deployed=True, kind=task.kind, text=blocks_of(config))
     dataset, rows = files.dataset, np.arange(len(files.dataset.y_train), dtype=np.int64)
     if len(rows) < task.partition.min_samples:
         raise ConfigError(f"task.partition.min_samples: {path} has {len(rows)} rows, fewer than {task.partition.min_samples}")
@@ -174,7 +177,7 @@ def build_server_task(config: Config) -> TaskBundle:
     test set (``test_path``) or none; no training row and no client's size."""
     use_threads(config)
     task = config.task
-    files = load_files(task.file_options(), [], deployed=True, kind=task.kind)
+    files = load_files(task.file_options(), [], deployed=True, kind=task.kind, text=blocks_of(config))
     return TaskBundle(
         dataset=files.dataset,
         clients=ClientData(files.dataset.x_train, files.dataset.y_train, [], []),
@@ -185,8 +188,19 @@ def build_server_task(config: Config) -> TaskBundle:
     )
 
 
+def blocks_of(config: Config) -> Blocks:
+    """How a language model's text becomes token blocks: ``task.tokenizer`` and ``task.sequence_length``."""
+    return Blocks(config.task.tokenizer, config.task.sequence_length)
+
+
 def _model_factory(config: Config, dataset: Dataset) -> Callable[[], torch.nn.Module]:
     task = config.task
+    if task.model.startswith(HF_MODEL):
+        from fedweave.task.hf import check_fits, language_model
+
+        with torch.random.fork_rng(devices=[]):  # the adapters' draws; the run's are untouched
+            check_fits(language_model(task), dataset.num_classes, task.sequence_length, task.model)
+        return lambda: language_model(task)
 
     def make_model() -> torch.nn.Module:
         return build_model(

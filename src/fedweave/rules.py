@@ -47,6 +47,27 @@ def _plugins(config: Any) -> list[tuple[str, int, Any, Any]]:
     return list(configured(config, PLUGINS))
 
 
+LAYER_STRATEGIES = {
+    "moon": "contrasts the model's representation layer",
+    "fedper": "keeps the model's head layers personal",
+    "fedbn": "keeps the model's batch-norm layers personal",
+}
+"""Strategies that work on a model's layers rather than elementwise on its named tensors."""
+
+
+def adapter_strategies(config: Any) -> None:
+    """LoRA adapters are named tensors that every elementwise strategy averages, steps or robustly
+    combines; a strategy that works on the model's layers has none of them to work on."""
+    if config.task.peft.method is None or config.mode != "federated":
+        return
+    why = LAYER_STRATEGIES.get(config.strategy.name)
+    if why is not None:
+        raise ConfigError(
+            f"config key 'strategy.name': {config.strategy.name} {why}, but task.peft trains and sends LoRA "
+            "adapters only; use an elementwise strategy (fedavg, fedprox, fedadam, scaffold, ditto, ...)"
+        )
+
+
 def launcher_transport(config: Any) -> None:
     """The process launcher runs every node as its own process, which needs a network transport."""
     if config.mode == "federated" and config.launcher.kind == "process" and config.transport.kind != "grpc":
@@ -330,6 +351,7 @@ RULES: tuple[Callable[[Any], None], ...] = (
     asynchronous_deployment,
     per_client_evaluation,
     attack_labels,
+    adapter_strategies,
 )
 """The rules, in the order they are checked (plugin classes first: later rules read them)."""
 

@@ -276,8 +276,14 @@ def _untrained(r: Run) -> str:
 
 
 def save_result(r: Run) -> Params:
-    """The run's model written to its run directory (:mod:`fedweave.result`); the params it ends with."""
-    return result.save_result(r.params, r.run_dir, r.parts.chains.sealer, simulated=r.config.transport.kind == "inmemory")
+    """The run's model written to its run directory (:mod:`fedweave.result`), with LoRA its adapter in
+    peft's layout (:func:`fedweave.task.lora.save_adapter`); the params it ends with."""
+    params = result.save_result(r.params, r.run_dir, r.parts.chains.sealer, simulated=r.config.transport.kind == "inmemory")
+    if r.config.task.peft.method is not None:
+        from fedweave.task.lora import save_adapter
+
+        save_adapter(r.config.task, params, r.run_dir)
+    return params
 
 
 def _posts_jobs(topology: Topology) -> PostsJobs | None:

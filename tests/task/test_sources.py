@@ -124,8 +124,9 @@ def test_labels_become_class_ids_never_rounded() -> None:
 
 
 def test_format_inference_and_its_error(tmp_path: Path) -> None:
-    assert [infer_format(str(tmp_path / f"a{s}"), "k") for s in (".csv", ".parquet", ".npz", ".jsonl", ".json")
-            if (tmp_path / f"a{s}").touch() is None] == ["csv", "parquet", "npz", "jsonl", "leaf"]
-    (tmp_path / "a.txt").touch()
-    with pytest.raises(TaskError, match="cannot tell the format of .*a.txt; give one of csv, parquet"):
-        infer_format(str(tmp_path / "a.txt"), "k")
+    suffixes = (".csv", ".parquet", ".npz", ".jsonl", ".json", ".txt")
+    assert [infer_format(str(tmp_path / f"a{s}"), "k") for s in suffixes
+            if (tmp_path / f"a{s}").touch() is None] == ["csv", "parquet", "npz", "jsonl", "leaf", "text"]
+    (tmp_path / "a.tsv").touch()
+    with pytest.raises(TaskError, match="cannot tell the format of .*a.tsv; give one of csv, parquet"):
+        infer_format(str(tmp_path / "a.tsv"), "k")

@@ -51,6 +51,42 @@ class PartitionConfig:
 LABEL_SCHEMES = ("dirichlet", "shards", "inner_dirichlet", "pathological")
 """The partition schemes that split by class id."""
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # hidden by an import hook, or a module without a spec
+        return False
+
+
+HF_MODEL = "hf:"
+"""The prefix of ``task.model`` that names a local folder of a ``transformers`` model."""
+
+
+@dataclass
+class PeftConfig:
+    """``task.peft``: parameter-efficient fine-tuning of a ``task.model: hf:PATH`` model; only the
+    adapters train and travel (:mod:`fedweave.task.lora`)."""
+
+    SHORTHAND = "method"
+    method: Literal["lora"] | None = opt(None, help="lora (LoRA adapters) | none: every weight of the model trains")
+    r: int = opt(8, ge=1, help="rank of each LoRA adapter")
+    alpha: float = opt(16.0, gt=0, help="LoRA scaling numerator: an adapter's product is scaled by alpha / r")
+    dropout: float = opt(0.0, ge=0, lt=1, help="dropout on the input of each adapter")
+    target_modules: list[str] = opt(
+        factory=lambda: ["c_attn"],
+        help="names (suffixes) of the modules that get adapters, as peft matches them (GPT-2: c_attn, c_proj, c_fc)",
+    )
+    merged: bool = opt(False, help="also write the base model with the adapters merged in (run folder merged/)")
+
+    def validate(self, prefix: str) -> None:
+        if not self.target_modules or any(not m.strip() for m in self.target_modules):
+            raise ConfigError(f"config key '{prefix}.target_modules': expected module names, got {self.target_modules}")
+        if self.merged and self.method is None:
+            raise ConfigError(f"config key '{prefix}.merged': only adapters (method lora) are merged")
+
 
 @dataclass
 class TaskConfig:
@@ -67,7 +103,8 @@ class TaskConfig:
     data_root: str | None = opt(None, help="local folder of torchvision datasets")
     model: str = opt(
         "mlp",
-        help="mlp | cnn | package.module:function called f(**model_options, input_shape=(...), "
+        help="mlp | cnn | hf:PATH (a transformers causal language model saved in the local folder PATH, "
+        "kind language_model; extra hf) | package.module:function called f(**model_options, input_shape=(...), "
         "num_classes=N) returning a torch.nn.Module whose output is (batch, num_classes) logits",
     )
     model_options: dict[str, Any] = opt(factory=dict, help="keyword arguments of the model")
@@ -91,6 +128,13 @@ class TaskConfig:
         "rmse | r2 (regression) | perplexity (language_model) | package.module:function called "
         "f(outputs, targets) returning a float, recorded under its function's name",
     )
+    peft: PeftConfig = opt(factory=PeftConfig)
+    sequence_length: int = opt(
+        128, ge=2, help="language_model: tokens per training block (text is tokenised and cut into blocks this long)"
+    )
+    tokenizer: str | None = opt(
+        None, help="language_model: a local folder of a transformers tokenizer (none: bytes, a vocabulary of 256)"
+    )
     test_fraction: float = opt(0.2, gt=0, lt=1, help="share of the data held out as the global test set")
     local_test_fraction: float = opt(0.2, ge=0, lt=1, help="share of each client's data kept as its local test split")
     partition: PartitionConfig = opt(factory=PartitionConfig)
@@ -113,6 +157,28 @@ class TaskConfig:
         recorded = [name.rpartition(":")[2] for name in self.metrics or []]
         if len(set(recorded)) != len(recorded):
             raise ConfigError(f"config key '{prefix}.metrics': {self.metrics} records a metric twice")
+        hf = self.model.startswith(HF_MODEL)
+        if hf and self.kind != "language_model":
+            raise ConfigError(
+                f"config key '{prefix}.model': hf:PATH is a causal language model; set {prefix}.kind: language_model"
+            )
+        if hf and not self.model[len(HF_MODEL):].strip():
+            raise ConfigError(f"config key '{prefix}.model': hf: needs the model's local folder, hf:PATH")
+        if hf:
+            for module in ("transformers", "peft") if self.peft.method is not None else ("transformers",):
+                if not _installed(module):
+                    raise ConfigError(
+                        f"config key '{prefix}.model': {self.model} needs {module}, which is not installed; it "
+                        "comes with the extra hf: pip install 'fedweave[hf]'"
+                    )
+        if self.peft.method is not None and not hf:
+            raise ConfigError(
+                f"config key '{prefix}.peft.method': adapters wrap a transformers model; set {prefix}.model: hf:PATH"
+            )
+        if hf and self.model_options:
+            raise ConfigError(
+                f"config key '{prefix}.model_options': an hf: model is configured by its folder's config.json; drop them"
+            )
         scheme = self.partition.scheme
         if self.kind != "classification" and scheme in LABEL_SCHEMES:
             raise ConfigError(
@@ -127,6 +193,16 @@ class TaskConfig:
                 )
             return
         options = self.file_options(prefix)
+        reads_text = options.format == "text" or options.text is not None
+        if self.kind == "language_model" and options.format is not None and not reads_text:
+            raise ConfigError(
+                f"config key '{prefix}.dataset_options.format': a language model reads text: format text, or jsonl "
+                f"with its text field ({prefix}.dataset_options.text), got {options.format}"
+            )
+        if reads_text and self.kind != "language_model":
+            raise ConfigError(
+                f"config key '{prefix}.kind': text is read into token blocks for kind language_model, got {self.kind}"
+            )
         if options.template and scheme != "iid":
             raise ConfigError(
                 f"config key '{prefix}.partition.scheme': each client reads its own file ({{client}} in "

@@ -37,8 +37,9 @@ class Dataset:
     """A labelled dataset: a training set to partition and a global held-out test set.
 
     ``kind`` says what the labels are: classification's int64 class ids (N,) below ``num_classes``,
-    regression's float32 targets (N,) or (N, k), multilabel's float32 0/1 matrix (N, L); ``num_classes``
-    is the model's output size: the classes, targets (1 for (N,)) or labels.
+    regression's float32 targets (N,) or (N, k), multilabel's float32 0/1 matrix (N, L), a language
+    model's int64 token blocks (N, T), its samples too; ``num_classes`` is the model's output size: the
+    classes, targets (1 for (N,)), labels or the vocabulary.
     """
 
     name: str
@@ -53,19 +54,22 @@ class Dataset:
     def __post_init__(self) -> None:
         """Check dtypes, shapes and label range; a mismatch is a TaskError naming the dataset."""
         shape = tuple(self.input_shape)
-        label_dtype = torch.int64 if self.kind == "classification" else torch.float32
+        label_dtype = torch.int64 if self.kind in ("classification", "language_model") else torch.float32
+        sample_dtype = torch.int64 if self.kind == "language_model" else torch.float32
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
-            if x.dtype != torch.float32 or y.dtype != label_dtype:
+            if x.dtype != sample_dtype or y.dtype != label_dtype:
                 raise TaskError(
-                    f"dataset '{self.name}': x_{split} must be float32 and y_{split} {str(label_dtype)[6:]} "
-                    f"({self.kind}), got {x.dtype} and {y.dtype}"
+                    f"dataset '{self.name}': x_{split} must be {str(sample_dtype)[6:]} and y_{split} "
+                    f"{str(label_dtype)[6:]} ({self.kind}), got {x.dtype} and {y.dtype}"
                 )
             if x.shape[0] != y.shape[0] or tuple(x.shape[1:]) != shape:
                 raise TaskError(
                     f"dataset '{self.name}': x_{split} {tuple(x.shape)} and y_{split} {tuple(y.shape)} "
                     f"do not match input_shape {shape} with one label per sample"
                 )
-            if self.kind != "classification":
+            if self.kind == "language_model":
+                _check_tokens(self, split, x, y)
+            elif self.kind != "classification":
                 _check_targets(self, split, y)
             elif y.ndim != 1:
                 raise TaskError(f"dataset '{self.name}': y_{split} must hold one class id per sample, got {tuple(y.shape)}")
@@ -73,6 +77,20 @@ class Dataset:
                 raise TaskError(
                     f"dataset '{self.name}': y_{split} labels must lie in [0, {self.num_classes})"
                 )
+
+
+def _check_tokens(dataset: Dataset, split: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A language model's token blocks (N, T) and their targets of the same shape, ids below ``num_classes``
+    (the vocabulary; a target may be ``IGNORE``, padding)."""
+    from fedweave.task.metrics import IGNORE
+
+    if x.ndim != 2 or y.shape != x.shape:
+        raise TaskError(f"dataset '{dataset.name}': x_{split} and y_{split} must be token blocks (N, T), "
+                        f"got {tuple(x.shape)} and {tuple(y.shape)}")
+    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= dataset.num_classes):
+        raise TaskError(f"dataset '{dataset.name}': x_{split} holds a token outside the vocabulary of {dataset.num_classes}")
+    if y.numel() and bool(((y != IGNORE) & ((y < 0) | (y >= dataset.num_classes))).any()):
+        raise TaskError(f"dataset '{dataset.name}': y_{split} holds a target outside the vocabulary of {dataset.num_classes}")
 
 
 def _check_targets(dataset: Dataset, split: str, y: torch.Tensor) -> None:

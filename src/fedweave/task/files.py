@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedweave.errors import TaskError
+from fedweave.task.corpus import load_text
 from fedweave.task.datasets import Dataset
 from fedweave.task.schema import LABEL_KINDS, DataSchema, check_data
 from fedweave.task.sources import (
@@ -29,6 +30,7 @@ from fedweave.task.sources import (
     select,
     targets,
 )
+from fedweave.task.tokenize import Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +67,21 @@ def load_files(
     natural: bool = False,
     deployed: bool = False,
     kind: str = "classification",
+    text: Blocks | None = None,
 ) -> FileData:
     """Read the training files ``paths`` (each client's, or one to partition) and, with ``test``,
     ``test_path``; with ``natural`` keep each training row's ``by`` value (LEAF's default: its user).
     ``deployed``: this process reads part of the federation's data only, so the model's classes
     (``num_classes`` or ``classes``) and, reading no file, ``input_shape`` must be declared. A task of
-    ``kind`` regression or multilabel reads float targets, its outputs are its label columns."""
+    ``kind`` regression or multilabel reads float targets, its outputs are its label columns; a
+    ``language_model`` reads text into the token blocks ``text`` says (:mod:`fedweave.task.corpus`)."""
+    if kind == "language_model":
+        if natural:
+            raise TaskError("task.partition.scheme: text has no column to split by; give each client its files "
+                            f"with {{client}} in {KEY}.path")
+        assert text is not None  # a language model's caller says how its text becomes blocks
+        dataset, schema, parts = load_text(options, paths, text, test=test)
+        return FileData(dataset, schema, parts, None)
     test_path = options.test_path if test else None
     first = paths[0] if paths else test_path
     fmt = options.format or (infer_format(first, f"{KEY}.path" if paths else f"{KEY}.test_path") if first else None)

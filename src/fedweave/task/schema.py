@@ -15,16 +15,19 @@ import numpy as np
 
 from fedweave.errors import TaskError
 
-LabelKind = Literal["class", "target", "labels"]
+LabelKind = Literal["class", "target", "labels", "tokens"]
 
-LABEL_KINDS: dict[str, LabelKind] = {"classification": "class", "regression": "target", "multilabel": "labels"}
+LABEL_KINDS: dict[str, LabelKind] = {
+    "classification": "class", "regression": "target", "multilabel": "labels", "language_model": "tokens",
+}
 """The label kind of each task kind that reads files."""
 
 
 @dataclass(frozen=True)
 class DataSchema:
     """The shape and dtype of one sample, the label kind and the number of classes (of a ``target``
-    or ``labels`` kind: the targets or labels, the model's outputs)."""
+    or ``labels`` kind: the targets or labels, the model's outputs; of ``tokens``, a language model's
+    int64 token blocks that are their own targets: the vocabulary)."""
 
     input_shape: tuple[int, ...]
     num_classes: int
@@ -66,9 +69,13 @@ class DataSchema:
         shape, classes = data["input_shape"], data["num_classes"]
         if not isinstance(shape, list) or not shape or not all(_positive(d) for d in shape) or not _positive(classes):
             raise ValueError(f"a data schema's input_shape and num_classes are positive integers, got {data!r}")
-        if data["dtype"] != "float32" or data["label_kind"] not in LABEL_KINDS.values():
-            raise ValueError(f"a data schema has dtype float32 and label_kind class, target or labels, got {data!r}")
-        return cls(tuple(shape), classes, label_kind=data["label_kind"])
+        kind = data["label_kind"]
+        if kind not in LABEL_KINDS.values() or data["dtype"] != ("int64" if kind == "tokens" else "float32"):
+            raise ValueError(
+                f"a data schema has dtype float32 and label_kind class, target or labels, or dtype int64 and "
+                f"label_kind tokens, got {data!r}"
+            )
+        return cls(tuple(shape), classes, dtype=data["dtype"], label_kind=kind)
 
 
 def check_data(path: str, x: np.ndarray, y: np.ndarray, expected: DataSchema) -> None:
@@ -79,6 +86,11 @@ def check_data(path: str, x: np.ndarray, y: np.ndarray, expected: DataSchema) ->
         raise TaskError(f"{path}: {_shape(shape)}, the federation expects {_shape(expected.input_shape)}")
     if str(x.dtype) != expected.dtype:
         raise TaskError(f"{path}: samples of dtype {x.dtype}, the federation expects {expected.dtype}")
+    if expected.label_kind == "tokens":
+        outside = x[(x < 0) | (x >= expected.num_classes)]
+        if outside.size:
+            raise TaskError(f"{path}: token {int(outside[0])} is outside the vocabulary of {expected.num_classes}")
+        return
     if expected.label_kind != "class":
         outputs = 1 if y.ndim == 1 else int(y.shape[1])
         if outputs != expected.num_classes:

@@ -19,10 +19,11 @@ MODULES = {
     "imagefolder": "imagefolder",
     "leaf": "leaf",
     "hf": "hf",
+    "text": "text",
 }
 """The module of :mod:`fedweave.task.sources` that reads each format."""
 
-SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".npz": "npz", ".jsonl": "jsonl", ".json": "leaf"}
+SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".npz": "npz", ".jsonl": "jsonl", ".json": "leaf", ".txt": "text"}
 
 __all__ = [
     "FEATURE_DEFAULTS",
@@ -62,11 +63,14 @@ def infer_format(path: str, key: str) -> str:
     return found
 
 
-def read_columns(path: str, fmt: str, key: str, *, split: str = "train") -> Columns:
-    """The columns of ``path`` read as ``fmt``; a missing path is one line naming ``key`` and the file."""
+def read_columns(path: str, fmt: str, key: str, *, split: str = "train", pattern: str = "*") -> Columns:
+    """The columns of ``path`` read as ``fmt`` (hf: its ``split``; text: a folder's files matching
+    ``pattern``); a missing path is one line naming ``key`` and the file."""
     if not os.path.exists(path):
         raise TaskError(f"{key}: no such file or folder: {path}")
     reader = importlib.import_module(f"fedweave.task.sources.{MODULES[fmt]}")
     if fmt == "hf":
         return reader.read(path, split=split)
+    if fmt == "text":
+        return reader.read(path, pattern)
     return reader.read(path)

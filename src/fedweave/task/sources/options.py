@@ -8,7 +8,7 @@ from typing import Literal
 from fedweave.errors import ConfigError
 from fedweave.schema import opt
 
-FORMATS = ("csv", "parquet", "npz", "jsonl", "imagefolder", "leaf", "hf")
+FORMATS = ("csv", "parquet", "npz", "jsonl", "imagefolder", "leaf", "hf", "text")
 """The file formats ``task.dataset: files`` reads."""
 
 CLIENT = "{client}"
@@ -20,7 +20,7 @@ LABEL_DEFAULTS = {"imagefolder": "label", "leaf": "y"}
 FEATURE_DEFAULTS = {"imagefolder": ["image"], "leaf": ["x"]}
 """The feature columns of formats that name them themselves; the others default to every other column."""
 
-Format = Literal["csv", "parquet", "npz", "jsonl", "imagefolder", "leaf", "hf"]
+Format = Literal["csv", "parquet", "npz", "jsonl", "imagefolder", "leaf", "hf", "text"]
 
 
 @dataclass
@@ -31,8 +31,14 @@ class FileOptions:
         "(none: a deployed node, whose client gives its own --data)",
     )
     format: Format | None = opt(
-        None, help="csv | parquet | npz | jsonl | imagefolder | leaf | hf (none: from the path's suffix or contents)"
+        None,
+        help="csv | parquet | npz | jsonl | imagefolder | leaf | hf | text (plain text: a file, or a folder's files "
+        "matching pattern; task.kind language_model) (none: from the path's suffix or contents)",
     )
+    text: str | None = opt(
+        None, help="jsonl of a task.kind language_model: the field holding each record's text (then no label)"
+    )
+    pattern: str = opt("*", help="text: the names of a folder's files to read (a glob, e.g. '*.py'), in every sub-folder")
     label: str | list[str] | None = opt(
         None,
         help="the label column, field or array (imagefolder: label, leaf: y); task.kind regression or "
@@ -72,8 +78,12 @@ class FileOptions:
                 raise ConfigError(f"config key '{prefix}.{key}': expected a file or folder, got an empty string")
         if self.test_path is not None and CLIENT in self.test_path:
             raise ConfigError(f"config key '{prefix}.test_path': the central test set is one file; drop {CLIENT}")
-        if self.format is not None and self.format not in LABEL_DEFAULTS and self.label is None:
-            raise ConfigError(f"config key '{prefix}.label': format {self.format} needs the label column's name")
+        if self.text is not None and self.format not in (None, "jsonl"):
+            raise ConfigError(f"config key '{prefix}.text': only format jsonl has fields of text")
+        reads_text = self.format == "text" or self.text is not None
+        if self.format is not None and self.format not in LABEL_DEFAULTS and self.label is None and not reads_text:
+            text = " (a language model's jsonl names its text field instead: text)" if self.format == "jsonl" else ""
+            raise ConfigError(f"config key '{prefix}.label': format {self.format} needs the label column's name{text}")
         if self.input_shape is not None and (not self.input_shape or min(self.input_shape) < 1):
             raise ConfigError(f"config key '{prefix}.input_shape': expected positive sizes, got {self.input_shape}")
         if self.classes is not None:
