@@ -67,7 +67,8 @@ SITE_PATH_KEYS = ("task.data_root", "task.partition.file")
 """Keys besides the dataset's path that would make a site read a file of the job's choosing."""
 
 NOT_CODE_PREFIXES = ("torchvision:", CATALOG_PREFIX)
-"""Values with a colon that name no module: built-in datasets and catalogue entries."""
+"""Values of ``task.dataset`` with a colon that name no module: built-in datasets and catalogue entries. At
+every other key of :data:`CODE_KEYS` such a value is imported like any ``package.module:Name``."""
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -130,13 +131,14 @@ def plugin_specs(job: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, An
 def user_code(job: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(key, reference)`` of every ``package.module:Name`` the job names: code a site would import."""
 
-    def is_code(value: Any) -> bool:
-        return isinstance(value, str) and ":" in value and not value.startswith(NOT_CODE_PREFIXES)
+    def is_code(value: Any, key: str) -> bool:
+        exempt = key == "task.dataset" and isinstance(value, str) and value.startswith(NOT_CODE_PREFIXES)
+        return isinstance(value, str) and ":" in value and not exempt
 
     found = []
     for key in CODE_KEYS:
         if key == "plugins":
-            found += [(k, name) for k, name, _ in plugin_specs(job) if is_code(name)]
+            found += [(k, name) for k, name, _ in plugin_specs(job) if is_code(name, key)]
             continue
         section, _, field = key.partition(".")
         if field == "name":  # strategy and selection: a name, or a mapping with one
@@ -145,7 +147,7 @@ def user_code(job: Mapping[str, Any]) -> list[tuple[str, str]]:
         else:
             value = _get(job, key, None)
         values = value if isinstance(value, list) else [value]
-        found += [(key, v) for v in values if is_code(v)]
+        found += [(key, v) for v in values if is_code(v, key)]
     return found
 
 
