@@ -21,3 +21,22 @@ def test_a_catalog_or_torchvision_prefix_smuggles_no_import_outside_task_dataset
         found = refusal({"code": "never"}, job)
         assert found is not None and found.rule == "policy.code", job
     assert refusal({"code": "never"}, {"task": {"dataset": "catalog:cardiology"}}) is None
+
+
+def test_the_adaptive_controller_cannot_train_past_the_local_work_ceilings():
+    # controller adaptive (adjust steps, the default) gives each client the steps its speed allows, up to
+    # controller.max_steps (none: no limit): local.epochs and local.steps bound only the first round
+    greedy = {"controller": {"kind": "adaptive", "target_round_time": 1e9, "min_steps": 10**9}}
+    found = refusal({"max_local_epochs": 1}, greedy)
+    assert found.rule == "policy.max_local_epochs" and "controller.max_steps" in found.reason
+    found = refusal({"max_local_steps": 100}, greedy)
+    assert found.rule == "policy.max_local_steps" and "controller.max_steps" in found.reason
+    found = refusal({"max_local_steps": 100}, {"controller": "adaptive", "local": {"steps": 50}})
+    assert found.rule == "policy.max_local_steps"
+    capped = {"controller": {"kind": "adaptive", "max_steps": 200}, "local": {"steps": 50}}
+    assert refusal({"max_local_steps": 100}, capped).reason == "the job asks controller.max_steps=200; this site allows at most 100"
+    capped["controller"]["max_steps"] = 100
+    assert refusal({"max_local_steps": 100, "max_local_epochs": 1}, capped) is None
+    # adjust batch_size keeps local.steps (required), which the existing rules bound
+    by_batch = {"controller": {"kind": "adaptive", "adjust": "batch_size"}, "local": {"steps": 5}}
+    assert refusal({"max_local_steps": 5}, by_batch) is None

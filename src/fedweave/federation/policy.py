@@ -168,6 +168,23 @@ def _data_reference(job: Mapping[str, Any]) -> tuple[str | None, str | None]:
     )
 
 
+def _step_counts(job: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(key, steps)`` of every setting that sets a client's local steps per round in place of
+    ``local.epochs``: ``local.steps``, and the adaptive controller's ``max_steps`` (None: no limit) when it
+    adjusts steps (it gives each client the steps its speed allows, between min_steps and max_steps)."""
+    found = []
+    steps = _get(job, "local.steps", None)
+    if steps is not None:
+        found.append(("local.steps", steps))
+    controller = _get(job, "controller", None)
+    controller = {"kind": controller} if isinstance(controller, str) else controller
+    if controller is not None and not isinstance(controller, Mapping):
+        raise _Malformed(f"job key 'controller' is not a mapping ({controller!r})")
+    if controller and controller.get("kind") == "adaptive" and controller.get("adjust", "steps") == "steps":
+        found.append(("controller.max_steps", controller.get("max_steps")))
+    return found
+
+
 @functools.cache
 def _defaults() -> dict[str, Any]:
     """The defaults of the keys the rules read, from the config schema itself."""
@@ -374,18 +391,29 @@ class SitePolicy:
     def _check_max_local_epochs(self, job: Mapping[str, Any], *_: Any) -> str | None:
         if self.max_local_epochs is None:
             return None
-        steps = _get(job, "local.steps", None)
-        if steps is not None and self.max_local_steps is None:
+        counted = _step_counts(job)
+        if counted and self.max_local_steps is None:
+            key, steps = counted[0]
             return (
-                f"the job trains local.steps={steps!r} per round, which a ceiling on epochs cannot bound; this "
+                f"the job trains {key}={steps!r} per round, which a ceiling on epochs cannot bound; this "
                 f"site allows at most {self.max_local_epochs} local epochs (set max_local_steps to admit steps)"
             )
         return self._ceiling(job, "local.epochs", self.max_local_epochs)
 
     def _check_max_local_steps(self, job: Mapping[str, Any], *_: Any) -> str | None:
-        if _get(job, "local.steps", None) is None:
+        if self.max_local_steps is None:
             return None
-        return self._ceiling(job, "local.steps", self.max_local_steps)
+        for key, steps in _step_counts(job):
+            if steps is None:
+                return (
+                    f"the job leaves {key} unset, so a client's local steps per round have no limit; this site "
+                    f"allows at most {self.max_local_steps}"
+                )
+            if isinstance(steps, bool) or not isinstance(steps, int):
+                raise _Malformed(f"job key {key!r} is not an integer ({steps!r})")
+            if steps > self.max_local_steps:
+                return f"the job asks {key}={steps}; this site allows at most {self.max_local_steps}"
+        return None
 
     @staticmethod
     def _ceiling(job: Mapping[str, Any], key: str, ceiling: int | None) -> str | None:
