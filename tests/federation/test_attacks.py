@@ -40,3 +40,15 @@ def test_the_adaptive_controller_cannot_train_past_the_local_work_ceilings():
     # adjust batch_size keeps local.steps (required), which the existing rules bound
     by_batch = {"controller": {"kind": "adaptive", "adjust": "batch_size"}, "local": {"steps": 5}}
     assert refusal({"max_local_steps": 5}, by_batch) is None
+
+
+def test_dittos_personal_steps_cannot_train_past_the_local_work_ceilings():
+    # Ditto trains the personal model strategy.personal_steps steps after the global model's local work
+    ditto = {"strategy": {"name": "ditto", "personal_steps": 10**9}, "local": {"epochs": 1}}
+    found = refusal({"max_local_epochs": 1}, ditto)
+    assert found.rule == "policy.max_local_epochs" and "strategy.personal_steps" in found.reason
+    found = refusal({"max_local_steps": 100}, ditto)
+    assert found == type(found)("policy.max_local_steps", "the job asks strategy.personal_steps=1000000000; this site allows at most 100")
+    ditto["strategy"]["personal_steps"] = 100
+    assert refusal({"max_local_steps": 100, "max_local_epochs": 1}, ditto) is None
+    assert refusal({"max_local_epochs": 1}, {"strategy": {"name": "ditto", "lam": 0.5}}) is None

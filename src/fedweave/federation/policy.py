@@ -170,12 +170,16 @@ def _data_reference(job: Mapping[str, Any]) -> tuple[str | None, str | None]:
 
 def _step_counts(job: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``(key, steps)`` of every setting that sets a client's local steps per round in place of
-    ``local.epochs``: ``local.steps``, and the adaptive controller's ``max_steps`` (None: no limit) when it
+    ``local.epochs``: ``local.steps``, Ditto's ``strategy.personal_steps`` (the personal model's steps, taken
+    after the global model's local work), and the adaptive controller's ``max_steps`` (None: no limit) when it
     adjusts steps (it gives each client the steps its speed allows, between min_steps and max_steps)."""
     found = []
     steps = _get(job, "local.steps", None)
     if steps is not None:
         found.append(("local.steps", steps))
+    strategy = _get(job, "strategy", None)
+    if isinstance(strategy, Mapping) and strategy.get("name") == "ditto" and strategy.get("personal_steps") is not None:
+        found.append(("strategy.personal_steps", strategy["personal_steps"]))
     controller = _get(job, "controller", None)
     controller = {"kind": controller} if isinstance(controller, str) else controller
     if controller is not None and not isinstance(controller, Mapping):
