@@ -52,3 +52,18 @@ def test_dittos_personal_steps_cannot_train_past_the_local_work_ceilings():
     ditto["strategy"]["personal_steps"] = 100
     assert refusal({"max_local_steps": 100, "max_local_epochs": 1}, ditto) is None
     assert refusal({"max_local_epochs": 1}, {"strategy": {"name": "ditto", "lam": 0.5}}) is None
+
+
+def test_seeded_privacy_noise_does_not_count_as_noise():
+    # seeded_noise: true draws the noise from the run seed every node reads in the config: the server can
+    # draw it again and subtract it, so the update leaves the site as good as un-noised
+    seeded = {"plugins": {"client_send": [{"name": "dp_local", "noise_multiplier": 5.0, "seeded_noise": True}]}}
+    found = refusal({"min_dp_noise": 1.0}, seeded)
+    assert found.rule == "policy.min_dp_noise" and "plugins.client_send[0].seeded_noise" in found.reason
+    seeded["plugins"]["client_send"][0]["seeded_noise"] = "yes"  # any value but false is not fresh noise
+    assert refusal({"min_dp_noise": 1.0}, seeded).rule == "policy.min_dp_noise"
+    seeded["plugins"]["client_send"][0]["seeded_noise"] = False
+    assert refusal({"min_dp_noise": 1.0}, seeded) is None
+    both = {"plugins": {"client_send": [{"name": "dpsgd", "noise_multiplier": 0.5},
+                                        {"name": "dp_local", "noise_multiplier": 5.0, "seeded_noise": True}]}}
+    assert refusal({"min_dp_noise": 1.0}, both).reason == "the job's noise_multiplier is 0.5; this site needs >= 1"

@@ -358,14 +358,23 @@ class SitePolicy:
             return None
         from fedweave.plugins import PLUGINS
 
-        noises = []
+        noises, seeded = [], []
         for key, name, settings in plugin_specs(job):
             if name in DP_PLUGINS:
                 default = PLUGINS.get(name, key).Params.__dataclass_fields__["noise_multiplier"].default
                 noise = settings.get("noise_multiplier", default)
                 if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise):
                     raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({noise!r})")
+                if settings.get("seeded_noise", False) is not False:
+                    seeded.append(key)
+                    continue
                 noises.append(float(noise))
+        if not noises and seeded:
+            return (
+                f"the job's noise is seeded ({seeded[0]}.seeded_noise): drawn from the run seed in the config, it "
+                f"can be drawn again and subtracted; this site needs noise_multiplier >= {self.min_dp_noise:g} "
+                "from fresh draws"
+            )
         if not noises:
             return f"the job applies no differential privacy; this site needs noise_multiplier >= {self.min_dp_noise:g}"
         if max(noises) < self.min_dp_noise:
