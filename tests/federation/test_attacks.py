@@ -67,3 +67,16 @@ def test_seeded_privacy_noise_does_not_count_as_noise():
     both = {"plugins": {"client_send": [{"name": "dpsgd", "noise_multiplier": 0.5},
                                         {"name": "dp_local", "noise_multiplier": 5.0, "seeded_noise": True}]}}
     assert refusal({"min_dp_noise": 1.0}, both).reason == "the job's noise_multiplier is 0.5; this site needs >= 1"
+
+
+def test_a_job_names_no_homomorphic_encryption_keys_on_the_site():
+    # he's keys is a folder the site's client reads secret.ctx from: relative, it is the job's own folder,
+    # where its bundle is unpacked (keys the job's author made and can decrypt each update with); absolute,
+    # any folder of the site. Either way the job chose a path on the site, and require_secure_aggregation
+    # would have counted it as secure aggregation.
+    for keys in ("code/keys", "/srv/other-study/keys"):
+        job = {"plugins": {"client_send": [{"name": "he", "keys": keys}]}}
+        found = refusal({"require_secure_aggregation": "he"}, job)
+        assert found.rule == "policy.catalog" and f"plugins.client_send[0].keys {keys!r}" in found.reason
+        assert refusal({}, job).rule == "policy.catalog"  # whatever the policy, as task.data_root
+    assert refusal({"require_secure_aggregation": "he"}, {"plugins": {"client_send": ["he"]}}) is None

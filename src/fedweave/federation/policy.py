@@ -66,6 +66,11 @@ CODE_KEYS = (
 SITE_PATH_KEYS = ("task.data_root", "task.partition.file")
 """Keys besides the dataset's path that would make a site read a file of the job's choosing."""
 
+PLUGIN_PATH_PARAMS = {"he": ("keys",)}
+"""Built-in plugins' settings that name a path the site reads: ``he``'s ``keys``, the folder its clients
+read the CKKS secret key from (a folder of the job's, its bundle's included, holds keys the job's author
+made, who can then decrypt each site's update)."""
+
 NOT_CODE_PREFIXES = ("torchvision:", CATALOG_PREFIX)
 """Values of ``task.dataset`` with a colon that name no module: built-in datasets and catalogue entries. At
 every other key of :data:`CODE_KEYS` such a value is imported like any ``package.module:Name``."""
@@ -349,6 +354,13 @@ class SitePolicy:
             value = _get(job, key, None)
             if value is not None:
                 return f"the job names {key} {value!r}, a path on the site; a job reads a site's data by catalogue entry"
+        for key, name, settings in plugin_specs(job):
+            for option in PLUGIN_PATH_PARAMS.get(name, ()):
+                if settings.get(option) is not None:
+                    return (
+                        f"the job names {key}.{option} {settings[option]!r}, a path on the site (for {name!r}: the "
+                        "folder of the secret key, which whoever made it can decrypt with); a job names no path on a site"
+                    )
         if entry is not None and self.catalog is not None and entry not in self.catalog:
             return f"the job reads catalogue entry {entry!r}; this site lets jobs read {_listing(self.catalog)}"
         return None
