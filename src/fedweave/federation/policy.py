@@ -14,6 +14,7 @@ whatever the policy says.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -87,6 +88,20 @@ class Refusal:
     reason: str
 
 
+SHOWN = 80
+"""The most characters of a job's value a refusal's reason quotes (a reason goes to the audit logs and the
+server, whatever the length of what a job wrote)."""
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to :data:`SHOWN` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python writes
+        return f"<{type(value).__name__} too long to show>"
+    return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
+
+
 class _Malformed(Exception):
     """A job key has a shape no rule can judge; the rule reading it refuses the job."""
 
@@ -100,7 +115,7 @@ def _get(job: Mapping[str, Any], dotted: str, default: Any) -> Any:
     walked: list[str] = []
     for part in dotted.split("."):
         if not isinstance(node, Mapping):
-            raise _Malformed(f"job key {'.'.join(walked) or '<root>'!r} is not a mapping ({node!r})")
+            raise _Malformed(f"job key {'.'.join(walked) or '<root>'!r} is not a mapping ({_shown(node)})")
         walked.append(part)
         node = node.get(part, _MISSING)
         if node is _MISSING or node is None and default is not None:
@@ -113,7 +128,7 @@ def _named(value: Any, key: str, shorthand: str = "name") -> str:
     if isinstance(value, Mapping):
         value = value.get(shorthand)
     if not isinstance(value, str):
-        raise _Malformed(f"job key {key!r} names no {shorthand} ({value!r})")
+        raise _Malformed(f"job key {key!r} names no {shorthand} ({_shown(value)})")
     return value
 
 
@@ -121,12 +136,17 @@ def plugin_specs(job: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, An
     """``(key, name, settings)`` of every plugin the job applies, in attachment-point order."""
     plugins = _get(job, "plugins", {})
     if not isinstance(plugins, Mapping):
-        raise _Malformed(f"job key 'plugins' is not a mapping ({plugins!r})")
+        raise _Malformed(f"job key 'plugins' is not a mapping ({_shown(plugins)})")
+    from fedweave.config.sections import PluginsConfig
+
+    points = [f.name for f in dataclasses.fields(PluginsConfig)]
     found = []
     for point, items in plugins.items():
+        if point not in points:
+            raise _Malformed(f"job key 'plugins' holds {_shown(point)}, not an attachment point ({', '.join(points)})")
         items = [] if items is None else items
         if not isinstance(items, list):
-            raise _Malformed(f"job key 'plugins.{point}' is not a list ({items!r})")
+            raise _Malformed(f"job key 'plugins.{point}' is not a list ({_shown(items)})")
         for i, item in enumerate(items):
             key = f"plugins.{point}[{i}]"
             found.append((key, _named(item, key), item if isinstance(item, Mapping) else {}))
@@ -166,7 +186,7 @@ def _data_reference(job: Mapping[str, Any]) -> tuple[str | None, str | None]:
     path = _get(job, "task.dataset_options.path", None)
     if isinstance(path, str) and path.startswith(CATALOG_PREFIX):
         return path[len(CATALOG_PREFIX):], None
-    named = "no path" if path is None else f"task.dataset_options.path {path!r}"
+    named = "no path" if path is None else f"task.dataset_options.path {_shown(path)}"
     return None, (
         f"the job reads task.dataset: files with {named}; a job names a site's data by catalogue entry "
         "(catalog:NAME), never by a path on the site"
@@ -188,7 +208,7 @@ def _step_counts(job: Mapping[str, Any]) -> list[tuple[str, Any]]:
     controller = _get(job, "controller", None)
     controller = {"kind": controller} if isinstance(controller, str) else controller
     if controller is not None and not isinstance(controller, Mapping):
-        raise _Malformed(f"job key 'controller' is not a mapping ({controller!r})")
+        raise _Malformed(f"job key 'controller' is not a mapping ({_shown(controller)})")
     if controller and controller.get("kind") == "adaptive" and controller.get("adjust", "steps") == "steps":
         found.append(("controller.max_steps", controller.get("max_steps")))
     return found
@@ -312,14 +332,14 @@ class SitePolicy:
         if references and bundle is None:
             key, reference = references[0]
             return (
-                f"the job names user code {reference!r} ({key}) without an allowed code bundle; this site "
+                f"the job names user code {_shown(reference)} ({key}) without an allowed code bundle; this site "
                 f"imports no code but its own built-ins (code: {self.code if self.code == 'never' else 'listed bundles'})"
             )
         if modules is not None:
             for key, reference in references:
                 top = reference.partition(":")[0].partition(".")[0]
                 if top not in modules:
-                    return f"the job names {reference!r} ({key}), whose module {top!r} is not in its code bundle"
+                    return f"the job names {_shown(reference)} ({key}), whose module {_shown(top)} is not in its code bundle"
         return None
 
     def _check_strategies(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -327,7 +347,7 @@ class SitePolicy:
             return None
         name = _named(_get(job, "strategy", _defaults()["strategy.name"]), "strategy")
         if name not in self.strategies:
-            return f"the job asks strategy {name!r}; this site accepts {_listing(self.strategies)}"
+            return f"the job asks strategy {_shown(name)}; this site accepts {_listing(self.strategies)}"
         return None
 
     def _check_plugins(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -335,7 +355,7 @@ class SitePolicy:
             return None
         for key, name, _settings in plugin_specs(job):
             if name not in self.plugins:
-                return f"the job applies plugin {name!r} ({key}); this site accepts {_listing(self.plugins)}"
+                return f"the job applies plugin {_shown(name)} ({key}); this site accepts {_listing(self.plugins)}"
         return None
 
     def _check_topologies(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -343,7 +363,7 @@ class SitePolicy:
             return None
         kind = _named(_get(job, "topology", _defaults()["topology.kind"]), "topology", "kind")
         if kind not in self.topologies:
-            return f"the job asks topology {kind!r}; this site accepts {_listing(self.topologies)}"
+            return f"the job asks topology {_shown(kind)}; this site accepts {_listing(self.topologies)}"
         return None
 
     def _check_catalog(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -353,16 +373,16 @@ class SitePolicy:
         for key in SITE_PATH_KEYS:
             value = _get(job, key, None)
             if value is not None:
-                return f"the job names {key} {value!r}, a path on the site; a job reads a site's data by catalogue entry"
+                return f"the job names {key} {_shown(value)}, a path on the site; a job reads a site's data by catalogue entry"
         for key, name, settings in plugin_specs(job):
             for option in PLUGIN_PATH_PARAMS.get(name, ()):
                 if settings.get(option) is not None:
                     return (
-                        f"the job names {key}.{option} {settings[option]!r}, a path on the site (for {name!r}: the "
+                        f"the job names {key}.{option} {_shown(settings[option])}, a path on the site (for {name!r}: the "
                         "folder of the secret key, which whoever made it can decrypt with); a job names no path on a site"
                     )
         if entry is not None and self.catalog is not None and entry not in self.catalog:
-            return f"the job reads catalogue entry {entry!r}; this site lets jobs read {_listing(self.catalog)}"
+            return f"the job reads catalogue entry {_shown(entry)}; this site lets jobs read {_listing(self.catalog)}"
         return None
 
     def _check_min_dp_noise(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -376,7 +396,7 @@ class SitePolicy:
                 default = PLUGINS.get(name, key).Params.__dataclass_fields__["noise_multiplier"].default
                 noise = settings.get("noise_multiplier", default)
                 if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise):
-                    raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({noise!r})")
+                    raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({_shown(noise)})")
                 if settings.get("seeded_noise", False) is not False:
                     seeded.append(key)
                     continue
@@ -420,7 +440,7 @@ class SitePolicy:
         if counted and self.max_local_steps is None:
             key, steps = counted[0]
             return (
-                f"the job trains {key}={steps!r} per round, which a ceiling on epochs cannot bound; this "
+                f"the job trains {key}={_shown(steps)} per round, which a ceiling on epochs cannot bound; this "
                 f"site allows at most {self.max_local_epochs} local epochs (set max_local_steps to admit steps)"
             )
         return self._ceiling(job, "local.epochs", self.max_local_epochs)
@@ -435,9 +455,9 @@ class SitePolicy:
                     f"allows at most {self.max_local_steps}"
                 )
             if isinstance(steps, bool) or not isinstance(steps, int):
-                raise _Malformed(f"job key {key!r} is not an integer ({steps!r})")
+                raise _Malformed(f"job key {key!r} is not an integer ({_shown(steps)})")
             if steps > self.max_local_steps:
-                return f"the job asks {key}={steps}; this site allows at most {self.max_local_steps}"
+                return f"the job asks {key}={_shown(steps)}; this site allows at most {self.max_local_steps}"
         return None
 
     @staticmethod
@@ -446,7 +466,7 @@ class SitePolicy:
             return None
         value = _get(job, key, _defaults().get(key))
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _Malformed(f"job key {key!r} is not an integer ({value!r})")
+            raise _Malformed(f"job key {key!r} is not an integer ({_shown(value)})")
         if value > ceiling:
-            return f"the job asks {key}={value}; this site allows at most {ceiling}"
+            return f"the job asks {key}={_shown(value)}; this site allows at most {ceiling}"
         return None
