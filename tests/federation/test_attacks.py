@@ -3,6 +3,12 @@ once and fixed: a job, a bundle or a log crafted to get past what a site's rules
 
 from __future__ import annotations
 
+import io
+import tarfile
+
+import pytest
+
+from fedweave.federation.bundle import BundleError, digest, unpack
 from fedweave.federation.policy import SitePolicy
 
 
@@ -105,3 +111,26 @@ def test_a_refusal_quotes_no_more_than_a_line_of_what_the_job_wrote():
         assert found is not None and len(found.reason) < 400 and "\n" not in found.reason, (policy, found.reason[:200])
     # an attachment point the loader does not know is refused by the first rule reading plugins
     assert refusal({}, {"plugins": {"client_sends": ["clip"]}}).reason.startswith("job key 'plugins' holds 'client_sends'")
+
+
+# ---------------------------------------------------------------------------------------------- bundle
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name", [".", "./", "x" * 200 + "\x00.py", "a\nb.py", "m\x1b[2J.py"])
+def test_a_member_name_that_is_no_file_name_is_a_bundle_error(tmp_path, name):
+    # '.' crashed unpack with an IndexError, a NUL (a PAX header carries one) with a ValueError: neither is
+    # the BundleError the site turns into a refusal
+    data = _tar([(name, b"x = 1\n")])
+    with pytest.raises(BundleError, match="bundle member"):
+        unpack(data, digest(data), tmp_path / "code")
+    assert not (tmp_path / "code").exists() and list(tmp_path.iterdir()) == []

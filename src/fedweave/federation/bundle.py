@@ -84,11 +84,14 @@ def pack(directory: Path) -> bytes:
 
 
 def _member_name(member: tarfile.TarInfo) -> PurePosixPath:
-    """The checked relative name of ``member``: a regular file, not absolute, no ``..``."""
+    """The checked relative name of ``member``: a regular file, not absolute, no ``..``, no control
+    characters (a NUL ends a name in the system's calls), a name of a file (not ``.``)."""
     name = PurePosixPath(member.name)
     if not member.isreg():
         kind = "a link" if member.issym() or member.islnk() else "not a regular file"
         raise BundleError(f"bundle member {member.name!r} is {kind}; a bundle holds files only")
+    if not name.parts or any(ord(c) < 32 or c == "\x7f" for c in member.name):
+        raise BundleError(f"bundle member {member.name!r} is not a plain name of a file")
     if name.is_absolute() or member.name.startswith(("/", "\\")) or ":" in name.parts[0]:
         raise BundleError(f"bundle member {member.name!r} is an absolute path")
     if any(part in ("..", "") for part in member.name.replace("\\", "/").split("/")) or "\\" in member.name:
