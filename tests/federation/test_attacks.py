@@ -4,6 +4,7 @@ once and fixed: a job, a bundle or a log crafted to get past what a site's rules
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 
 import pytest
@@ -134,3 +135,43 @@ def test_a_member_name_that_is_no_file_name_is_a_bundle_error(tmp_path, name):
     with pytest.raises(BundleError, match="bundle member"):
         unpack(data, digest(data), tmp_path / "code")
     assert not (tmp_path / "code").exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("members", [[("a", b"1"), ("a/b.py", b"2")], [("a/b.py", b"1"), ("a", b"2")],
+                                     [("d/" + "n" * 300 + ".py", b"1")]])
+def test_a_member_that_cannot_be_written_is_named_without_the_sites_folders(tmp_path, members):
+    # the reason goes to the federation server: "not a readable archive ([Errno 17] File exists:
+    # '/srv/site/work/job-1/.code.x1/a')" told it the site's folders, and blamed the archive
+    data = _tar(members)
+    with pytest.raises(BundleError) as error:
+        unpack(data, digest(data), tmp_path / "code")
+    message = str(error.value)
+    assert str(tmp_path) not in message and "bundle member" in message and "readable" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unpack_onto_a_folder_that_appeared_meanwhile_says_so_without_the_sites_path(tmp_path, monkeypatch):
+    # two offers of one job unpack at once: the second rename finds the first's folder (ENOTEMPTY), which
+    # was reported as an unreadable archive, with the site's path
+    data = _tar([("m.py", b"x = 1\n")])
+    dest = tmp_path / "work" / "code"
+    rename = os.rename
+
+    def racing(src, dst):
+        monkeypatch.setattr(os, "rename", rename)
+        unpack(data, digest(data), dest)  # the other unpack wins the race
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", racing)
+    with pytest.raises(BundleError) as error:
+        unpack(data, digest(data), dest)
+    assert str(error.value) == "bundle: the folder it unpacks into (code) exists already"
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["code"]  # the loser's staging folder removed
+
+
+def test_an_unpack_onto_a_dangling_link_is_refused_as_existing(tmp_path):
+    data = _tar([("m.py", b"x = 1\n")])
+    (tmp_path / "code").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(BundleError, match=r"^bundle: the folder it unpacks into \(code\) exists already$"):
+        unpack(data, digest(data), tmp_path / "code")
+    assert not (tmp_path / "elsewhere").exists() and [p.name for p in tmp_path.iterdir()] == ["code"]

@@ -109,8 +109,8 @@ def unpack(data: bytes, expected_sha256: str, dest: Path) -> Path:
     if found != expected_sha256:
         raise BundleError(f"bundle: sha256 {found} is not the submitted {expected_sha256}")
     dest = Path(dest)
-    if dest.exists():
-        raise BundleError(f"bundle: {dest} exists already")
+    if os.path.lexists(dest):  # a link too, even one to nothing
+        raise BundleError(f"bundle: the folder it unpacks into ({dest.name}) exists already")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
@@ -129,13 +129,21 @@ def unpack(data: bytes, expected_sha256: str, dest: Path) -> Path:
                 source = archive.extractfile(member)
                 assert source is not None  # a regular file's
                 target = staging.joinpath(*name.parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "xb") as out:
-                    shutil.copyfileobj(source, out)
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with open(target, "xb") as out:
+                        shutil.copyfileobj(source, out)
+                except OSError as exc:  # its message would name the site's folders
+                    raise BundleError(
+                        f"bundle member {member.name!r} cannot be written ({exc.strerror or type(exc).__name__}): "
+                        "a name both a file and a folder's, or too long for the site's file system"
+                    ) from None
                 target.chmod(0o644)
         os.rename(staging, dest)
     except (tarfile.TarError, OSError) as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and os.path.lexists(dest):  # another unpack renamed its folder there first
+            raise BundleError(f"bundle: the folder it unpacks into ({dest.name}) exists already") from None
         raise BundleError(f"bundle: not a readable archive ({exc})") from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
