@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 
-from fedweave.federation.bundle import BundleError, digest, unpack
+from fedweave.federation.bundle import BundleError, digest, modules, pack, unpack
 from fedweave.federation.policy import SitePolicy
 
 
@@ -175,3 +175,31 @@ def test_an_unpack_onto_a_dangling_link_is_refused_as_existing(tmp_path):
     with pytest.raises(BundleError, match=r"^bundle: the folder it unpacks into \(code\) exists already$"):
         unpack(data, digest(data), tmp_path / "code")
     assert not (tmp_path / "elsewhere").exists() and [p.name for p in tmp_path.iterdir()] == ["code"]
+
+
+@pytest.mark.parametrize("name", ["types.py", "json/__init__.py", "fedweave/__init__.py", "torch/x.py",
+                                  "numpy.cpython-311-x86_64-linux-gnu.so", "os.pyc", "logging/handlers.py"])
+def test_a_bundle_module_never_shadows_an_installed_one(tmp_path, name):
+    # the bundle's folder comes first on the client's PYTHONPATH: a bundle's types.py or fedweave/ is
+    # imported in place of the site's own (by every job's client, whether the job names it or not)
+    data = _tar([(name, b"import os\n"), ("mymodels.py", b"x = 1\n")])
+    with pytest.raises(BundleError, match=r"would be imported in place of the installed module"):
+        unpack(data, digest(data), tmp_path / "code")
+    assert list(tmp_path.iterdir()) == []
+    if name.endswith(".pyc"):
+        return  # pack leaves compiled files out
+    folder = tmp_path / "src"
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("import os\n")
+    with pytest.raises(BundleError, match=r"would be imported in place of the installed module"):
+        pack(folder)  # the careless user learns it at submit
+
+
+def test_a_bundle_of_own_modules_is_not_taken_for_shadowing(tmp_path):
+    folder = tmp_path / "src"
+    (folder / "mystudy").mkdir(parents=True)
+    (folder / "mystudy" / "__init__.py").write_text("")
+    (folder / "mymodels.py").write_text("x = 1\n")
+    (folder / "README.md").write_text("notes\n")  # no module: any name
+    data = pack(folder)
+    assert modules(unpack(data, digest(data), tmp_path / "code")) == ["mymodels", "mystudy"]

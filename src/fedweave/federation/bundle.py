@@ -10,11 +10,15 @@ client's ``PYTHONPATH``, and only a policy that allows the digest lets the job i
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.machinery
+import importlib.metadata
 import io
 import os
 import shutil
 import stat
+import sys
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -36,6 +40,33 @@ class BundleError(ValueError):
 def digest(data: bytes) -> str:
     """The sha256 of ``data`` in lowercase hex: a bundle's name."""
     return hashlib.sha256(data).hexdigest()
+
+
+@functools.cache
+def installed_modules() -> frozenset[str]:
+    """The top-level modules this machine has: the standard library's and every installed distribution's."""
+    return frozenset(sys.stdlib_module_names) | frozenset(importlib.metadata.packages_distributions())
+
+
+def _shadowing(name: PurePosixPath) -> str | None:
+    """The installed module that the bundle file ``name`` would be imported in place of, or None: the
+    bundle's folder comes first on the client's ``PYTHONPATH``, before the standard library and site-packages."""
+    top = name.parts[0]
+    if len(name.parts) == 1:  # a file: a module when Python imports its suffix (.py, .pyc, .so, ...)
+        suffixes = [s for s in importlib.machinery.all_suffixes() if top.endswith(s)]
+        if not suffixes:
+            return None
+        top = top[: -len(suffixes[0])].partition(".")[0]
+    return top if top in installed_modules() else None
+
+
+def _check_shadowing(name: PurePosixPath, shown: str) -> None:
+    module = _shadowing(name)
+    if module is not None:
+        raise BundleError(
+            f"bundle member {shown!r} would be imported in place of the installed module {module!r} (a bundle "
+            "comes first on the client's PYTHONPATH); rename it"
+        )
 
 
 def _files(directory: Path) -> list[tuple[str, Path]]:
@@ -66,6 +97,8 @@ def pack(directory: Path) -> bytes:
     if not directory.is_dir():
         raise BundleError(f"bundle {directory}: not a folder")
     files = _files(directory)
+    for name, _ in files:
+        _check_shadowing(PurePosixPath(name), name)
     if len(files) > MAX_FILES:
         raise BundleError(f"bundle {directory}: {len(files)} files, more than {MAX_FILES}")
     total = sum(path.stat().st_size for _, path in files)
@@ -125,6 +158,7 @@ def unpack(data: bytes, expected_sha256: str, dest: Path) -> Path:
                     raise BundleError(f"bundle: more than {MAX_BYTES} bytes of files")
                 if name in seen:
                     raise BundleError(f"bundle member {member.name!r} appears twice")
+                _check_shadowing(name, member.name)
                 seen.add(name)
                 source = archive.extractfile(member)
                 assert source is not None  # a regular file's
