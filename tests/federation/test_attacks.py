@@ -9,6 +9,7 @@ import tarfile
 
 import pytest
 
+from fedweave.federation.audit import AuditError, AuditLog
 from fedweave.federation.bundle import BundleError, digest, modules, pack, unpack
 from fedweave.federation.policy import SitePolicy
 
@@ -203,3 +204,27 @@ def test_a_bundle_of_own_modules_is_not_taken_for_shadowing(tmp_path):
     (folder / "README.md").write_text("notes\n")  # no module: any name
     data = pack(folder)
     assert modules(unpack(data, digest(data), tmp_path / "code")) == ["mymodels", "mystudy"]
+
+
+# ---------------------------------------------------------------------------------------------- audit
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b"\n",  # a blank line: the tail read skipped every newline and chained onto the record before it
+        b'{"hash":"' + b"f" * 64 + b'"}\n',  # a forged line holding only a hash, which the next append chained to
+        b'{"event":"x","fields":{},"hash":"' + b"f" * 64 + b'","prev":"' + b"0" * 64 + b'","time":"t"}\n',
+        b"[1, 2]\n",
+    ],
+)
+def test_a_log_is_never_extended_past_a_last_line_that_is_no_record(tmp_path, tail):
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.append("submitted", who="admin", job="j1")
+    with open(log.path, "ab") as out:
+        out.write(tail)
+    with pytest.raises(AuditError, match="line 2 is not a whole record; nothing appended after it"):
+        log.append("refused", site="lab-a", job="j1")
+    with pytest.raises(AuditError, match="line 2"):
+        log.head()
+    assert log.path.read_bytes().count(b"\n") == 2  # nothing appended
