@@ -3,9 +3,11 @@ once and fixed: a job, a bundle or a log crafted to get past what a site's rules
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import tarfile
+import threading
 
 import pytest
 
@@ -228,3 +230,22 @@ def test_a_log_is_never_extended_past_a_last_line_that_is_no_record(tmp_path, ta
     with pytest.raises(AuditError, match="line 2"):
         log.head()
     assert log.path.read_bytes().count(b"\n") == 2  # nothing appended
+
+
+@pytest.mark.parametrize("read", ["verify", "records", "head"])
+def test_readers_wait_for_a_writer_holding_the_log(tmp_path, read):
+    # a reader that does not take the lock can read a line a writer has half written and call the log broken
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.append("submitted", who="admin", job="j1")
+    done = threading.Event()
+    fd = os.open(log.path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a writer mid-append
+        reader = threading.Thread(target=lambda: (getattr(log, read)(), done.set()), daemon=True)
+        reader.start()
+        reader.join(0.5)
+        assert not done.is_set()  # it waits (on a loaded host this only passes sooner, never fails)
+    finally:
+        os.close(fd)  # the writer's lock released
+    reader.join(30)
+    assert done.is_set()

@@ -11,6 +11,8 @@ with its hash recomputed, removing or inserting lines, at the line after. Only t
 rewritten unnoticed: compare :meth:`AuditLog.head` with a copy kept elsewhere (``fedweave job`` shows
 it). Writers take an exclusive ``flock`` on the file, read the last line's hash, append with
 ``O_APPEND`` in one write and ``fsync``: two processes appending interleave whole lines and keep the chain.
+Readers (:meth:`AuditLog.records`, :meth:`AuditLog.head`, :meth:`AuditLog.verify`) take a shared ``flock``,
+so they never read a line a writer is still writing.
 
 Events: submitted (who, job, config_sha256, bundle_sha256), assigned, accepted, refused (site, rule,
 reason), started, finished, cancelled (who), failed.
@@ -137,7 +139,10 @@ class AuditLog:
         """Every record, in order (none when the log does not exist yet)."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()]
+        with open(self.path, "rb") as log:
+            fcntl.flock(log.fileno(), fcntl.LOCK_SH)  # no writer's line half read
+            data = log.read()
+        return [json.loads(line) for line in data.splitlines()]
 
     def head(self) -> str:
         """The last record's hash (:data:`GENESIS` for an empty log): keep a copy to detect a rewritten tail."""
@@ -145,6 +150,7 @@ class AuditLog:
             return GENESIS
         fd = os.open(self.path, os.O_RDONLY)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             return self._last_hash(fd)
         finally:
             os.close(fd)
@@ -155,6 +161,7 @@ class AuditLog:
             return
         prev = GENESIS
         with open(self.path, "rb") as lines:
+            fcntl.flock(lines.fileno(), fcntl.LOCK_SH)  # a writer's line is checked whole, never half written
             for number, raw in enumerate(lines, start=1):
                 where = f"{self.path}: line {number}"
                 if not raw.endswith(b"\n"):
