@@ -249,3 +249,15 @@ def test_readers_wait_for_a_writer_holding_the_log(tmp_path, read):
         os.close(fd)  # the writer's lock released
     reader.join(30)
     assert done.is_set()
+
+
+def test_records_of_a_log_cut_off_mid_line_is_an_audit_error(tmp_path):
+    # a writer killed mid-line (or a full disk) left half a record: records() raised json's own
+    # JSONDecodeError, which nothing reading the log for `fedweave job` expects
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.append("submitted", who="admin", job="j1")
+    with open(log.path, "ab") as out:
+        out.write(b'{"event":"acc')
+    with pytest.raises(AuditError, match="line 2 is not JSON") as error:
+        log.records()
+    assert error.value.line == 2

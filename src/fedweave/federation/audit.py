@@ -136,13 +136,20 @@ class AuditLog:
         return record["hash"]
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record, in order (none when the log does not exist yet)."""
+        """Every record, in order (none when the log does not exist yet); an AuditError names a line that is
+        not JSON (a writer cut off)."""
         if not self.path.exists():
             return []
         with open(self.path, "rb") as log:
             fcntl.flock(log.fileno(), fcntl.LOCK_SH)  # no writer's line half read
             data = log.read()
-        return [json.loads(line) for line in data.splitlines()]
+        found = []
+        for number, line in enumerate(data.splitlines(), start=1):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                raise AuditError(f"{self.path}: line {number} is not JSON (verify() finds where the chain breaks)", number) from None
+        return found
 
     def head(self) -> str:
         """The last record's hash (:data:`GENESIS` for an empty log): keep a copy to detect a rewritten tail."""
