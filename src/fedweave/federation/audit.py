@@ -26,7 +26,7 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from fedweave.errors import FedweaveError
 
@@ -80,7 +80,7 @@ def _last_line(fd: int) -> tuple[bytes, bool] | None:
     return os.pread(fd, stop - start, start), whole
 
 
-def _is_record(record: Any) -> bool:
+def _is_record(record: Any) -> TypeGuard[dict[str, Any]]:
     """Whether ``record`` is an audit record whose hash is the sha256 of its content."""
     if not isinstance(record, dict) or set(record) != RECORD_KEYS:
         return False
