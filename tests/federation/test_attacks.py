@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from fedweave.errors import ConfigError
 from fedweave.federation.audit import AuditError, AuditLog
 from fedweave.federation.bundle import BundleError, digest, modules, pack, unpack
 from fedweave.federation.policy import SitePolicy
@@ -261,3 +262,9 @@ def test_records_of_a_log_cut_off_mid_line_is_an_audit_error(tmp_path):
     with pytest.raises(AuditError, match="line 2 is not JSON") as error:
         log.records()
     assert error.value.line == 2
+
+
+def test_an_empty_list_of_secure_aggregations_is_no_silent_requirement():
+    # require_secure_aggregation: [] loaded, and then required nothing: a job without any was admitted
+    with pytest.raises(ConfigError, match=r"^config key 'policy.require_secure_aggregation': an empty list requires nothing"):
+        SitePolicy.from_dict({"require_secure_aggregation": []})

@@ -275,6 +275,11 @@ class SitePolicy:
                         f"config key '{prefix}.{name}[{i}]': {value!r} is not one of {', '.join(known)}"
                         + ("" if name == "topologies" else " or package.module:Name")
                     )
+        if self.require_secure_aggregation == []:
+            raise ConfigError(
+                f"config key '{prefix}.require_secure_aggregation': an empty list requires nothing; name secagg, "
+                "secagg+ or he, or leave the key out"
+            )
         for i, value in enumerate(self._secure()):
             if value not in SECURE_AGGREGATION:
                 at = f"[{i}]" if isinstance(self.require_secure_aggregation, list) else ""
