@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import io
 import os
+import re
 import tarfile
 import threading
 
@@ -14,6 +15,7 @@ import pytest
 from fedweave.errors import ConfigError
 from fedweave.federation.audit import AuditError, AuditLog
 from fedweave.federation.bundle import BundleError, digest, modules, pack, unpack
+from fedweave.federation.catalog import Catalog, resolve
 from fedweave.federation.policy import SitePolicy
 
 
@@ -268,3 +270,26 @@ def test_an_empty_list_of_secure_aggregations_is_no_silent_requirement():
     # require_secure_aggregation: [] loaded, and then required nothing: a job without any was admitted
     with pytest.raises(ConfigError, match=r"^config key 'policy.require_secure_aggregation': an empty list requires nothing"):
         SitePolicy.from_dict({"require_secure_aggregation": []})
+
+
+# ---------------------------------------------------------------------------------------------- catalog
+
+
+@pytest.mark.parametrize(
+    ("task", "plugins", "key"),
+    [
+        ({"data_root": "/home"}, {}, "task.data_root"),
+        ({"partition": {"scheme": "from_file", "file": "/etc/rows.json"}}, {}, "task.partition.file"),
+        ({}, {"client_send": [{"name": "he", "keys": "/srv/keys"}]}, "plugins.client_send[0].keys"),
+    ],
+)
+def test_resolve_never_hands_the_client_a_path_the_job_named(tmp_path, task, plugins, key):
+    # resolve copied every key but the dataset's options: a caller resolving a job it had not checked with
+    # SitePolicy.check first handed the client the job's task.data_root, partition file or HE keys folder
+    (tmp_path / "cardiology.csv").write_text("a,outcome\n1,0\n")
+    catalog = Catalog.from_dict({"cardiology": {"path": "cardiology.csv", "label": "outcome"}}, base=tmp_path)
+    job = {"task": {"dataset": "catalog:cardiology", **task}, "plugins": plugins}
+    with pytest.raises(ConfigError, match=rf"^config key '{re.escape(key)}': a path on the site"):
+        resolve(job, catalog)
+    config, data = resolve({"task": {"dataset": "catalog:cardiology"}}, catalog)
+    assert data == tmp_path / "cardiology.csv" and config["task"]["dataset"] == "files"
