@@ -291,5 +291,7 @@ def test_resolve_never_hands_the_client_a_path_the_job_named(tmp_path, task, plu
     job = {"task": {"dataset": "catalog:cardiology", **task}, "plugins": plugins}
     with pytest.raises(ConfigError, match=rf"^config key '{re.escape(key)}': a path on the site"):
         resolve(job, catalog)
+    odd = {"task": {"dataset": "catalog:cardiology"}, "plugins": {"client_send": [{"name": ["he"]}, "he", 3]}}
+    assert resolve(odd, catalog)[0]["plugins"] == odd["plugins"]  # shapes the loader refuses, not a crash here
     config, data = resolve({"task": {"dataset": "catalog:cardiology"}}, catalog)
     assert data == tmp_path / "cardiology.csv" and config["task"]["dataset"] == "files"

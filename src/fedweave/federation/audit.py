@@ -148,7 +148,8 @@ class AuditLog:
             try:
                 found.append(json.loads(line))
             except ValueError:
-                raise AuditError(f"{self.path}: line {number} is not JSON (verify() finds where the chain breaks)", number) from None
+                where = f"{self.path}: line {number}"
+                raise AuditError(f"{where} is not JSON (verify() finds where the chain breaks)", number) from None
         return found
 
     def head(self) -> str:

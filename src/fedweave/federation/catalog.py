@@ -140,9 +140,10 @@ def named_paths(job: Mapping[str, Any]) -> list[tuple[str, Any]]:
     plugins = job.get("plugins")
     for point, items in plugins.items() if isinstance(plugins, Mapping) else ():
         for i, item in enumerate(items if isinstance(items, list) else []):
-            if isinstance(item, Mapping):
+            name = item.get("name") if isinstance(item, Mapping) else None
+            if isinstance(name, str):
                 found += [(f"plugins.{point}[{i}].{option}", item[option])
-                          for option in PLUGIN_PATH_PARAMS.get(item.get("name"), ()) if item.get(option) is not None]
+                          for option in PLUGIN_PATH_PARAMS.get(name, ()) if item.get(option) is not None]
     return found
 
 
