@@ -201,6 +201,15 @@ def test_a_bundle_module_never_shadows_an_installed_one(tmp_path, name):
         pack(folder)  # the careless user learns it at submit
 
 
+@pytest.mark.parametrize("name", ["sitecustomize.py", "usercustomize.py", "sitecustomize/__init__.py"])
+def test_a_bundle_holds_no_module_python_runs_at_start_up(tmp_path, name):
+    # Python imports sitecustomize from its path when it starts: the client ran it before any job code was
+    # named, whatever the references the policy held to the bundle's modules
+    data = _tar([(name, b"import os\n")])
+    with pytest.raises(BundleError, match=r"is '(site|user)customize', which Python runs when it starts"):
+        unpack(data, digest(data), tmp_path / "code")
+
+
 def test_a_bundle_of_own_modules_is_not_taken_for_shadowing(tmp_path):
     folder = tmp_path / "src"
     (folder / "mystudy").mkdir(parents=True)

@@ -42,10 +42,16 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+STARTUP_MODULES = ("sitecustomize", "usercustomize")
+"""Modules Python imports from its path when it starts, before any job code is named."""
+
+
 @functools.cache
 def installed_modules() -> frozenset[str]:
-    """The top-level modules this machine has: the standard library's and every installed distribution's."""
-    return frozenset(sys.stdlib_module_names) | frozenset(importlib.metadata.packages_distributions())
+    """The top-level modules a bundle may not name: the standard library's, every installed distribution's,
+    and those Python imports when it starts (:data:`STARTUP_MODULES`)."""
+    return (frozenset(sys.stdlib_module_names) | frozenset(importlib.metadata.packages_distributions())
+            | frozenset(STARTUP_MODULES))
 
 
 def _shadowing(name: PurePosixPath) -> str | None:
@@ -62,6 +68,8 @@ def _shadowing(name: PurePosixPath) -> str | None:
 
 def _check_shadowing(name: PurePosixPath, shown: str) -> None:
     module = _shadowing(name)
+    if module in STARTUP_MODULES:
+        raise BundleError(f"bundle member {shown!r} is {module!r}, which Python runs when it starts, before any job code")
     if module is not None:
         raise BundleError(
             f"bundle member {shown!r} would be imported in place of the installed module {module!r} (a bundle "
