@@ -120,6 +120,12 @@ def test_a_refusal_quotes_no_more_than_a_line_of_what_the_job_wrote():
     assert refusal({}, {"plugins": {"client_sends": ["clip"]}}).reason.startswith("job key 'plugins' holds 'client_sends'")
 
 
+def test_an_empty_list_of_secure_aggregations_is_no_silent_requirement():
+    # require_secure_aggregation: [] loaded, and then required nothing: a job without any was admitted
+    with pytest.raises(ConfigError, match=r"^config key 'policy.require_secure_aggregation': an empty list requires nothing"):
+        SitePolicy.from_dict({"require_secure_aggregation": []})
+
+
 # ---------------------------------------------------------------------------------------------- bundle
 
 
@@ -273,12 +279,6 @@ def test_records_of_a_log_cut_off_mid_line_is_an_audit_error(tmp_path):
     with pytest.raises(AuditError, match="line 2 is not JSON") as error:
         log.records()
     assert error.value.line == 2
-
-
-def test_an_empty_list_of_secure_aggregations_is_no_silent_requirement():
-    # require_secure_aggregation: [] loaded, and then required nothing: a job without any was admitted
-    with pytest.raises(ConfigError, match=r"^config key 'policy.require_secure_aggregation': an empty list requires nothing"):
-        SitePolicy.from_dict({"require_secure_aggregation": []})
 
 
 # ---------------------------------------------------------------------------------------------- catalog
