@@ -11,6 +11,8 @@ with its hash recomputed, removing or inserting lines, at the line after. Only t
 rewritten unnoticed: compare :meth:`AuditLog.head` with a copy kept elsewhere (``fedweave job`` shows
 it). Writers take an exclusive ``flock`` on the file, read the last line's hash, append with
 ``O_APPEND`` in one write and ``fsync``: two processes appending interleave whole lines and keep the chain.
+Readers (:meth:`AuditLog.records`, :meth:`AuditLog.head`, :meth:`AuditLog.verify`) take a shared ``flock``,
+so they never read a line a writer is still writing.
 
 Events: submitted (who, job, config_sha256, bundle_sha256), assigned, accepted, refused (site, rule,
 reason), started, finished, cancelled (who), failed.
@@ -24,7 +26,7 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from fedweave.errors import FedweaveError
 
@@ -55,19 +57,37 @@ def record_hash(record: dict[str, Any]) -> str:
     return hashlib.sha256(_canonical(body).encode()).hexdigest()
 
 
-def _last_line(fd: int) -> bytes | None:
-    """The last line of the file open as ``fd`` (without its newline), or None when it is empty."""
+RECORD_KEYS = frozenset({"time", "event", "fields", "prev", "hash"})
+"""The keys of every audit record."""
+
+
+def _last_line(fd: int) -> tuple[bytes, bool] | None:
+    """The last line of the file open as ``fd`` (without its newline) and whether a newline ends it, or
+    None when the file is empty."""
     end = os.lseek(fd, 0, os.SEEK_END)
     if end == 0:
         return None
-    tail, position = b"", end
+    whole = os.pread(fd, 1, end - 1) == b"\n"
+    stop = end - 1 if whole else end
+    start, position = 0, stop
     while position > 0:
         step = min(TAIL_CHUNK, position)
         position -= step
-        tail = os.pread(fd, step, position) + tail
-        if tail.rstrip(b"\n").count(b"\n") >= 1:
+        cut = os.pread(fd, step, position).rfind(b"\n")
+        if cut >= 0:
+            start = position + cut + 1
             break
-    return tail.rstrip(b"\n").rpartition(b"\n")[2]
+    return os.pread(fd, stop - start, start), whole
+
+
+def _is_record(record: Any) -> TypeGuard[dict[str, Any]]:
+    """Whether ``record`` is an audit record whose hash is the sha256 of its content."""
+    if not isinstance(record, dict) or set(record) != RECORD_KEYS:
+        return False
+    try:
+        return record["hash"] == record_hash(record)
+    except (TypeError, ValueError):  # content canonical JSON cannot hold (NaN, keys of mixed types)
+        return False
 
 
 class AuditLog:
@@ -99,27 +119,38 @@ class AuditLog:
         return record
 
     def _last_hash(self, fd: int) -> str:
-        """The last record's hash; an AuditError when the last line is no whole record (a log is never
-        extended past a break: :meth:`verify` finds where it is)."""
+        """The last record's hash; an AuditError when the last line is no whole record whose hash is its
+        content's (a blank line, a writer cut off, a line forged without its hash): a log is never extended
+        past a break (:meth:`verify` finds where it is)."""
         last = _last_line(fd)
         if last is None:
             return GENESIS
-        whole = os.pread(fd, 1, os.lseek(fd, 0, os.SEEK_END) - 1) == b"\n"
+        line, whole = last
         try:
-            record = json.loads(last) if whole else None
-            found = record.get("hash") if isinstance(record, dict) else None
+            record = json.loads(line) if whole else None
         except ValueError:
-            found = None
-        if not isinstance(found, str):
+            record = None
+        if not _is_record(record):
             lines = self.path.read_bytes().count(b"\n") + (0 if whole else 1)
             raise AuditError(f"{self.path}: line {lines} is not a whole record; nothing appended after it", lines)
-        return found
+        return record["hash"]
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record, in order (none when the log does not exist yet)."""
+        """Every record, in order (none when the log does not exist yet); an AuditError names a line that is
+        not JSON (a writer cut off)."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()]
+        with open(self.path, "rb") as log:
+            fcntl.flock(log.fileno(), fcntl.LOCK_SH)  # no writer's line half read
+            data = log.read()
+        found = []
+        for number, line in enumerate(data.splitlines(), start=1):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                where = f"{self.path}: line {number}"
+                raise AuditError(f"{where} is not JSON (verify() finds where the chain breaks)", number) from None
+        return found
 
     def head(self) -> str:
         """The last record's hash (:data:`GENESIS` for an empty log): keep a copy to detect a rewritten tail."""
@@ -127,6 +158,7 @@ class AuditLog:
             return GENESIS
         fd = os.open(self.path, os.O_RDONLY)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             return self._last_hash(fd)
         finally:
             os.close(fd)
@@ -137,6 +169,7 @@ class AuditLog:
             return
         prev = GENESIS
         with open(self.path, "rb") as lines:
+            fcntl.flock(lines.fileno(), fcntl.LOCK_SH)  # a writer's line is checked whole, never half written
             for number, raw in enumerate(lines, start=1):
                 where = f"{self.path}: line {number}"
                 if not raw.endswith(b"\n"):
@@ -145,7 +178,7 @@ class AuditLog:
                     record = json.loads(raw)
                 except ValueError as exc:
                     raise AuditError(f"{where} is not JSON ({exc})", number) from None
-                if not isinstance(record, dict) or set(record) != {"time", "event", "fields", "prev", "hash"}:
+                if not isinstance(record, dict) or set(record) != RECORD_KEYS:
                     raise AuditError(f"{where} is not an audit record (time, event, fields, prev, hash)", number)
                 if record["hash"] != record_hash(record):
                     raise AuditError(f"{where} was altered: its hash is not the sha256 of its content", number)

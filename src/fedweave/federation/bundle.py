@@ -10,11 +10,15 @@ client's ``PYTHONPATH``, and only a policy that allows the digest lets the job i
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.machinery
+import importlib.metadata
 import io
 import os
 import shutil
 import stat
+import sys
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -36,6 +40,41 @@ class BundleError(ValueError):
 def digest(data: bytes) -> str:
     """The sha256 of ``data`` in lowercase hex: a bundle's name."""
     return hashlib.sha256(data).hexdigest()
+
+
+STARTUP_MODULES = ("sitecustomize", "usercustomize")
+"""Modules Python imports from its path when it starts, before any job code is named."""
+
+
+@functools.cache
+def installed_modules() -> frozenset[str]:
+    """The top-level modules a bundle may not name: the standard library's, every installed distribution's,
+    and those Python imports when it starts (:data:`STARTUP_MODULES`)."""
+    return (frozenset(sys.stdlib_module_names) | frozenset(importlib.metadata.packages_distributions())
+            | frozenset(STARTUP_MODULES))
+
+
+def _shadowing(name: PurePosixPath) -> str | None:
+    """The installed module that the bundle file ``name`` would be imported in place of, or None: the
+    bundle's folder comes first on the client's ``PYTHONPATH``, before the standard library and site-packages."""
+    top = name.parts[0]
+    if len(name.parts) == 1:  # a file: a module when Python imports its suffix (.py, .pyc, .so, ...)
+        suffixes = [s for s in importlib.machinery.all_suffixes() if top.endswith(s)]
+        if not suffixes:
+            return None
+        top = top[: -len(suffixes[0])].partition(".")[0]
+    return top if top in installed_modules() else None
+
+
+def _check_shadowing(name: PurePosixPath, shown: str) -> None:
+    module = _shadowing(name)
+    if module in STARTUP_MODULES:
+        raise BundleError(f"bundle member {shown!r} is {module!r}, which Python runs when it starts, before any job code")
+    if module is not None:
+        raise BundleError(
+            f"bundle member {shown!r} would be imported in place of the installed module {module!r} (a bundle "
+            "comes first on the client's PYTHONPATH); rename it"
+        )
 
 
 def _files(directory: Path) -> list[tuple[str, Path]]:
@@ -66,6 +105,8 @@ def pack(directory: Path) -> bytes:
     if not directory.is_dir():
         raise BundleError(f"bundle {directory}: not a folder")
     files = _files(directory)
+    for name, _ in files:
+        _check_shadowing(PurePosixPath(name), name)
     if len(files) > MAX_FILES:
         raise BundleError(f"bundle {directory}: {len(files)} files, more than {MAX_FILES}")
     total = sum(path.stat().st_size for _, path in files)
@@ -84,11 +125,14 @@ def pack(directory: Path) -> bytes:
 
 
 def _member_name(member: tarfile.TarInfo) -> PurePosixPath:
-    """The checked relative name of ``member``: a regular file, not absolute, no ``..``."""
+    """The checked relative name of ``member``: a regular file, not absolute, no ``..``, no control
+    characters (a NUL ends a name in the system's calls), a name of a file (not ``.``)."""
     name = PurePosixPath(member.name)
     if not member.isreg():
         kind = "a link" if member.issym() or member.islnk() else "not a regular file"
         raise BundleError(f"bundle member {member.name!r} is {kind}; a bundle holds files only")
+    if not name.parts or any(ord(c) < 32 or c == "\x7f" for c in member.name):
+        raise BundleError(f"bundle member {member.name!r} is not a plain name of a file")
     if name.is_absolute() or member.name.startswith(("/", "\\")) or ":" in name.parts[0]:
         raise BundleError(f"bundle member {member.name!r} is an absolute path")
     if any(part in ("..", "") for part in member.name.replace("\\", "/").split("/")) or "\\" in member.name:
@@ -106,8 +150,8 @@ def unpack(data: bytes, expected_sha256: str, dest: Path) -> Path:
     if found != expected_sha256:
         raise BundleError(f"bundle: sha256 {found} is not the submitted {expected_sha256}")
     dest = Path(dest)
-    if dest.exists():
-        raise BundleError(f"bundle: {dest} exists already")
+    if os.path.lexists(dest):  # a link too, even one to nothing
+        raise BundleError(f"bundle: the folder it unpacks into ({dest.name}) exists already")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
@@ -122,17 +166,26 @@ def unpack(data: bytes, expected_sha256: str, dest: Path) -> Path:
                     raise BundleError(f"bundle: more than {MAX_BYTES} bytes of files")
                 if name in seen:
                     raise BundleError(f"bundle member {member.name!r} appears twice")
+                _check_shadowing(name, member.name)
                 seen.add(name)
                 source = archive.extractfile(member)
                 assert source is not None  # a regular file's
                 target = staging.joinpath(*name.parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "xb") as out:
-                    shutil.copyfileobj(source, out)
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with open(target, "xb") as out:
+                        shutil.copyfileobj(source, out)
+                except OSError as exc:  # its message would name the site's folders
+                    raise BundleError(
+                        f"bundle member {member.name!r} cannot be written ({exc.strerror or type(exc).__name__}): "
+                        "a name both a file and a folder's, or too long for the site's file system"
+                    ) from None
                 target.chmod(0o644)
         os.rename(staging, dest)
     except (tarfile.TarError, OSError) as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and os.path.lexists(dest):  # another unpack renamed its folder there first
+            raise BundleError(f"bundle: the folder it unpacks into ({dest.name}) exists already") from None
         raise BundleError(f"bundle: not a readable archive ({exc})") from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

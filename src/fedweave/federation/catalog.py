@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave.errors import ConfigError
-from fedweave.federation.policy import CATALOG_PREFIX
+from fedweave.federation.policy import CATALOG_PREFIX, PLUGIN_PATH_PARAMS, SITE_PATH_KEYS
 from fedweave.schema import parse, unknown_key
 
 SITE_OWNED = ("format", "label", "features", "split", "share_label_counts")
@@ -127,16 +127,42 @@ def catalog_reference(job: Mapping[str, Any]) -> str | None:
     return None
 
 
+def named_paths(job: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(key, value)`` of every path on the site ``job`` names besides its data (:data:`SITE_PATH_KEYS`, the
+    built-in plugins' :data:`PLUGIN_PATH_PARAMS`); keys of another shape are the loader's to refuse."""
+    found = []
+    for dotted in SITE_PATH_KEYS:
+        node: Any = job
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is not None:
+            found.append((dotted, node))
+    plugins = job.get("plugins")
+    for point, items in plugins.items() if isinstance(plugins, Mapping) else ():
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            name = item.get("name") if isinstance(item, Mapping) else None
+            if isinstance(name, str):
+                found += [(f"plugins.{point}[{i}].{option}", item[option])
+                          for option in PLUGIN_PATH_PARAMS.get(name, ()) if item.get(option) is not None]
+    return found
+
+
 def resolve(job: Mapping[str, Any], catalog: Catalog) -> tuple[dict[str, Any], Path]:
     """This site's config of ``job`` and the data its client reads (``--data``).
 
     The config reads ``task.dataset: files`` with the entry's :data:`SITE_OWNED` options in place of the
     job's, the job's :data:`JOB_OWNED` options kept, no ``path`` (the client's ``--data`` is the entry's)
-    and no ``test_path`` (the central test set is the server's)."""
+    and no ``test_path`` (the central test set is the server's). A job naming another path on the site
+    (:func:`named_paths`) is a ConfigError, as :meth:`~fedweave.federation.policy.SitePolicy.check` refuses it."""
     name = catalog_reference(job)
     if name is None:
         raise ConfigError(
             "config key 'task.dataset_options.path': the job reads no catalogue entry (catalog:NAME)"
+        )
+    paths = named_paths(job)
+    if paths:
+        raise ConfigError(
+            f"config key {paths[0][0]!r}: a path on the site; a job names a site's data by catalogue entry, never a path"
         )
     entry = catalog.entry(name)
     config = copy.deepcopy(dict(job))

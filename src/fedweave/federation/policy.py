@@ -14,6 +14,7 @@ whatever the policy says.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -66,8 +67,14 @@ CODE_KEYS = (
 SITE_PATH_KEYS = ("task.data_root", "task.partition.file")
 """Keys besides the dataset's path that would make a site read a file of the job's choosing."""
 
+PLUGIN_PATH_PARAMS = {"he": ("keys",)}
+"""Built-in plugins' settings that name a path the site reads: ``he``'s ``keys``, the folder its clients
+read the CKKS secret key from (a folder of the job's, its bundle's included, holds keys the job's author
+made, who can then decrypt each site's update)."""
+
 NOT_CODE_PREFIXES = ("torchvision:", CATALOG_PREFIX)
-"""Values with a colon that name no module: built-in datasets and catalogue entries."""
+"""Values of ``task.dataset`` with a colon that name no module: built-in datasets and catalogue entries. At
+every other key of :data:`CODE_KEYS` such a value is imported like any ``package.module:Name``."""
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -79,6 +86,20 @@ class Refusal:
 
     rule: str
     reason: str
+
+
+SHOWN = 80
+"""The most characters of a job's value a refusal's reason quotes (a reason goes to the audit logs and the
+server, whatever the length of what a job wrote)."""
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to :data:`SHOWN` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python writes
+        return f"<{type(value).__name__} too long to show>"
+    return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
 
 
 class _Malformed(Exception):
@@ -94,7 +115,7 @@ def _get(job: Mapping[str, Any], dotted: str, default: Any) -> Any:
     walked: list[str] = []
     for part in dotted.split("."):
         if not isinstance(node, Mapping):
-            raise _Malformed(f"job key {'.'.join(walked) or '<root>'!r} is not a mapping ({node!r})")
+            raise _Malformed(f"job key {'.'.join(walked) or '<root>'!r} is not a mapping ({_shown(node)})")
         walked.append(part)
         node = node.get(part, _MISSING)
         if node is _MISSING or node is None and default is not None:
@@ -107,7 +128,7 @@ def _named(value: Any, key: str, shorthand: str = "name") -> str:
     if isinstance(value, Mapping):
         value = value.get(shorthand)
     if not isinstance(value, str):
-        raise _Malformed(f"job key {key!r} names no {shorthand} ({value!r})")
+        raise _Malformed(f"job key {key!r} names no {shorthand} ({_shown(value)})")
     return value
 
 
@@ -115,12 +136,17 @@ def plugin_specs(job: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, An
     """``(key, name, settings)`` of every plugin the job applies, in attachment-point order."""
     plugins = _get(job, "plugins", {})
     if not isinstance(plugins, Mapping):
-        raise _Malformed(f"job key 'plugins' is not a mapping ({plugins!r})")
+        raise _Malformed(f"job key 'plugins' is not a mapping ({_shown(plugins)})")
+    from fedweave.config.sections import PluginsConfig
+
+    points = [f.name for f in dataclasses.fields(PluginsConfig)]
     found = []
     for point, items in plugins.items():
+        if point not in points:
+            raise _Malformed(f"job key 'plugins' holds {_shown(point)}, not an attachment point ({', '.join(points)})")
         items = [] if items is None else items
         if not isinstance(items, list):
-            raise _Malformed(f"job key 'plugins.{point}' is not a list ({items!r})")
+            raise _Malformed(f"job key 'plugins.{point}' is not a list ({_shown(items)})")
         for i, item in enumerate(items):
             key = f"plugins.{point}[{i}]"
             found.append((key, _named(item, key), item if isinstance(item, Mapping) else {}))
@@ -130,13 +156,14 @@ def plugin_specs(job: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, An
 def user_code(job: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(key, reference)`` of every ``package.module:Name`` the job names: code a site would import."""
 
-    def is_code(value: Any) -> bool:
-        return isinstance(value, str) and ":" in value and not value.startswith(NOT_CODE_PREFIXES)
+    def is_code(value: Any, key: str) -> bool:
+        exempt = key == "task.dataset" and isinstance(value, str) and value.startswith(NOT_CODE_PREFIXES)
+        return isinstance(value, str) and ":" in value and not exempt
 
     found = []
     for key in CODE_KEYS:
         if key == "plugins":
-            found += [(k, name) for k, name, _ in plugin_specs(job) if is_code(name)]
+            found += [(k, name) for k, name, _ in plugin_specs(job) if is_code(name, key)]
             continue
         section, _, field = key.partition(".")
         if field == "name":  # strategy and selection: a name, or a mapping with one
@@ -145,7 +172,7 @@ def user_code(job: Mapping[str, Any]) -> list[tuple[str, str]]:
         else:
             value = _get(job, key, None)
         values = value if isinstance(value, list) else [value]
-        found += [(key, v) for v in values if is_code(v)]
+        found += [(key, v) for v in values if is_code(v, key)]
     return found
 
 
@@ -159,11 +186,32 @@ def _data_reference(job: Mapping[str, Any]) -> tuple[str | None, str | None]:
     path = _get(job, "task.dataset_options.path", None)
     if isinstance(path, str) and path.startswith(CATALOG_PREFIX):
         return path[len(CATALOG_PREFIX):], None
-    named = "no path" if path is None else f"task.dataset_options.path {path!r}"
+    named = "no path" if path is None else f"task.dataset_options.path {_shown(path)}"
     return None, (
         f"the job reads task.dataset: files with {named}; a job names a site's data by catalogue entry "
         "(catalog:NAME), never by a path on the site"
     )
+
+
+def _step_counts(job: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(key, steps)`` of every setting that sets a client's local steps per round in place of
+    ``local.epochs``: ``local.steps``, Ditto's ``strategy.personal_steps`` (the personal model's steps, taken
+    after the global model's local work), and the adaptive controller's ``max_steps`` (None: no limit) when it
+    adjusts steps (it gives each client the steps its speed allows, between min_steps and max_steps)."""
+    found = []
+    steps = _get(job, "local.steps", None)
+    if steps is not None:
+        found.append(("local.steps", steps))
+    strategy = _get(job, "strategy", None)
+    if isinstance(strategy, Mapping) and strategy.get("name") == "ditto" and strategy.get("personal_steps") is not None:
+        found.append(("strategy.personal_steps", strategy["personal_steps"]))
+    controller = _get(job, "controller", None)
+    controller = {"kind": controller} if isinstance(controller, str) else controller
+    if controller is not None and not isinstance(controller, Mapping):
+        raise _Malformed(f"job key 'controller' is not a mapping ({_shown(controller)})")
+    if controller and controller.get("kind") == "adaptive" and controller.get("adjust", "steps") == "steps":
+        found.append(("controller.max_steps", controller.get("max_steps")))
+    return found
 
 
 @functools.cache
@@ -227,6 +275,11 @@ class SitePolicy:
                         f"config key '{prefix}.{name}[{i}]': {value!r} is not one of {', '.join(known)}"
                         + ("" if name == "topologies" else " or package.module:Name")
                     )
+        if self.require_secure_aggregation == []:
+            raise ConfigError(
+                f"config key '{prefix}.require_secure_aggregation': an empty list requires nothing; name secagg, "
+                "secagg+ or he, or leave the key out"
+            )
         for i, value in enumerate(self._secure()):
             if value not in SECURE_AGGREGATION:
                 at = f"[{i}]" if isinstance(self.require_secure_aggregation, list) else ""
@@ -284,14 +337,14 @@ class SitePolicy:
         if references and bundle is None:
             key, reference = references[0]
             return (
-                f"the job names user code {reference!r} ({key}) without an allowed code bundle; this site "
+                f"the job names user code {_shown(reference)} ({key}) without an allowed code bundle; this site "
                 f"imports no code but its own built-ins (code: {self.code if self.code == 'never' else 'listed bundles'})"
             )
         if modules is not None:
             for key, reference in references:
                 top = reference.partition(":")[0].partition(".")[0]
                 if top not in modules:
-                    return f"the job names {reference!r} ({key}), whose module {top!r} is not in its code bundle"
+                    return f"the job names {_shown(reference)} ({key}), whose module {_shown(top)} is not in its code bundle"
         return None
 
     def _check_strategies(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -299,7 +352,7 @@ class SitePolicy:
             return None
         name = _named(_get(job, "strategy", _defaults()["strategy.name"]), "strategy")
         if name not in self.strategies:
-            return f"the job asks strategy {name!r}; this site accepts {_listing(self.strategies)}"
+            return f"the job asks strategy {_shown(name)}; this site accepts {_listing(self.strategies)}"
         return None
 
     def _check_plugins(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -307,7 +360,7 @@ class SitePolicy:
             return None
         for key, name, _settings in plugin_specs(job):
             if name not in self.plugins:
-                return f"the job applies plugin {name!r} ({key}); this site accepts {_listing(self.plugins)}"
+                return f"the job applies plugin {_shown(name)} ({key}); this site accepts {_listing(self.plugins)}"
         return None
 
     def _check_topologies(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -315,7 +368,7 @@ class SitePolicy:
             return None
         kind = _named(_get(job, "topology", _defaults()["topology.kind"]), "topology", "kind")
         if kind not in self.topologies:
-            return f"the job asks topology {kind!r}; this site accepts {_listing(self.topologies)}"
+            return f"the job asks topology {_shown(kind)}; this site accepts {_listing(self.topologies)}"
         return None
 
     def _check_catalog(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -325,9 +378,16 @@ class SitePolicy:
         for key in SITE_PATH_KEYS:
             value = _get(job, key, None)
             if value is not None:
-                return f"the job names {key} {value!r}, a path on the site; a job reads a site's data by catalogue entry"
+                return f"the job names {key} {_shown(value)}, a path on the site; a job reads a site's data by catalogue entry"
+        for key, name, settings in plugin_specs(job):
+            for option in PLUGIN_PATH_PARAMS.get(name, ()):
+                if settings.get(option) is not None:
+                    return (
+                        f"the job names {key}.{option} {_shown(settings[option])}, a path on the site (for {name!r}: the "
+                        "folder of the secret key, which whoever made it can decrypt with); a job names no path on a site"
+                    )
         if entry is not None and self.catalog is not None and entry not in self.catalog:
-            return f"the job reads catalogue entry {entry!r}; this site lets jobs read {_listing(self.catalog)}"
+            return f"the job reads catalogue entry {_shown(entry)}; this site lets jobs read {_listing(self.catalog)}"
         return None
 
     def _check_min_dp_noise(self, job: Mapping[str, Any], *_: Any) -> str | None:
@@ -335,14 +395,23 @@ class SitePolicy:
             return None
         from fedweave.plugins import PLUGINS
 
-        noises = []
+        noises, seeded = [], []
         for key, name, settings in plugin_specs(job):
             if name in DP_PLUGINS:
                 default = PLUGINS.get(name, key).Params.__dataclass_fields__["noise_multiplier"].default
                 noise = settings.get("noise_multiplier", default)
                 if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise):
-                    raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({noise!r})")
+                    raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({_shown(noise)})")
+                if settings.get("seeded_noise", False) is not False:
+                    seeded.append(key)
+                    continue
                 noises.append(float(noise))
+        if not noises and seeded:
+            return (
+                f"the job's noise is seeded ({seeded[0]}.seeded_noise): drawn from the run seed in the config, it "
+                f"can be drawn again and subtracted; this site needs noise_multiplier >= {self.min_dp_noise:g} "
+                "from fresh draws"
+            )
         if not noises:
             return f"the job applies no differential privacy; this site needs noise_multiplier >= {self.min_dp_noise:g}"
         if max(noises) < self.min_dp_noise:
@@ -372,18 +441,29 @@ class SitePolicy:
     def _check_max_local_epochs(self, job: Mapping[str, Any], *_: Any) -> str | None:
         if self.max_local_epochs is None:
             return None
-        steps = _get(job, "local.steps", None)
-        if steps is not None and self.max_local_steps is None:
+        counted = _step_counts(job)
+        if counted and self.max_local_steps is None:
+            key, steps = counted[0]
             return (
-                f"the job trains local.steps={steps!r} per round, which a ceiling on epochs cannot bound; this "
+                f"the job trains {key}={_shown(steps)} per round, which a ceiling on epochs cannot bound; this "
                 f"site allows at most {self.max_local_epochs} local epochs (set max_local_steps to admit steps)"
             )
         return self._ceiling(job, "local.epochs", self.max_local_epochs)
 
     def _check_max_local_steps(self, job: Mapping[str, Any], *_: Any) -> str | None:
-        if _get(job, "local.steps", None) is None:
+        if self.max_local_steps is None:
             return None
-        return self._ceiling(job, "local.steps", self.max_local_steps)
+        for key, steps in _step_counts(job):
+            if steps is None:
+                return (
+                    f"the job leaves {key} unset, so a client's local steps per round have no limit; this site "
+                    f"allows at most {self.max_local_steps}"
+                )
+            if isinstance(steps, bool) or not isinstance(steps, int):
+                raise _Malformed(f"job key {key!r} is not an integer ({_shown(steps)})")
+            if steps > self.max_local_steps:
+                return f"the job asks {key}={_shown(steps)}; this site allows at most {self.max_local_steps}"
+        return None
 
     @staticmethod
     def _ceiling(job: Mapping[str, Any], key: str, ceiling: int | None) -> str | None:
@@ -391,7 +471,7 @@ class SitePolicy:
             return None
         value = _get(job, key, _defaults().get(key))
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _Malformed(f"job key {key!r} is not an integer ({value!r})")
+            raise _Malformed(f"job key {key!r} is not an integer ({_shown(value)})")
         if value > ceiling:
-            return f"the job asks {key}={value}; this site allows at most {ceiling}"
+            return f"the job asks {key}={_shown(value)}; this site allows at most {ceiling}"
         return None
