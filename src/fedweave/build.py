@@ -196,7 +196,8 @@ def blocks_of(config: Config) -> Blocks:
 def _model_factory(config: Config, dataset: Dataset) -> Callable[[], torch.nn.Module]:
     task = config.task
     if task.model.startswith(HF_MODEL):
-        from fedweave.task.hf import check_fits, language_model
+        from fedweave.task.hf import check_fits
+        from fedweave.task.lora import language_model
 
         with torch.random.fork_rng(devices=[]):  # the adapters' draws; the run's are untouched
             check_fits(language_model(task), dataset.num_classes, task.sequence_length, task.model)

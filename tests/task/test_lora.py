@@ -24,7 +24,8 @@ from fedweave import runner
 from fedweave.build import build_task, initial_params, update_checks
 from fedweave.errors import ConfigError, TaskError
 from fedweave.rundir import load_model
-from fedweave.task.hf import language_model, model_folder
+from fedweave.task.hf import model_folder
+from fedweave.task.lora import language_model
 from fedweave.task.lora import LoraLM
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedweave.config.sections import HF_MODEL, TaskConfig
+from fedweave.config.sections import HF_MODEL
 from fedweave.errors import TaskError
 
 logger = logging.getLogger(__name__)
@@ -66,17 +66,6 @@ class CausalLM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``(N, T, V)`` of token ids ``x`` ``(N, T)``."""
         return self.model(input_ids=x).logits
-
-
-def language_model(task: TaskConfig) -> CausalLM:
-    """The model of ``task``: its ``hf:`` folder's, with the LoRA adapters of ``task.peft`` when set
-    (their initial values drawn from torch's global generator, which the caller seeds)."""
-    base = load_pretrained(task.model)
-    if task.peft.method is None:
-        return CausalLM(base)
-    from fedweave.task.lora import with_lora
-
-    return with_lora(base, task.peft)
 
 
 def check_fits(model: CausalLM, vocab: int, sequence_length: int, spec: str) -> None:

@@ -9,7 +9,8 @@ works on them unchanged (:func:`fedweave.rules.adapter_strategies` refuses the o
 
 The run's artefact (:func:`save_adapter`) is the adapter in ``peft``'s layout, loadable by
 ``PeftModel.from_pretrained(base, folder)``, and with ``merged`` the base model with the adapters
-merged in, loadable by ``AutoModelForCausalLM.from_pretrained``.
+merged in, loadable by ``AutoModelForCausalLM.from_pretrained``. :func:`language_model` is the model
+a run builds from ``task``: the ``hf:`` folder's, wrapped here when ``task.peft`` is set.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fedweave.config.sections import PeftConfig, TaskConfig
 from fedweave.errors import TaskError
-from fedweave.task.hf import CausalLM, language_model, require
+from fedweave.task.hf import CausalLM, load_pretrained, require
 from fedweave.types import Params
 
 ADAPTER_DIR = "adapter"
@@ -85,11 +86,19 @@ def with_lora(base: torch.nn.Module, settings: PeftConfig) -> LoraLM:
     return LoraLM(model)
 
 
+def language_model(task: TaskConfig) -> CausalLM:
+    """The model of ``task``: its ``hf:`` folder's, with the LoRA adapters of ``task.peft`` when set
+    (their initial values drawn from torch's global generator, which the caller seeds)."""
+    base = load_pretrained(task.model)
+    if task.peft.method is None:
+        return CausalLM(base)
+    return with_lora(base, task.peft)
+
+
 def save_adapter(task: TaskConfig, params: Params, run_dir: Path) -> None:
     """Write the adapters ``params`` in ``peft``'s layout to ``run_dir/adapter`` and, with
     ``task.peft.merged``, the merged model to ``run_dir/merged``; each folder written aside and renamed."""
-    model = language_model(task)
-    assert isinstance(model, LoraLM)  # task.peft.method is set
+    model = with_lora(load_pretrained(task.model), task.peft)
     model.load_state_dict(params)
     _write_folder(run_dir / ADAPTER_DIR, model.model.save_pretrained)
     if task.peft.merged:
