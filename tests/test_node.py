@@ -108,7 +108,7 @@ def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, capl
     from fedweave import rundir
 
     port = free_port()
-    config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{port}", "clients=2", "grpc.join_timeout=5")
+    config = small_config(*FAST_GRPC, f"grpc.listen=127.0.0.1:{port}", "clients=2", "grpc.join_timeout=30")
     with grpc_clients(config, f"127.0.0.1:{port}"):
         serve(config, tmp_path)
     model, metrics = rundir.load_model(tmp_path), (tmp_path / rundir.METRICS_FILE).read_text()
@@ -125,7 +125,7 @@ def test_a_server_started_on_a_finished_run_serves_no_round(tmp_path: Path, capl
     began = time.monotonic()
     with caplog.at_level("INFO"):
         serve(config, tmp_path)
-    assert time.monotonic() - began < config.grpc.join_timeout  # nobody to wait for
+    assert time.monotonic() - began < config.grpc.join_timeout / 2  # nobody to wait for (30 s to tell)
     assert f"the run in {tmp_path} already finished all 3 rounds" in caplog.text
 
 
@@ -142,7 +142,7 @@ def test_a_server_started_on_a_finished_he_run_writes_no_plaintext_model(tmp_pat
 
     assert main(["keys", "--out", str(tmp_path / "keys")]) == 0
     address = f"127.0.0.1:{free_port()}"
-    config = small_config(*FAST_GRPC, f"grpc.listen={address}", "clients=2", "rounds=1", "grpc.join_timeout=10",
+    config = small_config(*FAST_GRPC, f"grpc.listen={address}", "clients=2", "rounds=1", "grpc.join_timeout=30",
                           f"plugins.client_send=[{{name: he, keys: {tmp_path / 'keys'}}}]", "eval.every=0")
     run_dir = tmp_path / "run"
     with grpc_clients(config, address):

@@ -183,7 +183,7 @@ def test_a_host_killed_mid_epoch_the_other_goes_on(hosts: netns.Hosts, tmp_path:
     wait_for(run_dir, lambda last: last["generation"] > 0, agents[:1])
     # the survivor's collective breaks at once; torchrun drops the dead host after 3 keep-alives of 1 s,
     # waits the last call (1 s), and starts the worker again (an interpreter and torch: seconds)
-    assert time.monotonic() - killed < config.data_parallel.timeout + 10
+    assert time.monotonic() - killed < config.data_parallel.timeout + 30  # bounded (a loaded host starts torch slowly)
     finish(agents[:1], tmp_path)
     survivor = (tmp_path / "agent-0.log").read_text(errors="replace")
     assert "fedweave: warning: worker 0 stopped at step" in survivor and "fedweave: error:" not in survivor

@@ -16,12 +16,16 @@ cluster's lifetime. Every wait is bounded in time and in count.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import re
 import shutil
 import subprocess
+import tempfile
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,12 +209,42 @@ def slurm_environment(conf: Path) -> dict[str, str]:
     return {**env, "SLURM_CONF": str(conf)}
 
 
+LOCK = Path(tempfile.gettempdir()) / "fedweave-tests-slurm.lock"
+"""Held while a test cluster runs: two copies of the suite at once share the one munged (a copy
+that started it stops it at its end) and the node name, so their clusters take turns."""
+
+
+@contextmanager
+def one_cluster_at_a_time(timeout: float = 900.0) -> Iterator[None]:
+    """This machine's test-cluster lock (``LOCK``), waited for at most ``timeout`` s."""
+    with LOCK.open("a") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"another copy of the tests held {LOCK} for {timeout:g} s")
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """A running one-node cluster (idle, ``NODE_CPUS`` CPUs), torn down after the module."""
+    """A running one-node cluster (idle, ``NODE_CPUS`` CPUs), torn down after the module; one
+    on this machine at a time (:func:`one_cluster_at_a_time`)."""
     reason = missing()
     if reason is not None:
         pytest.skip(reason)
+    with one_cluster_at_a_time():
+        yield from _cluster(tmp_path_factory)
+
+
+def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     root = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool"):
         (root / sub).mkdir()

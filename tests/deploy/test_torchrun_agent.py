@@ -3,35 +3,67 @@ store host it picks; tests/data_parallel/test_torchrun.py runs it on hosts whose
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import netns
 import pytest
 
 from fedweave.deploy import torchrun as agent
 
-ELSEWHERE = "198.51.100.7"  # a documentation address: routed (by the default route), never reached
+ON_A_HOST = textwrap.dedent(
+    """
+    import json
+    import sys
+    from fedweave.deploy import torchrun as agent
+
+    elsewhere = sys.argv[1]
+    local, _ = agent.route(elsewhere, 9)
+    host = agent.agent_command(agent.Agent(f"{local}:29400", "2"), ["c.yaml", "--run-dir", "r"], {})
+    join = agent.agent_command(agent.Agent(f"{elsewhere}:29400", "1:3", rdzv_conf="join_timeout=60"), ["c"], {})
+    print(json.dumps({"local": local, "interface": agent.interface_of(local), "host": host, "join": join}))
+    """
+)
 
 
-def own_address() -> str:
+@pytest.fixture(scope="module")
+def on_a_host() -> Iterator[dict[str, Any]]:
+    """What the agent picks on a host of its own (a network namespace at 10.214.0.10 on a bridge)
+    for an endpoint on itself and for one at 10.214.0.11, another host of that network (routed,
+    never reached: a UDP socket's connect sends nothing), and that host's own device name."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    hosts = netns.Hosts(1)
     try:
-        local, _ = agent.route(ELSEWHERE, 9)
-    except agent.AgentError:
-        pytest.skip("this machine has no route off itself")
-    return local
+        done = subprocess.run([*hosts.exec(0), sys.executable, "-c", ON_A_HOST, hosts.address(1)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        yield {**json.loads(done.stdout), "address": hosts.address(0), "device": hosts.device(0),
+               "elsewhere": hosts.address(1)}
+    finally:
+        hosts.close()
 
 
-def test_the_host_the_endpoint_names_hosts_the_store_on_the_interface_that_reaches_it() -> None:
-    local = own_address()
-    command, env = agent.agent_command(agent.Agent(f"{local}:29400", "2"), ["c.yaml", "--run-dir", "r"], {})
+def test_the_host_the_endpoint_names_hosts_the_store_on_the_interface_that_reaches_it(on_a_host: dict[str, Any]) -> None:
+    local = on_a_host["local"]
+    assert local == on_a_host["address"] and on_a_host["interface"] == on_a_host["device"]
+    command, env = on_a_host["host"]
     assert command[1:3] == ["-m", "torch.distributed.run"]
     assert command[-5:] == ["-m", "fedweave.data_parallel", "c.yaml", "--run-dir", "r"]
     assert {f"--local-addr={local}", "--rdzv-conf=is_host=true", "--nnodes=2", f"--rdzv-endpoint={local}:29400"} <= set(command)
-    assert env["GLOO_SOCKET_IFNAME"] == agent.interface_of(local) is not None
+    assert env["GLOO_SOCKET_IFNAME"] == on_a_host["device"]
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a host joining a running elastic job finds its store
 
 
-def test_another_host_joins_as_a_client_of_the_store() -> None:
-    local = own_address()
-    command, _ = agent.agent_command(agent.Agent(f"{ELSEWHERE}:29400", "1:3", rdzv_conf="join_timeout=60"), ["c"], {})
-    assert f"--local-addr={local}" in command and "--rdzv-conf=join_timeout=60,is_host=false" in command
+def test_another_host_joins_as_a_client_of_the_store(on_a_host: dict[str, Any]) -> None:
+    command, _ = on_a_host["join"]
+    assert f"--local-addr={on_a_host['address']}" in command and "--rdzv-conf=join_timeout=60,is_host=false" in command
+    assert f"--rdzv-endpoint={on_a_host['elsewhere']}:29400" in command
 
 
 def test_a_loopback_endpoint_is_left_to_torchrun_and_the_users_choices_stay() -> None:

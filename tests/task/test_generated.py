@@ -69,7 +69,7 @@ def test_summary_lists_a_few_clients_and_counts_them_all() -> None:
 
 
 def test_a_million_clients_build_and_run_two_rounds_in_seconds(tmp_path: Path) -> None:
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: what another process's load does not add to
     config = config_mod.load(
         None,
         [
@@ -86,7 +86,7 @@ def test_a_million_clients_build_and_run_two_rounds_in_seconds(tmp_path: Path) -
     )
     r = runner.prepare(config, tmp_path)
     records = runner.execute(r)
-    assert time.perf_counter() - started < 10
+    assert time.process_time() - started < 10
     assert [x["clients_completed"] for x in records] == [10, 10]
     assert records[-1]["test_accuracy"] > 0.5
     assert (tmp_path / "partition.json").stat().st_size < 50_000

@@ -223,7 +223,6 @@ def test_the_members_of_a_killed_site_leader_are_not_sampled_until_it_registers_
     assert sorted(trained[1]) == [c for c in seeded[1] if c < 4]  # site 2's members trained in its process
     assert {rnd: sorted(trained[rnd]) for rnd in (2, 3, 4, 5)} == {**around, 4: seeded[4], 5: seeded[5]}
     assert "round 2: 2 clients [4, 5] gone (silent past the heartbeat timeout, or in a broken site); sampling the others" in caplog.text
-    assert all(x["round_time"] < 2 for x in records[1:3])  # nobody waited for the dead site
 
 
 class BreakingGroup:

@@ -256,8 +256,11 @@ def test_the_server_knows_which_nodes_are_gone_until_they_are_heard_from_again()
     (1 s here): one that stopped, one never registered; a node that registers is back at once."""
     with cluster(settings("grpc.join_timeout=0"), clients=3, start=2) as c:
         assert c.server.absent() == frozenset()
+        began = time.monotonic()  # before round 1 began
         assert c.server.exchange(jobs([0, 1], PARAMS, 1), timeout=30).failures == {}
-        assert c.server.absent() == frozenset()  # client 2 has been silent since round 1 began, not yet 1 s
+        now_absent = c.server.absent()
+        if time.monotonic() - began < c.settings.heartbeat_timeout:  # a loaded host may take longer
+            assert now_absent == frozenset()  # client 2 has been silent since round 1 began, not yet 1 s
         c.clients[1].stop()
         c.join(1)
         time.sleep(c.settings.heartbeat_timeout + 0.2)
@@ -269,25 +272,30 @@ def test_the_server_knows_which_nodes_are_gone_until_they_are_heard_from_again()
 
 def test_with_too_few_nodes_present_the_server_waits_a_bounded_time_for_them(caplog: pytest.LogCaptureFixture) -> None:
     """absent(wait_for=1) with both nodes gone waits for one to come back, with a warning, at most
-    grpc.join_timeout (1.5 s here); it answered at once, so an outage of every client skipped all the
-    rounds left in a moment. A node that registers during the wait ends it at once."""
+    grpc.join_timeout (1.5 s, then 60 s here); it answered at once, so an outage of every client
+    skipped all the rounds left in a moment. A node that registers during the wait ends it at once.
+    Bounds no load can break: the wait lasts at least join_timeout, and a call that must not wait
+    returns in less than half of a 60 s join_timeout."""
     with cluster(settings("grpc.join_timeout=1.5"), clients=2) as c:
         assert c.server.exchange(jobs([0, 1], PARAMS, 1), timeout=30).failures == {}
         for cid in (0, 1):
             c.clients[cid].stop()
             c.join(cid)
         time.sleep(c.settings.heartbeat_timeout + 0.2)
-        began = time.monotonic()
-        assert c.server.absent() == frozenset({0, 1}) and time.monotonic() - began < 1.4  # no wait asked: not 1.5 s
         with caplog.at_level(logging.WARNING, logger="fedweave"):
             began = time.monotonic()
             assert c.server.absent(wait_for=1) == frozenset({0, 1})
-            assert 1.4 < time.monotonic() - began < 30  # the join wait, and bounded
+            assert 1.5 <= time.monotonic() - began < 30  # the join wait, and bounded
         assert "0 of 2 clients are present, fewer than the 1 a round needs; waiting up to 1.5 s" in caplog.text
+        c.server.settings = dataclasses.replace(c.server.settings, join_timeout=60.0)  # a wait to tell from none
+        caplog.clear()
+        began = time.monotonic()
+        assert c.server.absent() == frozenset({0, 1}) and time.monotonic() - began < 30  # no wait asked
+        assert "waiting up to" not in caplog.text
         threading.Timer(0.3, c.start, args=(1,)).start()
         began = time.monotonic()
         assert c.server.absent(wait_for=1) == frozenset({0})
-        assert time.monotonic() - began < 1.4
+        assert time.monotonic() - began < 30  # ended by the registration, not the 60 s
 
 
 def test_a_late_client_misses_the_deadline_and_serves_the_next_round() -> None:
@@ -316,7 +324,7 @@ def test_a_client_error_is_reported_at_once() -> None:
         started = time.monotonic()
         result = c.server.exchange(jobs([0, 1], PARAMS), timeout=30)
         assert result.failures == {1: "client error: ValueError: out of memory, say"}
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 20  # at once, not after the 30 s deadline
 
 
 # --------------------------------------------------------------------------- security
@@ -486,7 +494,7 @@ def test_mtls_refuses_foreign_and_stolen_certificates(
         started = time.monotonic()
         error = _run_client(settings(*base, f"grpc.credentials={foreign}", clients=2), 1, c.server.address)
         assert isinstance(error, TransportError) and "cannot register" in str(error)
-        assert time.monotonic() - started < 8  # gives up after connect_timeout (3 s)
+        assert time.monotonic() - started < 30  # gives up after connect_timeout (3 s): bounded
         assert "Handshake failed" in capfd.readouterr().err  # the server's TLS layer logs the refusal
         error = _run_client(settings(*base, f"grpc.credentials={stolen}", clients=2), 1, c.server.address)
         assert isinstance(error, TransportError) and "PERMISSION_DENIED" in str(error)
@@ -516,7 +524,7 @@ def test_a_tls_mismatch_ends_the_client_at_once_with_a_hint(
     with cluster(s, clients=2, start=0) as c:
         began = time.monotonic()
         error = _run_client(settings(*client, "grpc.connect_timeout=30", f"grpc.credentials={folder}", clients=2), 1, c.server.address)
-        assert time.monotonic() - began < 5
+        assert time.monotonic() - began < 15  # not after connect_timeout (30 s)
     assert isinstance(error, TransportError) and "\n" not in str(error)
     assert str(error).startswith(f"client 1: cannot register with {c.server.address}: ") and hint in str(error)
 
@@ -880,11 +888,9 @@ def test_clients_stop_when_the_server_closes() -> None:
     for cid in (0, 1):
         c.start(cid)
     assert c.server.exchange(jobs([0, 1], PARAMS), timeout=20).failures == {}
-    started = time.monotonic()
     c.server.close()
     for cid in (0, 1):
-        c.join(cid, timeout=5)
-    assert time.monotonic() - started < 5
+        c.join(cid, timeout=20)  # told to stop: without it a client retries, then fails (an error below)
     assert c.errors == {} and [c.clients[i].jobs_done for i in (0, 1)] == [1, 1]
 
 
@@ -934,7 +940,7 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     import subprocess
     import sys
 
-    from conftest import free_port, small_config
+    from conftest import small_config
 
     from fedweave import runner
     from fedweave.batching.selection import sample_clients
@@ -943,10 +949,9 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     from fedweave.reach import server_topology
     from fedweave.seeding import numpy_rng
 
-    port = free_port()
     config = small_config("clients=4", "sample_fraction=0.75", "min_clients=1", "rounds=5", "seed=0", *FAST,
                           "eval.federated_every=1", "eval.federated_fraction=0.75",
-                          "grpc.join_timeout=60", f"grpc.listen=127.0.0.1:{port}", "checkpoint.every=0")
+                          "grpc.join_timeout=60", "grpc.listen=127.0.0.1:0", "checkpoint.every=0")
     seeded = {rnd: sample_clients(numpy_rng(0, "sample", rnd), 4, 3) for rnd in range(1, 6)}
     assert all(3 in seeded[rnd] for rnd in (2, 3, 4))  # without the fix, rounds 2 and 3 would lose client 3
     path = tmp_path / "config.yaml"
@@ -961,7 +966,7 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
 
     def client_process() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "fedweave", "client", str(path), "--id", "3", "--address", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "fedweave", "client", str(path), "--id", "3", "--address", transport.address],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "FEDWEAVE_PARENT_PID": str(os.getpid())},
         )
@@ -993,7 +998,6 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     assert "round 2: 1 client [3] gone (silent past the heartbeat timeout, or in a broken site); sampling the others" in caplog.text
     assert not re.search(r"round [23]: client 3 failed", caplog.text)  # neither trained nor evaluated
     assert all(rec["federated_accuracy"] is not None for rec in records)
-    assert all(rec["round_time"] < 2 for rec in records[1:3])  # nobody waited for the dead client
     assert c.errors == {}
 
 
@@ -1008,7 +1012,7 @@ def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: P
     from fedweave.client import ClientStateStore
     from fedweave.reach import server_topology
 
-    config = small_config("clients=3", "min_clients=2", "rounds=3", *FAST, "grpc.heartbeat_timeout=10",
+    config = small_config("clients=3", "min_clients=2", "rounds=3", *FAST, "grpc.heartbeat_timeout=30",
                           "grpc.listen=127.0.0.1:0")
     topology = server_topology(config)
     r = runner.prepare(config, tmp_path / "run", topology=topology)
@@ -1031,7 +1035,8 @@ def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: P
     for cid in (0, 1):
         c.join(cid)
     assert [(rec["round"], rec["clients_completed"], rec["skipped"]) for rec in records] == [(n, 2, False) for n in (1, 2, 3)]
-    assert all(rec["round_time"] < 5 and rec["test_accuracy"] is not None for rec in records)
+    # client 2 is not waited for: its round's wait ends long before its 30 s heartbeat timeout
+    assert all(rec["round_time"] < 15 and rec["test_accuracy"] is not None for rec in records)
     assert [e.code() for e in refusals] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
     assert c.errors == {}
 
@@ -1245,21 +1250,26 @@ def test_a_site_server_refuses_clients_and_foreign_sites(
 def test_posted_jobs_are_collected_as_they_end_each_against_its_own_deadline() -> None:
     """Asynchronous aggregation's use of the jobs: ``post`` returns at once, ``collect`` hands over
     each job as it ends (the fast client first, the slow one later, one past its deadline failed),
-    and a node gets its next job while others still work."""
-    delays = {0: 0.0, 1: 0.3, 2: 1.2}
+    and a node gets its next job while others still work. Clients 1 and 2 train in round 1 until the
+    test releases them (1 after the first collect, 2 once its 0.8 s deadline failed it), so the
+    order does not depend on the host's load: a post that waited for the training would hold
+    client 1's reply until the first collect, which would then hand over two."""
+    release = {1: threading.Event(), 2: threading.Event()}
 
-    def delayed(msg: Message) -> Message:
-        time.sleep(delays[msg.client_id] if msg.round == 1 else 0.0)
+    def held(msg: Message) -> Message:
+        if msg.round == 1 and msg.client_id in release:
+            assert release[msg.client_id].wait(30)
         return echo(msg)
 
     with cluster(settings(), clients=3, start=0) as c:
-        for cid in delays:
-            c.start(cid, delayed)
-        began = time.monotonic()
-        c.server.post(jobs([0, 1, 2], PARAMS, 1), timeout=0.8)
-        assert time.monotonic() - began < 5  # the join wait only, no training
+        for cid in (0, 1, 2):
+            c.start(cid, held)
+        assert poll(lambda: all(client._session is not None for client in c.clients.values()), 30, 0.02)
+        c.server.post(jobs([0, 1], PARAMS, 1), timeout=30)
+        c.server.post(jobs([2], PARAMS, 1), timeout=0.8)
         first = c.server.collect(5.0)
         assert [r.client_id for r in first.replies] == [0] and first.failures == {}
+        release[1].set()
         c.server.post(jobs([0], PARAMS, 2), timeout=0.8)  # client 0 trains again; 1 and 2 still work
         ended: dict[int, Any] = {}
         while len(ended) < 3:
@@ -1267,6 +1277,7 @@ def test_posted_jobs_are_collected_as_they_end_each_against_its_own_deadline() -
             assert got.replies or got.failures
             ended.update({(r.client_id, r.round): r for r in got.replies})
             ended.update({(cid, None): why for cid, why in got.failures.items()})
+        release[2].set()
         assert set(ended) == {(0, 2), (1, 1), (2, None)}
         assert ended[(2, None)] == "missed the round deadline (0.8 s)"
         assert torch.equal(ended[(1, 1)].body.tensors["w"], PARAMS["w"] + 1)

@@ -208,13 +208,15 @@ def test_grpc_over_a_rate_limited_link(link: Link) -> None:
         done = round_(2, 625_000, 30)
         assert done["failures"] == {} and done["sent"] >= 2_500_000 and done["received"] >= 2_500_000
         rate = (done["sent"] + done["received"]) * 8 / done["elapsed"] / 1e6
-        assert 0.5 * RATE_MBIT < rate < 1.1 * RATE_MBIT, f"{rate:.1f} Mbit/s on a {RATE_MBIT} Mbit/s link"
-        # (b) 10 MB cannot cross in 1 s: the round fails at its deadline, and sending stops
-        done = round_(3, 2_500_000, 1.0)
+        # never above the link's rate; below it only as far as a loaded host may slow the ends
+        assert 0.2 * RATE_MBIT < rate < 1.1 * RATE_MBIT, f"{rate:.1f} Mbit/s on a {RATE_MBIT} Mbit/s link"
+        # (b) 20 MB cannot cross in 1 s (8 s of link): the round fails at its deadline, and sending
+        # stops; bounds far from the 8 s a transfer that went on would take, whatever the load
+        done = round_(3, 5_000_000, 1.0)
         assert done["failures"] == {"0": "missed the round deadline (1 s)"}
-        assert done["elapsed"] < 2.0
-        done = round_(4, 1000, 30)  # at once: the rest of round 3's 10 MB (3 s of link) was not sent
-        assert done["failures"] == {} and done["elapsed"] < 1.5
+        assert 1.0 <= done["elapsed"] < 5
+        done = round_(4, 1000, 30)  # at once: the rest of round 3's 20 MB (7 s of link) was not sent
+        assert done["failures"] == {} and done["elapsed"] < 5
         # (b) the link goes down mid-transfer: the client is lost after heartbeat_timeout, not the 30 s deadline
         server.send(round=5, floats=2_500_000, timeout=30)
         assert server.next(timeout=60) == {"started": 5}
@@ -222,9 +224,9 @@ def test_grpc_over_a_rate_limited_link(link: Link) -> None:
         link.set(up=False)
         done = server.next(timeout=30)
         assert done["replies"] == 0 and done["failures"]["0"].startswith("lost: it has not sent a heartbeat")
-        assert done["elapsed"] < 2.5 + 2.0
+        assert done["elapsed"] < 15  # heartbeat_timeout (2.5 s) and slack, half the deadline
         server.send(stop=True)
-        assert server.next(timeout=30)["closed"] < 5  # nobody left to wait for
+        assert server.next(timeout=30)["closed"] < 15  # nobody left to wait for
         assert server.proc.wait(timeout=30) == 0
     finally:
         server.kill()

@@ -26,13 +26,14 @@ def test_matrix_lays_tensors_out_as_zero_padded_rows_and_refuses_a_wrong_size() 
 
 def test_where_each_tensor_starts_and_a_layout_of_many_tensors_built_in_one_pass() -> None:
     """A peer picks which of the model's tensors it encodes, and each new pick builds a layout:
-    the starts were each a sum over every earlier tensor, 1.7 s for 20,000 tensors."""
+    the starts were each a sum over every earlier tensor, 1.7 s for 20,000 tensors (12 s of CPU for
+    these 50,004). Timed in this thread's CPU time, which other processes' load does not add to."""
     b = Buckets([5, 3, 9], 4)
     assert (b.row_starts, b.starts) == ([0, 2, 3], [0, 8, 12])
     numels = [1 + i % 9 for i in range(9 * 5_556)]  # buckets of 4: 1, 1, 1, 1, 2, 2, 2, 2, 3 rows
-    begin = time.perf_counter()
+    begin = time.thread_time()
     many = Buckets(numels, 4)
-    assert time.perf_counter() - begin < 1.0
+    assert time.thread_time() - begin < 1.0
     assert many.row_starts[9 * 1000 + 5] == 15 * 1000 + 6 and many.starts[-1] == 4 * many.row_starts[-1]
     assert many.total == many.row_starts[-1] + 3
 
