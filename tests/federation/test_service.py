@@ -1,0 +1,220 @@
+"""The federation as a service, end to end on 127.0.0.1: one long-lived federation server and three
+sites that joined it once (processes), mutual TLS, each site with its own CSV of scikit-learn's
+digits in its catalogue. The federation and sites are built from examples/federation/ (FED.yaml,
+SITE.yaml, JOB.yaml), each site's policy its own: gamma allows only fedavg and no code bundles.
+
+The tests share the federation (it is long-lived: that is what they show) and run in file order;
+each submits its own jobs and waits for them, with bounded waits."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import free_port
+from launchers.test_process import start
+from fedweave import config as config_mod
+from fedweave import rundir, runner
+from fedweave.cli.main import main
+from fedweave.federation.admin import Admin, FederationRefused
+from fedweave.federation.audit import AuditLog
+from fedweave.federation.bundle import digest, pack
+from fedweave.federation.config import AdminConfig
+from fedweave.transports.grpc.certs import make_credentials
+
+pytest.importorskip("grpc")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "federation"
+SITES = ("alpha", "beta", "gamma")
+ROWS = {"alpha": (0, 150), "beta": (150, 330), "gamma": (330, 540)}
+POLICIES = {
+    "alpha": {"code": "any"},
+    "beta": {"code": "any"},
+    "gamma": {"code": "never", "strategies": ["fedavg"]},
+}
+WAIT = 150.0
+
+
+@dataclass
+class Federation:
+    root: Path
+    address: str
+    fed_file: Path
+    site_files: dict[str, Path]
+    admin: Admin
+    procs: dict[str, subprocess.Popen[bytes]]
+    test_csv: Path
+
+    def start_server(self) -> None:
+        self.procs["server"] = start(["federation", "serve", str(self.fed_file)], self.root / "server.log")
+
+    def job(self, base: dict[str, Any] | None = None, **changes: Any) -> dict[str, Any]:
+        job = copy.deepcopy(base or self.example_job())
+        job.update(changes)
+        return job
+
+    def example_job(self) -> dict[str, Any]:
+        job = yaml.safe_load((EXAMPLES / "JOB.yaml").read_text())
+        job["task"]["dataset_options"]["test_path"] = str(self.test_csv)
+        job["task"]["model_options"] = {"hidden": [16]}
+        job["eval"] = {"every": 1}
+        job["grpc"] = {"join_timeout": 60, "connect_timeout": 60}
+        return job
+
+    def wait(self, job: str, states: tuple[str, ...] = ("finished", "failed", "cancelled", "refused"),
+             timeout: float = WAIT) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            record = self.admin.job(job)
+            if record["state"] in states:
+                return record
+            for name, proc in self.procs.items():
+                assert proc.poll() is None, f"{name} exited: {self.log(name)}"
+            time.sleep(0.25)
+        raise AssertionError(f"{job} is {self.admin.job(job)['state']} after {timeout} s:\n{self.admin.logs(job)[-3000:]}")
+
+    def wait_for(self, check: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"no {what} within {timeout} s")
+
+    def all_online(self) -> bool:
+        try:
+            sites = self.admin.jobs()["sites"]
+        except FederationRefused:
+            return False
+        return all(sites[s]["online"] for s in SITES)
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def run_dir(self, job: str) -> Path:
+        return self.root / "jobs" / job / "run"
+
+    def server_audit(self) -> list[dict[str, Any]]:
+        return AuditLog(self.root / "jobs" / "audit.jsonl").records()
+
+    def site_audit(self, site: str) -> list[dict[str, Any]]:
+        return AuditLog(self.root / f"work-{site}" / "audit.jsonl").records()
+
+
+def write_csv(path: Path, x: np.ndarray, y: np.ndarray) -> None:
+    header = ",".join([*(f"f{j}" for j in range(x.shape[1])), "label"])
+    rows = [",".join([*(f"{v:g}" for v in xi), str(int(yi))]) for xi, yi in zip(x, y)]
+    path.write_text("\n".join([header, *rows]) + "\n")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    from sklearn.datasets import load_digits
+
+    root = tmp_path_factory.mktemp("federation")
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    (root / "data").mkdir()
+    for site, (a, b) in ROWS.items():
+        write_csv(root / "data" / f"{site}.csv", x[a:b], y[a:b])
+    write_csv(root / "data" / "test.csv", x[1500:1700], y[1500:1700])
+    make_credentials(root / "certs", 0, site_names=SITES, admins=["ada"])
+    address = f"127.0.0.1:{free_port()}"
+    fed = yaml.safe_load((EXAMPLES / "FED.yaml").read_text()) | {"address": address, "offer_timeout": 60}
+    fed_file = root / "FED.yaml"
+    fed_file.write_text(yaml.safe_dump(fed))
+    site_files = {}
+    for site in SITES:
+        data = yaml.safe_load((EXAMPLES / "SITE.yaml").read_text())
+        data.update(name=site, federation=address, work=f"work-{site}", policy=POLICIES[site],
+                    poll_interval=0.3, backoff_max=1.0)
+        data["catalog"]["digits"]["path"] = f"data/{site}.csv"
+        site_files[site] = root / f"SITE-{site}.yaml"
+        site_files[site].write_text(yaml.safe_dump(data))
+    admin = Admin(AdminConfig(federation=address, credentials=str(root / "certs"), name="ada"))
+    fedn = Federation(root, address, fed_file, site_files, admin, {}, root / "data" / "test.csv")
+    fedn.start_server()
+    for site, path in site_files.items():
+        fedn.procs[site] = start(["federation", "join", str(path)], root / f"{site}.log")
+    try:
+        fedn.wait_for(fedn.all_online, "federation with its three sites online", 60)
+        yield fedn
+    finally:
+        admin.close()
+        for proc in fedn.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in fedn.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def simulate(federation: Federation, job: dict[str, Any], sites: list[str], out: Path) -> runner.Run:
+    """``fedweave run`` of ``job`` over the same per-site files, client i reading the i-th site's."""
+    folder = out / "sim-data"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, site in enumerate(sites):
+        (folder / f"site_{i}.csv").write_bytes((federation.root / "data" / f"{site}.csv").read_bytes())
+    options = job["task"]["dataset_options"] | {"path": str(folder / "site_{client}.csv")}
+    simulated = job | {"clients": len(sites), "task": job["task"] | {"dataset_options": options}}
+    simulated.pop("grpc", None)
+    return runner.run_config(config_mod.from_dict(simulated), out / "reference")
+
+
+def assert_equal_runs(federation: Federation, job: str, reference: runner.Run, rounds: int) -> None:
+    records = rundir.records_until(federation.run_dir(job), "round", rounds)
+    assert [r["round"] for r in records] == [r["round"] for r in reference.records]
+    for a, b in zip(reference.records, records):
+        for key in ("train_loss", "test_loss", "test_accuracy"):
+            assert (a.get(key) is None) == (b.get(key) is None), key
+            if a.get(key) is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+    model = rundir.load_model(federation.run_dir(job))
+    assert model.keys() == reference.params.keys()
+    for name, tensor in reference.params.items():
+        torch.testing.assert_close(model[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def show(job: str, federation: Federation, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    args = ["--federation", federation.address, "--credentials", str(federation.root / "certs"), "--name", "ada"]
+    assert main(["job", job, *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(federation: Federation, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    first = federation.job(name="digits-a")
+    second = federation.job(name="digits-b", seed=5, local={"epochs": 1, "batch_size": 8, "lr": 0.05})
+    ids = [federation.admin.submit(first), federation.admin.submit(second)]
+    for job in ids:
+        record = federation.wait(job)
+        assert record["state"] == "finished", (record, federation.admin.logs(job)[-3000:])
+        assert record["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
+        assert record["rounds_done"] == 3
+    for job, config in zip(ids, (first, second)):
+        assert_equal_runs(federation, job, simulate(federation, config, list(SITES), tmp_path / job), 3)
+    text = show(ids[1], federation, capsys)
+    assert f"{ids[1]}  finished" in text and "rounds: 3 of 3" in text
+    assert str(federation.run_dir(ids[1])) in text
+    assert all(f"{site}" in text for site in SITES)
+    events = [(r["event"], r["fields"].get("job")) for r in federation.server_audit()]
+    assert ("submitted", ids[0]) in events and ("finished", ids[1]) in events
+    for site in SITES:
+        assert ("accepted", ids[1]) in [(r["event"], r["fields"].get("job")) for r in federation.site_audit(site)]
