@@ -218,3 +218,70 @@ def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(federation: Feder
     assert ("submitted", ids[0]) in events and ("finished", ids[1]) in events
     for site in SITES:
         assert ("accepted", ids[1]) in [(r["event"], r["fields"].get("job")) for r in federation.site_audit(site)]
+
+
+def events(records: list[dict[str, Any]], job: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(r["event"], r["fields"]) for r in records if r["fields"].get("job") == job]
+
+
+def test_a_site_refuses_a_job_its_policy_forbids_and_it_runs_without_it_or_ends_refused(
+    federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fedprox = federation.job(name="prox", strategy={"name": "fedprox", "mu": 0.01}, rounds=2)
+    without = federation.admin.submit(fedprox)  # min_clients 2: alpha and beta are enough
+    refused = federation.admin.submit(fedprox | {"min_clients": 3})
+    record = federation.wait(without)
+    assert record["state"] == "finished", federation.admin.logs(without)[-2000:]
+    assert record["clients"] == {"alpha": 0, "beta": 1}
+    assert record["sites"]["gamma"]["state"] == "refused"
+    assert record["sites"]["gamma"]["rule"] == "policy.strategies"
+    assert_equal_runs(federation, without, simulate(federation, fedprox, ["alpha", "beta"], tmp_path), 2)
+    record = federation.wait(refused)
+    assert record["state"] == "refused"
+    assert "fewer than min_clients=3" in record["reason"] and "gamma refused it (policy.strategies)" in record["reason"]
+    assert not federation.run_dir(refused).exists()  # nothing of it ran
+    for job, state in ((without, "finished"), (refused, "refused")):
+        text = show(job, federation, capsys)
+        assert f"{job}  {state}" in text
+        gamma = next(line for line in text.splitlines() if line.strip().startswith("gamma"))
+        assert "refused" in gamma and "policy.strategies" in gamma and "fedprox" in gamma
+        server = events(federation.server_audit(), job)
+        assert ("refused", {"job": job, "site": "gamma", "rule": "policy.strategies",
+                            "reason": record["sites"]["gamma"]["reason"]}) in server
+        site = [f for e, f in events(federation.site_audit("gamma"), job) if e == "refused"]
+        assert site and site[0]["rule"] == "policy.strategies"
+        assert ("accepted" in [e for e, _ in events(federation.site_audit("alpha"), job)])
+    assert ("refused", refused) in [(e, f.get("job")) for e, f in events(federation.server_audit(), refused)
+                                    if "site" not in f]
+
+
+def test_a_site_certificate_cannot_submit_or_cancel_and_a_tampered_bundle_is_refused_by_every_site(
+    federation: Federation, tmp_path: Path
+) -> None:
+    as_site = Admin(AdminConfig(federation=federation.address, credentials=str(federation.root / "certs"), name="alpha"),
+                    role="site")
+    with as_site:
+        with pytest.raises(FederationRefused, match="PERMISSION_DENIED: Submit: site 'alpha' may not call it; "
+                                                    "only an admin may submit"):
+            as_site.submit(federation.job())
+        with pytest.raises(FederationRefused, match="PERMISSION_DENIED: Cancel: site 'alpha' may not call it"):
+            as_site.cancel("job-0001")
+    denied = [r["fields"] for r in federation.server_audit() if r["event"] == "denied"]
+    assert {d["method"] for d in denied if d["caller"] == "site-alpha"} >= {"Submit", "Cancel"}
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "helpers.py").write_text("VALUE = 1\n")
+    submitted = pack(code)
+    (code / "helpers.py").write_text("VALUE = 2  # changed after the hash was taken\n")
+    job = federation.admin.submit(federation.job(name="tampered", rounds=2), bundle=(pack(code), digest(submitted)))
+    record = federation.wait(job)
+    assert record["state"] == "refused"
+    assert record["bundle_sha256"] == digest(submitted)
+    for site in ("alpha", "beta"):  # they allow bundles: the hash check refuses this one
+        assert record["sites"][site]["state"] == "refused" and record["sites"][site]["rule"] == "bundle"
+        assert f"is not the submitted {digest(submitted)}" in record["sites"][site]["reason"]
+        assert [f["rule"] for e, f in events(federation.site_audit(site), job) if e == "refused"] == ["bundle"]
+        assert not (federation.root / f"work-{site}" / job / "code").exists()  # nothing unpacked
+    assert record["sites"]["gamma"]["rule"] == "policy.code"  # gamma takes no bundle at all
+    assert record["clients"] == {}
