@@ -285,3 +285,50 @@ def test_a_site_certificate_cannot_submit_or_cancel_and_a_tampered_bundle_is_ref
         assert not (federation.root / f"work-{site}" / job / "code").exists()  # nothing unpacked
     assert record["sites"]["gamma"]["rule"] == "policy.code"  # gamma takes no bundle at all
     assert record["clients"] == {}
+
+
+def test_kill_9_of_the_federation_mid_job_resumes_it_from_its_checkpoint_and_keeps_the_queue(
+    federation: Federation, tmp_path: Path
+) -> None:
+    long = federation.job(name="survivor", rounds=30, local={"epochs": 1, "batch_size": 4, "lr": 0.05})
+    job = federation.admin.submit(long)
+    queued = federation.admin.submit(federation.job(name="after", rounds=2))
+    metrics = federation.run_dir(job) / "metrics.jsonl"
+    federation.wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, "first round", 120)
+    server = federation.procs["server"]
+    os.kill(server.pid, signal.SIGKILL)  # the service alone; its job server dies with it
+    server.wait(10)
+    cut_at = len(metrics.read_text().splitlines())
+    assert cut_at < 30
+    assert json.loads((federation.root / "jobs" / queued / "job.json").read_text())["state"] == "queued"
+    federation.start_server()
+    federation.wait_for(federation.all_online, "the sites back online", 60)  # they reconnect on their own
+    record = federation.wait(job)
+    assert record["state"] == "finished", federation.admin.logs(job)[-3000:]
+    assert record["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
+    resumed = [f for e, f in events(federation.server_audit(), job) if e == "resumed"]
+    assert len(resumed) == 1 and 1 <= resumed[0]["rounds_done"] < 30
+    assert_equal_runs(federation, job, simulate(federation, long, list(SITES), tmp_path), 30)  # resume is exact
+    for site in SITES:  # each site started its client again, at the new job server, on its own
+        starts = [f["address"] for e, f in events(federation.site_audit(site), job) if e == "client_started"]
+        assert len(set(starts)) == 2, starts
+    assert federation.wait(queued)["state"] == "finished"  # the queue survived the restart
+
+
+def test_cancel_stops_a_running_job_within_a_round_and_frees_its_sites(federation: Federation) -> None:
+    long = federation.job(name="cancelled", rounds=300, local={"epochs": 1, "batch_size": 1, "lr": 0.02})
+    job = federation.admin.submit(long)
+    following = federation.admin.submit(federation.job(name="next", rounds=2))
+    metrics = federation.run_dir(job) / "metrics.jsonl"
+    federation.wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, "two rounds", 120)
+    at_cancel = federation.admin.cancel(job)["rounds_done"]
+    record = federation.wait(job)
+    assert record["state"] == "cancelled" and record["reason"] == "cancelled by ada"
+    assert 2 <= record["rounds_done"] <= at_cancel + 1
+    nxt = federation.wait(following)
+    assert nxt["state"] == "finished" and nxt["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
+    assert ("cancel", {"job": job, "by": "ada", "state": "running"}) in events(federation.server_audit(), job)
+    for site in SITES:
+        assert "client_ended" in [e for e, _ in events(federation.site_audit(site), job)]
+    with pytest.raises(FederationRefused, match="is cancelled already"):
+        federation.admin.cancel(job)

@@ -443,8 +443,11 @@ class FederationServer:
             if record["state"] == "queued":
                 record = self.store.update(job, cancel_requested=who)
                 self._end(job, "cancelled", f"cancelled by {who}")
-            else:
-                record = self.store.update(job, cancel_requested=who)  # the scheduler stops its server
+            else:  # its server stops now (SIGTERM: it tells its clients to stop); the scheduler reaps it
+                record = self.store.update(job, cancel_requested=who, stop_sent=time.time())
+                proc = self._procs.get(job)
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
         return fp.encode_json({**(self.store.get(job) or record), "rounds_done": rounds_done(Path(record["run_dir"]))})
 
     def _rpc_logs(self, request: bytes, who: str, context: Any) -> bytes:
