@@ -190,10 +190,7 @@ def make_credentials(
         raise ConfigError(f"certs: a name is given twice ({', '.join(sorted(n for n in named if named.count(n) > 1))})")
     least = 0 if named else 1
     if not least <= clients <= MAX_NODES:
-        raise ConfigError(
-            f"certs: --clients must lie in {least}..{MAX_NODES:,}, got {clients:,}"
-            + ("" if named else " (or name the sites and admins of a federation: --site-name, --admin)")
-        )
+        raise ConfigError(f"certs: --clients must lie in {least}..{MAX_NODES:,}, got {clients:,}")
     if len(named) > MAX_NODES:
         raise ConfigError(f"certs: at most {MAX_NODES:,} named sites and admins, got {len(named):,}")
     if not 0 <= sites <= MAX_NODES:
