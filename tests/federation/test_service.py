@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from conftest import free_port
 from launchers.test_process import start
+
 from fedweave import config as config_mod
 from fedweave import rundir, runner
 from fedweave.cli.main import main

@@ -32,7 +32,11 @@ def make_keys(args: argparse.Namespace) -> int:
 
 
 def make_certs(args: argparse.Namespace) -> int:
-    from fedweave.transports.grpc.certs import DEFAULT_HOSTS, credential_files, make_credentials
+    from fedweave.transports.grpc.certs import (
+        DEFAULT_HOSTS,
+        credential_files,
+        make_credentials,
+    )
 
     out = Path(args.out)
     refuse_replacing("certs", out, credential_files(out), args.force, args.runs or DEFAULT_RUNS)

@@ -35,7 +35,7 @@ class Admin:
     def __enter__(self) -> Admin:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _call(self, method: str, request: bytes) -> dict[str, Any]:

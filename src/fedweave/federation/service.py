@@ -71,9 +71,14 @@ LOCK_WAIT = 60.0
 """Seconds a restarted service waits for a dead job server's run folder to be free."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+"""Looked up here, so that the child between fork and exec makes one foreign call and nothing else."""
+
+
+def _die_with_parent() -> None:
+    """In a job server's process before it runs: SIGKILL when the service's scheduler thread ends (kill -9 too)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def rounds_done(run_dir: Path) -> int:
@@ -189,7 +194,7 @@ class FederationServer:
         with self._lock:
             records = self.store.records()
         for record in records:
-            job, state = record["id"], record["state"]
+            state = record["state"]
             if state == "running":
                 self._watch(record)
             elif state == "queued" and record["offered"] is not None:
@@ -275,7 +280,7 @@ class FederationServer:
         with open(folder / LOG, "ab") as out:
             self._procs[job] = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=folder,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 (one prctl call, looked up before the fork)
             )
         with self._lock:
             self._tokens[job] = tokens
@@ -378,6 +383,7 @@ class FederationServer:
         identity = fp.peer_identity(context)
         if identity is None:
             context.abort(codes.UNAUTHENTICATED, "the caller's certificate names no site-<name> or admin-<name>")
+            raise AssertionError("unreachable")  # (abort raises)
         role, name = identity
         members = self.config.sites if role == "site" else self.config.admins
         if name not in members:

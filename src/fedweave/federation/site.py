@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.errors import ConfigError, FedweaveError
+from fedweave.errors import ConfigError, SerializationError
 from fedweave.federation import protocol as fp
 from fedweave.federation.audit import AuditLog
 from fedweave.federation.bundle import BundleError, modules, unpack
@@ -84,31 +84,29 @@ class SiteAgent:
         self._jobs: dict[str, _Job] = {}
         self._channel = fp.channel(config.federation, config.credentials, "site", config.name, fp.message_limit(1024))
         self.connected = False
+        self._error: str | None = None  # the last failure logged
 
     def run(self, stop: threading.Event) -> None:
         """Poll the federation and carry out its answers until ``stop`` is set; then stop every client."""
+        grpc = grpc_module()
         delay = self.config.poll_interval
         try:
             while not stop.is_set():
                 try:
                     reply = self._poll()
-                except FedweaveError:
-                    raise
-                except Exception as exc:  # a gRPC error: the federation is away; try again, waiting longer
-                    if self.connected:
-                        log.warning("site %s: the federation at %s is unreachable (%s); retrying",
-                                    self.config.name, self.config.federation, _why(exc))
-                    self.connected = False
+                    if not self.connected:
+                        log.info("site %s: connected to the federation at %s", self.config.name, self.config.federation)
+                    self.connected, self._error, delay = True, None, self.config.poll_interval
+                    self._carry_out(reply)
+                except (grpc.RpcError, SerializationError) as exc:  # away, or a malformed answer: try again later
+                    why = _why(exc)
+                    if why != self._error:
+                        log.warning("site %s: the federation at %s: %s; retrying", self.config.name,
+                                    self.config.federation, why)
+                    self.connected, self._error = False, why
                     delay = min(delay * 2, self.config.backoff_max)
                     self._reap()
-                    stop.wait(delay)
-                    continue
-                if not self.connected:
-                    log.info("site %s: connected to the federation at %s", self.config.name, self.config.federation)
-                self.connected = True
-                delay = self.config.poll_interval
-                self._carry_out(reply)
-                stop.wait(self.config.poll_interval)
+                stop.wait(delay)
         finally:
             for job in self._jobs.values():
                 self._stop_client(job)
@@ -202,6 +200,7 @@ class SiteAgent:
         if view.address != address:  # a new job server (the first, or after a restart of the federation)
             self._stop_client(view)
             view.address, view.starts = address, 0
+            view.extra.pop("exit", None)  # how the client of the old one ended says nothing of this one
         if view.client is None and view.starts < self.config.max_client_starts and view.extra.get("exit") != 0:
             self._start_client(job, view, cid, clients, address, certs.check_token(token, f"the token of {job}"))
         elif view.client is None and view.extra.get("exit") not in (None, 0):

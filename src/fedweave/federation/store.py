@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from fedweave.files import atomic_write_bytes, atomic_write_text
 from fedweave.federation.protocol import JOB_ID
+from fedweave.files import atomic_write_bytes, atomic_write_text
 
 STATES = ("queued", "running", "finished", "failed", "cancelled", "refused")
 ENDED = ("finished", "failed", "cancelled", "refused")
@@ -57,7 +57,7 @@ class JobStore:
             atomic_write_text(text, folder / CONFIG)
             if bundle is not None:
                 atomic_write_bytes(bundle, folder / BUNDLE)
-            record = {
+            record: dict[str, Any] = {
                 "id": job,
                 "state": "queued",
                 "submitted_by": by,
