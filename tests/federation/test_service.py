@@ -198,11 +198,20 @@ def show(job: str, federation: Federation, capsys: pytest.CaptureFixture[str]) -
     return capsys.readouterr().out
 
 
-def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(federation: Federation, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(
+    federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = federation.job(name="digits-a")
     second = federation.job(name="digits-b", seed=5, local={"epochs": 1, "batch_size": 8, "lr": 0.05})
-    ids = [federation.admin.submit(first), federation.admin.submit(second)]
+    (tmp_path / "JOB.yaml").write_text(yaml.safe_dump(first))
+    admin_file = tmp_path / "admin.yaml"  # what `fedweave submit` reads from $FEDWEAVE_ADMIN
+    admin_file.write_text(yaml.safe_dump({"federation": federation.address, "name": "ada",
+                                          "credentials": str(federation.root / "certs")}))
+    monkeypatch.setenv("FEDWEAVE_ADMIN", str(admin_file))
+    capsys.readouterr()
+    assert main(["submit", str(tmp_path / "JOB.yaml")]) == 0
+    ids = [capsys.readouterr().out.strip(), federation.admin.submit(second)]
+    assert ids[0].startswith("job-")
     for job in ids:
         record = federation.wait(job)
         assert record["state"] == "finished", (record, federation.admin.logs(job)[-3000:])
