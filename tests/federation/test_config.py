@@ -45,7 +45,7 @@ def test_the_example_site_file_loads_its_catalogue_and_policy(tmp_path: Path) ->
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "alpha.csv").write_text("f0,label\n0.5,1\n")
     site = load_site(tmp_path / "SITE.yaml")
-    assert site.name == "alpha" and site.work == str(tmp_path / "work-alpha") and site.device == "cpu"
+    assert site.name == "alpha" and site.workdir == str(tmp_path / "work-alpha") and site.device == "cpu"
     assert site.parsed_catalog.names() == ["digits"]
     assert site.parsed_policy.describe()["strategies"] == ["fedavg", "fedprox"]
     data = yaml.safe_load((EXAMPLES / "SITE.yaml").read_text())

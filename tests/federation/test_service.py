@@ -139,7 +139,7 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
     site_files = {}
     for site in SITES:
         data = yaml.safe_load((EXAMPLES / "SITE.yaml").read_text())
-        data.update(name=site, federation=address, work=f"work-{site}", policy=POLICIES[site],
+        data.update(name=site, server=address, workdir=f"work-{site}", policy=POLICIES[site],
                     poll_interval=0.3, backoff_max=1.0)
         data["catalog"]["digits"]["path"] = f"data/{site}.csv"
         site_files[site] = root / f"SITE-{site}.yaml"

@@ -38,11 +38,15 @@ def _names(values: list[str], key: str) -> list[str]:
 class FederationConfig:
     """``FED.yaml``: the long-lived federation server (``fedweave federation serve``)."""
 
-    address: str = opt(help="host:port the federation listens on; sites and admins connect here")
+    address: str = opt(help="host:port of the federation, which sites and admins dial")
     credentials: str = opt(help="folder of `fedweave certs` (ca.pem, server.pem, server.key)")
     store: str = opt(help="the job store: one folder per job, and the server's audit log")
     sites: list[str] = opt(help="the names of the sites that may join (certificates site-<name>)")
     admins: list[str] = opt(help="the names of the admins who may submit and cancel (certificates admin-<name>)")
+    listen: str | None = opt(None, help="host:port the federation binds (none: address), e.g. 0.0.0.0:7300")
+    health_listen: str | None = opt(
+        None, help="host:port of a plaintext port serving only the gRPC health service (for probes)"
+    )
     max_concurrent_jobs: int = opt(1, ge=1, le=64, help="jobs running (or being offered) at once")
     offer_timeout: float = opt(
         60.0, gt=0, help="seconds a job waits for every site's answer; a site silent past it takes no part"
@@ -55,6 +59,9 @@ class FederationConfig:
 
     def validate(self, prefix: str) -> None:
         _address(self.address, "address")
+        for key in ("listen", "health_listen"):
+            if getattr(self, key) is not None:
+                _address(getattr(self, key), key)
         _names(self.sites, "sites")
         _names(self.admins, "admins")
         if not self.sites:
@@ -74,9 +81,9 @@ class SiteConfig:
     """``SITE.yaml``: one site of a federation (``fedweave federation join``)."""
 
     name: str = opt(help="this site's name, as in its certificate site-<name> and the federation's sites")
-    federation: str = opt(help="host:port of the federation server")
+    server: str = opt(help="host:port of the federation server")
     credentials: str = opt(help="folder holding ca.pem and this site's site-<name>.pem / .key")
-    work: str = opt(help="this site's folder: one working folder per job, and the site's audit log")
+    workdir: str = opt(help="this site's folder: one working folder per job, and the site's audit log")
     catalog: dict[str, Any] = opt(help="the data jobs may name: entry -> {path, format, label, ...}")
     policy: dict[str, Any] | None = opt(None, help="what jobs this site accepts (docs/federation-policy.md)")
     device: str | None = opt(None, help="the device this site's clients train on: auto, cpu, cuda, cuda:N, mps")
@@ -91,7 +98,7 @@ class SiteConfig:
 
     def validate(self, prefix: str) -> None:
         check_name(self.name, "config key 'name'")
-        _address(self.federation, "federation")
+        _address(self.server, "server")
 
 
 @dataclass
@@ -125,7 +132,7 @@ def site_from_dict(data: dict[str, Any], base: Path) -> SiteConfig:
     """A site's config from ``data`` (a SITE.yaml's mapping); relative paths are ``base``'s."""
     config: SiteConfig = parse(SiteConfig, data)
     config.credentials = _relative(base, config.credentials)
-    config.work = _relative(base, config.work)
+    config.workdir = _relative(base, config.workdir)
     config.parsed_catalog = Catalog.from_dict(config.catalog, key="catalog", base=base)
     config.parsed_policy = SitePolicy.from_dict(config.policy, key="policy")
     config.parsed_policy.check_entries(config.parsed_catalog.names(), key="policy")

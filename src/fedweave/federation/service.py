@@ -142,17 +142,18 @@ class FederationServer:
         credentials = grpc.ssl_server_credentials(
             [pair], root_certificates=self._read(folder / certs.CA_CERT), require_client_auth=True
         )
+        bind = config.listen or config.address
         try:
-            port = self._server.add_secure_port(config.address, credentials)
+            port = self._server.add_secure_port(bind, credentials)
         except RuntimeError as exc:
             port = 0
             log.debug("bind failed: %s", exc)
         if not port:
             from fedweave.errors import TransportError
 
-            raise TransportError(f"cannot listen on {config.address} (config key 'address'; is it in use?)")
-        self.address = f"{config.address.rpartition(':')[0]}:{port}"
-        self.health = Health(grpc, self._server, None)
+            raise TransportError(f"cannot listen on {bind} (config key 'listen' or 'address'; is it in use?)")
+        self.address = f"{bind.rpartition(':')[0]}:{port}"
+        self.health = Health(grpc, self._server, config.health_listen)
         self._recover()
         self._server.start()
         self.health.serving()

@@ -12,10 +12,10 @@ fetched and unpacked only if the policy lets it in, whose sha256 must be the sub
 (:func:`fedweave.federation.bundle.unpack`), then the catalogue entry it reads
 (:func:`fedweave.federation.catalog.resolve`). The answer is ``accepted`` or ``refused`` with the
 rule's name. An assignment starts today's ``fedweave client`` for the site's id in the job's own
-folder ``WORK/<job>/``, reading only the catalogue entry's path (``--data``), on the site's device,
+folder ``WORKDIR/<job>/``, reading only the catalogue entry's path (``--data``), on the site's device,
 its token in the environment, the bundle on its ``PYTHONPATH``. A client whose job server moved (a
 restarted federation) is started again at the new address. A job no longer live is stopped.
-Every decision is appended to ``WORK/audit.jsonl``.
+Every decision is appended to ``WORKDIR/audit.jsonl``.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ class SiteAgent:
 
     def __init__(self, config: SiteConfig):
         self.config = config
-        self.work = Path(config.work)
+        self.work = Path(config.workdir)
         self.work.mkdir(parents=True, exist_ok=True)
         self.audit = AuditLog(self.work / "audit.jsonl")
         self._jobs: dict[str, _Job] = {}
-        self._channel = fp.channel(config.federation, config.credentials, "site", config.name, fp.message_limit(1024))
+        self._channel = fp.channel(config.server, config.credentials, "site", config.name, fp.message_limit(1024))
         self.connected = False
         self._error: str | None = None  # the last failure logged
 
@@ -95,14 +95,14 @@ class SiteAgent:
                 try:
                     reply = self._poll()
                     if not self.connected:
-                        log.info("site %s: connected to the federation at %s", self.config.name, self.config.federation)
+                        log.info("site %s: connected to the federation at %s", self.config.name, self.config.server)
                     self.connected, self._error, delay = True, None, self.config.poll_interval
                     self._carry_out(reply)
                 except (grpc.RpcError, SerializationError) as exc:  # away, or a malformed answer: try again later
                     why = _why(exc)
                     if why != self._error:
                         log.warning("site %s: the federation at %s: %s; retrying", self.config.name,
-                                    self.config.federation, why)
+                                    self.config.server, why)
                     self.connected, self._error = False, why
                     delay = min(delay * 2, self.config.backoff_max)
                     self._reap()
@@ -270,7 +270,7 @@ def _why(exc: Exception) -> str:
 def join(config: SiteConfig, stop: threading.Event | None = None) -> None:
     """Join the federation of ``config`` and serve it until ``stop`` is set (or SIGTERM / Ctrl-C)."""
     grpc_module()
-    log.info("site %s joining %s (catalogue: %s; policy: %s)", config.name, config.federation,
+    log.info("site %s joining %s (catalogue: %s; policy: %s)", config.name, config.server,
              ", ".join(config.parsed_catalog.names()), json.dumps(config.parsed_policy.describe()))
     SiteAgent(config).run(stop or threading.Event())
 
