@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from fedweave.errors import ConfigError
-from fedweave.federation.catalog import Catalog, CatalogEntry, catalog_reference, resolve
+from fedweave.federation.catalog import (
+    Catalog,
+    CatalogEntry,
+    catalog_reference,
+    resolve,
+)
 
 
 @pytest.fixture

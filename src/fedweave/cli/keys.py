@@ -32,13 +32,20 @@ def make_keys(args: argparse.Namespace) -> int:
 
 
 def make_certs(args: argparse.Namespace) -> int:
-    from fedweave.transports.grpc.certs import DEFAULT_HOSTS, credential_files, make_credentials
+    from fedweave.transports.grpc.certs import (
+        DEFAULT_HOSTS,
+        credential_files,
+        make_credentials,
+    )
 
     out = Path(args.out)
     refuse_replacing("certs", out, credential_files(out), args.force, args.runs or DEFAULT_RUNS)
-    make_credentials(out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites)
+    site_names, admins = args.site_name or [], args.admin or []
+    make_credentials(out, args.clients, args.host or DEFAULT_HOSTS, args.days, args.sites,
+                     site_names=site_names, admins=admins)
     sites = f" and {args.sites} site leaders" if args.sites else ""
-    print(f"credentials for a server, {args.clients} clients{sites} in {out}; set grpc.credentials: {out}")
+    named = "".join(f", {len(v)} {what} ({', '.join(v)})" for what, v in (("named sites", site_names), ("admins", admins)) if v)
+    print(f"credentials for a server, {args.clients} clients{sites}{named} in {out}; set grpc.credentials: {out}")
     return 0
 
 

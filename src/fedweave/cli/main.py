@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from fedweave.cli.federation import COMMANDS as FEDERATION_COMMANDS
+from fedweave.cli.federation import command as federation_command
 from fedweave.cli.keys import decrypt, make_certs, make_keys
 from fedweave.cli.listing import list_builtins, schema
 from fedweave.cli.nodes import deploy, join, node_command, probe, worker
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return node_command(args)
         if args.command == "deploy":
             return deploy(args)
+        if args.command in FEDERATION_COMMANDS:
+            return federation_command(args)
         return list_builtins()
     except BrokenPipeError:  # `fedweave list | head`
         sys.stdout = open(os.devnull, "w")

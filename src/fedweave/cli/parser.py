@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep(sub)
     _node_parsers(sub)
+    _federation_parsers(sub)
     deploy = sub.add_parser("deploy", help="write the manifests that deploy a config on a cluster")
     targets = deploy.add_subparsers(dest="target", metavar="TARGET", required=True)
     from fedweave.deploy import image
@@ -140,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         "image", help="the build context of an image with your modules and extras (docs/deployment.md, Images)"
     ))
     return parser
+
+
+def _federation_parsers(sub: Any) -> None:
+    """``federation serve|join``, ``submit``, ``jobs``, ``job``, ``cancel``, ``logs``: a long-lived federation."""
+    from fedweave.cli.federation import add_parsers
+
+    add_parsers(sub)
 
 
 def _node_parsers(sub: Any) -> None:
@@ -205,16 +213,24 @@ def _node_parsers(sub: Any) -> None:
         "certs",
         help="create a CA, server, client and site-leader certificates and tokens for grpc.tls / grpc.tokens",
         description="Write DIR/ca.pem, server.pem/.key (for --host names), client-<i>.pem/.key/.token, "
-        "site-<s>.pem/.key/.token and tokens.json; point grpc.credentials at DIR. Keep ca.key off the nodes.",
+        "site-<s>.pem/.key/.token and tokens.json; point grpc.credentials at DIR. With --site-name and --admin, "
+        "also a federation's site-<name>.pem/.key and admin-<name>.pem/.key. Keep ca.key off the nodes.",
     )
     certs.add_argument("--out", required=True, metavar="DIR", help="folder to write the credentials into")
-    certs.add_argument("--clients", type=int, required=True, metavar="N", help="number of clients")
+    certs.add_argument("--clients", type=int, default=0, metavar="N",
+                       help="number of clients of a run's deployment (default 0: a federation's named identities only)")
     certs.add_argument(
         "--sites", type=int, default=0, metavar="S", help="number of site leaders (hierarchical gRPC; default 0)"
     )
     certs.add_argument(
         "--host", action="append", metavar="NAME", help="server host name or IP (repeatable; default localhost, 127.0.0.1, ::1)"
     )
+    certs.add_argument("--site-name", action="append", metavar="NAME",
+                       help="a named site of a long-lived federation: site-NAME.pem/.key (repeatable; "
+                       "docs/federation-service.md)")
+    certs.add_argument("--admin", action="append", metavar="NAME",
+                       help="an admin of a long-lived federation, who may submit and cancel jobs: admin-NAME.pem/.key "
+                       "(repeatable)")
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     _replacing_flags(certs, "credentials")
 

@@ -12,7 +12,14 @@
 ``site-<s>.token``           site ``s``'s leader token
 ``tokens.json``              SHA-256 of every token (the server's copy): client ``i``
                              under ``"<i>"``, site ``s`` under ``"site-<s>"``
+``site-<name>.pem``/``.key``  a named site of a long-lived federation (``--site-name``)
+``admin-<name>.pem``/``.key``  an admin of a long-lived federation (``--admin``)
 ===========================  ====================================================
+
+The named identities are those of :mod:`fedweave.federation`: the certificate's common name says
+both the role and the name (``site-alpha``, ``admin-ada``), and the federation server reads both from
+the peer's verified certificate. A name starts with a lowercase letter, so a named site is never taken
+for the numbered leader of a hierarchical deployment (``site-0``).
 
 A site leader of a hierarchical gRPC deployment is one node for its whole site, so it
 has credentials of its own, not its members'.
@@ -52,10 +59,38 @@ MAX_DAYS = 36_500
 """The longest validity (100 years; an X.509 date ends at 9999)."""
 
 
+ROLES = ("site", "admin")
+"""The roles of a named identity (:func:`identity_name`)."""
+NAME = re.compile(r"[a-z][a-z0-9-]{0,39}")
+"""A named identity's name: a lowercase letter, then up to 39 lowercase letters, digits and hyphens."""
+
+
+def check_name(name: str, source: str) -> str:
+    """``name`` if it may name a site or an admin (:data:`NAME`), else a ConfigError naming ``source``."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ConfigError(
+            f"{source}: {str(name)[:40]!r} is not a name (a lowercase letter, then up to 39 lowercase letters, "
+            "digits and hyphens)"
+        )
+    return name
+
+
+def identity_name(role: str, name: str) -> str:
+    """The common name of a named identity's certificate (and the stem of its files): ``<role>-<name>``."""
+    return f"{role}-{name}"
+
+
+def parse_identity(common_name: str) -> tuple[str, str] | None:
+    """The (role, name) a certificate's common name gives (:func:`identity_name`), or None."""
+    role, _, name = common_name.partition("-")
+    return (role, name) if role in ROLES and NAME.fullmatch(name) else None
+
+
 def credential_files(folder: Path) -> list[Path]:
     """The files of a credentials folder that exist in ``folder``."""
     fixed = [folder / name for name in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY, TOKENS)]
-    nodes = sorted(p for pattern in ("client-*", "site-*") for p in folder.glob(pattern)) if folder.is_dir() else []
+    patterns = ("client-*", "site-*", "admin-*")
+    nodes = sorted(p for pattern in patterns for p in folder.glob(pattern)) if folder.is_dir() else []
     return [p for p in fixed if p.is_file()] + [p for p in nodes if p.suffix in (".pem", ".key", ".token")]
 
 
@@ -136,12 +171,28 @@ def _check_host(host: str) -> None:
 
 
 def make_credentials(
-    out: str | Path, clients: int, hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 365, sites: int = 0
+    out: str | Path,
+    clients: int,
+    hosts: Sequence[str] = DEFAULT_HOSTS,
+    days: int = 365,
+    sites: int = 0,
+    *,
+    site_names: Sequence[str] = (),
+    admins: Sequence[str] = (),
 ) -> Path:
-    """Write a CA, a server certificate for ``hosts``, and a certificate and token for each of
-    ``clients`` clients and ``sites`` site leaders."""
-    if not 1 <= clients <= MAX_NODES:
-        raise ConfigError(f"certs: --clients must lie in 1..{MAX_NODES:,}, got {clients:,}")
+    """Write a CA, a server certificate for ``hosts``, a certificate and token for each of
+    ``clients`` clients and ``sites`` site leaders, and a certificate for each named site and admin
+    of a long-lived federation (``site-<name>``, ``admin-<name>``; no token: their identity is the
+    certificate)."""
+    named = [identity_name("site", check_name(n, "certs: --site-name")) for n in site_names]
+    named += [identity_name("admin", check_name(n, "certs: --admin")) for n in admins]
+    if len(set(named)) != len(named):
+        raise ConfigError(f"certs: a name is given twice ({', '.join(sorted(n for n in named if named.count(n) > 1))})")
+    least = 0 if named else 1
+    if not least <= clients <= MAX_NODES:
+        raise ConfigError(f"certs: --clients must lie in {least}..{MAX_NODES:,}, got {clients:,}")
+    if len(named) > MAX_NODES:
+        raise ConfigError(f"certs: at most {MAX_NODES:,} named sites and admins, got {len(named):,}")
     if not 0 <= sites <= MAX_NODES:
         raise ConfigError(f"certs: --sites must lie in 0..{MAX_NODES:,}, got {sites:,}")
     if not 1 <= days <= MAX_DAYS:
@@ -232,5 +283,9 @@ def make_credentials(
         token = secrets.token_hex(32)
         atomic_write_bytes(token.encode(), out / token_file(name), private=True)
         token_hashes[token_entry(name)] = hash_token(token)
+    for name in named:
+        cert, key = leaf(name, eku.CLIENT_AUTH, [x509.DNSName(name)])
+        atomic_write_bytes(cert, out / cert_file(name))
+        atomic_write_bytes(key, out / key_file(name), private=True)
     atomic_write_bytes(json.dumps(token_hashes, indent=1).encode(), out / TOKENS, private=True)
     return out
