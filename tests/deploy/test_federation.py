@@ -31,8 +31,9 @@ def write(path: Path, data: Any) -> Path:
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:
-    for node, names in (("server", ["ca.pem", "server.pem", "server.key"]), ("a", ["ca.pem", "a.pem", "a.key"]),
-                        ("b", ["ca.pem", "b.pem", "b.key"])):
+    for node, names in (("server", ["ca.pem", "server.pem", "server.key", "ca.key", "admin-ann.key"]),
+                        ("a", ["ca.pem", "site-lab-a.pem", "site-lab-a.key", "site-lab-b.key"]),
+                        ("b", ["ca.pem", "site-lab-b.pem", "site-lab-b.key"])):
         for name in names:
             write(tmp_path / "creds" / node / name, f"{node} {name}\n")
     fed = write(tmp_path / "fed.yaml", {"name": "Hospitals", "listen": "0.0.0.0:7000", "store": "store",
@@ -130,8 +131,8 @@ def test_the_service_renders_builds_and_validates(files: dict[str, Path], tmp_pa
     assert site_policy["ingress"] == [] and site_policy["egress"][1]["to"][0]["podSelector"]["matchLabels"][
         "app.kubernetes.io/component"] == "server"
     secrets = by_kind(objects, "Secret")
-    assert set(secrets["hospitals-site-lab-a"]["data"]) == {"ca.pem", "a.pem", "a.key"}
-    assert (out / "base" / "credentials" / "site-lab-a" / "a.key").stat().st_mode & 0o077 == 0
+    assert set(secrets["hospitals-site-lab-a"]["data"]) == {"ca.pem", "site-lab-a.pem", "site-lab-a.key"}
+    assert (out / "base" / "credentials" / "site-lab-a" / "site-lab-a.key").stat().st_mode & 0o077 == 0
 
 
 def test_sites_of_an_external_federation(files: dict[str, Path], tmp_path: Path):
@@ -179,6 +180,17 @@ def test_errors_name_the_key(files: dict[str, Path], tmp_path: Path):
     write(tmp_path / "f.yaml", {"name": "f", "listen": "0.0.0.0:7000", "health_listen": ":7000", "credentials": "creds/server"})
     with pytest.raises(ConfigError, match="health_listen': port 7000 is the federation's"):
         fed_mod.render(tmp_path / "f.yaml", [], out)
+
+
+def test_a_node_secret_holds_its_own_key_pair_and_the_ca_certificate_only(files: dict[str, Path], tmp_path: Path):
+    """A credentials folder of `fedweave certs` also holds the CA's key and every other node's key: none travels."""
+    fed_mod.render(str(files["fed"]), [str(files["a"])], tmp_path / "out", options())
+    folder = tmp_path / "out" / "base" / "credentials"
+    assert sorted(p.name for p in (folder / "server").iterdir()) == ["ca.pem", "server.key", "server.pem"]
+    assert sorted(p.name for p in (folder / "site-lab-a").iterdir()) == ["ca.pem", "site-lab-a.key", "site-lab-a.pem"]
+    (tmp_path / "creds" / "b" / "site-lab-b.key").unlink()
+    with pytest.raises(ConfigError, match=r"credentials': no file 'site-lab-b.key'"):
+        fed_mod.render(str(files["fed"]), [str(files["b"])], tmp_path / "out2", options(**{"lab-b": "host:/srv/lab-b"}))
 
 
 def test_the_cli_names_the_target(files: dict[str, Path], tmp_path: Path):

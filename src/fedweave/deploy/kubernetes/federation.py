@@ -48,6 +48,7 @@ from fedweave.deploy.kubernetes.layout import (
 from fedweave.deploy.kubernetes.manifests import Manifests, overlay
 from fedweave.deploy.kubernetes.render import Rendered
 from fedweave.errors import ConfigError
+from fedweave.transports.grpc import certs
 from fedweave.files import atomic_write_bytes, atomic_write_text
 
 FEDERATION_FILE = "/etc/fedweave/federation.yaml"
@@ -212,17 +213,20 @@ def _site_file(data: dict[str, Any], source: Path, server: str | None, data_root
     return site
 
 
-def _credentials(data: Mapping[str, Any], source: Path, folder: Path, force: bool) -> list[str]:
-    """Copy the files of ``data``'s ``credentials`` folder into ``folder``; their names (the Secret's keys)."""
+def _credentials(data: Mapping[str, Any], source: Path, folder: Path, force: bool, needed: Sequence[str]) -> list[str]:
+    """Copy the files ``needed`` (the CA's certificate, this node's own certificate and key) of ``data``'s
+    ``credentials`` folder into ``folder``; their names (the Secret's keys). Nothing else of the folder travels:
+    a folder of `fedweave certs` also holds the CA's key and every other node's key."""
     given = data.get("credentials")
     if not isinstance(given, str):
         raise ConfigError(f"{source}: config key 'credentials' is required (the folder of this node's TLS files)")
     origin = Path(given) if Path(given).is_absolute() else source.parent / given
     if not origin.is_dir():
         raise ConfigError(f"{source}: config key 'credentials': no folder {str(origin)!r}")
-    names = sorted(p.name for p in origin.iterdir() if p.is_file() and not p.is_symlink() and not p.name.startswith("."))
-    if not names:
-        raise ConfigError(f"{source}: config key 'credentials': {str(origin)!r} holds no files")
+    names = sorted(needed)
+    for name in names:
+        if not (origin / name).is_file() or (origin / name).is_symlink():
+            raise ConfigError(f"{source}: config key 'credentials': no file {name!r} in {str(origin)!r}")
     contents = {name: (origin / name).read_bytes() for name in names}
     for name, content in contents.items():  # every file checked before one is written
         target = folder / name
@@ -275,7 +279,8 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
         deployed = {**fed, **FED_PATHS, "listen": f"0.0.0.0:{port}", "health_listen": f"0.0.0.0:{health}"}
         _write(yaml.safe_dump(deployed, sort_keys=False), base / "federation.yaml")
         config_maps.append({"name": f"{name}-federation", "files": ["federation.yaml"]})
-        names = _credentials(fed, Path(federation), credentials / "server", options.force)
+        names = _credentials(fed, Path(federation), credentials / "server", options.force,
+                             [certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY])
         secrets.append({"name": f"{name}-server", "type": "Opaque", "files": [f"credentials/server/{n}" for n in names]})
         server_address = f"{name}-server:{port}"
         volume, mount = k.secret_volume("server")
@@ -319,7 +324,9 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
         site_port = _port(deployed, ("server",), f"site file {str(path)!r}") if external else port
         _write(yaml.safe_dump(deployed, sort_keys=False), base / f"{node}.yaml")
         config_maps.append({"name": f"{name}-{node}", "files": [f"site.yaml={node}.yaml"]})
-        names = _credentials(data, source, credentials / node, options.force)
+        stem = certs.identity_name("site", site_name)
+        names = _credentials(data, source, credentials / node, options.force,
+                             [certs.CA_CERT, certs.cert_file(stem), certs.key_file(stem)])
         secrets.append({"name": f"{name}-{node}", "type": "Opaque", "files": [f"credentials/{node}/{n}" for n in names]})
         device = str(data.get("device") or "cpu")
         site_parts = _Parts(name, o, device)
