@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call, grad, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fedweave.cohort.layered import LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad, gradients
 from fedweave.cohort.optim import StackedOptimizer
 from fedweave.cohort.schedule import schedule
 from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
@@ -87,8 +88,13 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     counts = plan.counts.transpose(0, 1).contiguous()  # (T, K), on the CPU: read per step
     weights = (torch.arange(plan.batch) < counts.unsqueeze(2)).to(x_all.dtype).to(device)
     running = (counts > 0).sum(dim=1).tolist()
-    loss_sum = torch.zeros(len(jobs), dtype=torch.float64, device=device)
+    tasks = torch.zeros(plan.length, len(jobs), dtype=x_all.dtype, device=device)  # each step's task losses
     split = has_batch_statistics(model)
+    chain = None if split else chain_of(model, x_all[0])
+    if chain is not None:
+        loss_grad = _loss_grad(loss_fn)
+        weights = weights / counts.clamp_min(1).unsqueeze(2).to(device, x_all.dtype)  # each client's mean
+        penalty_grad = None if steps[0].penalty is None else vmap(grad(steps[0].penalty), in_dims=(0, anchor_dims))
     for t in range(plan.length):
         a = running[t]
         if split:
@@ -98,12 +104,19 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
             x = x_all.index_select(0, index).view(a, plan.batch, *x_all.shape[1:])
             y = y_all.index_select(0, index).view(a, plan.batch, *y_all.shape[1:])
             active_anchors = anchors if anchor_dims is None or anchors is None else _prefix(anchors, a)
-            grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
-                                     weights[t, :a], active_anchors)
+            if chain is not None:
+                grads, task = gradients(chain, params, x, y, weights[t, :a], loss_grad)
+                if penalty_grad is not None:
+                    extra = penalty_grad(_prefix(params, a), active_anchors)
+                    torch._foreach_add_(list(grads.values()), [extra[name] for name in grads])
+            else:
+                grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
+                                         weights[t, :a], active_anchors)
         if corrections is not None:
             grads = {name: g.add(corrections[name][:a]) for name, g in grads.items()}
         optimizer.step(t, params, grads, a)
-        loss_sum[:a] += task.detach().double() * counts[t, :a].to(device).double()
+        tasks[t, :a] = task.detach()
+    loss_sum = (tasks.double() * counts.to(device).double()).sum(0)
     end = {**params, **buffers}
     out: list[Params] = [{} for _ in jobs]
     for name in entries:
@@ -137,12 +150,25 @@ def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalSte
     return objective
 
 
+def _plain_cross_entropy(loss_fn: LossFn) -> nn.CrossEntropyLoss | None:
+    inner = getattr(loss_fn, "loss", loss_fn)
+    if type(inner) is nn.CrossEntropyLoss and inner.weight is None and inner.label_smoothing == 0 and inner.reduction == "mean":
+        return inner
+    return None
+
+
+def _loss_grad(loss_fn: LossFn) -> LossGrad:
+    """The fast path's loss and gradient of its outputs: cross-entropy's written out, any other by autograd."""
+    plain = _plain_cross_entropy(loss_fn)
+    return cross_entropy_grad(plain.ignore_index) if plain is not None else autograd_loss_grad(per_example_loss(loss_fn))
+
+
 def per_example_loss(loss_fn: LossFn):
     """``(outputs, targets) -> each example's loss`` of a mean-reducing ``loss_fn``: cross-entropy
     written out (log-softmax, the target's entry), any other one applied to each example alone."""
-    inner = getattr(loss_fn, "loss", loss_fn)
-    if type(inner) is nn.CrossEntropyLoss and inner.weight is None and inner.label_smoothing == 0 and inner.reduction == "mean":
-        ignore = inner.ignore_index
+    plain = _plain_cross_entropy(loss_fn)
+    if plain is not None:
+        ignore = plain.ignore_index
 
         def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             picked = out.log_softmax(-1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
