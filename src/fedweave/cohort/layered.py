@@ -118,20 +118,24 @@ LossGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tens
 """``(outputs [K, B, ...], targets, weight [K, B]) -> (each client's task loss [K], grad of outputs)``."""
 
 
-def cross_entropy_grad(ignore: int) -> LossGrad:
+def cross_entropy_grad() -> LossGrad:
     """Cross-entropy on logits, each client's weighted sum over its rows, and its gradient:
-    ``(softmax - one_hot) * weight``, what autograd's log-softmax and NLL backward compute."""
+    ``(softmax - one_hot) * weight``, what autograd's log-softmax and NLL backward compute (the
+    caller gives weight 0 to a target that is ``ignore_index``)."""
 
     def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = torch.where(target == ignore, torch.zeros_like(weight), weight)
-        index = target.clamp_min(0).unsqueeze(-1)
+        index = target.unsqueeze(-1)
         logp = out.log_softmax(-1)
-        task = -(logp.gather(-1, index).squeeze(-1) * weight).sum(1)
+        task = (logp.gather(-1, index).squeeze(-1) * weight).sum(1).neg_()
         grad = logp.exp_()
-        grad.scatter_add_(-1, index, torch.full_like(index, -1, dtype=grad.dtype))
+        grad.scatter_add_(-1, index, _minus_ones(index, grad.dtype))
         return task, grad.mul_(weight.unsqueeze(-1))
 
     return loss_grad
+
+
+def _minus_ones(index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((1,), -1, dtype=dtype, device=index.device).expand(index.shape)
 
 
 def autograd_loss_grad(per_example: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> LossGrad:
@@ -150,39 +154,61 @@ def autograd_loss_grad(per_example: Callable[[torch.Tensor, torch.Tensor], torch
     return loss_grad
 
 
-@torch.no_grad()
-def gradients(
-    layers: list[Layer], params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
-    loss_grad: LossGrad,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Each client's gradient of its task loss (a dict like ``params``, the first ``K`` clients of
-    ``x`` [K, B, ...]) and the task loss [K]: the chain's forward, then its backward by hand."""
-    K, B = weight.shape
-    h = x
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's input and output
-    for layer in layers:
-        if layer.kind == "linear":
-            w = params[layer.name + ".weight"][:K].transpose(1, 2)
-            out = torch.baddbmm(params[layer.name + ".bias"][:K].unsqueeze(1), h, w) if layer.bias else torch.bmm(h, w)
-        elif layer.kind == "flatten":
-            out = h.reshape(K, B, -1)
-        else:
-            out = layer.activation[0](h)  # type: ignore[index]
-        saved.append((h, out))
-        h = out
-    task, g = loss_grad(h, y, weight)
-    grads: dict[str, torch.Tensor] = {}
-    first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input needed
-    for i in range(len(layers) - 1, first - 1, -1):
-        layer, (inp, out) = layers[i], saved[i]
-        if layer.kind == "linear":
-            grads[layer.name + ".weight"] = torch.bmm(g.transpose(1, 2), inp)
-            if layer.bias:
-                grads[layer.name + ".bias"] = g.sum(1)
-            if i > first:
-                g = torch.bmm(g, params[layer.name + ".weight"][:K])
-        elif layer.kind == "flatten":
-            g = g.reshape(inp.shape)
-        else:
-            g = layer.activation[1](g, inp, out)  # type: ignore[index]
-    return {name: grads[name] for name in params}, task
+class ChainGradients:
+    """Each client's gradient of its task loss over a chain of :class:`Layer` and the stacked
+    ``params`` (updated in place between calls): the chain's forward, then its backward by hand.
+    The views of the first ``a`` clients' parameters are made once per ``a``."""
+
+    def __init__(self, layers: list[Layer], params: dict[str, torch.Tensor], loss_grad: LossGrad):
+        self.layers = layers
+        self.params = params
+        self.loss_grad = loss_grad
+        self.first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input
+        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+
+    def _prefix(self, a: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per Linear, the first ``a`` clients' weight, its transpose and the bias as a row."""
+        views = self._views.get(a)
+        if views is None:
+            views = self._views[a] = [
+                (w := self.params[layer.name + ".weight"][:a], w.transpose(1, 2),
+                 self.params[layer.name + ".bias"][:a].unsqueeze(1) if layer.bias else None)
+                for layer in self.layers if layer.kind == "linear"
+            ]
+        return views
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The gradients (a dict like ``params``) and the task losses [K] of the first K clients,
+        ``x`` [K, B, ...] their batches, ``weight`` [K, B] each row's weight in its client's loss."""
+        K, B = weight.shape
+        views = self._prefix(K)
+        h = x
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's input and output
+        linear = 0
+        for layer in self.layers:
+            if layer.kind == "linear":
+                _, wt, b = views[linear]
+                out = torch.bmm(h, wt) if b is None else torch.baddbmm(b, h, wt)
+                linear += 1
+            elif layer.kind == "flatten":
+                out = h.reshape(K, B, -1)
+            else:
+                out = layer.activation[0](h)  # type: ignore[index]
+            saved.append((h, out))
+            h = out
+        task, g = self.loss_grad(h, y, weight)
+        grads: dict[str, torch.Tensor] = {}
+        for i in range(len(self.layers) - 1, self.first - 1, -1):
+            layer, (inp, out) = self.layers[i], saved[i]
+            if layer.kind == "linear":
+                linear -= 1
+                grads[layer.name + ".weight"] = torch.bmm(g.transpose(1, 2), inp)
+                if layer.bias:
+                    grads[layer.name + ".bias"] = g.sum(1)
+                if i > self.first:
+                    g = torch.bmm(g, views[linear][0])
+            elif layer.kind == "flatten":
+                g = g.reshape(inp.shape)
+            else:
+                g = layer.activation[1](g, inp, out)  # type: ignore[index]
+        return {name: grads[name] for name in self.params}, task

@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fedweave.cohort.layered import LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad, gradients
+from fedweave.cohort.layered import ChainGradients, LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad
 from fedweave.cohort.optim import StackedOptimizer
 from fedweave.cohort.schedule import schedule
 from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
@@ -92,26 +92,31 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     split = has_batch_statistics(model)
     chain = None if split else chain_of(model, x_all[0])
     if chain is not None:
-        loss_grad = _loss_grad(loss_fn)
+        chain_grads = ChainGradients(chain, params, _loss_grad(loss_fn))
+        y_round = y_all.index_select(0, rows.reshape(-1)).view(*rows.shape, *y_all.shape[1:])  # (T, K, B, ...)
         weights = weights / counts.clamp_min(1).unsqueeze(2).to(device, x_all.dtype)  # each client's mean
+        plain = _plain_cross_entropy(loss_fn)
+        if plain is not None:
+            weights = weights.masked_fill_(y_round == plain.ignore_index, 0)
+            y_round = y_round.clamp_min(0)
         penalty_grad = None if steps[0].penalty is None else vmap(grad(steps[0].penalty), in_dims=(0, anchor_dims))
     for t in range(plan.length):
         a = running[t]
-        if split:
+        active_anchors = anchors if anchor_dims is None or anchors is None else _prefix(anchors, a)
+        if chain is not None:
+            x = x_all.index_select(0, rows[t, :a].reshape(-1)).view(a, plan.batch, *x_all.shape[1:])
+            grads, task = chain_grads(x, y_round[t, :a], weights[t, :a])
+            if penalty_grad is not None:
+                extra = penalty_grad(_prefix(params, a), active_anchors)
+                torch._foreach_add_(list(grads.values()), [extra[name] for name in grads])
+        elif split:
             grads, task = _split_step(objective, params, buffers, x_all, y_all, rows[t], counts[t], a, anchors, anchor_dims)
         else:
             index = rows[t, :a].reshape(-1)
             x = x_all.index_select(0, index).view(a, plan.batch, *x_all.shape[1:])
             y = y_all.index_select(0, index).view(a, plan.batch, *y_all.shape[1:])
-            active_anchors = anchors if anchor_dims is None or anchors is None else _prefix(anchors, a)
-            if chain is not None:
-                grads, task = gradients(chain, params, x, y, weights[t, :a], loss_grad)
-                if penalty_grad is not None:
-                    extra = penalty_grad(_prefix(params, a), active_anchors)
-                    torch._foreach_add_(list(grads.values()), [extra[name] for name in grads])
-            else:
-                grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
-                                         weights[t, :a], active_anchors)
+            grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
+                                     weights[t, :a], active_anchors)
         if corrections is not None:
             grads = {name: g.add(corrections[name][:a]) for name, g in grads.items()}
         optimizer.step(t, params, grads, a)
@@ -160,7 +165,7 @@ def _plain_cross_entropy(loss_fn: LossFn) -> nn.CrossEntropyLoss | None:
 def _loss_grad(loss_fn: LossFn) -> LossGrad:
     """The fast path's loss and gradient of its outputs: cross-entropy's written out, any other by autograd."""
     plain = _plain_cross_entropy(loss_fn)
-    return cross_entropy_grad(plain.ignore_index) if plain is not None else autograd_loss_grad(per_example_loss(loss_fn))
+    return cross_entropy_grad() if plain is not None else autograd_loss_grad(per_example_loss(loss_fn))
 
 
 def per_example_loss(loss_fn: LossFn):
