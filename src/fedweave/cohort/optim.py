@@ -25,37 +25,46 @@ class StackedOptimizer:
         if settings.optimizer not in ("sgd", "adam"):
             raise ValueError(f"a cohort steps sgd or adam, not {settings.optimizer!r}")
         self.settings = settings
-        self.state: dict[str, list[torch.Tensor]] = {}  # per kind, one stacked tensor per parameter
+        self.state: dict[str, list[torch.Tensor]] = {}  # "params" and each kind of state, one tensor per parameter
+        self._views: dict[int, dict[str, list[torch.Tensor]]] = {}  # per active count: the first clients' views
+
+    def _prefix(self, params: Stacked, active: int) -> dict[str, list[torch.Tensor]]:
+        if not self.state:  # the state of every client, made at the first step (which every client takes)
+            self.state["params"] = list(params.values())
+            s = self.settings
+            kinds = ("m", "v") if s.optimizer == "adam" else ("momentum",) if s.momentum else ()
+            for kind in kinds:
+                self.state[kind] = [torch.zeros_like(p) for p in params.values()]
+        views = self._views.get(active)
+        if views is None:
+            views = self._views[active] = {kind: [t[:active] for t in ts] for kind, ts in self.state.items()}
+        return views
 
     @torch.no_grad()
     def step(self, t: int, params: Stacked, grads: Stacked, active: int) -> None:
-        """Step ``t`` (0-based) of the first ``active`` clients of ``params``, in place; ``grads``
-        holds their gradients (``active`` rows each). One ``torch._foreach_*`` call per operation
-        over all the parameters (on a CPU the per-tensor operations, in the same order)."""
+        """Step ``t`` (0-based) of the first ``active`` clients of ``params`` (the same tensors at
+        every step), in place; ``grads`` holds their gradients (``active`` rows each, in the order of
+        ``params``). One ``torch._foreach_*`` call per operation over all the parameters (on a CPU
+        the per-tensor operations, in the same order)."""
         s = self.settings
-        names = list(params)
-        p = [params[name][:active] for name in names]
-        g = [grads[name] for name in names]
+        views = self._prefix(params, active)
+        p = views["params"]
+        g = list(grads.values())
         if s.weight_decay:
             g = torch._foreach_add(g, p, alpha=s.weight_decay)
         if s.optimizer == "sgd":
             if s.momentum:
+                bufs = views["momentum"]
                 if t == 0:  # every client steps at t = 0: its buffer starts as its gradient
-                    self.state["momentum"] = [gi.detach().clone() for gi in g]
-                    g = self.state["momentum"]
+                    torch._foreach_copy_(bufs, g)
                 else:
-                    bufs = [b[:active] for b in self.state["momentum"]]
                     torch._foreach_mul_(bufs, s.momentum)
                     torch._foreach_add_(bufs, g)
-                    g = bufs
+                g = bufs
             torch._foreach_add_(p, g, alpha=-s.lr)
         else:
             beta1, beta2, eps = 0.9, 0.999, 1e-8
-            if t == 0:
-                self.state["m"] = [torch.zeros_like(params[name]) for name in names]
-                self.state["v"] = [torch.zeros_like(params[name]) for name in names]
-            m = [x[:active] for x in self.state["m"]]
-            v = [x[:active] for x in self.state["v"]]
+            m, v = views["m"], views["v"]
             torch._foreach_lerp_(m, g, 1 - beta1)
             torch._foreach_mul_(v, beta2)
             torch._foreach_addcmul_(v, g, g, value=1 - beta2)
