@@ -32,9 +32,9 @@ class StackedOptimizer:
         if not self.state:  # the state of every client, made at the first step (which every client takes)
             self.state["params"] = list(params.values())
             s = self.settings
-            kinds = ("m", "v") if s.optimizer == "adam" else ("momentum",) if s.momentum else ()
-            for kind in kinds:
-                self.state[kind] = [torch.zeros_like(p) for p in params.values()]
+            if s.optimizer == "adam":
+                self.state["m"] = [torch.zeros_like(p) for p in params.values()]
+                self.state["v"] = [torch.zeros_like(p) for p in params.values()]
         views = self._views.get(active)
         if views is None:
             views = self._views[active] = {kind: [t[:active] for t in ts] for kind, ts in self.state.items()}
@@ -54,13 +54,14 @@ class StackedOptimizer:
             g = torch._foreach_add(g, p, alpha=s.weight_decay)
         if s.optimizer == "sgd":
             if s.momentum:
-                bufs = views["momentum"]
                 if t == 0:  # every client steps at t = 0: its buffer starts as its gradient
-                    torch._foreach_copy_(bufs, g)
+                    self.state["momentum"] = g = [gi.clone() for gi in g]
+                    self._views.clear()
                 else:
+                    bufs = views["momentum"]
                     torch._foreach_mul_(bufs, s.momentum)
                     torch._foreach_add_(bufs, g)
-                g = bufs
+                    g = bufs
             torch._foreach_add_(p, g, alpha=-s.lr)
         else:
             beta1, beta2, eps = 0.9, 0.999, 1e-8

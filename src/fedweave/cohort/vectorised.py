@@ -56,11 +56,14 @@ def steps_of(job: ClientJob) -> int:
     return work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
 
 
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    first = tensors[0]
-    if _shared(tensors):
-        return first.unsqueeze(0).expand(len(tensors), *first.shape).clone()
-    return torch.stack(tensors)
+def _start(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The clients' received tensors, stacked: one leading row (broadcast) when all are the same tensor."""
+    return tensors[0].unsqueeze(0) if _shared(tensors) else torch.stack(tensors)
+
+
+def _stacked(start: torch.Tensor, k: int) -> torch.Tensor:
+    """A tensor of its own with ``k`` rows, each client's start."""
+    return start.expand(k, *start.shape[1:]).clone()
 
 
 def _shared(tensors: list[torch.Tensor]) -> bool:
@@ -75,9 +78,9 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     entries = list(model.state_dict())
     others = [name for name in entries if name not in set(trainable)]
-    start = {name: _stack([job.instruction.params[name] for job in jobs]) for name in entries}
-    params = {name: start[name].clone() for name in trainable}
-    buffers = {name: start[name].clone() for name in others}
+    start = {name: _start([job.instruction.params[name] for job in jobs]) for name in entries}
+    params = {name: _stacked(start[name], len(jobs)) for name in trainable}
+    buffers = {name: _stacked(start[name], len(jobs)) for name in others}
     frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
     plan = schedule(jobs, [steps_of(job) for job in jobs])
     x_all = torch.cat([job.x_train for job in jobs])
@@ -119,8 +122,8 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     out: list[Params] = [{} for _ in jobs]
     for name in entries:
         changed = end[name] - start[name] if end[name].is_floating_point() else end[name]
-        for k, v in enumerate(changed.unbind(0)):
-            out[k][name] = v.clone()
+        for k, v in enumerate(changed.unbind(0)):  # rows of a tensor of this group's own: each client's, apart
+            out[k][name] = v
     means = (loss_sum.cpu() / plan.counts.sum(dim=1).double()).tolist()
     results = [
         TrainResult(steps=s, num_examples=job.x_train.shape[0], mean_loss=m) for job, s, m in zip(jobs, plan.steps, means)
