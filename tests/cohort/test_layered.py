@@ -21,7 +21,7 @@ class Residual(nn.Module):
 
 def test_the_mlp_is_a_chain_and_other_models_are_not() -> None:
     layers = trace_chain(MLP((2, 3), 5, hidden=(8,)), torch.zeros(2, 3))
-    assert [(l.kind, l.name, l.bias) for l in layers] == [
+    assert [(layer.kind, layer.name, layer.bias) for layer in layers] == [
         ("flatten", "", False), ("linear", "features.1", True), ("activation", "", False), ("linear", "head", True)
     ]
     assert trace_chain(MLP((2, 3), 5, dropout=0.1), torch.zeros(2, 3)) is None  # dropout

@@ -93,7 +93,7 @@ def trace_chain(model: nn.Module, example: torch.Tensor) -> list[Layer] | None:
             previous = node
             continue
         if node.op == "output":
-            return layers if node.args == (previous,) and any(l.kind == "linear" for l in layers) else None
+            return layers if node.args == (previous,) and any(layer.kind == "linear" for layer in layers) else None
         if node.op != "call_module" or node.args != (previous,) or node.kwargs:
             return None
         module = modules[node.target]

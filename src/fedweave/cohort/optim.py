@@ -51,7 +51,7 @@ class StackedOptimizer:
         p = views["params"]
         g = list(grads.values())
         if s.weight_decay:
-            g = torch._foreach_add(g, p, alpha=s.weight_decay)
+            g = list(torch._foreach_add(g, p, alpha=s.weight_decay))
         if s.optimizer == "sgd":
             if s.momentum:
                 if t == 0:  # every client steps at t = 0: its buffer starts as its gradient
