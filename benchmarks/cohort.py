@@ -11,11 +11,12 @@ the median of the per-pair ratios sequential / cohort with its interquartile ran
 largest relative difference between the two final models (float rounding: the cohort's matrix
 products are batched). The load average of the machine is printed before and after.
 
-    python benchmarks/cohort.py [--pairs 8] [--only digits-10 mnist5k-cnn-50 ...] [--threads 1]
+    python benchmarks/cohort.py [--pairs 8] [--only digits-10 mnist5k-cnn-50 ...] [--threads 1] [--partition dirichlet iid]
 
 Rows: digits with the MLP (the quickstart's local settings: 3 epochs, batch 16, lr 0.1, momentum
 0.9) and MNIST-5k with the CNN (1 epoch, batch 16, lr 0.01), 10, 50 and 100 clients per round, a
-Dirichlet(0.5) partition.
+Dirichlet(0.5) partition (unequal clients: a cohort takes as many steps as its largest client) or
+an iid one (``--partition iid``: equal clients), or each in turn.
 """
 
 from __future__ import annotations
@@ -35,26 +36,26 @@ from fedweave import loop, runner
 
 BASE = [
     "sample_fraction=1.0",
-    "task.partition={scheme: dirichlet, alpha: 0.5}",
     "eval.every=0",
     "eval.federated_every=0",
     "checkpoint.every=0",
     "seed=0",
 ]
+PARTITIONS = {"dirichlet": "task.partition={scheme: dirichlet, alpha: 0.5}", "iid": "task.partition=iid"}
 TASKS = {
     "digits": ["task.dataset=digits", "task.model=mlp"],
     # One epoch at lr 0.01 without momentum: at the quickstart's lr 0.1 and momentum 0.9 the CNN's training is
     # chaotic enough on MNIST to turn the paths' 1e-7 rounding differences into 1e-3 after a round.
     "mnist5k-cnn": ["task.dataset=mnist5k", "task.model=cnn", "local={epochs: 1, batch_size: 16, lr: 0.01}"],
 }
+
 ROWS = {f"{task}-{k}": (k, [*overrides, f"clients={k}"]) for task, overrides in TASKS.items() for k in (10, 50, 100)}
 
 
-def paired(k: int, overrides: list[str], pairs: int, threads: int, out: Path) -> dict[str, float]:
+def paired(k: int, overrides: list[str], pairs: int, threads: int, partition: str, out: Path) -> dict[str, float]:
+    given = [*BASE, PARTITIONS[partition], *overrides, f"threads={threads}"]
     runs = {
-        mode: runner.prepare(
-            config_mod.load(None, [*BASE, *overrides, f"threads={threads}", f"simulation.cohort={cohort}"]), out / mode
-        )
+        mode: runner.prepare(config_mod.load(None, [*given, f"simulation.cohort={cohort}"]), out / mode)
         for mode, cohort in (("off", "off"), ("auto", k))
     }
     params = {mode: r.params for mode, r in runs.items()}
@@ -87,15 +88,18 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=8, help="measured pairs of rounds (after one left out)")
     parser.add_argument("--only", nargs="*", choices=list(ROWS), help="rows to run (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both paths (config threads)")
+    parser.add_argument("--partition", nargs="+", choices=list(PARTITIONS), default=["dirichlet"],
+                        help="how the data is split: Dirichlet(0.5) (unequal clients), iid (equal), or both")
     args = parser.parse_args()
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; threads={args.threads}; {args.pairs} pairs per row; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'row':<18} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12}")
+    print(f"{'row':<28} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12}")
     with tempfile.TemporaryDirectory() as out:
-        for name in args.only or ROWS:
-            m = paired(*ROWS[name], args.pairs, args.threads, Path(out) / name)
-            print(f"{name:<18} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
-                  f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e}", flush=True)
+        for partition in args.partition:
+            for name in args.only or ROWS:
+                m = paired(*ROWS[name], args.pairs, args.threads, partition, Path(out) / partition / name)
+                print(f"{name + ' ' + partition:<28} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
+                      f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

@@ -25,34 +25,53 @@ class StackedOptimizer:
         if settings.optimizer not in ("sgd", "adam"):
             raise ValueError(f"a cohort steps sgd or adam, not {settings.optimizer!r}")
         self.settings = settings
-        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.state: dict[str, list[torch.Tensor]] = {}  # "params" and each kind of state, one tensor per parameter
+        self._views: dict[int, dict[str, list[torch.Tensor]]] = {}  # per active count: the first clients' views
+
+    def _prefix(self, params: Stacked, active: int) -> dict[str, list[torch.Tensor]]:
+        if not self.state:  # the state of every client, made at the first step (which every client takes)
+            self.state["params"] = list(params.values())
+            s = self.settings
+            if s.optimizer == "adam":
+                self.state["m"] = [torch.zeros_like(p) for p in params.values()]
+                self.state["v"] = [torch.zeros_like(p) for p in params.values()]
+        views = self._views.get(active)
+        if views is None:
+            views = self._views[active] = {kind: [t[:active] for t in ts] for kind, ts in self.state.items()}
+        return views
 
     @torch.no_grad()
     def step(self, t: int, params: Stacked, grads: Stacked, active: int) -> None:
-        """Step ``t`` (0-based) of the first ``active`` clients of ``params``, in place; ``grads``
-        holds their gradients (``active`` rows each)."""
+        """Step ``t`` (0-based) of the first ``active`` clients of ``params`` (the same tensors at
+        every step), in place; ``grads`` holds their gradients (``active`` rows each, in the order of
+        ``params``). One ``torch._foreach_*`` call per operation over all the parameters (on a CPU
+        the per-tensor operations, in the same order)."""
         s = self.settings
-        for name, stacked in params.items():
-            p, g = stacked[:active], grads[name]
-            if s.weight_decay:
-                g = g.add(p, alpha=s.weight_decay)
-            state = self.state.setdefault(name, {})
-            if s.optimizer == "sgd":
-                if s.momentum:
-                    if t == 0:  # every client steps at t = 0: its buffer starts as its gradient
-                        state["momentum"] = g.detach().clone()
-                        g = state["momentum"]
-                    else:
-                        g = state["momentum"][:active].mul_(s.momentum).add_(g)
-                p.add_(g, alpha=-s.lr)
-            else:
-                beta1, beta2, eps = 0.9, 0.999, 1e-8
-                if t == 0:
-                    state["m"], state["v"] = torch.zeros_like(stacked), torch.zeros_like(stacked)
-                m, v = state["m"][:active], state["v"][:active]
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bias1 = 1 - beta1 ** (t + 1)
-                bias2 = 1 - beta2 ** (t + 1)
-                denom = (v.sqrt() / bias2**0.5).add_(eps)
-                p.addcdiv_(m, denom, value=-s.lr / bias1)
+        views = self._prefix(params, active)
+        p = views["params"]
+        g = list(grads.values())
+        if s.weight_decay:
+            g = list(torch._foreach_add(g, p, alpha=s.weight_decay))
+        if s.optimizer == "sgd":
+            if s.momentum:
+                if t == 0:  # every client steps at t = 0: its buffer starts as its gradient
+                    self.state["momentum"] = g = [gi.clone() for gi in g]
+                    self._views.clear()
+                else:
+                    bufs = views["momentum"]
+                    torch._foreach_mul_(bufs, s.momentum)
+                    torch._foreach_add_(bufs, g)
+                    g = bufs
+            torch._foreach_add_(p, g, alpha=-s.lr)
+        else:
+            beta1, beta2, eps = 0.9, 0.999, 1e-8
+            m, v = views["m"], views["v"]
+            torch._foreach_lerp_(m, g, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            bias1 = 1 - beta1 ** (t + 1)
+            bias2 = 1 - beta2 ** (t + 1)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bias2**0.5)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(p, m, denom, value=-s.lr / bias1)

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import nn
 
 from fedweave.client import ClientRuntime
 from fedweave.cohort.eligibility import auto_reason, job_reason, static_reason
@@ -101,6 +105,18 @@ class CohortTrainer:
             log.info("simulation.cohort: %s", line)
 
 
+_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
+
+
+def _group_bytes(model: nn.Module, example: torch.Tensor, batch: int) -> int:
+    """:func:`group_bytes`, measured once per model, shape of an input row and batch size."""
+    known = _BYTES.setdefault(model, {})
+    key = (tuple(example.shape), example.dtype, batch)
+    if key not in known:
+        known[key] = group_bytes(model, example, batch)
+    return known[key]
+
+
 def groups(pending: list[Pending], limit: int | None, budget: int, runtime: ClientRuntime) -> list[list[Pending]]:
     """``pending`` in cohorts: clients with the same settings and the same kind of step together,
     the most steps first (so that the clients of a group stop at nearly the same step), each group
@@ -113,6 +129,6 @@ def groups(pending: list[Pending], limit: int | None, budget: int, runtime: Clie
     for members in by_kind.values():
         members.sort(key=lambda p: -steps_of(p.job))
         batch = max(min(p.job.instruction.work.batch_size, p.job.x_train.shape[0]) for p in members)
-        size = group_size(limit, budget, group_bytes(runtime.model, members[0].job.x_train[0], batch))
+        size = group_size(limit, budget, _group_bytes(runtime.model, members[0].job.x_train[0], batch))
         out.extend(members[i : i + size] for i in range(0, len(members), size))
     return out

@@ -7,7 +7,9 @@ keeps its own). At step t every client takes its own batch (:mod:`fedweave.cohor
 shared architecture, and one backward pass of their sum give each client's gradient (the clients
 share no parameter; ``vmap`` of ``grad`` computes the same, slower on small models); the client's :class:`LocalStep` adds its
 penalty to the objective and its correction to the gradient; :class:`StackedOptimizer` steps the
-clients whose steps are not yet done.
+clients whose steps are not yet done. A model that is a chain of Linear layers and elementwise
+activations (the MLP) takes the fast path instead (:mod:`fedweave.cohort.layered`: batched
+products and a backward written out, no ``vmap``), its batches gathered for many steps at once.
 
 Batches are padded to the group's largest one: the task loss is the mean over a client's valid
 rows, computed from per-example losses. A model with batch statistics (BatchNorm in training
@@ -21,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call, grad, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils.rnn import pad_sequence
 
+from fedweave.cohort.layered import ChainGradients, LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad
 from fedweave.cohort.optim import StackedOptimizer
 from fedweave.cohort.schedule import schedule
 from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
@@ -52,11 +56,14 @@ def steps_of(job: ClientJob) -> int:
     return work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
 
 
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    first = tensors[0]
-    if _shared(tensors):
-        return first.unsqueeze(0).expand(len(tensors), *first.shape).clone()
-    return torch.stack(tensors)
+def _start(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The clients' received tensors, stacked: one leading row (broadcast) when all are the same tensor."""
+    return tensors[0].unsqueeze(0) if _shared(tensors) else torch.stack(tensors)
+
+
+def _stacked(start: torch.Tensor, k: int) -> torch.Tensor:
+    """A tensor of its own with ``k`` rows, each client's start."""
+    return start.expand(k, *start.shape[1:]).clone()
 
 
 def _shared(tensors: list[torch.Tensor]) -> bool:
@@ -71,9 +78,9 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     entries = list(model.state_dict())
     others = [name for name in entries if name not in set(trainable)]
-    start = {name: _stack([job.instruction.params[name] for job in jobs]) for name in entries}
-    params = {name: start[name].clone() for name in trainable}
-    buffers = {name: start[name].clone() for name in others}
+    start = {name: _start([job.instruction.params[name] for job in jobs]) for name in entries}
+    params = {name: _stacked(start[name], len(jobs)) for name in trainable}
+    buffers = {name: _stacked(start[name], len(jobs)) for name in others}
     frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
     plan = schedule(jobs, [steps_of(job) for job in jobs])
     x_all = torch.cat([job.x_train for job in jobs])
@@ -85,37 +92,86 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     optimizer = StackedOptimizer(jobs[0].settings)
     rows = plan.rows.transpose(0, 1).contiguous().to(device)  # (T, K, B)
     counts = plan.counts.transpose(0, 1).contiguous()  # (T, K), on the CPU: read per step
-    weights = (torch.arange(plan.batch) < counts.unsqueeze(2)).to(x_all.dtype).to(device)
     running = (counts > 0).sum(dim=1).tolist()
-    loss_sum = torch.zeros(len(jobs), dtype=torch.float64, device=device)
     split = has_batch_statistics(model)
-    for t in range(plan.length):
-        a = running[t]
-        if split:
-            grads, task = _split_step(objective, params, buffers, x_all, y_all, rows[t], counts[t], a, anchors, anchor_dims)
-        else:
-            index = rows[t, :a].reshape(-1)
-            x = x_all.index_select(0, index).view(a, plan.batch, *x_all.shape[1:])
-            y = y_all.index_select(0, index).view(a, plan.batch, *y_all.shape[1:])
-            active_anchors = anchors if anchor_dims is None or anchors is None else _prefix(anchors, a)
-            grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
-                                     weights[t, :a], active_anchors)
-        if corrections is not None:
-            grads = {name: g.add(corrections[name][:a]) for name, g in grads.items()}
-        optimizer.step(t, params, grads, a)
-        loss_sum[:a] += task.detach().double() * counts[t, :a].to(device).double()
+    chain = None if split else chain_of(model, x_all[0])
+    if chain is not None:
+        tasks = _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, optimizer, steps[0],
+                             anchors, anchor_dims, corrections)
+    else:
+        tasks = torch.zeros(plan.length, len(jobs), dtype=x_all.dtype, device=device)  # each step's task losses
+        weights = (torch.arange(plan.batch) < counts.unsqueeze(2)).to(x_all.dtype).to(device)  # 1 on real rows
+        for t in range(plan.length):
+            a = running[t]
+            if split:
+                grads, task = _split_step(objective, params, buffers, x_all, y_all, rows[t], counts[t], a, anchors,
+                                          anchor_dims)
+            else:
+                index = rows[t, :a].reshape(-1)
+                x = x_all.index_select(0, index).view(a, plan.batch, *x_all.shape[1:])
+                y = y_all.index_select(0, index).view(a, plan.batch, *y_all.shape[1:])
+                active_anchors = anchors if anchor_dims is None or anchors is None else _prefix(anchors, a)
+                grads, task = _gradients(objective, anchor_dims, _prefix(params, a), _prefix(buffers, a), x, y,
+                                         weights[t, :a], active_anchors)
+            if corrections is not None:
+                grads = {name: g.add(corrections[name][:a]) for name, g in grads.items()}
+            optimizer.step(t, params, grads, a)
+            tasks[t, :a] = task.detach()
+    loss_sum = (tasks.double() * counts.to(device).double()).sum(0)
     end = {**params, **buffers}
     out: list[Params] = [{} for _ in jobs]
     for name in entries:
         changed = end[name] - start[name] if end[name].is_floating_point() else end[name]
-        for k, v in enumerate(changed.unbind(0)):
-            out[k][name] = v.clone()
+        for k, v in enumerate(changed.unbind(0)):  # rows of a tensor of this group's own: each client's, apart
+            out[k][name] = v
     means = (loss_sum.cpu() / plan.counts.sum(dim=1).double()).tolist()
     results = [
         TrainResult(steps=s, num_examples=job.x_train.shape[0], mean_loss=m) for job, s, m in zip(jobs, plan.steps, means)
     ]
     back = sorted(range(len(jobs)), key=lambda k: order[k])
     return Trained([results[k] for k in back], [out[k] for k in back])
+
+
+CHUNK_BYTES = 32 * 2**20
+"""At most this many bytes of a group's batches are gathered at once (one ``index_select`` for the
+steps that fit, instead of one per step)."""
+
+
+def _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, optimizer, step, anchors, anchor_dims,
+                 corrections) -> torch.Tensor:
+    """The steps of a group whose model is a chain of Linear layers (:mod:`fedweave.cohort.layered`):
+    each step's task losses, (T, K). ``rows`` (T, K, B) are the batches' row numbers, ``counts``
+    (T, K) their real rows, ``running[t]`` the clients that step at t (a prefix)."""
+    T, K, B = rows.shape
+    device, dtype = x_all.device, x_all.dtype
+    gradients = ChainGradients(chain, params, _loss_grad(loss_fn))
+    y_round = y_all.index_select(0, rows.reshape(-1)).view(T, K, B, *y_all.shape[1:])
+    weights = (torch.arange(B) < counts.unsqueeze(2)).to(device, dtype) / counts.clamp_min(1).unsqueeze(2).to(device, dtype)
+    plain = _plain_cross_entropy(loss_fn)
+    if plain is not None:
+        weights.masked_fill_(y_round == plain.ignore_index, 0)
+        y_round = y_round.clamp_min(0)
+    ys, ws = y_round.unbind(0), weights.unbind(0)
+    penalty = None if step.penalty is None else vmap(grad(step.penalty), in_dims=(0, anchor_dims))
+    chunk = max(1, CHUNK_BYTES // max(1, K * B * x_all[0].numel() * x_all.element_size()))
+    xs: tuple[torch.Tensor, ...] = ()
+    tasks = []
+    for t in range(T):
+        if t % chunk == 0:
+            xs = x_all.index_select(0, rows[t : t + chunk].reshape(-1)).view(-1, K, B, *x_all.shape[1:]).unbind(0)
+        a = running[t]
+        x, y, w = xs[t % chunk], ys[t], ws[t]
+        if a < K:
+            x, y, w = x[:a], y[:a], w[:a]
+        grads, task = gradients(x, y, w)
+        if penalty is not None:
+            extra = penalty(_prefix(params, a), anchors if anchor_dims is None else _prefix(anchors, a))
+            torch._foreach_add_(list(grads.values()), list(extra.values()))
+        if corrections is not None:
+            torch._foreach_add_(list(grads.values()), [c[:a] for c in corrections.values()])
+        optimizer.step(t, params, grads, a)
+        tasks.append(task)
+    return pad_sequence(tasks, batch_first=True)
 
 
 def _prefix(tensors: Params, a: int) -> Params:
@@ -137,12 +193,25 @@ def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalSte
     return objective
 
 
+def _plain_cross_entropy(loss_fn: LossFn) -> nn.CrossEntropyLoss | None:
+    inner = getattr(loss_fn, "loss", loss_fn)
+    if type(inner) is nn.CrossEntropyLoss and inner.weight is None and inner.label_smoothing == 0 and inner.reduction == "mean":
+        return inner
+    return None
+
+
+def _loss_grad(loss_fn: LossFn) -> LossGrad:
+    """The fast path's loss and gradient of its outputs: cross-entropy's written out, any other by autograd."""
+    plain = _plain_cross_entropy(loss_fn)
+    return cross_entropy_grad() if plain is not None else autograd_loss_grad(per_example_loss(loss_fn))
+
+
 def per_example_loss(loss_fn: LossFn):
     """``(outputs, targets) -> each example's loss`` of a mean-reducing ``loss_fn``: cross-entropy
     written out (log-softmax, the target's entry), any other one applied to each example alone."""
-    inner = getattr(loss_fn, "loss", loss_fn)
-    if type(inner) is nn.CrossEntropyLoss and inner.weight is None and inner.label_smoothing == 0 and inner.reduction == "mean":
-        ignore = inner.ignore_index
+    plain = _plain_cross_entropy(loss_fn)
+    if plain is not None:
+        ignore = plain.ignore_index
 
         def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             picked = out.log_softmax(-1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)

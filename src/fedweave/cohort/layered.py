@@ -1,0 +1,213 @@
+"""The fast path of a cohort for chains of Linear layers and elementwise activations (MLPs).
+
+A model whose forward is a chain of ``Linear``, ``Flatten`` and elementwise activations (the
+built-in MLP without dropout; what :func:`chain_of` finds by tracing it with ``torch.fx``) needs
+no ``vmap``: for K clients at once each Linear is one batched product of the stacked parameters,
+``[K, B, in] x [K, in, out]`` (``torch.baddbmm``), and its backward is written out, two more
+batched products (``grad W = g^T h``, ``grad h = g W``) and a sum for the bias, each activation's
+backward the kernel autograd itself calls (``threshold_backward`` for ReLU, ...). A handful of
+operations per layer whatever K, instead of ``vmap``'s batching rules and an autograd graph. The
+loss is each client's mean over its real rows (``weight``: 1 / the batch's count on real rows, 0 on
+padding), so each client's slice of the gradient is its own; cross-entropy's gradient is written
+out too, any other per-example loss goes through autograd from the outputs on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+Activation = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]
+"""An activation's forward, and its backward ``(grad of output, input, output) -> grad of input``."""
+
+aten = torch.ops.aten
+
+
+def _activation(module: nn.Module) -> Activation | None:
+    """The forward and backward of an elementwise activation module, or None."""
+    if type(module) is nn.ReLU:
+        return torch.relu, lambda g, _x, y: aten.threshold_backward(g, y, 0)
+    if type(module) is nn.Tanh:
+        return torch.tanh, lambda g, _x, y: aten.tanh_backward(g, y)
+    if type(module) is nn.Sigmoid:
+        return torch.sigmoid, lambda g, _x, y: aten.sigmoid_backward(g, y)
+    if type(module) is nn.GELU:
+        approximate = module.approximate
+        return (lambda x: nn.functional.gelu(x, approximate=approximate),
+                lambda g, x, _y: aten.gelu_backward(g, x, approximate=approximate))
+    if type(module) is nn.SiLU:
+        return nn.functional.silu, lambda g, x, _y: aten.silu_backward(g, x)
+    if type(module) is nn.LeakyReLU:
+        slope = module.negative_slope
+        return (lambda x: nn.functional.leaky_relu(x, slope),
+                lambda g, x, _y: aten.leaky_relu_backward(g, x, slope, False))
+    return None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One link of the chain: a Linear (``name``: its parameters' prefix, ``bias`` whether it has
+    one), an activation, or a flatten of each example."""
+
+    kind: str  # "linear" | "activation" | "flatten"
+    name: str = ""
+    bias: bool = False
+    activation: Activation | None = None
+
+
+_CHAINS: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Size, list[Layer] | None]] = weakref.WeakKeyDictionary()
+
+
+def chain_of(model: nn.Module, example: torch.Tensor) -> list[Layer] | None:
+    """:func:`trace_chain` of ``model``, traced once per model and shape of an input row."""
+    known = _CHAINS.get(model)
+    if known is None or known[0] != example.shape:
+        known = _CHAINS[model] = (example.shape, trace_chain(model, example))
+    return known[1]
+
+
+def trace_chain(model: nn.Module, example: torch.Tensor) -> list[Layer] | None:
+    """The model's forward as a chain of :class:`Layer`, or None when it is not one: every
+    parameter trainable, no buffer, and the traced forward a chain of Linear, ``Flatten()`` (all but
+    the batch dimension) and the activations above, each Linear fed one row per example
+    (``example``: one input row)."""
+    if any(not p.requires_grad for p in model.parameters()) or any(True for _ in model.buffers()):
+        return None
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # a forward fx cannot trace (data-dependent control flow): not a chain
+        return None
+    modules = dict(model.named_modules())
+    layers: list[Layer] = []
+    previous: torch.fx.Node | None = None
+    flat = example.dim() == 1
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if previous is not None:
+                return None
+            previous = node
+            continue
+        if node.op == "output":
+            return layers if node.args == (previous,) and any(layer.kind == "linear" for layer in layers) else None
+        if node.op != "call_module" or node.args != (previous,) or node.kwargs:
+            return None
+        module = modules[node.target]
+        if type(module) is nn.Linear:
+            if not flat:
+                return None
+            layers.append(Layer("linear", node.target, module.bias is not None))
+        elif type(module) is nn.Flatten:
+            if (module.start_dim, module.end_dim) != (1, -1):
+                return None
+            layers.append(Layer("flatten"))
+            flat = True
+        elif (act := _activation(module)) is not None:
+            layers.append(Layer("activation", activation=act))
+        else:
+            return None
+        previous = node
+    return None
+
+
+LossGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``(outputs [K, O, B], targets [K, B, ...], weight [K, B]) -> (each client's task loss [K], grad of
+outputs [K, O, B])``: outputs features first, as :class:`ChainGradients` computes them."""
+
+
+def cross_entropy_grad() -> LossGrad:
+    """Cross-entropy on logits, each client's weighted sum over its rows, and its gradient:
+    ``(softmax - one_hot) * weight``, what autograd's log-softmax and NLL backward compute (the
+    caller gives weight 0 to a target that is ``ignore_index``)."""
+
+    def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = target.unsqueeze(1)
+        logp = out.log_softmax(1)
+        task = (logp.gather(1, index).squeeze(1) * weight).sum(1).neg_()
+        grad = logp.exp_()
+        grad.scatter_add_(1, index, torch.full((1, 1, 1), -1, dtype=grad.dtype, device=grad.device).expand(index.shape))
+        return task, grad.mul_(weight.unsqueeze(1))
+
+    return loss_grad
+
+
+def autograd_loss_grad(per_example: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> LossGrad:
+    """Any per-example loss (``per_example(outputs [N, O], targets [N, ...]) -> [N]``), its
+    gradient by autograd from the outputs on."""
+
+    def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        K, B = weight.shape
+        leaf = out.transpose(1, 2).detach().requires_grad_()
+        with torch.enable_grad():
+            each = per_example(leaf.reshape(K * B, -1), target.reshape(K * B, *target.shape[2:]))
+            task = (each.view(K, B) * weight).sum(1)
+            (grad,) = torch.autograd.grad(task.sum(), [leaf])
+        return task.detach(), grad.transpose(1, 2)
+
+    return loss_grad
+
+
+class ChainGradients:
+    """Each client's gradient of its task loss over a chain of :class:`Layer` and the stacked
+    ``params`` (updated in place between calls): the chain's forward, then its backward by hand.
+    The views of the first ``a`` clients' parameters are made once per ``a``."""
+
+    def __init__(self, layers: list[Layer], params: dict[str, torch.Tensor], loss_grad: LossGrad):
+        self.layers = layers
+        self.params = params
+        self.loss_grad = loss_grad
+        self.first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input
+        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+
+    def _prefix(self, a: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per Linear, the first ``a`` clients' weight, its transpose and the bias as a column."""
+        views = self._views.get(a)
+        if views is None:
+            views = self._views[a] = [
+                (w := self.params[layer.name + ".weight"][:a], w.transpose(1, 2),
+                 self.params[layer.name + ".bias"][:a].unsqueeze(2) if layer.bias else None)
+                for layer in self.layers if layer.kind == "linear"
+            ]
+        return views
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The gradients (a dict like ``params``) and the task losses [K] of the first K clients,
+        ``x`` [K, B, ...] their batches, ``weight`` [K, B] each row's weight in its client's loss.
+
+        Activations are kept features first, ``[K, features, B]`` (``W h`` with ``W`` as stored is
+        the faster product on a CPU); ``Flatten`` is applied to the input once, up front: the
+        activations are elementwise, and after a Linear each example is one row already."""
+        K, B = weight.shape
+        views = self._prefix(K)
+        h = x.reshape(K, B, -1).transpose(1, 2)
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's input and output
+        linear = 0
+        for layer in self.layers:
+            if layer.kind == "linear":
+                w, _, b = views[linear]
+                out = torch.bmm(w, h) if b is None else torch.baddbmm(b, w, h)
+                linear += 1
+            elif layer.kind == "flatten":
+                out = h
+            else:
+                out = layer.activation[0](h)  # type: ignore[index]
+            saved.append((h, out))
+            h = out
+        task, g = self.loss_grad(h, y, weight)
+        grads: dict[str, torch.Tensor] = {}
+        for i in range(len(self.layers) - 1, self.first - 1, -1):
+            layer, (inp, out) = self.layers[i], saved[i]
+            if layer.kind == "linear":
+                linear -= 1
+                grads[layer.name + ".weight"] = torch.bmm(g, inp.transpose(1, 2))
+                if layer.bias:
+                    grads[layer.name + ".bias"] = g.sum(2)
+                if i > self.first:
+                    g = torch.bmm(views[linear][1], g)
+            elif layer.kind == "activation":
+                g = layer.activation[1](g, inp, out)  # type: ignore[index]
+        return {name: grads[name] for name in self.params}, task
