@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -97,5 +97,5 @@ class CohortTransport:
 
 def failed(result: Exchange, cid: int, rnd: int, exc: BaseException) -> None:
     """Count client ``cid``'s failure in ``result``, logged."""
-    log.warning("client %d failed in round %d: %s", cid, rnd, exc, exc_info=True)
+    log.warning("client %d failed in round %d: %s", cid, rnd, exc, exc_info=exc)
     result.failures[cid] = f"{type(exc).__name__}: {exc}"

@@ -145,10 +145,11 @@ class WorkerPool:
             try:
                 return self.outbox.get(timeout=POLL)
             except queue.Empty:
-                dead = [p.name for p in self.processes if not p.is_alive()]
+                dead = [f"{p.name} (exit code {p.exitcode})" for p in self.processes if not p.is_alive()]
                 if dead:
-                    raise FedweaveError(f"simulation.workers: {', '.join(dead)} stopped (exit code "
-                                        f"{self.processes[0].exitcode}) before it had finished {what}")
+                    raise FedweaveError(
+                        f"simulation.workers: {', '.join(dead)} stopped before it had finished {what}"
+                    ) from None
         raise FedweaveError(f"simulation.workers: a worker took more than {timeout:g} s {what}")
 
     def close(self) -> None:

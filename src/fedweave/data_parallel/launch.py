@@ -198,7 +198,7 @@ def join(run_dir: str | Path, wait: float = 0.0) -> Joined:
         rendezvous = json.loads(path.read_text())
         config = config_mod.load(run_dir / CONFIG_FILE)
     except FileNotFoundError as exc:
-        raise DataParallelError(f"no data-parallel run is going on in {str(run_dir)!r}: {exc.filename} is missing")
+        raise DataParallelError(f"no data-parallel run is going on in {str(run_dir)!r}: {exc.filename} is missing") from None
     if config.mode != "data_parallel":
         raise DataParallelError(f"{str(run_dir)!r} holds a {config.mode} run, not a data-parallel one")
     dp = config.data_parallel

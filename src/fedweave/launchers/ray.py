@@ -277,7 +277,7 @@ class RayTransport:
         return reply.body, state if isinstance(state, dict) else {}
 
     def _fail(self, result: Exchange, msg: Message, exc: Exception) -> None:
-        log.warning("client %d failed in round %d: %s", msg.client_id, msg.round, exc, exc_info=True)
+        log.warning("client %d failed in round %d: %s", msg.client_id, msg.round, exc, exc_info=exc)
         result.failures[msg.client_id] = f"{type(exc).__name__}: {exc}"
         self.runtime.release(msg.client_id)
 

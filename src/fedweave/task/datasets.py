@@ -12,7 +12,8 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch

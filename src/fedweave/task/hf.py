@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
 def check_fits(model: CausalLM, vocab: int, sequence_length: int, spec: str) -> None:
     """Refuse a model whose vocabulary is smaller than the tokenizer's or whose positions are fewer
     than ``task.sequence_length``: one line naming the key."""
-    config = model.model.config
+    config: Any = model.model.config  # a transformers PretrainedConfig
     size = int(config.vocab_size)
     if size < vocab:
         raise TaskError(f"task.model: {spec} has a vocabulary of {size} tokens, the tokenizer gives ids up to {vocab - 1}")

@@ -100,9 +100,10 @@ def save_adapter(task: TaskConfig, params: Params, run_dir: Path) -> None:
     ``task.peft.merged``, the merged model to ``run_dir/merged``; each folder written aside and renamed."""
     model = with_lora(load_pretrained(task.model), task.peft)
     model.load_state_dict(params)
-    _write_folder(run_dir / ADAPTER_DIR, model.model.save_pretrained)
+    peft_model: Any = model.model  # a peft.PeftModel
+    _write_folder(run_dir / ADAPTER_DIR, peft_model.save_pretrained)
     if task.peft.merged:
-        _write_folder(run_dir / MERGED_DIR, model.model.merge_and_unload().save_pretrained)
+        _write_folder(run_dir / MERGED_DIR, peft_model.merge_and_unload().save_pretrained)
 
 
 def _write_folder(target: Path, write: Any) -> None:

@@ -19,7 +19,7 @@ AUROC leaves it out (NaN when none is left).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,7 +11,8 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn

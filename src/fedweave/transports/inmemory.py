@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from fedweave.transports.base import Exchange
 from fedweave.types import Message, body_nbytes

@@ -275,7 +275,7 @@ class GrpcClient:
                     mismatches = mismatches + 1 if hint is not None else 0
                     if mismatches >= 3:  # not a blip: the same refusal each time
                         log.error("%s: cannot register with %s: %s", self.node, self.address, hint)
-                        raise TransportError(f"{self.node}: cannot register with {self.address}: {hint}")
+                        raise TransportError(f"{self.node}: cannot register with {self.address}: {hint}") from None
             except SerializationError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             now = time.monotonic()
