@@ -174,6 +174,8 @@ def simulate(federation: Federation, job: dict[str, Any], sites: list[str], out:
     options = job["task"]["dataset_options"] | {"path": str(folder / "site_{client}.csv")}
     simulated = job | {"clients": len(sites), "task": job["task"] | {"dataset_options": options}}
     simulated.pop("grpc", None)
+    # the sequential loop, as every site trains: a vectorised cohort rounds differently (docs/simulation.md)
+    simulated["simulation"] = simulated.get("simulation", {}) | {"cohort": "off"}
     return runner.run_config(config_mod.from_dict(simulated), out / "reference")
 
 
