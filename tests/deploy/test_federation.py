@@ -155,6 +155,14 @@ def test_sites_of_an_external_federation(files: dict[str, Path], tmp_path: Path)
     assert joined["server"] == "fed.example.org:7443"
     egress = by_kind(objects, "NetworkPolicy")["federation-site-lab-a"]["spec"]["egress"]
     assert egress[1] == {"ports": [{"port": 7443, "protocol": "TCP"}]}  # the external server, any host
+    jobs = fed_mod.FederationOptions(job_ports="7500-7501")  # the external federation's jobs' servers
+    reaching = built(fed_mod.render(None, [files["a"]], tmp_path / "jobs", jobs))
+    egress = by_kind(reaching, "NetworkPolicy")["federation-site-lab-a"]["spec"]["egress"]
+    assert egress[1] == {"ports": [{"port": p, "protocol": "TCP"} for p in (7443, 7500, 7501)]}
+    with pytest.raises(ConfigError, match="--job-ports: expected LOW-HIGH"):
+        fed_mod.render(None, [files["a"]], tmp_path / "jobs", fed_mod.FederationOptions(job_ports="7500"))
+    with pytest.raises(ConfigError, match="--job-ports is for sites of an external federation"):
+        fed_mod.render(files["fed"], [files["a"]], tmp_path / "jobs", jobs)
     assert set(by_kind(objects, "PersistentVolumeClaim")) == {"federation-site-lab-a-work"}  # the named data claim
     volumes = by_kind(objects, "Deployment")["federation-site-lab-a"]["spec"]["template"]["spec"]["volumes"]
     assert {v["name"]: v for v in volumes}["data"]["persistentVolumeClaim"]["claimName"] == "lab-a-data"

@@ -13,16 +13,16 @@ from collections.abc import Collection
 from fedweave.errors import ConfigError
 
 
-def parse_ports(text: object, key: str = "job_ports") -> range:
-    """The ports ``LOW-HIGH`` names (both included), or a one-line error naming ``key``."""
+def parse_ports(text: object, what: str = "config key 'job_ports'") -> range:
+    """The ports ``LOW-HIGH`` names (both included), or a one-line error naming ``what``."""
     low, sep, high = text.partition("-") if isinstance(text, str) else ("", "", "")
-    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
-        raise ConfigError(f"config key '{key}': expected LOW-HIGH, a range of ports such as 7400-7409, got {text!r}")
+    if not sep or not (low + high).isascii() or not low.isdigit() or not high.isdigit():
+        raise ConfigError(f"{what}: expected LOW-HIGH, a range of ports such as 7400-7409, got {text!r}")
     first, last = int(low), int(high)
     if not 1 <= first <= 65535 or not 1 <= last <= 65535:
-        raise ConfigError(f"config key '{key}': ports lie in 1-65535, got {text!r}")
+        raise ConfigError(f"{what}: ports lie in 1-65535, got {text!r}")
     if first > last:
-        raise ConfigError(f"config key '{key}': LOW is at most HIGH, got {text!r}")
+        raise ConfigError(f"{what}: LOW is at most HIGH, got {text!r}")
     return range(first, last + 1)
 
 

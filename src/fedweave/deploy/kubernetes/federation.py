@@ -17,7 +17,7 @@ A kustomize base (``kubectl apply -k DIR/base``; ``DIR/overlays/namespace`` also
   job ports only.
 
 Without FED.yaml the sites join an external federation: their ``server`` key is kept and their pods
-may reach that port on any host. The files the pods read are the operator's with the paths of the pods
+may reach that port, and the external federation's ``job_ports`` (``--job-ports``), on any host. The files the pods read are the operator's with the paths of the pods
 on top (:data:`FED_PATHS`, :data:`SITE_PATHS`); a catalogue entry's relative path is the same path
 under the data volume (an absolute one must lie under the hostPath folder given).
 
@@ -53,6 +53,7 @@ from fedweave.deploy.kubernetes.manifests import Manifests, overlay
 from fedweave.deploy.kubernetes.render import Rendered
 from fedweave.errors import ConfigError
 from fedweave.federation.config import check_job_ports
+from fedweave.federation.ports import parse_ports
 from fedweave.transports.grpc import certs
 from fedweave.files import atomic_write_bytes, atomic_write_text
 
@@ -97,6 +98,8 @@ class FederationOptions:
     data_storage: str = "10Gi"
     """The size of a site's new data claim (no ``--site-data``)."""
     force: bool = False
+    job_ports: str | None = None
+    """An external federation's ``job_ports`` (no FED.yaml), which its sites' pods may reach."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a site's catalogue data: an existing claim or a node's folder (default: a new claim "
                         "of --data-storage the operator fills, its layout the site file's folder's)")
     parser.add_argument("--data-storage", default="10Gi", metavar="SIZE", help="size of a new data claim (default 10Gi)")
+    parser.add_argument("--job-ports", metavar="LOW-HIGH", help="without FED.yaml: the external federation's "
+                        "job_ports, which the sites' pods may reach on any host")
     parser.add_argument("--force", action="store_true", help="replace credentials that differ in DIR/base/credentials")
 
 
@@ -126,7 +131,7 @@ def render_args(args: argparse.Namespace) -> Rendered:
     base = Options(image=args.image, gpu_image=args.gpu_image, namespace=args.namespace, cpu=args.cpu,
                    memory=args.memory, storage=args.storage, storage_class=args.storage_class)
     site_data = dict(SiteData.parse(text) for text in args.site_data)
-    options = FederationOptions(base, site_data, args.data_storage, args.force)
+    options = FederationOptions(base, site_data, args.data_storage, args.force, args.job_ports)
     return render(args.federation, args.site, args.out, options)
 
 
@@ -288,6 +293,11 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
     server_address = None
     port = None
     job_ports = range(0)
+    if options.job_ports is not None:
+        if fed is not None:
+            raise ConfigError(f"{COMMAND}: --job-ports is for sites of an external federation; with FED.yaml "
+                              "its config key 'job_ports' says them")
+        job_ports = parse_ports(options.job_ports, f"{COMMAND}: --job-ports")
     if fed is not None:
         assert federation is not None
         where = f"federation file {str(federation)!r}"
