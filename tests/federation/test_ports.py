@@ -59,7 +59,7 @@ def test_a_port_bound_by_another_program_is_skipped_and_a_jobs_port_is_never_sha
     assert free_port(ports, HOST, taken={low, high}) is None
 
 
-def test_a_job_waits_queued_while_no_port_is_free_and_starts_on_the_one_freed(
+def test_a_job_waits_queued_while_no_port_is_free_and_a_resumed_one_takes_a_free_port_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("grpc")
     from fedweave.federation.service import FederationServer
@@ -88,7 +88,20 @@ def test_a_job_waits_queued_while_no_port_is_free_and_starts_on_the_one_freed(
         server.tick()  # the port another program held is free again
         assert launched == [(first, f"{HOST}:{ports[0]}")] and server.store.get(first)["state"] == "running"
         assert server._ports[first] == ports[0]
-        server._end(first, "cancelled", "test")
-        assert first not in server._ports
+        server.store.update(first, address=f"{HOST}:{ports[0]}")
     finally:
         server.close()
+    # the service started again (after kill -9): the running job's old address is gone, and its server
+    # takes a free port of the range again
+    again = FederationServer(load_federation(tmp_path / "FED.yaml"))
+    relaunched: list[tuple[str, str]] = []
+    monkeypatch.setattr(again, "_launch", lambda job, listen: relaunched.append((job, listen)))
+    try:
+        assert again.store.get(first)["address"] is None
+        with held(ports[0]):
+            again.tick()
+        assert relaunched == [(first, f"{HOST}:{ports[1]}")]
+        again._end(first, "cancelled", "test")
+        assert first not in again._ports
+    finally:
+        again.close()

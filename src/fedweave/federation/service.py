@@ -11,12 +11,12 @@ or ``offer_timeout`` passed, the accepting sites, in name order, become the job'
 0..k-1 (the job's ``clients`` is set to k): with k at least the job's ``min_clients`` the job runs,
 else it ends refused. A running job is today's ``fedweave server`` in a child process, bound to a free
 port on ``job_host`` (with ``job_ports``: the first free port of that range, no two running jobs sharing
-one; while none is free the job waits, queued, and a resumed one waits running), its run folder in the job store, over TLS with a fresh token per client that
-the service hands each site over its own mutual-TLS channel; each site runs today's
-``fedweave client`` for its id. The child dies with the service (kill -9 too); a restarted service
-starts it again on the same run folder, which resumes after its last checkpoint, at a new port
-that the sites learn from their next poll. Cancelling stops the job's server (the sites' clients
-are told to stop) and frees its slot for the next job.
+one; while none is free the job waits, queued, and a resumed one waits running), its run folder in the
+job store, over TLS with a fresh token per client that the service hands each site over its own
+mutual-TLS channel; each site runs today's ``fedweave client`` for its id. The child dies with the
+service (kill -9 too); a restarted service starts it again on the same run folder, which resumes after
+its last checkpoint, at a new port that the sites learn from their next poll. Cancelling stops the
+job's server (the sites' clients are told to stop) and frees its slot for the next job.
 
 Every decision is appended to ``STORE/audit.jsonl`` (:class:`fedweave.federation.audit.AuditLog`).
 """
@@ -271,7 +271,7 @@ class FederationServer:
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
     def _launch(self, job: str, listen: str) -> None:
-        """Start (or start again, after a restart of the service) the server of running ``job``, bound to ``listen``."""
+        """Start (or start again, after a restart of the service) running ``job``'s server, bound to ``listen``."""
         record = self.store.get(job)
         assert record is not None
         folder = self.store.path(job)
@@ -380,10 +380,14 @@ class FederationServer:
         log.info("%s %s after %d of %s rounds%s", job, state, done, record["rounds"], f": {reason}" if reason else "")
 
     def _recover(self) -> None:
-        """After a restart: a job being offered is offered again from now (its sites' answers kept)."""
+        """After a restart: a job being offered is offered again from now (its sites' answers kept); a running
+        job has no address until its server is started again."""
         for record in self.store.records():
             if record["state"] == "queued" and record["offered"] is not None:
                 self.store.update(record["id"], offered=time.time())
+        for record in self.store.records():
+            if record["state"] == "running" and record["address"] is not None:
+                self.store.update(record["id"], address=None)  # its server died with the previous process
         running = [r["id"] for r in self.store.records() if r["state"] == "running"]
         queued = [r["id"] for r in self.store.records() if r["state"] == "queued"]
         if running or queued:

@@ -17,8 +17,8 @@ A kustomize base (``kubectl apply -k DIR/base``; ``DIR/overlays/namespace`` also
   job ports only.
 
 Without FED.yaml the sites join an external federation: their ``server`` key is kept and their pods
-may reach that port, and the external federation's ``job_ports`` (``--job-ports``), on any host. The files the pods read are the operator's with the paths of the pods
-on top (:data:`FED_PATHS`, :data:`SITE_PATHS`); a catalogue entry's relative path is the same path
+may reach that port, and the external federation's ``job_ports`` (``--job-ports``), on any host. The
+files the pods read are the operator's with the paths of the pods on top (:data:`FED_PATHS`, :data:`SITE_PATHS`); a catalogue entry's relative path is the same path
 under the data volume (an absolute one must lie under the hostPath folder given).
 
 Credentials are the folders the files name (``credentials``), copied into ``DIR/base/credentials/`` as
