@@ -37,7 +37,8 @@ def files(tmp_path: Path) -> dict[str, Path]:
         for name in names:
             write(tmp_path / "creds" / node / name, f"{node} {name}\n")
     fed = write(tmp_path / "fed.yaml", {"name": "Hospitals", "listen": "0.0.0.0:7000", "store": "store",
-                                        "credentials": "creds/server", "max_concurrent_jobs": 2})
+                                        "credentials": "creds/server", "max_concurrent_jobs": 2,
+                                        "job_ports": "7400-7402", "job_host": "127.0.0.1"})
     a = write(tmp_path / "a.yaml", {
         "name": "lab-a", "server": "fed.example.org:7443", "credentials": "creds/a", "device": "cpu",
         "catalog": {"cardiology": {"path": "data/cardio.csv", "format": "csv", "label": "outcome"}},
@@ -86,7 +87,8 @@ def test_the_service_renders_builds_and_validates(files: dict[str, Path], tmp_pa
     body = container(server)
     assert body["args"] == ["federation", "serve", "/etc/fedweave/federation.yaml"]
     assert body["readinessProbe"]["grpc"] == {"port": 8081} and body["livenessProbe"]["grpc"] == {"port": 8081}
-    assert {p["name"]: p["containerPort"] for p in body["ports"]} == {"grpc": 7000, "health": 8081}
+    assert {p["name"]: p["containerPort"] for p in body["ports"]} == {
+        "grpc": 7000, "health": 8081, "job-7400": 7400, "job-7401": 7401, "job-7402": 7402}
     volumes = {v["name"]: v for v in server["spec"]["template"]["spec"]["volumes"]}
     assert volumes["store"]["persistentVolumeClaim"]["claimName"] == "hospitals-store"
     assert volumes["credentials"]["secret"]["secretName"] == "hospitals-server"
@@ -98,11 +100,15 @@ def test_the_service_renders_builds_and_validates(files: dict[str, Path], tmp_pa
     assert claims["hospitals-store"]["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert set(claims) == {"hospitals-store", "hospitals-site-lab-a-work", "hospitals-site-lab-a-data",
                            "hospitals-site-lab-b-work"}
-    assert by_kind(objects, "Service")["hospitals-server"]["spec"]["ports"][0]["port"] == 7000
+    service_ports = by_kind(objects, "Service")["hospitals-server"]["spec"]["ports"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service_ports] == [
+        ("grpc", 7000, "grpc"), ("job-7400", 7400, "job-7400"), ("job-7401", 7401, "job-7401"),
+        ("job-7402", 7402, "job-7402")]
 
     served = yaml.safe_load(by_kind(objects, "ConfigMap")["hospitals-federation"]["data"]["federation.yaml"])
     assert served == {"name": "Hospitals", "listen": "0.0.0.0:7000", "store": "/var/lib/fedweave/store",
                       "credentials": "/etc/fedweave/credentials", "max_concurrent_jobs": 2,
+                      "job_ports": "7400-7402", "job_host": "hospitals-server",  # the sites dial the Service
                       "health_listen": "0.0.0.0:8081"}
 
     site_a = deployments["hospitals-site-lab-a"]
@@ -126,10 +132,16 @@ def test_the_service_renders_builds_and_validates(files: dict[str, Path], tmp_pa
     assert any("hostPath" in note for note in rendered.notes)
 
     policies = by_kind(objects, "NetworkPolicy")
-    assert policies["hospitals-server"]["spec"]["ingress"] == [{"ports": [{"port": 7000, "protocol": "TCP"}]}]
-    site_policy = policies["hospitals-site-lab-a"]["spec"]
-    assert site_policy["ingress"] == [] and site_policy["egress"][1]["to"][0]["podSelector"]["matchLabels"][
-        "app.kubernetes.io/component"] == "server"
+    jobs = [{"port": p, "protocol": "TCP"} for p in (7400, 7401, 7402)]
+    federation_port, from_sites = policies["hospitals-server"]["spec"]["ingress"]
+    assert federation_port == {"ports": [{"port": 7000, "protocol": "TCP"}]}  # sites and admins, anywhere
+    assert from_sites["ports"] == jobs  # the jobs' servers: from the sites' pods only
+    assert from_sites["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "site"
+    for site in ("lab-a", "lab-b"):
+        site_policy = policies[f"hospitals-site-{site}"]["spec"]
+        assert site_policy["ingress"] == [] and site_policy["egress"][1]["to"][0]["podSelector"]["matchLabels"][
+            "app.kubernetes.io/component"] == "server"
+        assert site_policy["egress"][1]["ports"] == [{"port": 7000, "protocol": "TCP"}, *jobs]
     secrets = by_kind(objects, "Secret")
     assert set(secrets["hospitals-site-lab-a"]["data"]) == {"ca.pem", "site-lab-a.pem", "site-lab-a.key"}
     assert (out / "base" / "credentials" / "site-lab-a" / "site-lab-a.key").stat().st_mode & 0o077 == 0
@@ -143,6 +155,14 @@ def test_sites_of_an_external_federation(files: dict[str, Path], tmp_path: Path)
     assert joined["server"] == "fed.example.org:7443"
     egress = by_kind(objects, "NetworkPolicy")["federation-site-lab-a"]["spec"]["egress"]
     assert egress[1] == {"ports": [{"port": 7443, "protocol": "TCP"}]}  # the external server, any host
+    jobs = fed_mod.FederationOptions(job_ports="7500-7501")  # the external federation's jobs' servers
+    reaching = built(fed_mod.render(None, [files["a"]], tmp_path / "jobs", jobs))
+    egress = by_kind(reaching, "NetworkPolicy")["federation-site-lab-a"]["spec"]["egress"]
+    assert egress[1] == {"ports": [{"port": p, "protocol": "TCP"} for p in (7443, 7500, 7501)]}
+    with pytest.raises(ConfigError, match="--job-ports: expected LOW-HIGH"):
+        fed_mod.render(None, [files["a"]], tmp_path / "jobs", fed_mod.FederationOptions(job_ports="7500"))
+    with pytest.raises(ConfigError, match="--job-ports is for sites of an external federation"):
+        fed_mod.render(files["fed"], [files["a"]], tmp_path / "jobs", jobs)
     assert set(by_kind(objects, "PersistentVolumeClaim")) == {"federation-site-lab-a-work"}  # the named data claim
     volumes = by_kind(objects, "Deployment")["federation-site-lab-a"]["spec"]["template"]["spec"]["volumes"]
     assert {v["name"]: v for v in volumes}["data"]["persistentVolumeClaim"]["claimName"] == "lab-a-data"
@@ -180,6 +200,16 @@ def test_errors_name_the_key(files: dict[str, Path], tmp_path: Path):
     write(tmp_path / "f.yaml", {"name": "f", "listen": "0.0.0.0:7000", "health_listen": ":7000", "credentials": "creds/server"})
     with pytest.raises(ConfigError, match="health_listen': port 7000 is the federation's"):
         fed_mod.render(tmp_path / "f.yaml", [], out)
+    fed = yaml.safe_load(files["fed"].read_text())
+    for change, message in (
+        ({"job_ports": None}, "config key 'job_ports' is required on Kubernetes"),
+        ({"job_ports": "7400-7400"}, "config key 'job_ports': 7400-7400 has 1 ports, fewer than max_concurrent_jobs=2"),
+        ({"job_ports": "8080-8090"}, "config key 'job_ports': 8080-8090 holds port 8081"),
+        ({"job_ports": "74OO-7402"}, "config key 'job_ports': expected LOW-HIGH"),
+    ):
+        write(tmp_path / "g.yaml", fed | change)
+        with pytest.raises(ConfigError, match=message):
+            fed_mod.render(tmp_path / "g.yaml", [], out)
 
 
 def test_a_node_secret_holds_its_own_key_pair_and_the_ca_certificate_only(files: dict[str, Path], tmp_path: Path):

@@ -19,7 +19,15 @@ def test_the_example_federation_file_loads_with_its_paths_made_the_files_folders
     fed = load_federation(EXAMPLES / "FED.yaml")
     assert fed.sites == ["alpha", "beta", "gamma"] and fed.admins == ["ada"] and fed.max_concurrent_jobs == 1
     assert fed.store == str(EXAMPLES / "jobs") and fed.credentials == str(EXAMPLES / "certs")
-    assert fed.host == "127.0.0.1"
+    assert fed.host == "127.0.0.1" and fed.ports is None
+
+
+def test_job_ports_name_the_range_jobs_bind_and_the_host_sites_dial(tmp_path: Path) -> None:
+    data = yaml.safe_load((EXAMPLES / "FED.yaml").read_text()) | {
+        "job_ports": "7400-7402", "listen": "0.0.0.0:7300", "job_host": "fed-server"}
+    (tmp_path / "FED.yaml").write_text(yaml.safe_dump(data))
+    fed = load_federation(tmp_path / "FED.yaml")
+    assert fed.ports == range(7400, 7403) and fed.host == "fed-server" and fed.job_bind_host == "0.0.0.0"
 
 
 @pytest.mark.parametrize(
@@ -31,6 +39,13 @@ def test_the_example_federation_file_loads_with_its_paths_made_the_files_folders
         ({"max_concurrent_jobs": 0}, "max_concurrent_jobs"),
         ({"queue": 3}, "queue"),
         ({"sites": []}, "config key 'sites': name at least one site"),
+        ({"job_ports": "7400"}, "config key 'job_ports': expected LOW-HIGH"),
+        ({"job_ports": "7400-70000"}, "config key 'job_ports': ports lie in 1-65535"),
+        ({"job_ports": "7409-7400"}, "config key 'job_ports': LOW is at most HIGH"),
+        ({"job_ports": 7400}, "config key 'job_ports'"),
+        ({"job_ports": "7290-7310"}, "config key 'job_ports': 7290-7310 holds port 7300 of 127.0.0.1:7300"),
+        ({"job_ports": "7400-7401", "max_concurrent_jobs": 3},
+         "config key 'job_ports': 7400-7401 has 2 ports, fewer than max_concurrent_jobs=3"),
     ],
 )
 def test_a_wrong_federation_key_is_named(tmp_path: Path, change: dict, message: str) -> None:

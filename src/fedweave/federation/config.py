@@ -14,6 +14,7 @@ from fedweave.config import parse_address, read_yaml
 from fedweave.errors import ConfigError
 from fedweave.federation.catalog import Catalog
 from fedweave.federation.policy import SitePolicy
+from fedweave.federation.ports import parse_ports
 from fedweave.schema import opt, parse
 from fedweave.transports.grpc.certs import check_name
 
@@ -24,6 +25,19 @@ ADMIN_ENV = "FEDWEAVE_ADMIN"
 def _address(value: str, key: str) -> str:
     parse_address(value, f"config key '{key}'")
     return value
+
+
+def check_job_ports(text: object, max_concurrent_jobs: int, addresses: list[str]) -> range:
+    """``job_ports``'s range, checked: none of ``addresses``' ports in it, room for ``max_concurrent_jobs``."""
+    ports = parse_ports(text)
+    for address in addresses:
+        port = int(address.rpartition(":")[2])
+        if port in ports:
+            raise ConfigError(f"config key 'job_ports': {text} holds port {port} of {address}, the federation's own")
+    if len(ports) < max_concurrent_jobs:
+        raise ConfigError(f"config key 'job_ports': {text} has {len(ports)} ports, fewer than "
+                          f"max_concurrent_jobs={max_concurrent_jobs}")
+    return ports
 
 
 def _names(values: list[str], key: str) -> list[str]:
@@ -54,6 +68,9 @@ class FederationConfig:
     job_host: str | None = opt(
         None, help="the host each job's own server listens on and sites reach (none: address's host)"
     )
+    job_ports: str | None = opt(
+        None, help="LOW-HIGH: the ports jobs' servers bind, one per running job (none: any free port)"
+    )
     site_timeout: float = opt(15.0, gt=0, help="seconds without a poll after which a site counts as away")
     max_bundle_mb: float = opt(64.0, gt=0, le=1024, help="largest code bundle a job may ship, in MiB")
 
@@ -69,6 +86,22 @@ class FederationConfig:
         if self.job_host is not None and (not self.job_host or not self.job_host.isprintable() or ":" in self.job_host
                                           and not self.job_host.startswith("[")):
             raise ConfigError(f"config key 'job_host': a host name or IP address, got {self.job_host!r}")
+        if self.job_ports is not None:
+            check_job_ports(self.job_ports, self.max_concurrent_jobs,
+                            [v for v in (self.address, self.listen, self.health_listen) if v is not None])
+
+    @property
+    def ports(self) -> range | None:
+        """The ports of ``job_ports`` (None: each job's server takes any free port)."""
+        return None if self.job_ports is None else parse_ports(self.job_ports)
+
+    @property
+    def job_bind_host(self) -> str:
+        """The host a job's server binds: with ``job_ports``, ``listen``'s host where set (e.g. 0.0.0.0 in a
+        pod whose Service is ``job_host``), else :attr:`host`."""
+        if self.job_ports is not None and self.listen is not None:
+            return self.listen.rpartition(":")[0]
+        return self.host
 
     @property
     def host(self) -> str:

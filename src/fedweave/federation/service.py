@@ -10,12 +10,13 @@ by its own policy and answers accepted or refused (with the rule's name). Once e
 or ``offer_timeout`` passed, the accepting sites, in name order, become the job's clients
 0..k-1 (the job's ``clients`` is set to k): with k at least the job's ``min_clients`` the job runs,
 else it ends refused. A running job is today's ``fedweave server`` in a child process, bound to a free
-port on ``job_host``, its run folder in the job store, over TLS with a fresh token per client that
-the service hands each site over its own mutual-TLS channel; each site runs today's
-``fedweave client`` for its id. The child dies with the service (kill -9 too); a restarted service
-starts it again on the same run folder, which resumes after its last checkpoint, at a new port
-that the sites learn from their next poll. Cancelling stops the job's server (the sites' clients
-are told to stop) and frees its slot for the next job.
+port on ``job_host`` (with ``job_ports``: the first free port of that range, no two running jobs sharing
+one; while none is free the job waits, queued, and a resumed one waits running), its run folder in the
+job store, over TLS with a fresh token per client that the service hands each site over its own
+mutual-TLS channel; each site runs today's ``fedweave client`` for its id. The child dies with the
+service (kill -9 too); a restarted service starts it again on the same run folder, which resumes after
+its last checkpoint, at a new port that the sites learn from their next poll. Cancelling stops the
+job's server (the sites' clients are told to stop) and frees its slot for the next job.
 
 Every decision is appended to ``STORE/audit.jsonl`` (:class:`fedweave.federation.audit.AuditLog`).
 """
@@ -50,6 +51,7 @@ from fedweave.federation.bundle import BundleError, unpack
 from fedweave.federation.catalog import catalog_reference
 from fedweave.federation.config import FederationConfig
 from fedweave.federation.policy import SHA256
+from fedweave.federation.ports import free_port
 from fedweave.federation.store import AUDIT, ENDED, LOG, RUN, JobStore
 from fedweave.files import atomic_write_bytes, atomic_write_text
 from fedweave.nodes.signals import PARENT_ENV
@@ -125,6 +127,8 @@ class FederationServer:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._tokens: dict[str, dict[str, str]] = {}  # job -> site -> its token for this start of the job
         self._waiting: dict[str, float] = {}  # job -> since when its run folder's lock is awaited
+        self._ports: dict[str, int] = {}  # job -> its server's port of job_ports
+        self._no_port: set[str] = set()  # jobs waiting for a free port of job_ports (logged once)
         self._started = time.monotonic()
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(self._handler(name), identity, identity)
@@ -238,17 +242,36 @@ class FederationServer:
                 self.audit.append("refused", job=job, reason=reason, accepted=accepted)
                 log.info("%s refused: %s", job, reason)
                 return
+            listen = self._listen(job)
+            if listen is None:
+                return  # it stays queued, its sites' answers kept, until a port of job_ports is free
             clients = {site: i for i, site in enumerate(accepted)}
             self.store.update(job, state="running", clients=clients, started_at=time.time())
             self.audit.append("started", job=job, clients=clients)
-        self._launch(job)
+        self._launch(job, listen)
+
+    def _listen(self, job: str) -> str | None:
+        """The host:port ``job``'s server binds: a free port of ``job_ports`` (None: none is free now), or 0."""
+        ports = self.config.ports
+        if ports is None:
+            return f"{self.config.host}:0"
+        host = self.config.job_bind_host
+        port = free_port(ports, host, {p for j, p in self._ports.items() if j != job})
+        if port is None:
+            if job not in self._no_port:
+                self._no_port.add(job)
+                log.info("%s waits: no port of job_ports %s is free on %s", job, self.config.job_ports, host)
+            return None
+        self._no_port.discard(job)
+        self._ports[job] = port
+        return f"{host}:{port}"
 
     def _min_clients(self, job: str) -> int:
         value = self.store.config(job).get("min_clients", 1)
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
-    def _launch(self, job: str) -> None:
-        """Start (or start again, after a restart of the service) the server of running ``job``."""
+    def _launch(self, job: str, listen: str) -> None:
+        """Start (or start again, after a restart of the service) running ``job``'s server, bound to ``listen``."""
         record = self.store.get(job)
         assert record is not None
         folder = self.store.path(job)
@@ -277,7 +300,7 @@ class FederationServer:
         address_file = folder / "address"
         address_file.unlink(missing_ok=True)
         command = [sys.executable, "-m", "fedweave", "server", str(folder / "server.yaml"), "--run-dir",
-                   str(folder / RUN), "--listen", f"{self.config.host}:0", "--address-file", str(address_file), "-q"]
+                   str(folder / RUN), "--listen", listen, "--address-file", str(address_file), "-q"]
         with open(folder / LOG, "ab") as out:
             self._procs[job] = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=folder,
@@ -294,14 +317,16 @@ class FederationServer:
         if proc is None:  # a job the previous process of the service ran: start its server again
             if record["cancel_requested"]:
                 self._end(job, "cancelled", f"cancelled by {record['cancel_requested']}")
-            elif self._run_folder_free(job):
+            elif self._run_folder_free(job) and (listen := self._listen(job)) is not None:
                 self.audit.append("resumed", job=job, rounds_done=rounds_done(self.store.path(job) / RUN))
-                self._launch(job)
+                self._launch(job, listen)
             return
         code = proc.poll()
         if code is None:
             if record["address"] is None and (self.store.path(job) / "address").is_file():
                 address = (self.store.path(job) / "address").read_text().strip()
+                if address and job in self._ports:  # the sites dial job_host, not the host it binds
+                    address = f"{self.config.host}:{self._ports[job]}"
                 if address:
                     self.store.update(job, address=address)
                     log.info("%s: its server listens on %s", job, address)
@@ -348,15 +373,21 @@ class FederationServer:
         with self._lock:
             record = self.store.update(job, state=state, reason=reason, address=None, ended_at=time.time())
             self._tokens.pop(job, None)
+            self._ports.pop(job, None)
+            self._no_port.discard(job)
         done = rounds_done(self.store.path(job) / RUN)
         self.audit.append(state, job=job, reason=reason, rounds_done=done)
         log.info("%s %s after %d of %s rounds%s", job, state, done, record["rounds"], f": {reason}" if reason else "")
 
     def _recover(self) -> None:
-        """After a restart: a job being offered is offered again from now (its sites' answers kept)."""
+        """After a restart: a job being offered is offered again from now (its sites' answers kept); a running
+        job has no address until its server is started again."""
         for record in self.store.records():
             if record["state"] == "queued" and record["offered"] is not None:
                 self.store.update(record["id"], offered=time.time())
+        for record in self.store.records():
+            if record["state"] == "running" and record["address"] is not None:
+                self.store.update(record["id"], address=None)  # its server died with the previous process
         running = [r["id"] for r in self.store.records() if r["state"] == "running"]
         queued = [r["id"] for r in self.store.records() if r["state"] == "queued"]
         if running or queued:

@@ -5,16 +5,20 @@ A kustomize base (``kubectl apply -k DIR/base``; ``DIR/overlays/namespace`` also
 - the federation server (``fedweave federation serve /etc/fedweave/federation.yaml``) as a Deployment of one
   replica replaced with the Recreate strategy: it never finishes, and one pod at a time writes its job store,
   a PersistentVolumeClaim mounted at ``/var/lib/fedweave``; the kubelet's ``grpc`` probes ask its plaintext
-  health port; a Service; a NetworkPolicy that admits the federation port from anywhere (sites and admins,
-  in the cluster or outside: mutual TLS and the admin role guard it) and lets it reach only the DNS;
+  health port; a Service of the federation port and of each port of ``job_ports`` (``job-<port>``), the
+  ports its jobs' servers bind, FED.yaml's ``job_host`` set to that Service (required: without fixed
+  ports no site could reach a job); a NetworkPolicy that admits the federation port from anywhere (sites
+  and admins, in the cluster or outside: mutual TLS and the admin role guard it), the job ports from the
+  sites' pods, and lets it reach only the DNS;
 - each site (``fedweave federation join /etc/fedweave/site.yaml``) as a Deployment of its own: its
   credentials from its own Secret, its working folder (the jobs' folders, its audit log) on its own claim,
   its catalogue's data read-only from a claim of its own or the one the operator names, or a hostPath
-  folder; a NetworkPolicy that admits nothing and lets it reach the DNS and the federation port only.
+  folder; a NetworkPolicy that admits nothing and lets it reach the DNS, the federation port and the
+  job ports only.
 
 Without FED.yaml the sites join an external federation: their ``server`` key is kept and their pods
-may reach that port on any host. The files the pods read are the operator's with the paths of the pods
-on top (:data:`FED_PATHS`, :data:`SITE_PATHS`); a catalogue entry's relative path is the same path
+may reach that port, and the external federation's ``job_ports`` (``--job-ports``), on any host. The
+files the pods read are the operator's with the paths of the pods on top (:data:`FED_PATHS`, :data:`SITE_PATHS`); a catalogue entry's relative path is the same path
 under the data volume (an absolute one must lie under the hostPath folder given).
 
 Credentials are the folders the files name (``credentials``), copied into ``DIR/base/credentials/`` as
@@ -48,6 +52,8 @@ from fedweave.deploy.kubernetes.layout import (
 from fedweave.deploy.kubernetes.manifests import Manifests, overlay
 from fedweave.deploy.kubernetes.render import Rendered
 from fedweave.errors import ConfigError
+from fedweave.federation.config import check_job_ports
+from fedweave.federation.ports import parse_ports
 from fedweave.transports.grpc import certs
 from fedweave.files import atomic_write_bytes, atomic_write_text
 
@@ -57,7 +63,8 @@ STORE_DIR = f"{DATA_DIR}/store"
 WORK_DIR = f"{DATA_DIR}/work"
 SITE_DATA_DIR = f"{DATA_DIR}/data"
 FED_PATHS = {"store": STORE_DIR, "credentials": CREDENTIALS_DIR}
-"""The keys of FED.yaml set to the pod's paths (``listen`` and ``health_listen`` are set to its ports)."""
+"""The keys of FED.yaml set to the pod's paths (``listen`` and ``health_listen`` are set to its ports,
+``job_host`` to its Service)."""
 SITE_PATHS = {"workdir": WORK_DIR, "credentials": CREDENTIALS_DIR}
 """The keys of SITE.yaml set to the pod's paths (``server`` to the federation's Service, in the cluster)."""
 COMMAND = "fedweave deploy federation"
@@ -91,6 +98,8 @@ class FederationOptions:
     data_storage: str = "10Gi"
     """The size of a site's new data claim (no ``--site-data``)."""
     force: bool = False
+    job_ports: str | None = None
+    """An external federation's ``job_ports`` (no FED.yaml), which its sites' pods may reach."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a site's catalogue data: an existing claim or a node's folder (default: a new claim "
                         "of --data-storage the operator fills, its layout the site file's folder's)")
     parser.add_argument("--data-storage", default="10Gi", metavar="SIZE", help="size of a new data claim (default 10Gi)")
+    parser.add_argument("--job-ports", metavar="LOW-HIGH", help="without FED.yaml: the external federation's "
+                        "job_ports, which the sites' pods may reach on any host")
     parser.add_argument("--force", action="store_true", help="replace credentials that differ in DIR/base/credentials")
 
 
@@ -120,7 +131,7 @@ def render_args(args: argparse.Namespace) -> Rendered:
     base = Options(image=args.image, gpu_image=args.gpu_image, namespace=args.namespace, cpu=args.cpu,
                    memory=args.memory, storage=args.storage, storage_class=args.storage_class)
     site_data = dict(SiteData.parse(text) for text in args.site_data)
-    options = FederationOptions(base, site_data, args.data_storage, args.force)
+    options = FederationOptions(base, site_data, args.data_storage, args.force, args.job_ports)
     return render(args.federation, args.site, args.out, options)
 
 
@@ -131,6 +142,19 @@ def _read(path: str | Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{what} file {str(path)!r}: expected a mapping of keys")
     return data
+
+
+def _job_ports(fed: Mapping[str, Any], port: int, health: int, where: str) -> range:
+    """FED.yaml's ``job_ports``, required on Kubernetes: a Service and NetworkPolicies open fixed ports only."""
+    if fed.get("job_ports") is None:
+        raise ConfigError(f"{where}: config key 'job_ports' is required on Kubernetes (LOW-HIGH, e.g. 7400-7409): "
+                          "the ports the Service opens for the jobs' servers")
+    jobs = fed.get("max_concurrent_jobs", 1)
+    try:
+        return check_job_ports(fed["job_ports"], jobs if isinstance(jobs, int) else 1,
+                               [f"0.0.0.0:{port}", f"0.0.0.0:{health}"])
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _port(data: Mapping[str, Any], keys: Sequence[str], where: str) -> int:
@@ -268,6 +292,12 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
     result = Rendered(out, name)
     server_address = None
     port = None
+    job_ports = range(0)
+    if options.job_ports is not None:
+        if fed is not None:
+            raise ConfigError(f"{COMMAND}: --job-ports is for sites of an external federation; with FED.yaml "
+                              "its config key 'job_ports' says them")
+        job_ports = parse_ports(options.job_ports, f"{COMMAND}: --job-ports")
     if fed is not None:
         assert federation is not None
         where = f"federation file {str(federation)!r}"
@@ -276,7 +306,9 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
         if health == port:
             raise ConfigError(f"{where}: config key 'health_listen': port {health} is the federation's; the "
                               "plaintext health port needs one of its own")
-        deployed = {**fed, **FED_PATHS, "listen": f"0.0.0.0:{port}", "health_listen": f"0.0.0.0:{health}"}
+        job_ports = _job_ports(fed, port, health, where)
+        deployed = {**fed, **FED_PATHS, "listen": f"0.0.0.0:{port}", "health_listen": f"0.0.0.0:{health}",
+                    "job_host": f"{name}-server"}
         _write(yaml.safe_dump(deployed, sort_keys=False), base / "federation.yaml")
         config_maps.append({"name": f"{name}-federation", "files": ["federation.yaml"]})
         names = _credentials(fed, Path(federation), credentials / "server", options.force,
@@ -289,7 +321,8 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
             "server", "server", ["federation", "serve", FEDERATION_FILE], f"{name}-federation", FEDERATION_FILE,
             [mount, {"name": "store", "mountPath": DATA_DIR}], [volume, store],
             ports=[{"name": "grpc", "containerPort": port, "protocol": "TCP"},
-                   {"name": "health", "containerPort": health, "protocol": "TCP"}],
+                   {"name": "health", "containerPort": health, "protocol": "TCP"},
+                   *({"name": f"job-{p}", "containerPort": p, "protocol": "TCP"} for p in job_ports)],
         )
         probe = {"grpc": {"port": health}, "periodSeconds": 10, "timeoutSeconds": 2}
         container["readinessProbe"] = {**probe, "failureThreshold": 3}
@@ -300,9 +333,13 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
             parts.deployment(f"{name}-server", "server", spec, {}),
             {"apiVersion": "v1", "kind": "Service", "metadata": k.meta(f"{name}-server", "server"),
              "spec": {"selector": selector,
-                      "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}},
+                      "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"},
+                                *({"name": f"job-{p}", "port": p, "targetPort": f"job-{p}", "protocol": "TCP"}
+                                  for p in job_ports)]}},
             k.policy(f"{name}-server", "server", {"matchLabels": selector},
-                     [{"ports": [{"port": port, "protocol": "TCP"}]}], []),
+                     [{"ports": [{"port": port, "protocol": "TCP"}]},
+                      {"from": [{"podSelector": {"matchLabels": k.labels("site")}}],
+                       "ports": [{"port": p, "protocol": "TCP"} for p in job_ports]}], []),
         ]
     site_objects: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
@@ -350,7 +387,7 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
              {"name": "data", "mountPath": SITE_DATA_DIR, "readOnly": True}],
             [volume, {"name": "work", "persistentVolumeClaim": {"claimName": f"{name}-{node}-work"}}, data_volume],
         )
-        reach: dict[str, Any] = {"ports": [{"port": site_port, "protocol": "TCP"}]}
+        reach: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in (site_port, *job_ports)]}
         if not external:
             reach["to"] = [{"podSelector": {"matchLabels": k.labels("server")}}]
         site_objects += [
