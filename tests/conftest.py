@@ -57,6 +57,17 @@ def umask_022() -> Iterator[None]:
     os.umask(previous)
 
 
+def load_script(path: Path) -> Any:
+    """The module of a script that is not on the import path (a benchmark, an example's set-up, CI's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def small_config(*overrides: str, output: Path | None = None) -> config_mod.Config:
     extra = [f"output_dir={output}"] if output is not None else []
     return config_mod.load(None, [*SMALL, *extra, *overrides])

@@ -4,21 +4,18 @@ the other, and printed 2.76x where 2.33x is the most any machine can give)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 PATH = Path(__file__).parents[2] / "benchmarks" / "dynamic_batching.py"
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("dynamic_batching", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PATH)
 
 
 def test_the_ideal_is_the_sum_of_speeds_over_n_times_the_slowest(bench) -> None:  # type: ignore[no-untyped-def]

@@ -1,22 +1,19 @@
 """The lint baseline of CI (.ci/lint.py): findings parsed without line numbers, the baseline only shrinks."""
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 _PATH = Path(__file__).resolve().parents[2] / ".ci" / "lint.py"
 
 
 @pytest.fixture(scope="module")
 def lint():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("ci_lint", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(_PATH)
 
 
 def test_mypy_and_ruff_lines_become_findings_without_their_line_numbers(lint) -> None:  # type: ignore[no-untyped-def]

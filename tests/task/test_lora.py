@@ -4,7 +4,6 @@ adapter is peft's, resume is exact, gRPC processes equal the simulation, and the
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -17,7 +16,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from conftest import assert_same_params
+from conftest import assert_same_params, load_script
 
 from fedweave import config as config_mod
 from fedweave import runner
@@ -33,11 +32,7 @@ EXAMPLE = EXAMPLES / "lora-stdlib.yaml"
 
 
 def _setup_module() -> Any:
-    spec = importlib.util.spec_from_file_location("lora_stdlib", EXAMPLES / "lora_stdlib.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / "lora_stdlib.py")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ A few hundred examples per decoder (derandomized, so CI is reproducible); the fu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import zlib
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import load_script
 from fedweave.errors import SerializationError
 from fedweave.transports import serialization as ser
 from fedweave.transports.grpc import protocol as p
@@ -195,10 +195,7 @@ def test_a_node_id_is_ascii_digits_or_nothing(text: str) -> None:
 
 def test_the_fuzz_script_finds_no_other_exception_in_its_first_300_inputs() -> None:
     path = Path(__file__).parents[2] / "benchmarks" / "fuzz_decoders.py"
-    spec = importlib.util.spec_from_file_location("fuzz_decoders", path)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(path)
     outcomes, first = script.run(300, seed=1)
     assert first == {} and outcomes["inputs with another exception"] == 0
     assert outcomes["decoded"] > 30 and outcomes["rejected"] > 300  # it exercised both ways out

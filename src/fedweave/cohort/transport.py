@@ -18,6 +18,7 @@ from typing import Protocol
 from fedweave.client import ClientRuntime, Opened
 from fedweave.cohort.trainer import Done, Work
 from fedweave.transports.base import Exchange
+from fedweave.transports.inmemory import answered, failed
 from fedweave.types import Message, TaskKind, body_nbytes
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,7 @@ class CohortTransport:
             finally:
                 self.runtime.release(o.client_id)
         for i in sorted(replies):
-            reply = replies[i]
-            if deadline is not None and time.monotonic() > deadline:
-                log.warning("client %d missed the round %d deadline; reply dropped", reply.client_id, reply.round)
-                result.failures[reply.client_id] = "missed the round deadline"
-                continue
-            result.bytes_received += body_nbytes(reply.body)
-            result.replies.append(reply)
+            answered(result, replies[i], deadline)
         return result
 
     def close(self) -> None:
@@ -93,9 +88,3 @@ class CohortTransport:
         close = getattr(self.trainer, "close", None)
         if close is not None:
             close()
-
-
-def failed(result: Exchange, cid: int, rnd: int, exc: BaseException) -> None:
-    """Count client ``cid``'s failure in ``result``, logged."""
-    log.warning("client %d failed in round %d: %s", cid, rnd, exc, exc_info=exc)
-    result.failures[cid] = f"{type(exc).__name__}: {exc}"

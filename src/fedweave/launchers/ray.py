@@ -45,6 +45,7 @@ from fedweave.client import ClientRuntime, Opened
 from fedweave.config import Config, RayConfig
 from fedweave.errors import FedweaveError, SerializationError
 from fedweave.transports.base import Exchange
+from fedweave.transports.inmemory import failed
 from fedweave.transports.serialization import decode, encode
 from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, body_nbytes
 
@@ -277,8 +278,7 @@ class RayTransport:
         return reply.body, state if isinstance(state, dict) else {}
 
     def _fail(self, result: Exchange, msg: Message, exc: Exception) -> None:
-        log.warning("client %d failed in round %d: %s", msg.client_id, msg.round, exc, exc_info=exc)
-        result.failures[msg.client_id] = f"{type(exc).__name__}: {exc}"
+        failed(result, msg.client_id, msg.round, exc)
         self.runtime.release(msg.client_id)
 
     def _drop(self, result: Exchange, o: Opened, why: str) -> None:

@@ -10,12 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from fedweave.schema import opt
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.training import ClientJob, LocalStep
-from fedweave.types import Params
 
 
 @dataclass
@@ -27,11 +25,6 @@ def proximal(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tens
     """``μ/2 · Σ ‖w − anchor‖²`` over ``params`` (trainable parameters by name)."""
     total = sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
     return 0.5 * mu * total
-
-
-def proximal_term(model: nn.Module, anchor: Params, mu: float) -> torch.Tensor:
-    """``μ/2 · Σ ‖w − anchor‖²`` over the model's trainable parameters."""
-    return proximal({name: p for name, p in model.named_parameters() if p.requires_grad}, anchor, mu)
 
 
 class FedProxClient(FedAvgClient):

@@ -33,16 +33,27 @@ class InMemoryTransport:
             try:
                 reply = self.handler(msg)
             except Exception as exc:  # one client's failure must not stop the round
-                log.warning("client %d failed in round %d: %s", msg.client_id, msg.round, exc, exc_info=True)
-                result.failures[msg.client_id] = f"{type(exc).__name__}: {exc}"
+                failed(result, msg.client_id, msg.round, exc)
                 continue
-            if deadline is not None and time.monotonic() > deadline:
-                log.warning("client %d missed the round %d deadline; reply dropped", msg.client_id, msg.round)
-                result.failures[msg.client_id] = "missed the round deadline"
-                continue
-            result.bytes_received += body_nbytes(reply.body)
-            result.replies.append(reply)
+            answered(result, reply, deadline)
         return result
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def failed(result: Exchange, cid: int, rnd: int, exc: BaseException) -> None:
+    """Count client ``cid``'s failure in round ``rnd`` in ``result``, logged."""
+    log.warning("client %d failed in round %d: %s", cid, rnd, exc, exc_info=exc)
+    result.failures[cid] = f"{type(exc).__name__}: {exc}"
+
+
+def answered(result: Exchange, reply: Message, deadline: float | None) -> None:
+    """Take ``reply`` into ``result``, or drop it as a straggler when it comes after ``deadline``
+    (``time.monotonic()`` seconds), as a networked server would."""
+    if deadline is not None and time.monotonic() > deadline:
+        log.warning("client %d missed the round %d deadline; reply dropped", reply.client_id, reply.round)
+        result.failures[reply.client_id] = "missed the round deadline"
+        return
+    result.bytes_received += body_nbytes(reply.body)
+    result.replies.append(reply)

@@ -50,12 +50,12 @@ from fedweave.deploy.kubernetes.layout import (
     port_of,
 )
 from fedweave.deploy.kubernetes.manifests import Manifests, overlay
-from fedweave.deploy.kubernetes.render import Rendered
+from fedweave.deploy.kubernetes.render import Rendered, write_base, write_file, write_kustomization
 from fedweave.errors import ConfigError
 from fedweave.federation.config import check_job_ports
 from fedweave.federation.ports import parse_ports
 from fedweave.transports.grpc import certs
-from fedweave.files import atomic_write_bytes, atomic_write_text
+from fedweave.files import atomic_write_bytes
 
 FEDERATION_FILE = "/etc/fedweave/federation.yaml"
 SITE_FILE = "/etc/fedweave/site.yaml"
@@ -264,11 +264,6 @@ def _credentials(data: Mapping[str, Any], source: Path, folder: Path, force: boo
     return names
 
 
-def _write(text: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(text, path)
-
-
 def render(federation: str | Path | None, sites: Sequence[str | Path], out: str | Path,
            options: FederationOptions = FederationOptions()) -> Rendered:
     """Write the kustomize base (and the namespace overlay) of the federation server at ``federation``
@@ -309,7 +304,7 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
         job_ports = _job_ports(fed, port, health, where)
         deployed = {**fed, **FED_PATHS, "listen": f"0.0.0.0:{port}", "health_listen": f"0.0.0.0:{health}",
                     "job_host": f"{name}-server"}
-        _write(yaml.safe_dump(deployed, sort_keys=False), base / "federation.yaml")
+        write_file(yaml.safe_dump(deployed, sort_keys=False), base / "federation.yaml")
         config_maps.append({"name": f"{name}-federation", "files": ["federation.yaml"]})
         names = _credentials(fed, Path(federation), credentials / "server", options.force,
                              [certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY])
@@ -359,7 +354,7 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
         deployed = _site_file(data, source, server_address, data_root)
         external = server_address is None
         site_port = _port(deployed, ("server",), f"site file {str(path)!r}") if external else port
-        _write(yaml.safe_dump(deployed, sort_keys=False), base / f"{node}.yaml")
+        write_file(yaml.safe_dump(deployed, sort_keys=False), base / f"{node}.yaml")
         config_maps.append({"name": f"{name}-{node}", "files": [f"site.yaml={node}.yaml"]})
         stem = certs.identity_name("site", site_name)
         names = _credentials(data, source, credentials / node, options.force,
@@ -397,23 +392,10 @@ def render(federation: str | Path | None, sites: Sequence[str | Path], out: str 
         ]
     if site_objects:
         files["sites.yaml"] = site_objects
-    _write("# private keys and tokens: never commit them\n*\n", credentials / ".gitignore")
-    for file, objects in files.items():
-        _write(yaml.safe_dump_all(objects, sort_keys=False), base / file)
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "namespace": o.namespace,
-        "resources": list(files),
-        "configMapGenerator": config_maps,
-        "secretGenerator": secrets,
-        "generatorOptions": {"disableNameSuffixHash": True, "labels": k.labels()},
-    }
-    _write(yaml.safe_dump(kustomization, sort_keys=False), base / "kustomization.yaml")
-    result.kustomizations.append(base / "kustomization.yaml")
+    write_file("# private keys and tokens: never commit them\n*\n", credentials / ".gitignore")
+    result.kustomizations.append(write_base(base, files, o.namespace, k.labels(), config_maps, secrets))
     if o.namespace != "default":
         folder = out / "overlays" / "namespace"
-        _write(yaml.safe_dump(k.namespace(), sort_keys=False), folder / "namespace.yaml")
-        _write(yaml.safe_dump(overlay(["namespace.yaml", "../../base"]), sort_keys=False), folder / "kustomization.yaml")
-        result.kustomizations.append(folder / "kustomization.yaml")
+        write_file(yaml.safe_dump(k.namespace(), sort_keys=False), folder / "namespace.yaml")
+        result.kustomizations.append(write_kustomization(folder, overlay(["namespace.yaml", "../../base"])))
     return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,50 +199,66 @@ def render(path: str | Path, out: str | Path, options: Options = Options()) -> R
             f"warning: heterogeneity.{', heterogeneity.'.join(emulated(config))} emulate unlike machines (the pods "
             "sleep, or are killed); unset them to deploy on real ones"
         )
-    _write(yaml.safe_dump(data, sort_keys=False), base / CONFIG_FILE)
-    for file, objects in files.items():
-        _write(yaml.safe_dump_all(objects, sort_keys=False), base / file)
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "namespace": options.namespace,
-        "resources": list(files),
-        "configMapGenerator": [{"name": f"{name}-config", "files": [CONFIG_FILE]}],
-        "secretGenerator": [
-            {"name": secret, "type": "Opaque", "files": [f"credentials/{f}" for f in names]}
-            for secret, names in secrets.items()
-        ],
-        "generatorOptions": {"disableNameSuffixHash": True, "labels": k.labels()},
-    }
-    if not secrets:
-        del kustomization["secretGenerator"]
-    result.kustomizations.append(_write_kustomization(base, kustomization))
+    write_file(yaml.safe_dump(data, sort_keys=False), base / CONFIG_FILE)
+    generated = [
+        {"name": secret, "type": "Opaque", "files": [f"credentials/{f}" for f in names]}
+        for secret, names in secrets.items()
+    ]
+    config_maps = [{"name": f"{name}-config", "files": [CONFIG_FILE]}]
+    result.kustomizations.append(write_base(base, files, options.namespace, k.labels(), config_maps, generated))
     overlays = out / "overlays"
     if options.namespace != "default":
-        _write(yaml.safe_dump(k.namespace(), sort_keys=False), overlays / "namespace" / "namespace.yaml")
+        write_file(yaml.safe_dump(k.namespace(), sort_keys=False), overlays / "namespace" / "namespace.yaml")
         result.kustomizations.append(
-            _write_kustomization(overlays / "namespace", overlay(["namespace.yaml", "../../base"]))
+            write_kustomization(overlays / "namespace", overlay(["namespace.yaml", "../../base"]))
         )
     if k.metrics_port is not None:
-        _write(yaml.safe_dump(k.servicemonitor(), sort_keys=False), overlays / "servicemonitor" / "servicemonitor.yaml")
+        write_file(yaml.safe_dump(k.servicemonitor(), sort_keys=False), overlays / "servicemonitor" / "servicemonitor.yaml")
         result.kustomizations.append(
-            _write_kustomization(overlays / "servicemonitor", overlay(["../../base", "servicemonitor.yaml"]))
+            write_kustomization(overlays / "servicemonitor", overlay(["../../base", "servicemonitor.yaml"]))
         )
     if config.mode == "data_parallel":
-        _write(yaml.safe_dump(k.pytorchjob(), sort_keys=False), overlays / "pytorchjob" / "pytorchjob.yaml")
-        result.kustomizations.append(_write_kustomization(overlays / "pytorchjob", k.pytorchjob_overlay()))
+        write_file(yaml.safe_dump(k.pytorchjob(), sort_keys=False), overlays / "pytorchjob" / "pytorchjob.yaml")
+        result.kustomizations.append(write_kustomization(overlays / "pytorchjob", k.pytorchjob_overlay()))
     return result
 
 
-def _write(text: str, path: Path) -> None:
+def write_base(
+    base: Path,
+    files: Mapping[str, list[dict[str, Any]]],
+    namespace: str,
+    labels: dict[str, str],
+    config_maps: list[dict[str, Any]],
+    secrets: list[dict[str, Any]],
+) -> Path:
+    """Write each of ``files`` (its objects) into ``base`` and the kustomization over them, which
+    generates ``config_maps`` and ``secrets`` (none: no secretGenerator); the kustomization's path."""
+    for file, objects in files.items():
+        write_file(yaml.safe_dump_all(objects, sort_keys=False), base / file)
+    kustomization: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": namespace,
+        "resources": list(files),
+        "configMapGenerator": config_maps,
+        "secretGenerator": secrets,
+        "generatorOptions": {"disableNameSuffixHash": True, "labels": labels},
+    }
+    if not secrets:
+        del kustomization["secretGenerator"]
+    return write_kustomization(base, kustomization)
+
+
+def write_file(text: str, path: Path) -> None:
     """Write ``path`` (and its folders) through a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(text, path)
 
 
-def _write_kustomization(folder: Path, body: dict[str, Any]) -> Path:
+def write_kustomization(folder: Path, body: dict[str, Any]) -> Path:
+    """Write ``folder/kustomization.yaml``; its path."""
     path = folder / "kustomization.yaml"
-    _write(yaml.safe_dump(body, sort_keys=False), path)
+    write_file(yaml.safe_dump(body, sort_keys=False), path)
     return path
 
 
@@ -260,7 +277,7 @@ def _credentials(folder: Path, clients: int, sites: int, hosts: list[str], secre
     and a kept server certificate must be valid for every name of ``hosts``."""
     if not (folder / certs.CA_CERT).exists():
         certs.make_credentials(folder, clients, hosts, sites=sites)
-        _write("# private keys and tokens: never commit them\n*\n", folder / ".gitignore")
+        write_file("# private keys and tokens: never commit them\n*\n", folder / ".gitignore")
     missing = sorted({f for names in secrets.values() for f in names if not (folder / f).is_file()})
     if missing:
         raise ConfigError(
