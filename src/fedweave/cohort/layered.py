@@ -22,6 +22,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from fedweave.cohort.optim import Workspace
+
 Activation = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]
 """An activation's forward, and its backward ``(grad of output, input, output) -> grad of input``."""
 
@@ -154,12 +156,16 @@ def autograd_loss_grad(per_example: Callable[[torch.Tensor, torch.Tensor], torch
 class ChainGradients:
     """Each client's gradient of its task loss over a chain of :class:`Layer` and the stacked
     ``params`` (updated in place between calls): the chain's forward, then its backward by hand.
-    The views of the first ``a`` clients' parameters are made once per ``a``."""
+    The views of the first ``a`` clients' parameters are made once per ``a``; the weights' gradients
+    are written into tensors of ``workspace``, the same at every call (the caller uses them before
+    the next)."""
 
-    def __init__(self, layers: list[Layer], params: dict[str, torch.Tensor], loss_grad: LossGrad):
+    def __init__(self, layers: list[Layer], params: dict[str, torch.Tensor], loss_grad: LossGrad,
+                 workspace: Workspace | None = None):
         self.layers = layers
         self.params = params
         self.loss_grad = loss_grad
+        self.workspace = Workspace() if workspace is None else workspace  # the weights' gradients, reused
         self.first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
 
@@ -203,7 +209,9 @@ class ChainGradients:
             layer, (inp, out) = self.layers[i], saved[i]
             if layer.kind == "linear":
                 linear -= 1
-                grads[layer.name + ".weight"] = torch.bmm(g, inp.transpose(1, 2))
+                name = layer.name + ".weight"
+                into = self.workspace.take(("grad", name), (K, g.shape[1], inp.shape[1]), g.dtype, g.device)
+                grads[name] = torch.bmm(g, inp.transpose(1, 2), out=into)
                 if layer.bias:
                     grads[layer.name + ".bias"] = g.sum(2)
                 if i > self.first:
