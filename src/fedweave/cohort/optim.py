@@ -66,16 +66,37 @@ class StackedOptimizer:
             views = self._views[active] = {kind: [t[:active] for t in ts] for kind, ts in self.state.items()}
         return views
 
+    def momentum_buffers(self, t: int, params: Stacked, active: int) -> tuple[Stacked, float | None] | None:
+        """Where step ``t``'s caller may add the gradients into the momentum buffers itself (SGD with
+        momentum, no weight decay): the buffers of the first ``active`` clients by name, and the
+        factor of their old values (None at t = 0: the buffers start as the gradients), to be made
+        ``buffer = momentum * buffer + gradient`` and passed to :meth:`step` with ``accumulated``;
+        None where the optimiser must see the gradients alone. (A weight's gradient is a batched
+        product: added into its buffer as one ``baddbmm_``, it is never written out alone.)"""
+        s = self.settings
+        if s.optimizer != "sgd" or not s.momentum or s.weight_decay:
+            return None
+        if t == 0:
+            self._prefix(params, active)
+            self.state["momentum"] = [self.workspace.like(("momentum", name), p) for name, p in params.items()]
+            self._views.clear()
+            return dict(zip(params, self._prefix(params, active)["momentum"])), None
+        return dict(zip(params, self._prefix(params, active)["momentum"])), s.momentum
+
     @torch.no_grad()
-    def step(self, t: int, params: Stacked, grads: Stacked, active: int) -> None:
+    def step(self, t: int, params: Stacked, grads: Stacked, active: int, accumulated: bool = False) -> None:
         """Step ``t`` (0-based) of the first ``active`` clients of ``params`` (the same tensors at
         every step), in place; ``grads`` holds their gradients (``active`` rows each, in the order of
-        ``params``). One ``torch._foreach_*`` call per operation over all the parameters (on a CPU
-        the per-tensor operations, in the same order)."""
+        ``params``), or with ``accumulated`` the momentum buffers the caller has updated with them
+        (:meth:`momentum_buffers`). One ``torch._foreach_*`` call per operation over all the
+        parameters (on a CPU the per-tensor operations, in the same order)."""
         s = self.settings
         views = self._prefix(params, active)
         p = views["params"]
         g = list(grads.values())
+        if accumulated:
+            torch._foreach_add_(p, g, alpha=-s.lr)
+            return
         if s.weight_decay:
             g = list(torch._foreach_add(g, p, alpha=s.weight_decay))
         if s.optimizer == "sgd":

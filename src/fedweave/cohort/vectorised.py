@@ -182,13 +182,14 @@ def _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, op
         x, y, w = xs[t % chunk], ys[t], ws[t]
         if a < K:
             x, y, w = x[:a], y[:a], w[:a]
-        grads, task = gradients(x, y, w)
+        into = optimizer.momentum_buffers(t, params, a) if penalty is None and corrections is None else None
+        grads, task = gradients(x, y, w, into)
         if penalty is not None:
             extra = penalty(_prefix(params, a), anchors if anchor_dims is None else _prefix(anchors, a))
             torch._foreach_add_(list(grads.values()), list(extra.values()))
         if corrections is not None:
             torch._foreach_add_(list(grads.values()), [c[:a] for c in corrections.values()])
-        optimizer.step(t, params, grads, a)
+        optimizer.step(t, params, grads, a, accumulated=into is not None)
         tasks.append(task)
     return pad_sequence(tasks, batch_first=True)
 
