@@ -84,8 +84,9 @@ def workspace_of(model: nn.Module) -> Workspace:
 
 def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps: list[LocalStep]) -> Trained:
     """Train ``jobs`` (one settings for all, each with training rows) with their ``steps`` at once."""
-    order = sorted(range(len(jobs)), key=lambda k: -steps_of(jobs[k]))  # the clients not yet done: a prefix
-    jobs, steps = [jobs[k] for k in order], [steps[k] for k in order]
+    counted = [steps_of(job) for job in jobs]
+    order = sorted(range(len(jobs)), key=lambda k: -counted[k])  # the clients not yet done: a prefix
+    jobs, steps, counted = [jobs[k] for k in order], [steps[k] for k in order], [counted[k] for k in order]
     model.train()
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     entries = list(model.state_dict())
@@ -99,7 +100,7 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     }
     buffers = {name: _stacked(start[name], len(jobs)) for name in others}
     frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-    plan = schedule(jobs, [steps_of(job) for job in jobs])
+    plan = schedule(jobs, counted)
     x_all = torch.cat([job.x_train for job in jobs])
     y_all = torch.cat([job.y_train for job in jobs])
     device = x_all.device
