@@ -16,15 +16,23 @@ import numpy as np
 import torch
 
 
+_CRC: dict[str, int] = {}  # a purpose's CRC-32, by name (a handful of names, each asked per client per round)
+
+
 def _key(part: int | str) -> int:
-    return part if isinstance(part, int) else zlib.crc32(part.encode())
+    if isinstance(part, int):
+        return part
+    crc = _CRC.get(part)
+    if crc is None:
+        crc = _CRC[part] = zlib.crc32(part.encode())
+    return crc
 
 
 def derive_seed(seed: int, *keys: int | str) -> int:
     """A 63-bit seed for the stream named by ``keys`` under run seed ``seed``: the first
     64 bits of ``np.random.SeedSequence([seed, *keys]).generate_state(1, np.uint64)``
     (strings as their CRC-32), computed as :func:`_seed_sequence` does."""
-    return _seed_sequence(_words_of([seed, *(_key(k) for k in keys)])) & _SEED_MASK
+    return _seed_sequence(_words_of([seed, *map(_key, keys)])) & _SEED_MASK
 
 
 def derive_seeds(seed: int, keys: Sequence[int | str], lasts: Sequence[int | str]) -> list[int]:
@@ -100,6 +108,12 @@ def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
         pool = list(head)
         step = _absorb(pool, step, words[-1])
         return tuple(pool), step
+    return tuple(_first_pool(words)), _POOL * _POOL
+
+
+def _first_pool(words: tuple[int, ...]) -> list[int]:
+    """The pool after at most :data:`_POOL` entropy words (no cache: such a stream, a client's of a
+    round, is rarely asked twice, and a cache's miss costs more than the mixing)."""
     pool = []
     for i, (pre, post) in enumerate(_FILL):
         value = (((words[i] if i < len(words) else 0) ^ pre) * post) & _MASK
@@ -108,13 +122,15 @@ def _pool(words: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
         value = ((pool[src] ^ pre) * post) & _MASK
         mixed = (_MIX_L * pool[dst] - _MIX_R * (value ^ (value >> 16))) & _MASK
         pool[dst] = mixed ^ (mixed >> 16)
-    return tuple(pool), _POOL * _POOL
+    return pool
 
 
 def _words_of(entropy: Sequence[int]) -> tuple[int, ...]:
     """The 32-bit words SeedSequence reads from ``entropy``, in order."""
+    if all(0 <= value <= _MASK for value in entropy):  # most are one word each (a seed per client per round)
+        return tuple(entropy)
     words: tuple[int, ...] = ()
-    for value in entropy:  # most are one word: no generator per value (a seed per tensor per update)
+    for value in entropy:
         words += (value,) if 0 <= value <= _MASK else tuple(_words(value))
     return words
 
@@ -127,7 +143,7 @@ def _seed_sequence(words: tuple[int, ...]) -> int:
         pool = list(head)
         _absorb(pool, step, words[-1])
     else:
-        pool = list(_pool(words)[0])
+        pool = _first_pool(words)
     hash_const = _INIT_B
     out = 0
     for i in range(2):  # two 32-bit words, little-endian

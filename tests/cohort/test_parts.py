@@ -68,6 +68,77 @@ def test_the_stacked_optimiser_steps_each_client_as_the_local_one_and_leaves_a_f
         assert torch.equal(stacked["w"][k], p.detach())  # the same operations: the same bits
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_a_group_s_schedule_lays_out_each_client_s_own_draws(seed: int) -> None:
+    """The vectorised layout of :func:`schedule` against each client's :func:`client_draws`, for
+    clients of unequal sizes, batch sizes, epochs and step counts (some a part of a pass)."""
+    from fedweave.cohort.vectorised import steps_of
+
+    rng = torch.Generator().manual_seed(seed)
+    specs = [(int(torch.randint(1, 40, (1,), generator=rng)), int(torch.randint(1, 12, (1,), generator=rng)),
+              int(torch.randint(1, 4, (1,), generator=rng)), int(torch.randint(0, 25, (1,), generator=rng)))
+             for _ in range(int(torch.randint(1, 8, (1,), generator=rng)))]
+
+    def jobs() -> list[ClientJob]:
+        out = []
+        for k, (n, batch, epochs, steps) in enumerate(specs):
+            j = job(n, batch, epochs, seed=100 * seed + k)
+            if steps:  # local steps, not epochs
+                j.instruction = Instruction(1, TaskKind.TRAIN, Work(0, batch, epochs=epochs, local_steps=steps), {})
+            out.append(j)
+        return out
+
+    mine, theirs = jobs(), jobs()
+    steps = [steps_of(j) for j in mine]
+    plan = schedule(mine, steps)
+    offset = 0
+    for k, (j, s) in enumerate(zip(theirs, steps)):
+        table = client_draws(j, s)
+        real = (table >= 0).sum(1)
+        assert plan.counts[k, :s].tolist() == real.tolist() and not plan.counts[k, s:].any()
+        for t in range(s):
+            assert plan.rows[k, t, : real[t]].tolist() == (table[t, : real[t]] + offset).tolist()
+        offset += j.x_train.shape[0]
+    assert all(torch.equal(a.generator.get_state(), b.generator.get_state()) for a, b in zip(mine, theirs))
+
+
+def test_momentum_added_into_its_buffers_steps_as_the_optimiser_does() -> None:
+    """SGD momentum through :meth:`StackedOptimizer.momentum_buffers` (the caller adds each gradient
+    into its buffer) against the optimiser adding it: the same steps, to float rounding."""
+    from fedweave.cohort.optim import Workspace
+
+    torch.manual_seed(0)
+    settings = LocalSettings(optimizer="sgd", lr=0.1, momentum=0.9, weight_decay=0.0)
+    start = torch.randn(3, 4, 5)
+    grads = [torch.randn(3, 4, 5) for _ in range(4)]
+    plain, fused = {"w": start.clone()}, {"w": start.clone()}
+    a, b = StackedOptimizer(settings), StackedOptimizer(settings, Workspace())
+    assert StackedOptimizer(SGD).momentum_buffers(1, plain, 3) is None  # weight decay needs the gradient alone
+    for t, g in enumerate(grads):
+        active = 3 if t < 2 else 2
+        a.step(t, plain, {"w": g[:active]}, active)
+        into = b.momentum_buffers(t, fused, active)
+        assert into is not None and (into[1] is None) == (t == 0)
+        buffer = into[0]["w"]
+        if into[1] is None:
+            buffer.copy_(g[:active])
+        else:
+            buffer.mul_(into[1]).add_(g[:active])
+        b.step(t, fused, into[0], active, accumulated=True)
+    assert torch.allclose(plain["w"], fused["w"], rtol=0, atol=1e-6)
+
+
+def test_a_workspace_gives_the_first_rows_of_what_it_keeps() -> None:
+    from fedweave.cohort.optim import Workspace
+
+    ws = Workspace()
+    big = ws.take("x", (4, 3), torch.float32, torch.device("cpu"))
+    small = ws.take("x", (2, 3), torch.float32, torch.device("cpu"))
+    assert small.data_ptr() == big.data_ptr() and small.shape == (2, 3) and small.is_contiguous()
+    assert ws.take("x", (5, 3), torch.float32, torch.device("cpu")).shape == (5, 3)  # more rows: a new one
+    assert ws.take("x", (2, 4), torch.float32, torch.device("cpu")).shape == (2, 4)  # another shape: a new one
+
+
 def test_work_goes_to_the_least_loaded_worker() -> None:
     assert assign([5, 3, 3, 2], 2) == [0, 1, 1, 0]
     assert assign([1, 1, 1], 3) == [0, 1, 2]

@@ -22,6 +22,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from fedweave.cohort.optim import Workspace
+
 Activation = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]
 """An activation's forward, and its backward ``(grad of output, input, output) -> grad of input``."""
 
@@ -154,12 +156,16 @@ def autograd_loss_grad(per_example: Callable[[torch.Tensor, torch.Tensor], torch
 class ChainGradients:
     """Each client's gradient of its task loss over a chain of :class:`Layer` and the stacked
     ``params`` (updated in place between calls): the chain's forward, then its backward by hand.
-    The views of the first ``a`` clients' parameters are made once per ``a``."""
+    The views of the first ``a`` clients' parameters are made once per ``a``; the weights' gradients
+    are written into tensors of ``workspace``, the same at every call (the caller uses them before
+    the next)."""
 
-    def __init__(self, layers: list[Layer], params: dict[str, torch.Tensor], loss_grad: LossGrad):
+    def __init__(self, layers: list[Layer], params: dict[str, torch.Tensor], loss_grad: LossGrad,
+                 workspace: Workspace | None = None):
         self.layers = layers
         self.params = params
         self.loss_grad = loss_grad
+        self.workspace = Workspace() if workspace is None else workspace  # the weights' gradients, reused
         self.first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
 
@@ -174,9 +180,16 @@ class ChainGradients:
             ]
         return views
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+        into: tuple[dict[str, torch.Tensor], float | None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The gradients (a dict like ``params``) and the task losses [K] of the first K clients,
         ``x`` [K, B, ...] their batches, ``weight`` [K, B] each row's weight in its client's loss.
+        With ``into`` (``(buffers, beta)``, buffers of the first K clients by parameter name), each
+        gradient is added into its buffer instead, ``buffer = beta * buffer + gradient`` (beta None:
+        ``buffer = gradient``), a weight's in its batched product (``baddbmm_``), and the buffers
+        are returned (SGD's momentum: :meth:`~fedweave.cohort.optim.StackedOptimizer.momentum_buffers`).
 
         Activations are kept features first, ``[K, features, B]`` (``W h`` with ``W`` as stored is
         the faster product on a CPU); ``Flatten`` is applied to the input once, up front: the
@@ -203,9 +216,22 @@ class ChainGradients:
             layer, (inp, out) = self.layers[i], saved[i]
             if layer.kind == "linear":
                 linear -= 1
-                grads[layer.name + ".weight"] = torch.bmm(g, inp.transpose(1, 2))
+                name = layer.name + ".weight"
+                if into is None:
+                    out = self.workspace.take(("grad", name), (K, g.shape[1], inp.shape[1]), g.dtype, g.device)
+                    grads[name] = torch.bmm(g, inp.transpose(1, 2), out=out)
+                elif into[1] is None:
+                    grads[name] = torch.bmm(g, inp.transpose(1, 2), out=into[0][name])
+                else:
+                    grads[name] = into[0][name].baddbmm_(g, inp.transpose(1, 2), beta=into[1])
                 if layer.bias:
-                    grads[layer.name + ".bias"] = g.sum(2)
+                    bias = layer.name + ".bias"
+                    if into is None:
+                        grads[bias] = g.sum(2)
+                    elif into[1] is None:
+                        grads[bias] = torch.sum(g, 2, out=into[0][bias])
+                    else:
+                        grads[bias] = into[0][bias].mul_(into[1]).add_(g.sum(2))
                 if i > self.first:
                     g = torch.bmm(views[linear][1], g)
             elif layer.kind == "activation":

@@ -50,14 +50,33 @@ def client_draws(job: ClientJob, steps: int) -> torch.Tensor:
 
 def schedule(jobs: list[ClientJob], steps: list[int]) -> Schedule:
     """The batches of ``jobs`` (each with its own ``steps``), row numbers offset into the
-    concatenation of their training rows in the order of ``jobs``."""
-    tables = [client_draws(job, s) for job, s in zip(jobs, steps)]
-    T, B = max(steps), max(t.shape[1] for t in tables)
-    rows = torch.full((len(jobs), T, B), -1, dtype=torch.int64)
-    offset = 0
-    for k, (job, table) in enumerate(zip(jobs, tables)):
-        s, b = table.shape
-        rows[k, :s, :b] = torch.where(table >= 0, table + offset, table)
-        offset += job.x_train.shape[0]
-    counts = (rows >= 0).sum(dim=2)
-    return Schedule(rows.clamp_min(0), counts, list(steps))
+    concatenation of their training rows in the order of ``jobs``.
+
+    Each client's permutations are drawn as :func:`client_draws` draws them (one per pass, from its
+    own generator, in order); laying them out is one vectorised pass over all of them: element
+    ``j`` of client k's pass e lands in step ``e * per_epoch + j // b``, slot ``j % b``, kept while
+    that step is below the client's steps."""
+    sizes = [job.x_train.shape[0] for job in jobs]
+    batches = [min(job.instruction.work.batch_size, n) for job, n in zip(jobs, sizes)]
+    per_epoch = [-(-n // b) for n, b in zip(sizes, batches)]
+    passes = [-(-s // e) for s, e in zip(steps, per_epoch)]
+    K, T, B = len(jobs), max(steps), max(batches)
+    perms = [torch.randperm(n, generator=job.generator) for job, n, p in zip(jobs, sizes, passes) for _ in range(p)]
+    values = torch.cat(perms) if perms else torch.zeros(0, dtype=torch.int64)
+    client = torch.repeat_interleave(torch.arange(K), torch.tensor(passes))  # each pass's client
+    first = torch.tensor([sum(passes[:k]) for k in range(K)])  # each client's first pass
+    epoch = torch.arange(len(client)) - first[client]  # each pass's number within its client
+    length = torch.tensor(sizes)[client]  # each pass's rows
+    element = torch.repeat_interleave(torch.arange(len(client)), length)  # each drawn row's pass
+    starts = torch.cumsum(length, 0) - length
+    j = torch.arange(len(element)) - starts[element]  # its place in its pass
+    k = client[element]
+    b = torch.tensor(batches)[k]
+    t = epoch[element] * torch.tensor(per_epoch)[k] + torch.div(j, b, rounding_mode="floor")
+    kept = t < torch.tensor(steps)[k]
+    offsets = torch.tensor([sum(sizes[:i]) for i in range(K)])
+    at = ((k * T + t) * B + j % b)[kept]
+    rows = torch.zeros(K * T * B, dtype=torch.int64)
+    rows[at] = (values + offsets[k])[kept]
+    counts = torch.bincount((k * T + t)[kept], minlength=K * T)
+    return Schedule(rows.view(K, T, B), counts.view(K, T), list(steps))

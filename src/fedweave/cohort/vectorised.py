@@ -19,6 +19,7 @@ batches are cut to that size, no padding at all.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import pad_sequence
 
 from fedweave.cohort.layered import ChainGradients, LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad
-from fedweave.cohort.optim import StackedOptimizer
+from fedweave.cohort.optim import StackedOptimizer, Workspace
 from fedweave.cohort.schedule import schedule
 from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
 from fedweave.types import Params
@@ -70,26 +71,43 @@ def _shared(tensors: list[torch.Tensor]) -> bool:
     return all(t is tensors[0] for t in tensors)
 
 
+_WORKSPACES: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
+
+
+def workspace_of(model: nn.Module) -> Workspace:
+    """The :class:`~fedweave.cohort.optim.Workspace` of ``model``'s cohorts (one group at a time)."""
+    known = _WORKSPACES.get(model)
+    if known is None:
+        known = _WORKSPACES[model] = Workspace()
+    return known
+
+
 def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps: list[LocalStep]) -> Trained:
     """Train ``jobs`` (one settings for all, each with training rows) with their ``steps`` at once."""
-    order = sorted(range(len(jobs)), key=lambda k: -steps_of(jobs[k]))  # the clients not yet done: a prefix
-    jobs, steps = [jobs[k] for k in order], [steps[k] for k in order]
+    counted = [steps_of(job) for job in jobs]
+    order = sorted(range(len(jobs)), key=lambda k: -counted[k])  # the clients not yet done: a prefix
+    jobs, steps, counted = [jobs[k] for k in order], [steps[k] for k in order], [counted[k] for k in order]
     model.train()
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     entries = list(model.state_dict())
     others = [name for name in entries if name not in set(trainable)]
     start = {name: _start([job.instruction.params[name] for job in jobs]) for name in entries}
-    params = {name: _stacked(start[name], len(jobs)) for name in trainable}
+    workspace = workspace_of(model)
+    params = {  # trainable parameters are floats: what leaves is their change, a tensor of its own
+        name: workspace.take(("params", name), (len(jobs), *start[name].shape[1:]), start[name].dtype,
+                             start[name].device).copy_(start[name])
+        for name in trainable
+    }
     buffers = {name: _stacked(start[name], len(jobs)) for name in others}
     frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-    plan = schedule(jobs, [steps_of(job) for job in jobs])
+    plan = schedule(jobs, counted)
     x_all = torch.cat([job.x_train for job in jobs])
     y_all = torch.cat([job.y_train for job in jobs])
     device = x_all.device
     objective = _objective(model, loss_fn, frozen, steps[0])
     anchors, anchor_dims = _anchors(steps, trainable)
     corrections = _corrections(steps, trainable)
-    optimizer = StackedOptimizer(jobs[0].settings)
+    optimizer = StackedOptimizer(jobs[0].settings, workspace)
     rows = plan.rows.transpose(0, 1).contiguous().to(device)  # (T, K, B)
     counts = plan.counts.transpose(0, 1).contiguous()  # (T, K), on the CPU: read per step
     running = (counts > 0).sum(dim=1).tolist()
@@ -97,7 +115,7 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     chain = None if split else chain_of(model, x_all[0])
     if chain is not None:
         tasks = _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, optimizer, steps[0],
-                             anchors, anchor_dims, corrections)
+                             anchors, anchor_dims, corrections, workspace)
     else:
         tasks = torch.zeros(plan.length, len(jobs), dtype=x_all.dtype, device=device)  # each step's task losses
         weights = (torch.arange(plan.batch) < counts.unsqueeze(2)).to(x_all.dtype).to(device)  # 1 on real rows
@@ -138,13 +156,13 @@ steps that fit, instead of one per step)."""
 
 
 def _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, optimizer, step, anchors, anchor_dims,
-                 corrections) -> torch.Tensor:
+                 corrections, workspace) -> torch.Tensor:
     """The steps of a group whose model is a chain of Linear layers (:mod:`fedweave.cohort.layered`):
     each step's task losses, (T, K). ``rows`` (T, K, B) are the batches' row numbers, ``counts``
     (T, K) their real rows, ``running[t]`` the clients that step at t (a prefix)."""
     T, K, B = rows.shape
     device, dtype = x_all.device, x_all.dtype
-    gradients = ChainGradients(chain, params, _loss_grad(loss_fn))
+    gradients = ChainGradients(chain, params, _loss_grad(loss_fn), workspace)
     y_round = y_all.index_select(0, rows.reshape(-1)).view(T, K, B, *y_all.shape[1:])
     weights = (torch.arange(B) < counts.unsqueeze(2)).to(device, dtype) / counts.clamp_min(1).unsqueeze(2).to(device, dtype)
     plain = _plain_cross_entropy(loss_fn)
@@ -158,18 +176,21 @@ def _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, op
     tasks = []
     for t in range(T):
         if t % chunk == 0:
-            xs = x_all.index_select(0, rows[t : t + chunk].reshape(-1)).view(-1, K, B, *x_all.shape[1:]).unbind(0)
+            index = rows[t : t + chunk].reshape(-1)
+            into = workspace.take("batches", (len(index), *x_all.shape[1:]), dtype, device)
+            xs = torch.index_select(x_all, 0, index, out=into).view(-1, K, B, *x_all.shape[1:]).unbind(0)
         a = running[t]
         x, y, w = xs[t % chunk], ys[t], ws[t]
         if a < K:
             x, y, w = x[:a], y[:a], w[:a]
-        grads, task = gradients(x, y, w)
+        into = optimizer.momentum_buffers(t, params, a) if penalty is None and corrections is None else None
+        grads, task = gradients(x, y, w, into)
         if penalty is not None:
             extra = penalty(_prefix(params, a), anchors if anchor_dims is None else _prefix(anchors, a))
             torch._foreach_add_(list(grads.values()), list(extra.values()))
         if corrections is not None:
             torch._foreach_add_(list(grads.values()), [c[:a] for c in corrections.values()])
-        optimizer.step(t, params, grads, a)
+        optimizer.step(t, params, grads, a, accumulated=into is not None)
         tasks.append(task)
     return pad_sequence(tasks, batch_first=True)
 
