@@ -106,7 +106,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return parse(tp, value, key)
     if tp is bool:
         if not isinstance(value, bool):
@@ -204,7 +204,7 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, Any, st
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             rows.extend(describe_fields(tp, key))
             continue
         default = f.default if f.default is not dataclasses.MISSING else (

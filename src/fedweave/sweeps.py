@@ -292,8 +292,9 @@ def _run_processes(todo: list[Job], out: Path, jobs: int, on_round: OnRound | No
             time.sleep(POLL)
             for name, (proc, tail, log_file) in list(running.items()):
                 code = proc.poll()
-                for record in tail.read() if tail is not None and on_round is not None else []:
-                    on_round(name, record)
+                if tail is not None and on_round is not None:
+                    for record in tail.read():
+                        on_round(name, record)
                 if code is None:
                     continue
                 log_file.close()

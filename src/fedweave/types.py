@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -102,7 +102,7 @@ class Control:
     tensors: Params = field(default_factory=dict)
 
 
-Body = Union[Instruction, Update, Evaluation, Control]
+Body = Instruction | Update | Evaluation | Control
 
 
 @dataclass

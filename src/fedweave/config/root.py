@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,8 +19,10 @@ from fedweave.config.deployment import (
 from fedweave.config.heterogeneity import (
     AsynchronousConfig,
     ClientControllerConfig,
+    Crash,
     DataParallelConfig,
     HeterogeneityConfig,
+    SpeedChange,
     StalenessOptions,
 )
 from fedweave.config.sections import (
@@ -280,7 +283,8 @@ def _check_data_parallel(config: Config) -> None:
         raise ConfigError(f"config key 'heterogeneity.threads': thread counts must be >= 1, got {het.threads}")
     if any(s <= 0 for s in het.speeds):
         raise ConfigError(f"config key 'heterogeneity.speeds': speeds must be > 0, got {het.speeds}")
-    for key, items in (("schedule", het.schedule), ("crashes", het.crashes)):
+    timed: tuple[tuple[str, Sequence[SpeedChange | Crash]], ...] = (("schedule", het.schedule), ("crashes", het.crashes))
+    for key, items in timed:
         for i, item in enumerate(items):
             if item.worker >= total:
                 raise ConfigError(

@@ -27,12 +27,13 @@ class _Loader(yaml.SafeLoader):
     laughs" of twelve lines) or that nests deeper than :data:`MAX_YAML_DEPTH`, before any of it
     is built."""
 
-    def compose_document(self) -> yaml.Node:
+    def compose_document(self) -> yaml.Node | None:
         try:
             node = super().compose_document()
         except RecursionError:
             raise YamlRefused(f"it nests deeper than {MAX_YAML_DEPTH} levels") from None
-        _expanded_size(node, {}, set(), 0)
+        if node is not None:
+            _expanded_size(node, {}, set(), 0)
         return node
 
 

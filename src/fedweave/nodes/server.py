@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedweave import result, rundir, runner
 from fedweave.config import Config
@@ -19,6 +19,9 @@ from fedweave.files import atomic_write_text
 from fedweave.reach import server_topology
 from fedweave.topologies.deploy import SiteBatches
 from fedweave.topologies.star import Star
+
+if TYPE_CHECKING:
+    from fedweave.transports.grpc.server import GrpcServerTransport
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ def serve(
         raise
     try:
         if address_file is not None:
-            atomic_write_text(topology.transport.address + "\n", address_file)
+            atomic_write_text(listener(topology).address + "\n", address_file)
         r = runner.resume(run_dir, topology=topology) if resume else runner.reopen(config, run_dir, topology=topology)
         if r.first_round <= r.config.rounds:
             runner.run_rounds(r, on_record)
@@ -62,13 +65,23 @@ def serve(
         rundir.release(run_dir)
 
 
+def listener(topology: Star | SiteBatches) -> GrpcServerTransport:
+    """The gRPC transport :func:`~fedweave.reach.server_topology` gave ``topology``."""
+    from fedweave.transports.grpc.server import GrpcServerTransport
+
+    transport = topology.transport
+    if not isinstance(transport, GrpcServerTransport):
+        raise TypeError(f"a server node listens over gRPC, not {type(transport).__name__}")
+    return transport
+
+
 def _finished(r: runner.Run, topology: Star | SiteBatches) -> None:
     """A run that ended before this server started. Without its model, its server died between the
     last checkpoint and telling the clients to stop: wait for them (``grpc.join_timeout``) and tell
     them now, then write the model from the checkpoint."""
     model = result.result_file(r.run_dir, r.parts.chains.sealer)
     if not model.is_file():
-        transport = topology.transport
+        transport = listener(topology)
         log.info("the run ended without its model: telling the %ss that reconnect to stop", transport.role)
         transport.wait_for_clients(transport.num_nodes, r.config.grpc.join_timeout)
         topology.close()

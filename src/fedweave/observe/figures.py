@@ -298,7 +298,7 @@ def partition_figure(run: RunData) -> Figure | None:
     if not hists or not counts or len(hists) != len(counts):
         return None
     classes = list(range(max(len(h) for h in hists)))
-    series = [Series(f"client {c} ({n})", classes, list(h)) for c, (n, h) in enumerate(zip(counts, hists))]
+    series = [Series(f"client {c} ({n})", [float(k) for k in classes], list(h)) for c, (n, h) in enumerate(zip(counts, hists))]
     return Figure("partition", "partition: samples per class and client (row: client, its count)", "class",
                   "client", series, kind="heatmap", per_run=True, matrix=[list(h) for h in hists])
 

@@ -48,8 +48,8 @@ def mean_series(label: str, group: str, members: Sequence[Series], band: str) ->
         else:
             lows.append(min(values))
             highs.append(max(values))
-    at = ats if members[0].at is not None else None
-    return Series(label, xs, ys, at=at, group=group, low=lows, high=highs, runs=len(members))
+    points_at = ats if members[0].at is not None else None
+    return Series(label, xs, ys, at=points_at, group=group, low=lows, high=highs, runs=len(members))
 
 
 def _group_figure(group: Group, figures: list[Figure], band: str) -> list[Series]:

@@ -127,7 +127,8 @@ class _Endpoint(http.server.HTTPServer):
             self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("metrics connection from %s failed", client_address, exc_info=True)
+        # socketserver calls this from inside its except clause: the exception is the current one
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)  # noqa: LOG014
 
     def server_close(self) -> None:
         super().server_close()
@@ -160,10 +161,11 @@ class PrometheusLogger:
         self.round_time = pc.Gauge("fedweave_round_seconds", "the last round's wall time", registry=r)
         self.accuracy = pc.Gauge("fedweave_test_accuracy", "the last test accuracy", registry=r)
         if nodes is not None:
+            counter: NodeCounter = nodes
 
             class Nodes:
                 def collect(self) -> Any:
-                    registered, alive = nodes.node_counts()
+                    registered, alive = counter.node_counts()
                     yield GaugeMetricFamily("fedweave_clients_registered", "nodes that registered", value=registered)
                     yield GaugeMetricFamily("fedweave_clients_alive", "registered nodes heard from lately",
                                             value=alive)

@@ -57,7 +57,7 @@ window.addEventListener("load", function () {
   document.body.setAttribute("data-figures-total", String(images.length));
   document.body.setAttribute("data-figures-ok", String(ok));
   document.body.setAttribute("data-figures-broken", broken.join("|"));
-  JSON.parse(document.getElementById("%s").textContent);
+  JSON.parse(document.getElementById("__DATA_ID__").textContent);
   document.body.setAttribute("data-json-ok", "1");
   var menu = document.getElementById("fw-show");
   menu.addEventListener("change", function () {
@@ -66,7 +66,7 @@ window.addEventListener("load", function () {
     });
   });
 });
-""" % DATA_ID
+""".replace("__DATA_ID__", DATA_ID)
 PLAN_FILE = "sweep.json"  # :mod:`fedweave.sweeps`' plan of a sweep folder
 
 

@@ -152,8 +152,9 @@ def emulated(config: Config) -> list[str]:
     return [*keys, "slowdown"] if h.slowdown != 1 else keys
 
 
-def render(path: str | Path, out: str | Path, options: Options = Options()) -> Rendered:
+def render(path: str | Path, out: str | Path, options: Options | None = None) -> Rendered:
     """Write the kustomize base and overlays for the config at ``path`` into ``out``."""
+    options = options if options is not None else Options()
     if not Path(path).is_file():
         raise ConfigError(f"fedweave deploy k8s: no config file {str(path)!r}")
     check_options(options)

@@ -21,7 +21,8 @@ def read(path: str) -> Columns:
         from PIL import Image
     except ImportError as exc:
         raise TaskError("format imagefolder needs Pillow: pip install 'fedweave[files]'") from exc
-    images, labels = [], []
+    images: list[np.ndarray] = []
+    labels: list[str] = []
     for name in sorted(e for e in os.listdir(path) if os.path.isdir(os.path.join(path, e))):
         folder = os.path.join(path, name)
         for file in sorted(f for f in os.listdir(folder) if f.lower().endswith(SUFFIXES)):

@@ -9,7 +9,7 @@ from fedweave.task.sources.table import Columns, column_array
 
 
 def read(path: str) -> Columns:
-    records = []
+    records: list[dict[str, object]] = []
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
