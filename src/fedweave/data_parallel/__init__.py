@@ -6,6 +6,9 @@ The modules, one concept each:
 
 - :mod:`~fedweave.data_parallel.gradients`: the b_i / B weighting, flat vectors of
   parameters and buffers (pure maths);
+- :mod:`~fedweave.data_parallel.controller`: the dynamic batch controller, b_i from measured
+  throughput (plain logic);
+- :mod:`~fedweave.data_parallel.sampler`: the global sampler, disjoint index ranges per step;
 - :mod:`~fedweave.data_parallel.group`: one generation's process group, the run's
   store, and how a run fails;
 - :mod:`~fedweave.data_parallel.records`: the run's saved state, metrics window,
