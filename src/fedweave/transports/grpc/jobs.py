@@ -50,6 +50,7 @@ def expected_shapes(message: Message) -> dict[str, tuple[int, ...]] | None:
 def check_answer(sent: Message, body: object) -> None:
     """A client's answer must be an evaluation for an evaluation, a control step for a control step, else an update."""
     instruction = sent.body
+    wanted: type[Evaluation | Update | Control]
     wanted = Evaluation if isinstance(instruction, Instruction) and instruction.task is TaskKind.EVALUATE else Update
     wanted = Control if isinstance(instruction, Control) else wanted
     if not isinstance(body, wanted):
