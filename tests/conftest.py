@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.batching.sampler import GlobalSampler
+from fedweave.data_parallel.sampler import GlobalSampler
 from fedweave.seeding import derive_seed
 from fedweave.task import build_model, evaluate, load_dataset, make_loss
 from fedweave.training import LocalOptimizer, LocalSettings

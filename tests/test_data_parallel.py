@@ -25,7 +25,7 @@ from conftest import reference
 from fedweave import cli
 from fedweave import config as config_mod
 from fedweave import data_parallel
-from fedweave.batching.dynamic import apportion
+from fedweave.data_parallel.controller import apportion
 from fedweave.config import Config, ConfigError
 from fedweave.data_parallel import bsp
 

@@ -21,7 +21,7 @@ from conftest import reference
 from fedweave import cli
 from fedweave import config as config_mod
 from fedweave import data_parallel
-from fedweave.batching.sampler import GlobalSampler
+from fedweave.data_parallel.sampler import GlobalSampler
 from fedweave.config import Config, ConfigError, StalenessOptions
 from fedweave.data_parallel.asp import pack_header, unpack_header
 from fedweave.data_parallel.parameter_server import Assignment, ParameterServer, Ranges, update_weight

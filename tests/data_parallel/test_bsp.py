@@ -66,7 +66,7 @@ def test_batch_norm_statistics_are_the_b_i_weighted_mean_of_the_workers(tmp_path
     rank 0's model saved), give other statistics."""
     from fedweave import config as config_mod
     from fedweave import data_parallel
-    from fedweave.batching.sampler import GlobalSampler
+    from fedweave.data_parallel.sampler import GlobalSampler
     from fedweave.task import load_dataset
 
     config = config_mod.load(None, [

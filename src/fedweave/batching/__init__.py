@@ -1,1 +1,2 @@
-"""Who trains each round and with how much work: selection and the controller."""
+"""Who trains each round and with how much work: the federated controller protocol, the static and
+adaptive controllers, and selection."""

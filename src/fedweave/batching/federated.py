@@ -1,6 +1,6 @@
 """The adaptive federated controller: local work from each client's measured speed.
 
-Plain logic, no I/O, no clocks (like :mod:`fedweave.batching.dynamic`): the clients
+Plain logic, no I/O, no clocks (like :mod:`fedweave.data_parallel.controller`): the clients
 measure their compute time (``Update.compute_time``) and the controller sizes the
 next work so that every sampled client needs about the same time, the target round
 time, whatever its speed. ``controller.kind: adaptive`` in the config selects it.
@@ -39,7 +39,7 @@ from typing import Any
 
 from fedweave.batching.controller import StaticController
 from fedweave.batching.selection import Selection
-from fedweave.batching.dynamic import JUMP
+from fedweave.data_parallel.controller import JUMP
 from fedweave.config import ClientControllerConfig
 from fedweave.types import Update, Work
 

@@ -12,7 +12,7 @@ from fedweave.schema import opt
 
 @dataclass
 class BatchControllerConfig:
-    """How the data-parallel controller splits the global batch (see :mod:`fedweave.batching.dynamic`)."""
+    """How the data-parallel controller splits the global batch (see :mod:`fedweave.data_parallel.controller`)."""
 
     SHORTHAND = "policy"
     policy: Literal["dynamic", "static"] = opt(
@@ -121,7 +121,7 @@ class Join:
 
 @dataclass
 class HeterogeneityConfig:
-    """Emulated unlike machines on one box (see :mod:`fedweave.batching.heterogeneity`)."""
+    """Emulated unlike machines on one box (see :mod:`fedweave.emulation`)."""
 
     speeds: list[float] = opt(
         factory=list, help="relative speed per worker (federated: per client), e.g. [1, 2, 4] (empty: no emulation)"

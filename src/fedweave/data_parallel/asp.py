@@ -50,8 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fedweave.batching.dynamic import BatchController
-from fedweave.batching.sampler import GlobalSampler
+from fedweave.data_parallel.controller import BatchController
+from fedweave.data_parallel.sampler import GlobalSampler
 from fedweave.data_parallel.gradients import copy_flat, float_buffers, local_contribution, trainable
 from fedweave.data_parallel.group import DataParallelError, Stopped, launcher_store, worker_store
 from fedweave.data_parallel.parameter_server import Arrival, Assignment, ParameterServer, Ranges

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.batching.dynamic import BatchController
-from fedweave.batching.sampler import GlobalSampler
+from fedweave.data_parallel.controller import BatchController
+from fedweave.data_parallel.sampler import GlobalSampler
 from fedweave.data_parallel.elastic import Joins, admission, next_members
 from fedweave.data_parallel.gradients import (
     assign_gradient,

@@ -120,7 +120,7 @@ def _execute(
     store = launcher_store(dp.timeout)
     store.set("members/0", ",".join(map(str, members)))
     store.add(WORKER_IDS_KEY, cfg.data_parallel_workers)  # the next id joins by hand get
-    release_workers(conns, joins, store.port)  # joiners announce themselves first: each is admitted at its step
+    release_workers(conns, list(joins), store.port)  # joiners announce themselves first: each is admitted at its step
     await_announcements(store, len(joins), procs, dp.timeout)
     release_workers(conns, members, store.port)
     rendezvous = r.run_dir / RENDEZVOUS_FILE

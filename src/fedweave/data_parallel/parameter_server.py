@@ -37,7 +37,7 @@ and the server, for each push in the order they arrive::
   update is as old as the number of updates the others applied while it computed.
   Balancing evens staleness out across workers; it does not lower its mean.)
 - **The sampler.** The server hands out consecutive ranges of the epoch's seeded
-  permutation (:class:`~fedweave.batching.sampler.GlobalSampler`), so an epoch covers
+  permutation (:class:`~fedweave.data_parallel.sampler.GlobalSampler`), so an epoch covers
   each sample once; a worker computes the permutation of the range's epoch itself.
   An epoch is complete when all its samples' pushes have arrived (applied or
   dropped); evaluation and checkpoints happen then. A range held by a worker that is
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from fedweave.asynchronous import staleness_weight
-from fedweave.batching.sampler import GlobalSampler
+from fedweave.data_parallel.sampler import GlobalSampler
 from fedweave.config import StalenessOptions
 from fedweave.data_parallel.gradients import assign_gradient, copy_flat, float_buffers, trainable
 from fedweave.data_parallel.records import load_optimizer_state, optimizer_state

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fedweave import config as config_mod
-from fedweave.batching.heterogeneity import Emulator, worker_threads
+from fedweave.emulation import Emulator, worker_threads
 from fedweave.config import Config
 from fedweave.data_parallel.group import BadSteps, Stopped
 from fedweave.errors import ConfigError

@@ -6,10 +6,10 @@ relative speed (``speeds``, one per client, or ``speed_range: [low, high]``, dra
 uniformly and seeded) and, optionally, a ``schedule`` of changes (``step`` is a round,
 ``worker`` a client id). Two clocks:
 
-- ``clock: real`` slows a client by sleeping, as :mod:`fedweave.batching.heterogeneity`
+- ``clock: real`` slows a client by sleeping, as :mod:`fedweave.emulation`
   slows a data-parallel worker: its training lasts ``f · c``, with
   ``f = slowdown · max speed / its speed`` and c the smoothed CPU time of that much work
-  (:class:`~fedweave.batching.heterogeneity.Emulator`). The reported compute time is the
+  (:class:`~fedweave.emulation.Emulator`). The reported compute time is the
   emulated one, so a controller sees the slow client.
 - ``clock: virtual`` sleeps never: a client's compute time *is*
   ``samples · sample_time / speed`` (samples = local steps × batch), a function of the
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fedweave.batching.heterogeneity import Emulator
+from fedweave.emulation import Emulator
 from fedweave.config import Config, HeterogeneityConfig, emulates_clients
 from fedweave.seeding import numpy_rng
 from fedweave.topologies.star import Star

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.chain import POINTS
@@ -34,7 +34,7 @@ from fedweave.validation import Rejected, check_senders
 
 log = logging.getLogger(__name__)
 
-Tree = Union[int, list["Tree"]]
+Tree = int | list["Tree"]
 
 
 def site_tree(sites: int | list[Any], clients: int) -> list[Any]:

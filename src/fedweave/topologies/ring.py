@@ -73,6 +73,19 @@ def spread(models: list[Params]) -> float:
     return float((flat - flat.mean(0)).norm(dim=1).max())
 
 
+def training(messages: list[Message]) -> list[tuple[Message, Instruction]]:
+    """The messages that ask a node to train, each with its instruction."""
+    return [(m, m.body) for m in messages if isinstance(m.body, Instruction) and m.body.task is TaskKind.TRAIN]
+
+
+def own_models(train: list[tuple[Message, Instruction]], models: list[Params]) -> list[Message]:
+    """Each training message with its node's own model in place of the global one."""
+    return [
+        Message(m.round, m.client_id, dataclasses.replace(instruction, params=models[m.client_id]))
+        for m, instruction in train
+    ]
+
+
 class Ring:
     """Gossip over a ring of ``num_nodes`` nodes whose local training runs over ``transport``."""
 
@@ -86,83 +99,71 @@ class Ring:
         ] = []  # per round: before mixing, after mixing
 
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
-        train = [
-            m
-            for m in messages
-            if isinstance(m.body, Instruction) and m.body.task is TaskKind.TRAIN
-        ]
+        """Train each node from its own model, check and keep what it trained, gossip, answer the mixed models."""
+        train = training(messages)
         if not train:
-            return self.transport.exchange(
-                messages, timeout
-            )  # evaluation of the observed consensus
+            return self.transport.exchange(messages, timeout)  # evaluation of the observed consensus
+        models = self._models_from(train[0][1].params)
+        result = self.transport.exchange(own_models(train, models), timeout)
+        answered = self._keep_trained(result, models)
+        self._gossip(train[0][0].round)
+        result.replies = self._mixed_replies(train, answered)
+        return result
+
+    def _models_from(self, start: Params) -> list[Params]:
+        """The nodes' models, each a copy of ``start`` in the first round."""
         if self.models is None:
-            start = train[0].body.params  # type: ignore[union-attr]
-            self.models = [
-                {k: v.clone() for k, v in start.items()} for _ in range(self.w.shape[0])
-            ]
-        own = [
-            Message(
-                m.round,
-                m.client_id,
-                dataclasses.replace(m.body, params=self.models[m.client_id]),
-            )  # type: ignore[arg-type]
-            for m in train
-        ]
-        result = self.transport.exchange(own, timeout)
+            self.models = [{k: v.clone() for k, v in start.items()} for _ in range(self.w.shape[0])]
+        return self.models
+
+    def _keep_trained(self, result: Exchange, models: list[Params]) -> dict[int, Update]:
+        """Each node's trained model replaces its own; a reply that is not new weights or a delta in
+        the clear, or whose tensors do not fit the model, fails (gossiped before the server sees it)."""
         answered: dict[int, Update] = {}
         for reply in result.replies:
             update = reply.body
-            if (
-                not isinstance(update, Update)
-                or update.applied
-                or update.kind is UpdateKind.GRADIENT
-            ):
-                result.failures[reply.client_id] = (
-                    "a gossip node must answer its new weights or delta in the clear"
-                )
+            if not isinstance(update, Update) or update.applied or update.kind is UpdateKind.GRADIENT:
+                result.failures[reply.client_id] = "a gossip node must answer its new weights or delta in the clear"
                 continue
-            own_model = self.models[reply.client_id]
-            try:  # gossiped before the server sees it: checked here
+            own_model = models[reply.client_id]
+            try:
                 check_tensors(update.tensors, specs_of(own_model), "tensor")
             except Rejected as exc:
                 result.failures[reply.client_id] = f"rejected: {exc}"
                 continue
-            trained = (
-                update.tensors
-                if update.kind is UpdateKind.WEIGHTS
-                else apply_delta(own_model, update.tensors)
-            )
-            self.models[reply.client_id] = {
-                k: v.detach().clone() for k, v in trained.items()
-            }
+            trained = update.tensors if update.kind is UpdateKind.WEIGHTS else apply_delta(own_model, update.tensors)
+            models[reply.client_id] = {k: v.detach().clone() for k, v in trained.items()}
             answered[reply.client_id] = update
+        return answered
+
+    def _gossip(self, rnd: int) -> None:
+        """``gossip_steps`` mixing steps over the ring; the spread before and after is recorded."""
+        assert self.models is not None
         before = spread(self.models)
         for _ in range(self.gossip_steps):
             self.models = mix(self.models, self.w)
         after = spread(self.models)
         self.spread_history.append((before, after))
-        log.info("round %d: gossip spread %.4g -> %.4g", train[0].round, before, after)
-        result.replies = []
-        for m in train:
+        log.info("round %d: gossip spread %.4g -> %.4g", rnd, before, after)
+
+    def _mixed_replies(self, train: list[tuple[Message, Instruction]], answered: dict[int, Update]) -> list[Message]:
+        """Each answering node's mixed model, as the kind of update it sent (weights, or a delta
+        from the global model it was sent)."""
+        assert self.models is not None
+        replies = []
+        for m, instruction in train:
             update = answered.get(m.client_id)
             if update is None:
                 continue
             mixed = self.models[m.client_id]
-            glob = m.body.params  # type: ignore[union-attr]
+            glob = instruction.params
             tensors = (
                 mixed
                 if update.kind is UpdateKind.WEIGHTS
-                else {
-                    k: v - glob[k] if v.is_floating_point() else v
-                    for k, v in mixed.items()
-                }
+                else {k: v - glob[k] if v.is_floating_point() else v for k, v in mixed.items()}
             )
-            result.replies.append(
-                Message(
-                    m.round, m.client_id, dataclasses.replace(update, tensors=tensors)
-                )
-            )
-        return result
+            replies.append(Message(m.round, m.client_id, dataclasses.replace(update, tensors=tensors)))
+        return replies
 
     def close(self) -> None:
         self.transport.close()

@@ -69,7 +69,7 @@ class Layout:
         return self.data_start + self.data_len
 
 
-def read_header(buf: bytes | memoryview, max_bytes: int | None) -> tuple[int, int, int]:
+def read_header(buf: bytes | bytearray | memoryview, max_bytes: int | None) -> tuple[int, int, int]:
     """Check the fixed header; return (meta_len, meta_crc, data_len)."""
     if len(buf) < HEADER.size:
         raise SerializationError(f"truncated message: {len(buf)} bytes, shorter than the {HEADER.size}-byte header")

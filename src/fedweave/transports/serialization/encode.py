@@ -54,7 +54,7 @@ def _raw(t: torch.Tensor) -> memoryview:
 def _body_fields(body: Any) -> tuple[str, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:
     if isinstance(body, Instruction):
         w = body.work
-        fields = {
+        fields: dict[str, Any] = {
             "task": body.task.value,
             "work": {
                 "client_id": w.client_id,

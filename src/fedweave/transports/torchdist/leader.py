@@ -26,6 +26,59 @@ ANSWER_GRACE = 5.0
 """Seconds past an exchange's timeout the leader waits for the members' answers."""
 
 
+@dataclasses.dataclass
+class RoundPlan:
+    """What a round sends: each distinct job once (``templates``), who runs which (``jobs``), and
+    each rank's control steps (``own``, described by ``controls``)."""
+
+    templates: list[bytes]
+    jobs: list[list[Any]]
+    own: list[list[bytearray]]
+    controls: list[list[int]]
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(len(t) for t in self.templates) + sum(size for _, _, size in self.controls)
+
+
+def round_plan(messages: list[Message], members: Mapping[int, int], ranks: Sequence[int]) -> RoundPlan:
+    """Encode a round's messages: instructions that share their content (round, task, config, plugins
+    applied and the very tensors) are one template; a control step goes to its member's rank alone."""
+    plan = RoundPlan([], [], [[] for _ in ranks], [])
+    keys: dict[tuple[Any, ...], int] = {}
+    for m in messages:
+        body = m.body
+        if isinstance(body, Control):
+            rank = members[m.client_id]
+            data = serialization.encode(m)
+            plan.own[ranks.index(rank)].append(data)
+            plan.controls.append([rank, m.client_id, len(data)])
+            continue
+        assert isinstance(body, Instruction)  # exchange() refused any other body
+        key = (
+            m.round,
+            body.task,
+            json.dumps(body.config, sort_keys=True),
+            tuple(body.applied),
+            tuple((k, id(v)) for k, v in body.params.items()),
+            tuple((k, id(v)) for k, v in body.extras.items()),
+        )
+        if key not in keys:
+            keys[key] = len(plan.templates)
+            plan.templates.append(bytes(serialization.encode(m)))
+        plan.jobs.append([members[m.client_id], keys[key], m.client_id, dataclasses.asdict(body.work)])
+    return plan
+
+
+def mean_tensors(sums: Mapping[str, torch.Tensor], layout: list[Any], total: int) -> dict[str, torch.Tensor]:
+    """The reduced sums over ``total`` examples in each tensor's dtype (floating ones divided, counters kept)."""
+    tensors = {}
+    for name, dtype_name, _ in layout:
+        dtype = getattr(torch, dtype_name)
+        tensors[name] = (sums[name] / total).to(dtype) if dtype.is_floating_point else sums[name].to(dtype)
+    return tensors
+
+
 class TorchDistLeader(SiteGroup):
     """The :class:`~fedweave.transports.base.Transport` of a site leader over its group.
 
@@ -76,112 +129,84 @@ class TorchDistLeader(SiteGroup):
             return result
 
     def _exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
+        """One round over the group: send each distinct job once and each control step to its
+        member's rank, gather the answers' heads, then either reduce them into one update or
+        gather every reply."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        templates: list[bytes] = []
-        keys: dict[tuple[Any, ...], int] = {}
-        jobs = []
-        own: list[list[bytearray]] = [[] for _ in self.ranks]  # per rank: its clients' control steps
-        controls = []
-        for m in messages:
-            body = m.body
-            if isinstance(body, Control):
-                rank = self.members[m.client_id]
-                data = serialization.encode(m)
-                own[self.ranks.index(rank)].append(data)
-                controls.append([rank, m.client_id, len(data)])
-                continue
-            assert isinstance(body, Instruction)  # exchange() refused any other body
-            key = (
-                m.round,
-                body.task,
-                json.dumps(body.config, sort_keys=True),
-                tuple(body.applied),
-                tuple((k, id(v)) for k, v in body.params.items()),
-                tuple((k, id(v)) for k, v in body.extras.items()),
-            )
-            if key not in keys:
-                keys[key] = len(templates)
-                templates.append(bytes(serialization.encode(m)))
-            jobs.append(
-                [
-                    self.members[m.client_id],
-                    keys[key],
-                    m.client_id,
-                    dataclasses.asdict(body.work),
-                ]
-            )
+        plan = round_plan(messages, self.members, self.ranks)
+        heads = self._send_round(plan, deadline)
+        result = Exchange(bytes_sent=plan.bytes_sent)
+        for h in heads:
+            result.failures.update({int(c): why for c, why in h["failures"].items()})
+        replies = [r for h in heads for r in h["replies"]]
+        order = {m.client_id: i for i, m in enumerate(messages)}
+        if self._announce_mode(replies):
+            return self._reduced(result, replies, order, messages[0].round)
+        return self._gathered(result, heads, order)
+
+    def _send_round(self, plan: RoundPlan, deadline: float | None) -> list[dict[str, Any]]:
+        """Broadcast the round's header and jobs, scatter the control steps, gather each rank's head."""
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         header = {
-            "op": "round", "sizes": [len(t) for t in templates], "jobs": jobs, "controls": controls, "timeout": remaining
+            "op": "round", "sizes": [len(t) for t in plan.templates], "jobs": plan.jobs, "controls": plan.controls,
+            "timeout": remaining,
         }
         # until the members have answered, every collective ends by the deadline + grace
         self.until = None if deadline is None else deadline + ANSWER_GRACE
         try:
             self.broadcast_bytes(json.dumps(header).encode(), idle=True)
-            self.broadcast_bytes(b"".join(templates))
-            if controls:
-                self.scatter_bytes(own)
+            self.broadcast_bytes(b"".join(plan.templates))
+            if plan.controls:
+                self.scatter_bytes(plan.own)
             gathered = self.gather_bytes(b"")
         finally:
             self.until = None
         assert gathered is not None
-        heads = [
-            json.loads(g) if g else {"replies": [], "failures": {}} for g in gathered
-        ]
-        result = Exchange(bytes_sent=sum(len(t) for t in templates) + sum(size for _, _, size in controls))
-        for h in heads:
-            result.failures.update({int(c): why for c, why in h["failures"].items()})
-        replies = [r for h in heads for r in h["replies"]]
+        return [json.loads(g) if g else {"replies": [], "failures": {}} for g in gathered]
+
+    def _announce_mode(self, replies: list[dict[str, Any]]) -> bool:
+        """Tell the members whether the replies are reduced (pre-aggregation, when every reply is
+        combinable with the same kind and layout) or gathered; True for a reduce."""
         reduce = (
             self.pre_aggregate
             and len(replies) > 1
             and all(
-                r["combinable"]
-                and r["kind"] == replies[0]["kind"]
-                and r["layout"] == replies[0]["layout"]
+                r["combinable"] and r["kind"] == replies[0]["kind"] and r["layout"] == replies[0]["layout"]
                 for r in replies
             )
         )
         bucket = self.world.bucket_bytes
-        mode = (
-            {"mode": "reduce", "layout": replies[0]["layout"], "bucket": bucket}
-            if reduce
-            else {"mode": "gather"}
-        )
+        mode = {"mode": "reduce", "layout": replies[0]["layout"], "bucket": bucket} if reduce else {"mode": "gather"}
         self.broadcast_bytes(json.dumps(mode).encode())
-        order = {m.client_id: i for i, m in enumerate(messages)}
-        if reduce:
-            sums = reduce_update(self, replies[0]["layout"], [], bucket)
-            total = sum(r["num_examples"] for r in replies)
-            tensors = {}
-            for name, dtype_name, _ in replies[0]["layout"]:
-                dtype = getattr(torch, dtype_name)
-                tensors[name] = (
-                    (sums[name] / total).to(dtype)
-                    if dtype.is_floating_point
-                    else sums[name].to(dtype)
-                )
-            first = min(replies, key=lambda r: order[r["client_id"]])
-            names = set.intersection(*(set(r["metrics"]) for r in replies))
-            update = Update(
-                kind=UpdateKind(first["kind"]),
-                tensors=tensors,
-                num_examples=total,
-                metrics={
-                    k: sum(r["metrics"][k] * r["num_examples"] for r in replies) / total
-                    for k in sorted(names)
-                },
-                client_id=first["client_id"],
-                local_steps=max(r["local_steps"] for r in replies),
-                compute_time=max(r["compute_time"] for r in replies),
-                clients=len(replies),
-                members=sorted((r["client_id"] for r in replies), key=order.__getitem__),
-            )
-            result.replies = [Message(messages[0].round, first["client_id"], update)]
-            result.bytes_received = sum(
-                t.numel() * t.element_size() for t in tensors.values()
-            )
-            return result
+        return reduce
+
+    def _reduced(
+        self, result: Exchange, replies: list[dict[str, Any]], order: dict[int, int], rnd: int
+    ) -> Exchange:
+        """The members' updates summed by a reduce: one update, their weighted mean."""
+        layout = replies[0]["layout"]
+        sums = reduce_update(self, layout, [], self.world.bucket_bytes)
+        total = sum(r["num_examples"] for r in replies)
+        tensors = mean_tensors(sums, layout, total)
+        first = min(replies, key=lambda r: order[r["client_id"]])
+        names = set.intersection(*(set(r["metrics"]) for r in replies))
+        update = Update(
+            kind=UpdateKind(first["kind"]),
+            tensors=tensors,
+            num_examples=total,
+            metrics={k: sum(r["metrics"][k] * r["num_examples"] for r in replies) / total for k in sorted(names)},
+            client_id=first["client_id"],
+            local_steps=max(r["local_steps"] for r in replies),
+            compute_time=max(r["compute_time"] for r in replies),
+            clients=len(replies),
+            members=sorted((r["client_id"] for r in replies), key=order.__getitem__),
+        )
+        result.replies = [Message(rnd, first["client_id"], update)]
+        result.bytes_received = sum(t.numel() * t.element_size() for t in tensors.values())
+        return result
+
+    def _gathered(self, result: Exchange, heads: list[dict[str, Any]], order: dict[int, int]) -> Exchange:
+        """Every member's replies, gathered and decoded, in the order of the messages."""
         payloads = self.gather_bytes(b"")
         assert payloads is not None
         for h, payload in zip(heads, payloads):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedweave.batching.dynamic import apportion
-from fedweave.batching.sampler import GlobalSampler, steps_per_epoch
+from fedweave.data_parallel.controller import apportion
+from fedweave.data_parallel.sampler import GlobalSampler, steps_per_epoch
 
 
 def run_epoch(sampler: GlobalSampler, rng: np.random.Generator, global_batch: int) -> list[np.ndarray]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedweave.batching.dynamic import BatchController
+from fedweave.data_parallel.controller import BatchController
 
 Speeds = Sequence[float] | Callable[[int], Mapping[int, float]]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fedweave.batching.heterogeneity import Emulator, worker_threads
+from fedweave.emulation import Emulator, worker_threads
 from fedweave.config import Crash, HeterogeneityConfig, SpeedChange
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fedweave.batching.dynamic import BatchController, apportion, water_fill
-from fedweave.batching.simulator import change_steps, mean_efficiency, simulate
+from fedweave.data_parallel.controller import BatchController, apportion, water_fill
+from data_parallel.simulator import change_steps, mean_efficiency, simulate
 from fedweave.config import BatchControllerConfig
 
 SPEEDS = [1.0, 2.0, 4.0]
