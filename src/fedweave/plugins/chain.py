@@ -94,7 +94,7 @@ from fedweave.types import Control, Instruction, Update
 
 if TYPE_CHECKING:
     from fedweave.training import LocalTraining
-    from fedweave.validation import Specs
+    from fedweave.federated.checks import Specs
 
 POINTS = ("server_send", "client_receive", "client_send", "server_receive")
 

@@ -14,7 +14,7 @@ from fedweave.plugins.chain import Chain, Chains, PluginContext
 from fedweave.plugins.compression.wire import Site, tensor_seeds
 from fedweave.plugins.contracts import Plugin
 from fedweave.types import Instruction, TaskKind, Update, Work
-from fedweave.validation import UpdateSchema
+from fedweave.federated.checks import UpdateSchema
 
 from ..helpers import make, update
 from ..secure.secagg.rounds import Federation

@@ -292,7 +292,7 @@ def test_a_masked_update_whose_clear_layout_is_not_the_model_s_is_refused_alone(
 
     from fedweave.plugins.chain import Chain, Chains
     from fedweave.plugins.packing import FLAT, SEP, layout
-    from fedweave.validation import UpdateSchema
+    from fedweave.federated.checks import UpdateSchema
 
     plugin, fed, plain, masked = masked_round(3)
     chains = Chains(client_send=Chain([plugin]))

@@ -5,7 +5,7 @@
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
     send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
-    updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
+    updates = chains.to_server(replies)          (checked: fedweave.federated.checks; bad ones rejected)
     updates = bound_weights(updates)             (aggregation.weight_policy: each claim within its cohort's bound)
     updates = cap_weight_share(updates)          (aggregation.max_weight_share)
           or [chains.combine(updates, control)]  (only with secure aggregation / HE plugins)
@@ -19,7 +19,7 @@ to unmask (:class:`~fedweave.errors.RoundError`) skip the round and keep the mod
 then no client's update counts as applied, so every client of the round drops the
 state it trained (:class:`AcceptedRounds`).
 
-:mod:`fedweave.asynchronous` is the other spine: buffered asynchronous aggregation.
+:mod:`fedweave.federated.buffered` is the other spine: buffered asynchronous aggregation.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedweave.batching.controller import Controller
-from fedweave.batching.federated import client_timings
+from fedweave.federated.controllers import client_timings
 from fedweave.conforms import Conforms
 from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
-from fedweave.evaluation import EvaluationHooks
+from fedweave.federated.evaluation import EvaluationHooks
 from fedweave.plugins.chain import Chains, PluginContext
 from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
@@ -56,7 +56,7 @@ from fedweave.types import (
     Update,
     Work,
 )
-from fedweave.validation import (
+from fedweave.federated.checks import (
     Rejected,
     UpdateChecks,
     UpdateSchema,
@@ -100,7 +100,7 @@ class AcceptedRounds:
     Every instruction tells its client (``config[ACCEPTED_ROUND]``, 0 for none), so that
     the client keeps the state it trained in that round and drops the state of a round
     whose update was rejected (malformed, non-finite, late), skipped with its round,
-    dropped as too stale, or discarded by the aggregation rule (:mod:`fedweave.client`).
+    dropped as too stale, or discarded by the aggregation rule (:mod:`fedweave.federated.client`).
     A rule such as Krum discards updates inside the strategy's ``aggregate``, which then
     returns a :class:`~fedweave.strategies.aggregate.Selected` naming those it kept; only
     they are recorded here. A pre-aggregated update counts for each of its ``members``,
@@ -411,7 +411,7 @@ def accept_updates(
     rejected: Counter[str] | None = None,
 ) -> list[Update]:
     """Decode replies; reject (log, count as failed and in ``rejected`` by reason) any that
-    does not pass :mod:`fedweave.validation`, so that no strategy sees a malformed update.
+    does not pass :mod:`fedweave.federated.checks`, so that no strategy sees a malformed update.
 
     An update counts for the client that sent it (the transport's id, authenticated over
     gRPC), whatever id it claims; it may stand for other clients only as a site's
@@ -470,7 +470,7 @@ def bound_weights(
     declared: Mapping[int, int] | None = None,
 ) -> tuple[list[Update], int]:
     """``updates``, one cohort, with each claim within its bound (``checks.weights``,
-    :meth:`~fedweave.validation.WeightPolicy.bound`; ``reference``: other clients' latest claims
+    :meth:`~fedweave.federated.checks.WeightPolicy.bound`; ``reference``: other clients' latest claims
     per client; ``declared``: the examples clients declared at registration), and how many were
     capped; a refused one is logged, counted in ``rejected`` (``examples``) and in ``failures``."""
     bounded = checks.weights.bound(updates, list(reference), declared)

@@ -38,7 +38,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from fedweave.batching.controller import StaticController
-from fedweave.batching.selection import Selection
+from fedweave.federated.selection import Selection
 from fedweave.batching.dynamic import JUMP
 from fedweave.config import ClientControllerConfig
 from fedweave.types import Update, Work

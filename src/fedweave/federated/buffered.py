@@ -27,7 +27,7 @@ With FedAvg, all updates fresh (τ = 0), η_g = 1 and K = concurrency = clients,
 step is exactly a synchronous FedAvg round. A client trains each model version at most
 once: trained again from the same model and state it would repeat its update. A client
 keeps the state it trained (SCAFFOLD's c_i) only when its update is applied in a step
-(:class:`~fedweave.loop.AcceptedRounds`): dropped ones are forgotten on both sides. So
+(:class:`~fedweave.federated.rounds.AcceptedRounds`): dropped ones are forgotten on both sides. So
 that the client knows which state to train from, it is not dispatched again while its
 update waits in the buffer.
 
@@ -61,7 +61,7 @@ from fedweave.topologies.emulated import DEADLINE
 from fedweave.checkpoint import checkpoint_type
 from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError
-from fedweave.loop import (
+from fedweave.federated.rounds import (
     RECORD_KEYS,
     Record,
     RoundParts,
@@ -82,7 +82,7 @@ from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_
 from fedweave.strategies.base import Strategy
 from fedweave.transports.base import Exchange, PostsJobs
 from fedweave.types import Message, Params, Update, Work
-from fedweave.validation import cap_weight_share, rejection_counts
+from fedweave.federated.checks import cap_weight_share, rejection_counts
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class BufferedServer:
 
     def bounded(self, parts: RoundParts, rnd: int, flights: list[Flight]) -> tuple[list[Flight], list[Update], int]:
         """The buffer's ``flights`` and their updates with each claim within its bound
-        (:func:`~fedweave.loop.bound_weights`): the cohort is the buffer with the latest counted
+        (:func:`~fedweave.federated.rounds.bound_weights`): the cohort is the buffer with the latest counted
         claim per client of every other client (``claims``), so that a small buffer is bounded
         by the federation, not by itself; the refused ones dropped; how many were capped."""
         arrived = [f for f in flights if f.update is not None]
@@ -450,13 +450,13 @@ def run_deployed(
     """Server steps ``first_round..last_round`` over a network, on the real clock.
 
     Each idle client drawn as in simulation gets its job at once (``jobs.post``), the answers
-    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.loop.accept_updates`
+    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.federated.rounds.accept_updates`
     (a rejected, failed, lost or late one is not buffered and its client may train the next
     model version), and every K buffered updates the server steps as in simulation. ``clock``
     is the real seconds since the run began, continued across a resume. Work in flight when a
     previous server died is lost with it: its clients may train the same version again.
 
-    A client the topology knows is gone (:func:`~fedweave.loop.absent_clients`) gets no job
+    A client the topology knows is gone (:func:`~fedweave.federated.rounds.absent_clients`) gets no job
     until it is heard from again. When nothing is in flight and every client free to train is
     gone, the server waits up to ``rejoin_timeout`` s for one to come back (one log line), then
     stops as when no client is left.

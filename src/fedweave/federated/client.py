@@ -57,7 +57,7 @@ from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm, ReadsInstruction, training_metrics
 from fedweave.training import INSTRUCTED, SGD_LOOP, ClientJob, LocalSettings, LossFn, instructed, rows
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, Work
-from fedweave.validation import specs_of
+from fedweave.federated.checks import specs_of
 
 log = logging.getLogger(__name__)
 
