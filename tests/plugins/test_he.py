@@ -24,7 +24,7 @@ from fedweave.checkpoint import load_checkpoint
 from fedweave.cli import main
 from fedweave.federated.client import ClientRuntime
 from fedweave.errors import CheckpointError, ConfigError, RoundError
-from fedweave.federated.rounds import accept_updates
+from fedweave.federated.receive import accept_updates
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, HEServer, slot_count
 from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE

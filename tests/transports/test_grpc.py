@@ -31,7 +31,7 @@ from fedweave import config as config_mod
 from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import ConfigError, SerializationError, TransportError
-from fedweave.federated.rounds import declared_examples
+from fedweave.federated.receive import declared_examples
 from fedweave.task.schema import DataSchema
 from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine

@@ -61,19 +61,16 @@ from fedweave.topologies.emulated import DEADLINE
 from fedweave.checkpoint import checkpoint_type
 from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError
+from fedweave.federated.receive import accept_updates, bound_weights, declared_examples, stand_for
 from fedweave.federated.rounds import (
     RECORD_KEYS,
     Record,
     RoundParts,
     absent_clients,
-    accept_updates,
     add_evaluation_traffic,
-    bound_weights,
-    declared_examples,
     encode_instructions,
     evaluate_round,
     missed_deadline,
-    stand_for,
     strategy_metrics,
     train_metrics,
 )
@@ -301,7 +298,7 @@ class BufferedServer:
 
     def bounded(self, parts: RoundParts, rnd: int, flights: list[Flight]) -> tuple[list[Flight], list[Update], int]:
         """The buffer's ``flights`` and their updates with each claim within its bound
-        (:func:`~fedweave.federated.rounds.bound_weights`): the cohort is the buffer with the latest counted
+        (:func:`~fedweave.federated.receive.bound_weights`): the cohort is the buffer with the latest counted
         claim per client of every other client (``claims``), so that a small buffer is bounded
         by the federation, not by itself; the refused ones dropped; how many were capped."""
         arrived = [f for f in flights if f.update is not None]
@@ -450,7 +447,7 @@ def run_deployed(
     """Server steps ``first_round..last_round`` over a network, on the real clock.
 
     Each idle client drawn as in simulation gets its job at once (``jobs.post``), the answers
-    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.federated.rounds.accept_updates`
+    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.federated.receive.accept_updates`
     (a rejected, failed, lost or late one is not buffered and its client may train the next
     model version), and every K buffered updates the server steps as in simulation. ``clock``
     is the real seconds since the run began, continued across a resume. Work in flight when a
