@@ -44,7 +44,8 @@ from fedweave.files import atomic_write_text
 from fedweave.federated.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError, NothingTrained
-from fedweave.federated.rounds import Record, RoundParts, run
+from fedweave.federated.records import Record
+from fedweave.federated.rounds import RoundParts, run
 from fedweave.observe.figures import elapsed
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter

@@ -15,16 +15,13 @@ from conftest import LargestTensor
 from fedweave.batching.controller import StaticController
 from fedweave.config import AggregationConfig
 from fedweave.federated.selection import sample_clients
+from fedweave.federated.records import RECORD_KEYS, Record, add_evaluation_traffic, traffic_counts
 from fedweave.federated.rounds import (
-    RECORD_KEYS,
     AcceptedRounds,
-    Record,
     RoundParts,
-    add_evaluation_traffic,
     federated_evaluate,
     listed,
     run,
-    traffic_counts,
     train_round,
 )
 from fedweave.errors import RoundError

@@ -62,17 +62,13 @@ from fedweave.checkpoint import checkpoint_type
 from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError
 from fedweave.federated.receive import accept_updates, bound_weights, declared_examples, stand_for
+from fedweave.federated.records import Record, finish_record, train_metrics
 from fedweave.federated.rounds import (
-    RECORD_KEYS,
-    Record,
     RoundParts,
     absent_clients,
-    add_evaluation_traffic,
     encode_instructions,
     evaluate_round,
     missed_deadline,
-    strategy_metrics,
-    train_metrics,
 )
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
@@ -114,7 +110,7 @@ def buffered_step(
         weight = staleness_weight(tau, settings)
         tensors = {k: v * weight if v.is_floating_point() else v for k, v in update.tensors.items()}
         scaled.append(dataclasses.replace(update, tensors=tensors))
-    target = strategy.aggregate(rnd, params, scaled)
+    target: Params = strategy.aggregate(rnd, params, scaled)
     lr = settings.server_lr
     if lr == 1.0:
         return target
@@ -256,8 +252,7 @@ class BufferedServer:
         flights, updates, capped = self.bounded(parts, rnd, flights)
         updates = cap_weight_share(updates, parts.checks.max_weight_share)
         staleness = [self.version - f.version for f in flights]
-        record: Record = {
-            **dict.fromkeys(RECORD_KEYS),
+        record: Record = {  # finished with every key a round writes by records.finish_record
             "round": rnd,
             "clients_sampled": self.arrived,
             "clients_completed": sum(u.clients for u in updates),
@@ -421,12 +416,8 @@ def _step(
 ) -> Params:
     """A server step on the full buffer, evaluated, recorded with ``wall_time`` since ``started``."""
     params, record = server.step(parts, params)
-    record.update(parts.chains.metrics())
-    record.update(strategy_metrics(parts.strategy))
-    record.update(evaluate_round(parts, server.version, params, last_round))
-    add_evaluation_traffic(record)
-    record["wall_time"] = time.perf_counter() - started
-    on_round(server.version, params, record)
+    evaluated = evaluate_round(parts, server.version, params, last_round)
+    on_round(server.version, params, finish_record(record, parts.chains, parts.strategy, evaluated, started))
     return params
 
 

@@ -26,12 +26,11 @@ state it trained (:class:`AcceptedRounds`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import cast
 
 from fedweave.batching.controller import Controller
 from fedweave.federated.controllers import client_timings
@@ -40,9 +39,8 @@ from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.federated.evaluation import EvaluationHooks
 from fedweave.plugins.chain import Chains, PluginContext
-from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
-from fedweave.strategies.base import Strategy, training_metrics
+from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Topology
 from fedweave.topologies.emulated import DEADLINE
 from fedweave.transports.base import Exchange, KnowsAbsent
@@ -58,32 +56,12 @@ from fedweave.types import (
     Work,
 )
 from fedweave.federated.checks import UpdateChecks, cap_weight_share, rejection_counts, valid_evaluation
+from fedweave.federated.records import TRAFFIC, Record, finish_record, traffic_counts, train_metrics
 from fedweave.federated.receive import accept_updates, bound_weights, combine_checked, declared_examples, stand_for
 
 log = logging.getLogger(__name__)
 
-_reports_metrics, _knows_absent = Conforms(ReportsMetrics), Conforms(KnowsAbsent)
-
-Record = dict[str, Any]
-
-RECORD_KEYS = (
-    "round",
-    "wall_time",
-    "train_loss",
-    "test_accuracy",
-    "test_loss",
-    "clients_sampled",
-    "clients_completed",
-    "bytes_sent",
-    "bytes_received",
-    "skipped",
-    "round_time",
-    "clients",
-    "rejected",
-    "capped",
-)
-"""Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
-
+_knows_absent = Conforms(KnowsAbsent)
 
 class AcceptedRounds:
     """Per client, the last round whose update the server applied to the model.
@@ -160,20 +138,9 @@ def run(
             parts.controller.load_state_dict(planned)
             log.warning("run stopped before round %d: %s", rnd, exc)
             break
-        trained.update(parts.chains.metrics())
-        trained.update(strategy_metrics(parts.strategy))
-        record = {**dict.fromkeys(RECORD_KEYS), **trained, **evaluate_round(parts, rnd, params, last_round)}
-        add_evaluation_traffic(record)
-        record["wall_time"] = time.perf_counter() - start
-        on_round(rnd, params, record)
+        evaluated = evaluate_round(parts, rnd, params, last_round)
+        on_round(rnd, params, finish_record(trained, parts.chains, parts.strategy, evaluated, start))
     return params
-
-
-def strategy_metrics(strategy: Strategy) -> Record:
-    """The strategy's own numbers of the round (its optional ``metrics()``), as ``strategy_<key>``."""
-    if not _reports_metrics(strategy):
-        return {}
-    return {f"strategy_{key}": float(value) for key, value in strategy.metrics().items()}
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
@@ -276,7 +243,7 @@ def listed(ids: Collection[int], most: int = 10) -> str:
 def absent_clients(topology: Topology, wait_for: int = 0) -> frozenset[int]:
     """The clients the topology's transport knows are gone (none in simulation): no round samples them.
     With fewer than ``wait_for`` present, the transport first waits a bounded time for them to come back."""
-    return topology.absent(wait_for) if _knows_absent(topology) else frozenset()
+    return cast(KnowsAbsent, topology).absent(wait_for) if _knows_absent(topology) else frozenset()
 
 
 class RoundTraffic:
@@ -312,22 +279,6 @@ class RoundTraffic:
 
     def counts(self) -> Record:
         return traffic_counts(self.bytes)
-
-
-TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received")
-"""An exchange's byte counts: payload everywhere, wire where a network carried it (docs/metrics.md)."""
-
-
-def add_evaluation_traffic(record: Record) -> None:
-    """The traffic of a federated evaluation (``eval_*`` keys) counted in the round's bytes."""
-    counts = {key: (record.get(key) or 0) + record.pop(f"eval_{key}", 0) for key in TRAFFIC}
-    record.update(traffic_counts(counts))
-
-
-def traffic_counts(counts: dict[str, int]) -> Record:
-    """A record's byte counts: the payload's, and the wire's where anything crossed a network."""
-    return {k: v for k, v in counts.items() if k.startswith("bytes") or counts["wire_bytes_sent"]
-            or counts["wire_bytes_received"]}
 
 
 def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int) -> Record:
@@ -366,16 +317,3 @@ def encode_instructions(chains: Chains, instructions: list[Instruction], accepte
         ctx = PluginContext(ins.round, ins.work.client_id, "server")
         out.append(Message(ins.round, ctx.client_id, chains.to_clients(ins, ctx)))
     return out
-
-
-def train_metrics(strategy: Strategy, updates: list[Update]) -> Record:
-    """Each training metric the strategy's clients send (``train_loss`` and those it declares), weighted by examples."""
-    return {name: weighted_metric(updates, name) for name in sorted(training_metrics(strategy.Client))}
-
-
-def weighted_metric(updates: list[Update], name: str) -> float | None:
-    pairs = [(u.metrics[name], u.num_examples) for u in updates if name in u.metrics]
-    pairs = [(v, n) for v, n in pairs if math.isfinite(v)]
-    if not pairs:
-        return None
-    return sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
