@@ -332,16 +332,16 @@ def build_deadlines(config: Config) -> Deadlines | None:
 def build_controller(config: Config) -> Controller:
     """The federated controller: ``controller.kind`` static (configured work) or adaptive; its clients
     chosen by ``selection``."""
-    work = {
-        "batch_size": config.local.batch_size,
-        "epochs": config.local.epochs,
-        "local_steps": config.local.steps,
-        "seed": config.seed,
-        "selection": build_selection(config.selection),
-    }
+    local, selection = config.local, build_selection(config.selection)
     if config.controller.kind == "adaptive":
-        return AdaptiveController(config.clients, config.clients_per_round, **work, settings=config.controller)
-    return StaticController(config.clients, config.clients_per_round, **work)
+        return AdaptiveController(
+            config.clients, config.clients_per_round, batch_size=local.batch_size, epochs=local.epochs,
+            local_steps=local.steps, seed=config.seed, selection=selection, settings=config.controller,
+        )
+    return StaticController(
+        config.clients, config.clients_per_round, batch_size=local.batch_size, epochs=local.epochs,
+        local_steps=local.steps, seed=config.seed, selection=selection,
+    )
 
 
 def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store: ClientStateStore) -> ClientRuntime:

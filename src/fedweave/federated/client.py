@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -315,7 +315,7 @@ class ClientRuntime:
         if instruction.task is TaskKind.TRAIN:
             self.store.stage(opened.client_id, instruction.round, state)
             if self.chains.client_send.plugins:  # none: nothing to encode, no context to build (~15 µs)
-                body = self.chains.client_send.encode(body, dataclasses.replace(opened.ctx, config=instruction.config))
+                body = self.chains.client_send.encode(cast(Update, body), dataclasses.replace(opened.ctx, config=instruction.config))
         return Message(opened.round, opened.client_id, body)
 
     def release(self, cid: int) -> None:

@@ -112,7 +112,7 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ measurements
 
-    def observe(self, rnd: int, updates: Sequence[Update]) -> None:
+    def observe(self, rnd: int, updates: list[Update]) -> None:
         """Fold the compute times of ``updates`` into the clients' estimates (the selection sees them too)."""
         self.configured.observe(rnd, updates)
         self.observed_round = rnd
