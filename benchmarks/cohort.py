@@ -33,7 +33,7 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.federated import rounds
+from fedweave.federated.rounds import train_round
 
 BASE = [
     "sample_fraction=1.0",
@@ -64,7 +64,7 @@ def paired(k: int, overrides: list[str], pairs: int, threads: int, partition: st
     for rnd in range(1, pairs + 2):
         for mode, r in runs.items():
             started = time.perf_counter()
-            params[mode], _ = rounds.train_round(r.parts, rnd, params[mode])
+            params[mode], _ = train_round(r.parts, rnd, params[mode])
             seconds[mode].append(time.perf_counter() - started)
     off, auto = seconds["off"][1:], seconds["auto"][1:]
     ratios = [a / b for a, b in zip(off, auto)]

@@ -71,7 +71,7 @@ def forged_sum(u: Update) -> Update:
     return replace(u, tensors={**u.tensors, FORGED_SUM: torch.zeros(1)})
 
 
-def received(chains: Chains, bad: Update, checks: UpdateChecks = UpdateChecks()) -> tuple[list[int], dict, Counter]:
+def received(chains: Chains, bad: Update, checks: UpdateChecks) -> tuple[list[int], dict, Counter]:
     """Clients 0 and 2 send good updates, client 1 ``bad``: the accepted senders, failures, rejections."""
     combining = chains is COMBINING
     replies = [Message(1, 0, update(0, combining)), Message(1, 1, bad), Message(1, 2, update(2, combining))]
