@@ -60,13 +60,13 @@ import torch
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.build import build_chains, build_client_runtime, build_task
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.plugins.attacks import poison
 from fedweave.plugins.secure import shamir
 from fedweave.plugins.secure.he import HE, HEParams
 from fedweave.plugins.secure.secagg.messages import read_shares, share_bytes
 from fedweave.types import Control
-from fedweave.validation import ExampleLimits
+from fedweave.federated.checks import ExampleLimits
 
 BASE = [
     "task.dataset=digits",

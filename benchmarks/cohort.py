@@ -5,7 +5,7 @@ Each row trains one federation twice in this process from the same seed, once wi
 vectorised group of the round's clients, :mod:`fedweave.cohort`), every client sampled every
 round. Their rounds are interleaved in pairs (sequential round r, then cohort round r) so that
 the machine's load falls on both alike; the first pair (lazy imports, caches) is left out. A
-round's time is :func:`fedweave.loop.train_round`'s wall time (configure, the clients' work,
+round's time is :func:`fedweave.federated.rounds.train_round`'s wall time (configure, the clients' work,
 checks, aggregation; no evaluation). Printed per row: the median seconds of a round on each path,
 the median of the per-pair ratios sequential / cohort with its interquartile range, and the
 largest relative difference between the two final models (float rounding: the cohort's matrix
@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from fedweave import config as config_mod
-from fedweave import loop, runner
+from fedweave import runner
+from fedweave.federated.rounds import train_round
 
 BASE = [
     "sample_fraction=1.0",
@@ -63,7 +64,7 @@ def paired(k: int, overrides: list[str], pairs: int, threads: int, partition: st
     for rnd in range(1, pairs + 2):
         for mode, r in runs.items():
             started = time.perf_counter()
-            params[mode], _ = loop.train_round(r.parts, rnd, params[mode])
+            params[mode], _ = train_round(r.parts, rnd, params[mode])
             seconds[mode].append(time.perf_counter() - started)
     off, auto = seconds["off"][1:], seconds["auto"][1:]
     ratios = [a / b for a, b in zip(off, auto)]

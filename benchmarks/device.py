@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from fedweave import config as config_mod
-from fedweave import loop, runner
+from fedweave import runner
+from fedweave.federated.rounds import train_round
 
 BASE = [
     "clients=8",
@@ -78,7 +79,7 @@ def paired(overrides: list[str], rounds: int, out: Path) -> dict[str, float]:
     for rnd in range(1, rounds + 2):
         for device, r in runs.items():
             started = time.perf_counter()
-            params[device], _ = loop.train_round(r.parts, rnd, params[device])
+            params[device], _ = train_round(r.parts, rnd, params[device])
             r.parts.evaluate_global(params[device])
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from fedweave import config as config_mod
-from fedweave import loop, runner
+from fedweave import runner
+from fedweave.federated.rounds import train_round
 from fedweave.build import build_task, global_evaluator
 
 BASE = [
@@ -133,7 +134,7 @@ def paired_cost(federation: list[str], plugins: list[str], rounds: int, out: Pat
     for rnd in range(1, rounds + 2):
         for i, r in enumerate(runs):
             started, started_wall = time.process_time(), time.perf_counter()
-            params[i], _ = loop.train_round(r.parts, rnd, params[i])
+            params[i], _ = train_round(r.parts, rnd, params[i])
             cpu[i].append(time.process_time() - started)
             wall[i].append(time.perf_counter() - started_wall)
         if rnd > 1 and runs[1].parts.chains.client_send.combiner is not None:

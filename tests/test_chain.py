@@ -80,14 +80,14 @@ def test_a_payload_from_a_plugin_the_receiver_lacks_is_refused() -> None:
 
 
 def test_the_loop_rejects_such_an_update(caplog: pytest.LogCaptureFixture) -> None:
-    from fedweave.loop import accept_updates
+    from fedweave.federated.receive import accept_updates
     from fedweave.types import Message
 
     good = Chain([AddOne(IdentityParams())]).encode(update(), CTX)
     foreign = replace(update(), applied=["secret_plugin"])
     chains = Chains(client_send=Chain([AddOne(IdentityParams())]))
     failures: dict[int, str] = {}
-    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+    with caplog.at_level(logging.WARNING, logger="fedweave.federated.receive"):
         accepted = accept_updates(chains, [Message(1, 0, good), Message(1, 1, foreign)], failures, {"w": torch.zeros(1, dtype=torch.float64)})
     assert [u.tensors["w"].item() for u in accepted] == [3.0]
     assert failures == {1: "rejected: payload was encoded by plugin 'secret_plugin', which this side's chain lacks"}

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import small_config
 from fedweave import runner
-from fedweave.asynchronous import _backing_off
+from fedweave.federated.buffered import _backing_off
 from fedweave.build import build_chains, build_client_runtime, build_deadlines, build_task
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.deadlines import Deadlines, backoff_rounds, job_deadline, quantile
 from fedweave.reach import server_topology
 from fedweave.transports.grpc.client import GrpcClient

@@ -13,7 +13,7 @@ import torch
 from conftest import assert_same_params, run_to_end, small_config
 from fedweave import runner
 from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.device import CPU, moved, resolve
 from fedweave.errors import ConfigError
 from fedweave.strategies.scaffold import CONTROL

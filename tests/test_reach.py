@@ -9,7 +9,7 @@ import pytest
 from conftest import small_config
 from fedweave import runner
 from fedweave.build import build_chains, build_client_runtime, build_task
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.errors import ConfigError
 from fedweave.reach import clients_topology
 from fedweave.topologies.emulated import EmulatedClients

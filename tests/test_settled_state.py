@@ -1,5 +1,5 @@
 """A client keeps the state it trained in a round only when the server applied that round's
-update (fedweave.client's two phases, fedweave.loop.AcceptedRounds): rejected, skipped and
+update (fedweave.federated.client's two phases, fedweave.federated.rounds.AcceptedRounds): rejected, skipped and
 stale updates leave the client as if it had not trained, in simulation, in FedBuff, after a
 resume, and for gRPC clients that keep their own state."""
 
@@ -19,8 +19,8 @@ import torch
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 from fedweave import runner
 from fedweave.build import build_chains, build_client_runtime, build_task
-from fedweave.client import ClientRuntime, ClientStateStore
-from fedweave.loop import AcceptedRounds
+from fedweave.federated.client import ClientRuntime, ClientStateStore
+from fedweave.federated.rounds import AcceptedRounds
 from fedweave.strategies.feddyn import LINEAR, FedDynClient
 from fedweave.strategies.scaffold import CONTROL, ScaffoldClient
 from fedweave.training import ClientJob
@@ -139,7 +139,7 @@ def test_an_update_krum_discards_leaves_the_client_as_if_it_had_not_trained(
     outlier, later the honest update farthest from the others. Each discarded client keeps
     its old c_i and c stays the mean of all c_i; the run equals the one in which client 1
     never sent its round-1 update (Krum keeps all three there)."""
-    caplog.set_level(logging.INFO, logger="fedweave.loop")
+    caplog.set_level(logging.INFO, logger="fedweave.federated.rounds")
     outlying = Script(monkeypatch, "scaffold", {(1, 1): "outlier"})
     r, records = run(tmp_path / "outlier", *KRUM)
     assert records[0]["clients_completed"] == 4
@@ -205,7 +205,7 @@ def test_resume_after_rejected_and_skipped_rounds_is_bit_identical(
 def test_fedbuff_clients_keep_the_state_of_applied_updates_only(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, buffer: list[str]
 ) -> None:
-    caplog.set_level(logging.INFO, logger="fedweave.asynchronous")
+    caplog.set_level(logging.INFO, logger="fedweave.federated.buffered")
     r, records = run(
         tmp_path,
         "strategy=scaffold", "heterogeneity.clock=virtual", "asynchronous.enabled=true", "local.steps=10",

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from fedweave.batching.controller import Controller, StaticController
-from fedweave.batching.federated import AdaptiveController
-from fedweave.batching.selection import build_selection
-from fedweave.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
+from fedweave.federated.controllers import AdaptiveController
+from fedweave.federated.selection import build_selection
+from fedweave.federated.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config
 from fedweave.config.sections import HF_MODEL
 from fedweave.deadlines import Deadlines
@@ -44,7 +44,7 @@ from fedweave.task.schema import DataSchema
 from fedweave.task.tokenize import Blocks
 from fedweave.training import LocalSettings, LossFn
 from fedweave.types import Params
-from fedweave.validation import ExampleLimits, UpdateChecks, UpdateSchema, WeightPolicy
+from fedweave.federated.checks import ExampleLimits, UpdateChecks, UpdateSchema, WeightPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def initial_params(config: Config, task: TaskBundle) -> Params:
 
 
 def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChecks:
-    """What the server checks each update against (:mod:`fedweave.validation`): the strategy's
+    """What the server checks each update against (:mod:`fedweave.federated.checks`): the strategy's
     schema (by default every entry of the model's ``params``), the example limits (in an
     in-memory simulation the server holds every client's data, so it knows each one's
     size), the weight share, the bound of each claim relative to its cohort."""
@@ -332,16 +332,16 @@ def build_deadlines(config: Config) -> Deadlines | None:
 def build_controller(config: Config) -> Controller:
     """The federated controller: ``controller.kind`` static (configured work) or adaptive; its clients
     chosen by ``selection``."""
-    work = {
-        "batch_size": config.local.batch_size,
-        "epochs": config.local.epochs,
-        "local_steps": config.local.steps,
-        "seed": config.seed,
-        "selection": build_selection(config.selection),
-    }
+    local, selection = config.local, build_selection(config.selection)
     if config.controller.kind == "adaptive":
-        return AdaptiveController(config.clients, config.clients_per_round, **work, settings=config.controller)
-    return StaticController(config.clients, config.clients_per_round, **work)
+        return AdaptiveController(
+            config.clients, config.clients_per_round, batch_size=local.batch_size, epochs=local.epochs,
+            local_steps=local.steps, seed=config.seed, selection=selection, settings=config.controller,
+        )
+    return StaticController(
+        config.clients, config.clients_per_round, batch_size=local.batch_size, epochs=local.epochs,
+        local_steps=local.steps, seed=config.seed, selection=selection,
+    )
 
 
 def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store: ClientStateStore) -> ClientRuntime:

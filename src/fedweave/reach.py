@@ -27,7 +27,7 @@ ignore its links.
 from __future__ import annotations
 
 from fedweave.build import data_admission, strategy_class
-from fedweave.client import ClientRuntime
+from fedweave.federated.client import ClientRuntime
 from fedweave.config import Config
 from fedweave.errors import ConfigError
 from fedweave.launchers.local import launch_local

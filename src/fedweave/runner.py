@@ -3,7 +3,7 @@
 ``prepare`` turns a validated :class:`~fedweave.config.Config` into the parts of a
 round (task, strategy, chains, controller, and the topology :mod:`fedweave.reach` decides) and a
 run directory;
-``execute`` drives :func:`fedweave.loop.run` and records every round (a metrics line;
+``execute`` drives :func:`fedweave.federated.rounds.run` and records every round (a metrics line;
 an atomic checkpoint every ``checkpoint.every`` rounds, at most one per
 ``checkpoint.min_interval`` seconds, and always of the last round run, also when the
 run stops early) and writes its model (:mod:`fedweave.result`); ``resume`` rebuilds the same
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from fedweave import result, rundir
-from fedweave.asynchronous import BufferedServer, run_buffered, run_deployed
-from fedweave.batching.selection import sample_clients
+from fedweave.federated.buffered import BufferedServer, run_buffered, run_deployed
+from fedweave.federated.selection import sample_clients
 from fedweave.build import (
     build_chains,
     build_client_runtime,
@@ -39,12 +39,13 @@ from fedweave.build import (
     update_checks,
 )
 from fedweave.checkpoint import CHECKPOINT, CheckpointWriter, check_params, load_checkpoint
-from fedweave.evaluation import hooks_of
+from fedweave.federated.evaluation import hooks_of
 from fedweave.files import atomic_write_text
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.config import Config, emulates_clients
 from fedweave.errors import ConfigError, NothingTrained
-from fedweave.loop import Record, RoundParts, run
+from fedweave.federated.records import Record
+from fedweave.federated.rounds import RoundParts, run
 from fedweave.observe.figures import elapsed
 from fedweave.observe.loggers import open_loggers
 from fedweave.observe.metrics import MetricsWriter
@@ -237,7 +238,7 @@ def run_rounds(r: Run, on_record: Callable[[Record], None] | None = None) -> lis
 def _checkpoint(r: Run, checkpoints: CheckpointWriter, rnd: int, params: Params) -> None:
     """Save the run's state after round ``rnd``, whose global model is ``params``.
 
-    Each spine returns in such a state, also when it stops early: :func:`~fedweave.loop.run` before
+    Each spine returns in such a state, also when it stops early: :func:`~fedweave.federated.rounds.run` before
     a round's set-up (the controller's plan undone); the asynchronous spines with nothing in flight,
     their state (clock, buffer) a later point of the same model version, from which a resumed run
     goes on as this one would have."""

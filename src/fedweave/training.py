@@ -309,7 +309,7 @@ class SGDLoop:
         return {}
 
 
-SGD_LOOP = SGDLoop()
+SGD_LOOP: SGDLoop = SGDLoop()
 
 
 def train_local(

@@ -43,7 +43,7 @@ class Work:
 ACCEPTED_ROUND = "accepted_round"
 """The key of ``Instruction.config`` by which the server tells a client the last round whose
 update of that client it applied (0: none); the client then keeps or drops the state it
-trained in that round (see :mod:`fedweave.client`)."""
+trained in that round (see :mod:`fedweave.federated.client`)."""
 
 
 @dataclass

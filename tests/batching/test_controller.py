@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedweave.batching.controller import StaticController
-from fedweave.batching.selection import sample_clients
+from fedweave.federated.selection import sample_clients
 from fedweave.seeding import numpy_rng
 from fedweave.types import Work
 

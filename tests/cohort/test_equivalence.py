@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedweave import config as config_mod
-from fedweave import loop, runner
+from fedweave import runner
+from fedweave.federated import rounds as loop
 from fedweave.cohort.transport import CohortTransport
 from fedweave.cohort.workers import WorkerPool
 from fedweave.transports.inmemory import InMemoryTransport

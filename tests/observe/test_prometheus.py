@@ -16,7 +16,7 @@ from conftest import free_port, small_config
 from fedweave.nodes.client import run_client
 from fedweave.nodes.server import serve
 from fedweave.observe.prometheus import updates
-from fedweave.validation import REASONS
+from fedweave.federated.checks import REASONS
 
 from .test_loggers import event_scalars
 

@@ -10,7 +10,7 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave.build import build_chains, build_client_runtime, build_task
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.plugins.attacks.poison import Attacker, flipped_labels, noisy, scaled
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.strategies.robust import coordinate_median, multi_krum, trimmed_mean

@@ -22,15 +22,15 @@ from conftest import assert_same_params, run_interrupted, run_to_end, small_conf
 from fedweave import result, runner
 from fedweave.checkpoint import load_checkpoint
 from fedweave.cli import main
-from fedweave.client import ClientRuntime
+from fedweave.federated.client import ClientRuntime
 from fedweave.errors import CheckpointError, ConfigError, RoundError
-from fedweave.loop import accept_updates
+from fedweave.federated.receive import accept_updates
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.secure.he import CHUNK, PUBLIC_FILE, SECRET_FILE, HEServer, slot_count
 from fedweave.rundir import MODEL_FILE, SEALED_MODEL_FILE
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.types import Control, Message
-from fedweave.validation import Rejected
+from fedweave.federated.checks import Rejected
 
 from .helpers import ctx, make, update
 from .test_ckks_wire import frame
@@ -592,7 +592,7 @@ def test_over_grpc_site_leaders_relay_the_encrypted_model_and_updates(keys: Path
     their members trained in it (in a deployment, the ranks of each site's torch.distributed world)."""
     from conftest import free_port
     from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
     from fedweave.reach import server_topology
     from fedweave.topologies.deploy import site_handler
     from fedweave.transports.grpc.client import GrpcClient

@@ -741,7 +741,7 @@ def test_secure_uniforms_stay_in_the_open_closed_unit_interval(byte: int, expect
 def reply_metrics(*overrides: str) -> dict[str, float]:
     """The metrics of the update client 1 sends for round 1 under ``overrides``, as it leaves the client."""
     from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
     from fedweave.types import Message
 
     config = small_config(*overrides)

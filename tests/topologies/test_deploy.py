@@ -19,9 +19,9 @@ import torch
 from conftest import free_port, poll, small_config
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.batching.selection import sample_clients
+from fedweave.federated.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, strategy_class
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.reach import server_topology
 from fedweave.seeding import numpy_rng
 from fedweave.topologies.deploy import SiteBatches, TorchDistHierarchy, site_handler
@@ -134,7 +134,7 @@ SITE_LEADER = textwrap.dedent(
     import torch
     from fedweave import config
     from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
     from fedweave.topologies.deploy import site_handler
     from fedweave.transports.grpc.client import GrpcClient
     from fedweave.transports.inmemory import InMemoryTransport

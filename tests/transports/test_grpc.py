@@ -31,7 +31,7 @@ from fedweave import config as config_mod
 from fedweave.transports.grpc.certs import cert_file, client_name, key_file, make_credentials, token_file
 from fedweave.config import GrpcConfig
 from fedweave.errors import ConfigError, SerializationError, TransportError
-from fedweave.loop import declared_examples
+from fedweave.federated.receive import declared_examples
 from fedweave.task.schema import DataSchema
 from fedweave.topologies.deploy import SiteBatches, site_handler
 from fedweave.topologies.hierarchical import combine
@@ -902,7 +902,7 @@ def test_a_round_below_min_clients_is_skipped_with_a_clear_log(tmp_path: Path, c
 
     from fedweave import runner
     from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
     from fedweave.reach import server_topology
 
     config = small_config("clients=2", "min_clients=2", "rounds=2", *FAST, "grpc.listen=127.0.0.1:0")
@@ -943,9 +943,9 @@ def test_a_killed_client_is_not_sampled_until_it_registers_again(tmp_path: Path,
     from conftest import small_config
 
     from fedweave import runner
-    from fedweave.batching.selection import sample_clients
+    from fedweave.federated.selection import sample_clients
     from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
     from fedweave.reach import server_topology
     from fedweave.seeding import numpy_rng
 
@@ -1009,7 +1009,7 @@ def test_a_federation_completes_while_a_hostile_client_sends_garbage(tmp_path: P
 
     from fedweave import runner
     from fedweave.build import build_chains, build_client_runtime, build_task
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
     from fedweave.reach import server_topology
 
     config = small_config("clients=3", "min_clients=2", "rounds=3", *FAST, "grpc.heartbeat_timeout=30",

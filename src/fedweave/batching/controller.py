@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from fedweave.batching.selection import SavesState, Selection, Uniform
+from fedweave.federated.selection import SavesState, Selection, Uniform
 from fedweave.seeding import numpy_rng
 from fedweave.types import Update, Work
 

@@ -78,7 +78,7 @@ def decrypt(run_dir: str, keys: str) -> int:
 
     from fedweave import rundir
     from fedweave.plugins.secure.he import HE, HEParams
-    from fedweave.validation import Rejected
+    from fedweave.federated.checks import Rejected
 
     path = Path(run_dir) / rundir.SEALED_MODEL_FILE
     if not path.is_file():

@@ -1,11 +1,11 @@
 """A batch of client work done by one client runtime, training jobs in vectorised cohorts.
 
 :class:`CohortTrainer` takes the local work of several clients (each ``(client id, instruction as
-received, committed state)``, as :meth:`~fedweave.client.ClientRuntime.work` does it for one) and
+received, committed state)``, as :meth:`~fedweave.federated.client.ClientRuntime.work` does it for one) and
 does it all: the training jobs that may (:mod:`.eligibility`) in groups (:func:`groups`: by their
 settings and kind of step, the most steps first, at most ``limit`` clients and ``budget`` bytes
 each) with :func:`~fedweave.cohort.vectorised.train_group`, each update made by its strategy's
-``finish`` and sent out as the runtime sends it (:meth:`~fedweave.client.ClientRuntime.trained`);
+``finish`` and sent out as the runtime sends it (:meth:`~fedweave.federated.client.ClientRuntime.trained`);
 evaluations and the clients that may not train in a cohort are the runtime's own work, one after
 another. A reason a client trains on its own is logged once.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedweave.client import ClientRuntime
+from fedweave.federated.client import ClientRuntime
 from fedweave.cohort.eligibility import auto_reason, job_reason, static_reason
 from fedweave.cohort.vectorised import group_bytes, group_size, steps_of, train_group
 from fedweave.training import ClientJob, LocalStep

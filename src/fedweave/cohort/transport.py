@@ -2,7 +2,7 @@
 
 :class:`CohortTransport` answers a round's messages as :class:`~fedweave.transports.inmemory.InMemoryTransport`
 does, in message order, but does the round's client work together: each message is opened by the
-client runtime (:meth:`~fedweave.client.ClientRuntime.open`: decoded, the client's state settled),
+client runtime (:meth:`~fedweave.federated.client.ClientRuntime.open`: decoded, the client's state settled),
 the work of all of them is done by a :class:`~fedweave.cohort.trainer.CohortTrainer` (training jobs in
 cohorts), and each answer is closed by the runtime (its state kept pending, its update encoded). A
 message that is not a training instruction (a plugin's control step, an evaluation) is answered by
@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Protocol
 
-from fedweave.client import ClientRuntime, Opened
+from fedweave.federated.client import ClientRuntime, Opened
 from fedweave.cohort.trainer import Done, Work
 from fedweave.transports.base import Exchange
 from fedweave.transports.inmemory import answered, failed

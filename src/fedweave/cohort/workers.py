@@ -64,7 +64,7 @@ def assign(loads: list[int], workers: int) -> list[int]:
 def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
     """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)."""
     from fedweave.build import build_chains, build_client_runtime, build_task, use_threads
-    from fedweave.client import ClientStateStore
+    from fedweave.federated.client import ClientStateStore
 
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)

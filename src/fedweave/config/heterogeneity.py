@@ -147,7 +147,7 @@ class HeterogeneityConfig:
 
 @dataclass
 class ClientControllerConfig:
-    """The federated controller: each sampled client's local work (see :mod:`fedweave.batching.federated`)."""
+    """The federated controller: each sampled client's local work (see :mod:`fedweave.federated.controllers`)."""
 
     SHORTHAND = "kind"
     kind: Literal["static", "adaptive"] = opt(
@@ -178,7 +178,7 @@ class ClientControllerConfig:
 
 @dataclass
 class AsynchronousConfig(StalenessOptions):
-    """Buffered asynchronous aggregation, FedBuff (see :mod:`fedweave.asynchronous`)."""
+    """Buffered asynchronous aggregation, FedBuff (see :mod:`fedweave.federated.buffered`)."""
 
     enabled: bool = opt(
         False, help="server steps every buffer_size arriving updates, clients never wait (a round = one server step)"

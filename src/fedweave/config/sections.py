@@ -277,7 +277,7 @@ class StrategyConfig:
 
 @dataclass
 class SelectionConfig:
-    """Which clients a synchronous round samples (:mod:`fedweave.batching.selection`)."""
+    """Which clients a synchronous round samples (:mod:`fedweave.federated.selection`)."""
 
     SHORTHAND = "name"
     name: str = opt("uniform", help="uniform | power_of_choice | oort | package.module:Class (constructed "
@@ -298,7 +298,7 @@ class SelectionConfig:
     options: dict[str, Any] = opt(factory=dict, help="settings of a user's selection class")
 
     def validate(self, prefix: str) -> None:
-        from fedweave.batching.selection import selection_class
+        from fedweave.federated.selection import selection_class
 
         selection_class(self.name, f"{prefix}.name")
 

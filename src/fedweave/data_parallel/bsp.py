@@ -66,7 +66,7 @@ from fedweave.observe.metrics import MetricsWriter
 from fedweave.rundir import METRICS_FILE
 from fedweave.seeding import derive_seed
 from fedweave.task import make_loss
-from fedweave.validation import finite
+from fedweave.federated.checks import finite
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedweave.asynchronous import staleness_weight
 from fedweave.data_parallel.sampler import GlobalSampler
+from fedweave.federated.buffered import staleness_weight
 from fedweave.config import StalenessOptions
 from fedweave.data_parallel.gradients import assign_gradient, copy_flat, float_buffers, trainable
 from fedweave.data_parallel.records import load_optimizer_state, optimizer_state
@@ -64,7 +64,7 @@ from fedweave.training import LocalOptimizer
 
 def update_weight(batch: int, global_batch: int, staleness: int, settings: StalenessOptions) -> float:
     """(b_i / B) · s(τ): the weight of a pushed mean gradient over ``batch`` samples, with
-    FedBuff's staleness functions (:func:`fedweave.asynchronous.staleness_weight`)."""
+    FedBuff's staleness functions (:func:`fedweave.federated.buffered.staleness_weight`)."""
     return batch / global_batch * staleness_weight(staleness, settings)
 
 

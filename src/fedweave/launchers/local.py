@@ -1,13 +1,13 @@
 """The local launcher: every client runs in this process (simulation).
 
-Clients are trained one after another by one :class:`~fedweave.client.ClientRuntime`
+Clients are trained one after another by one :class:`~fedweave.federated.client.ClientRuntime`
 holding one model instance, so memory does not grow with the number of clients;
-the state of stateful clients lives in a :class:`~fedweave.client.ClientStateStore`.
+the state of stateful clients lives in a :class:`~fedweave.federated.client.ClientStateStore`.
 """
 
 from __future__ import annotations
 
-from fedweave.client import ClientRuntime
+from fedweave.federated.client import ClientRuntime
 from fedweave.topologies.star import Star
 from fedweave.transports.inmemory import InMemoryTransport
 

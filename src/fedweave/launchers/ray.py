@@ -7,12 +7,12 @@ as every fedweave process does) and then serves any client: a client's local wor
 whichever actor is free, so 10,000 clients need no 10,000 actors.
 
 Everything else of a client stays in the driver, in the one
-:class:`~fedweave.client.ClientRuntime` the in-process launcher uses: its chains (the plugins'
+:class:`~fedweave.federated.client.ClientRuntime` the in-process launcher uses: its chains (the plugins'
 client halves and their state), its plugin secrets, its committed and pending state. Per message
-the driver runs :meth:`~fedweave.client.ClientRuntime.open` (client_receive chain, state
-settled), an actor runs :meth:`~fedweave.client.ClientRuntime.work` (local training or
+the driver runs :meth:`~fedweave.federated.client.ClientRuntime.open` (client_receive chain, state
+settled), an actor runs :meth:`~fedweave.federated.client.ClientRuntime.work` (local training or
 evaluation, seeded per round and client as in process), and the driver runs
-:meth:`~fedweave.client.ClientRuntime.close` (state kept pending, client_send chain) on the
+:meth:`~fedweave.federated.client.ClientRuntime.close` (state kept pending, client_send chain) on the
 replies in the order of the messages. A run therefore gives the same metrics as with
 ``launcher: local``; only its local work runs elsewhere and in parallel.
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedweave import config as config_mod
-from fedweave.client import ClientRuntime, Opened
+from fedweave.federated.client import ClientRuntime, Opened
 from fedweave.config import Config, RayConfig
 from fedweave.errors import FedweaveError, SerializationError
 from fedweave.transports.base import Exchange
@@ -72,7 +72,7 @@ class ClientWorker:
 
     def __init__(self, config_text: str):
         from fedweave.build import build_chains, build_client_runtime, build_task
-        from fedweave.client import ClientStateStore
+        from fedweave.federated.client import ClientStateStore
 
         config = config_mod.from_dict(config_mod.parse_yaml(config_text))
         self.runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())

@@ -1,7 +1,7 @@
 """A client node: ``fedweave client CONFIG --id N``, one client of a gRPC deployment.
 
-It serves its own id with a :class:`~fedweave.client.ClientRuntime` and keeps its own
-:class:`~fedweave.client.ClientStateStore`, so stateful algorithms work across rounds.
+It serves its own id with a :class:`~fedweave.federated.client.ClientRuntime` and keeps its own
+:class:`~fedweave.federated.client.ClientStateStore`, so stateful algorithms work across rounds.
 A site says where its data is, which device trains and how many threads (``--data``,
 ``--device``, or a site file, ``--site FILE``): :func:`site_overrides` turns them into dotted
 overrides of this client's own copy of the config, keys that never have to match the server's.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave.build import build_chains, build_client_runtime, build_site_task, build_task, sites_read_own_data
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.config import Config, read_yaml
 from fedweave.errors import ConfigError
 from fedweave.liveness import heartbeat

@@ -1,7 +1,7 @@
 """The server node: ``fedweave server CONFIG``.
 
-It runs :func:`fedweave.loop.run` unchanged over the gRPC topology of
-:func:`fedweave.reach.server_topology` (FedBuff: :func:`fedweave.asynchronous.run_deployed`,
+It runs :func:`fedweave.federated.rounds.run` unchanged over the gRPC topology of
+:func:`fedweave.reach.server_topology` (FedBuff: :func:`fedweave.federated.buffered.run_deployed`,
 on the real clock): a star whose clients connect, or, in a hierarchical deployment, one node
 per top-level site of the config's tree, whose leader connects (:mod:`fedweave.nodes.site`).
 """
@@ -40,7 +40,7 @@ def serve(
     A server restarted with the same arguments carries on (:func:`fedweave.runner.reopen`): it
     resumes after the checkpoint in ``run_dir`` and reruns the interrupted round, whose clients
     register again and drop what they trained in it (the accepted-round mechanism of
-    :mod:`fedweave.client`). On a run that already finished it serves no round: it tells the
+    :mod:`fedweave.federated.client`). On a run that already finished it serves no round: it tells the
     clients to stop if its predecessor died before it could, writes the model, and returns.
     ``address_file`` receives the address actually bound (``listen`` may ask for port 0).
     """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from fedweave.build import build_chains, build_client_runtime, build_task, strategy_class
-from fedweave.client import ClientRuntime, ClientStateStore
+from fedweave.federated.client import ClientRuntime, ClientStateStore
 from fedweave.config import Config
 from fedweave.errors import ConfigError
 from fedweave.liveness import heartbeat

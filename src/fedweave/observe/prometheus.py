@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-from fedweave import validation
+from fedweave.federated import checks
 from fedweave.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-REASONS = (*validation.REASONS, "no_answer", "round_skipped")
+REASONS = (*checks.REASONS, "no_answer", "round_skipped")
 PATH = "/metrics"
 WORKERS = 4
 """Scrapes served at once."""

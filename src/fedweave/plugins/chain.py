@@ -89,12 +89,11 @@ from fedweave.plugins.contracts import (
     Stateful,
     TakesOverTraining,
 )
-from fedweave.plugins.packing import check_layouts, clear_layouts
 from fedweave.types import Control, Instruction, Update
 
 if TYPE_CHECKING:
     from fedweave.training import LocalTraining
-    from fedweave.validation import Specs
+    from fedweave.federated.checks import Specs
 
 POINTS = ("server_send", "client_receive", "client_send", "server_receive")
 
@@ -209,7 +208,9 @@ class Chains:
         """Server side of the uplink for one update: decode the client's encoding, then filter.
 
         With a combining plugin in ``client_send``, only the plugins applied after it are
-        decoded here; :meth:`combine` finishes the job on the round's updates together.
+        decoded here; :meth:`combine` finishes the job on the round's updates together. The
+        still-encoded update's checks (its layouts, its fields to be summed, a sealer's
+        ciphertexts) are steps of the receive pipeline (:mod:`fedweave.federated.receive`).
         """
         combiner = self.client_send.combiner
         if combiner is None:
@@ -219,12 +220,6 @@ class Chains:
             raise ValueError(f"update was encoded by {update.applied}, not by this run's client_send chain {sent}")
         cut = update.applied.index(combiner.name) + 1
         partial = self.client_send.decode(replace(update, applied=update.applied[cut:]), ctx)
-        if ctx.expected is not None:  # one client's forged layout must not fail the round's combine
-            check_layouts(clear_layouts(partial.tensors), ctx.expected)
-            for plugin in self.summed_checkers:  # nor the fields a compressor before it left
-                plugin.check_summed(partial.tensors, ctx.expected)
-        if (sealer := self.sealer) is not None:
-            sealer.check_encoded(partial)
         return replace(partial, applied=update.applied[:cut])
 
     def combine(self, updates: list[Update], ctx: PluginContext, exchange: ControlExchange) -> Update:

@@ -40,7 +40,7 @@ from fedweave.types import Control, Params, Update, UpdateKind
 if TYPE_CHECKING:
     from fedweave.plugins.chain import ControlExchange, Payload, PluginContext
     from fedweave.training import LocalTraining
-    from fedweave.validation import Specs
+    from fedweave.federated.checks import Specs
 
 
 @runtime_checkable

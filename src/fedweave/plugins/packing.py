@@ -24,7 +24,7 @@ import torch
 from fedweave.types import Params
 
 if TYPE_CHECKING:
-    from fedweave.validation import Specs
+    from fedweave.federated.checks import Specs
 
 SEP = ".__"
 LAYOUT = "layout"

@@ -6,7 +6,7 @@ like) are counters, never summed or averaged: they take the element-wise maximum
 A rule that discards whole inputs (Krum) says which it kept with :class:`Selected`, and a
 server step built on it passes that on (:func:`apply_delta` and :func:`step_floats` do;
 other steps call :func:`with_selection`), so the loop counts only
-the kept updates as applied (:class:`fedweave.loop.AcceptedRounds`).
+the kept updates as applied (:class:`fedweave.federated.rounds.AcceptedRounds`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The client half (``Strategy.Client``) trains and evaluates on a client's data. S
 client keeps across rounds (control variates, a personal model) lives in
 ``job.state``: the runtime restores it before the call and keeps it afterwards, keyed
 by client id, so one client object can serve any number of clients; it commits the new
-state only once the server has applied the round's update (:mod:`fedweave.client`).
+state only once the server has applied the round's update (:mod:`fedweave.federated.client`).
 
 A strategy also declares, for the config validator:
 
@@ -41,7 +41,7 @@ A strategy also declares, for the config validator:
 - ``update_schema(model, hp)`` (:class:`DeclaresUpdate`), a static method, when its
   clients send other than every entry of the model's state dict without extras: the
   tensors and ``extras`` its updates hold. The server rejects any update that does not
-  match (:mod:`fedweave.validation`).
+  match (:mod:`fedweave.federated.checks`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from torch import nn
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.training import ClientJob, LocalStep, TrainResult
 from fedweave.types import Evaluation, Instruction, Params, Update, UpdateKind, Work
-from fedweave.validation import UpdateSchema
+from fedweave.federated.checks import UpdateSchema
 
 Average = Callable[[Sequence[Params], Sequence[float]], Params]
 
@@ -101,7 +101,7 @@ class Vectorisable(Protocol):
 class ReadsInstruction(Protocol):
     """A client half that reads keys of its own in each instruction's ``config`` (set by its server
     half's ``configure``), beyond those that change local training; it checks their values itself.
-    The client runtime refuses any key that no part of the client reads (:mod:`fedweave.client`)."""
+    The client runtime refuses any key that no part of the client reads (:mod:`fedweave.federated.client`)."""
 
     instruction_keys: ClassVar[frozenset[str]]
 
@@ -110,7 +110,7 @@ class ReadsInstruction(Protocol):
 class ReportsTraining(Protocol):
     """A client half whose updates carry metrics beyond ``train_loss``; each name starts with
     ``train_`` and is recorded per round as the example-weighted mean of the updates that carry it.
-    A metric no client half declares is refused on the client (:mod:`fedweave.client`)."""
+    A metric no client half declares is refused on the client (:mod:`fedweave.federated.client`)."""
 
     train_metrics: ClassVar[frozenset[str]]
 

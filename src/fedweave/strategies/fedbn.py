@@ -16,7 +16,7 @@ from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fedper import aggregate_shared, keep_local, restore_local, shared_schema
 from fedweave.training import ClientJob, train_local
 from fedweave.types import Evaluation, Update
-from fedweave.validation import UpdateSchema
+from fedweave.federated.checks import UpdateSchema
 
 log = logging.getLogger(__name__)
 

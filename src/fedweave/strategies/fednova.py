@@ -26,7 +26,7 @@ from fedweave.strategies.aggregate import (
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.training import PLAIN_STEP, ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Params, Update
-from fedweave.validation import TensorSpec, UpdateSchema, specs_of
+from fedweave.federated.checks import TensorSpec, UpdateSchema, specs_of
 
 NORM = "fednova.a"
 """The key of the client's normalising factor a_i in ``Update.extras``."""

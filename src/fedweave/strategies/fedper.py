@@ -31,7 +31,7 @@ from fedweave.training import (
     train_local,
 )
 from fedweave.types import Evaluation, Params, Update
-from fedweave.validation import UpdateSchema, specs_of
+from fedweave.federated.checks import UpdateSchema, specs_of
 
 
 @dataclass

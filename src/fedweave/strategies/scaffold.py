@@ -26,7 +26,7 @@ from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
 from fedweave.training import ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Instruction, Params, TaskKind, Update, Work
-from fedweave.validation import UpdateSchema, specs_of
+from fedweave.federated.checks import UpdateSchema, specs_of
 
 CONTROL = "control"
 """The key of the client's control variate c_i in ``job.state``."""

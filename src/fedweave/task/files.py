@@ -151,7 +151,7 @@ def load_files(
 
 class SiteData:
     """The data of one deployed client, which reads only its own: its (train, local test) split;
-    a :class:`fedweave.client.ClientSplits` that answers for its own id alone."""
+    a :class:`fedweave.federated.client.ClientSplits` that answers for its own id alone."""
 
     def __init__(self, client_id: int, num_clients: int, data: Dataset, train: np.ndarray, test: np.ndarray):
         self.client_id = client_id

@@ -30,7 +30,7 @@ from fedweave.plugins.chain import POINTS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Message, Update, body_nbytes
-from fedweave.validation import Rejected, check_senders
+from fedweave.federated.checks import Rejected, check_senders
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Instruction, Message, Params, TaskKind, Update, UpdateKind
-from fedweave.validation import Rejected, check_tensors, specs_of
+from fedweave.federated.checks import Rejected, check_tensors, specs_of
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class KnowsAbsent(Protocol):
 class KnowsDeclared(Protocol):
     """A transport whose nodes declared their training examples when they registered (a gRPC
     server whose clients read their own data), by authenticated id: no claim of a node may
-    count more than its declaration (:meth:`fedweave.validation.WeightPolicy.bound`)."""
+    count more than its declaration (:meth:`fedweave.federated.checks.WeightPolicy.bound`)."""
 
     def declared_examples(self) -> Mapping[int, int]: ...
 
@@ -68,7 +68,7 @@ class BreaksWhole(Protocol):
 @runtime_checkable
 class PostsJobs(Protocol):
     """A transport that also gives one node a job at a time and takes the answers as they come
-    (asynchronous aggregation over a network: :func:`fedweave.asynchronous.run_deployed`)."""
+    (asynchronous aggregation over a network: :func:`fedweave.federated.buffered.run_deployed`)."""
 
     def post(self, messages: list[Message], timeout: float | None) -> None: ...
 

@@ -12,7 +12,7 @@ import torch
 
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.compression.wire import Site
-from fedweave.validation import UpdateSchema
+from fedweave.federated.checks import UpdateSchema
 
 from ..helpers import ctx, update
 

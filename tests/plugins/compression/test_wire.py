@@ -13,8 +13,9 @@ import torch
 from fedweave.plugins.chain import Chain, Chains, PluginContext
 from fedweave.plugins.compression.wire import Site, tensor_seeds
 from fedweave.plugins.contracts import Plugin
-from fedweave.types import Instruction, TaskKind, Update, Work
-from fedweave.validation import UpdateSchema
+from fedweave.types import Instruction, Message, TaskKind, Update, Work
+from fedweave.federated.checks import Rejected, UpdateChecks, UpdateSchema
+from fedweave.federated.receive import receive
 
 from ..helpers import make, update
 from ..secure.secagg.rounds import Federation
@@ -85,13 +86,14 @@ def test_a_field_left_in_the_summed_vector_not_as_the_compressor_sends_it_is_ref
     (the clients disagree, or a maximum of tensors of other shapes), which ended the run; it is
     refused on receipt, and the others combine."""
     chains, fed, masked, server = masked_round(make(name, **params))
-    receipt = replace(server, client_id=2)
     forged = {k: v for k, v in masked[2].tensors.items() if k != key}
     if value is not None:
         forged[key] = value
-    with pytest.raises(ValueError, match=re.escape(reason)):
-        chains.to_server(replace(masked[2], tensors=forged), receipt)
-    accepted = [chains.to_server(m, replace(server, client_id=m.client_id)) for m in masked[:2]]
+    schema = UpdateSchema(server.expected or {})
+    with pytest.raises(Rejected, match=re.escape(reason)):  # the receive pipeline's sums step
+        receive(chains, Message(1, 2, replace(masked[2], tensors=forged)), schema, UpdateChecks(), {2}, ())
+    accepted = [receive(chains, Message(1, m.client_id, m), schema, UpdateChecks(), {m.client_id}, ()).update
+                for m in masked[:2]]
     combined = chains.combine(accepted, server, fed.exchange)
     assert combined.tensors["w"].shape == (40,) and combined.tensors["b"].shape == (8,)
 

@@ -11,7 +11,7 @@ A client named in ``attacks.clients`` trains as usual, then does each of ``attac
 - ``label_flip``: trains on flipped labels, y ← C − 1 − y for C classes (the update is
   honest training on poisoned data);
 - ``inflate_examples``: claims ``examples`` examples, so that a mean weighted by examples
-  follows it (the server's :class:`~fedweave.validation.ExampleLimits` bound the claim).
+  follows it (the server's :class:`~fedweave.federated.checks.ExampleLimits` bound the claim).
 
 Δ is the update's own tensors for delta and gradient updates and new weights minus the
 received global model for weight updates; integer tensors (counters) and ``extras``

@@ -36,7 +36,7 @@ from fedweave.seeding import derive_seed, derive_seeds
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
 
 if TYPE_CHECKING:
-    from fedweave.validation import Specs
+    from fedweave.federated.checks import Specs
 
 DELTA = "__delta"
 """Marks a broadcast that carries a compressed difference rather than the dense model."""

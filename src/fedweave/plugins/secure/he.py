@@ -37,7 +37,7 @@ combined as usual); the encrypted model is server state, saved in checkpoints.
 
 **The broadcast (clients).** Every instruction, for training or federated evaluation,
 carries Enc(w_t)'s ciphertexts in place of the model's floating tensors; each client
-checks them (:func:`fedweave.validation.check_ciphertexts`: exactly the ciphertexts the
+checks them (:func:`fedweave.federated.checks.check_ciphertexts`: exactly the ciphertexts the
 layouts call for, bounded in size), decrypts them with ``secret.ctx`` (:meth:`HE.unseal`)
 and trains on w_t; a broadcast that does not decrypt into finite values of the
 model's size is refused with a reason (:class:`Refused`, with its verdict).
@@ -98,7 +98,7 @@ from fedweave.plugins.secure.ckks_wire import check_vector
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
 from fedweave.types import Control, Params, Update, UpdateKind
-from fedweave.validation import Rejected, check_ciphertexts
+from fedweave.federated.checks import Rejected, check_ciphertexts
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from fedweave.transports.grpc import certs
 from fedweave.errors import ConfigError, SerializationError, TransportError
 from fedweave.seeding import derive_seed
-from fedweave.validation import MAX_EXAMPLES
+from fedweave.federated.checks import MAX_EXAMPLES
 from fedweave.transports.serialization import FRAME, load_json
 
 if TYPE_CHECKING:

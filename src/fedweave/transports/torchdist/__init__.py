@@ -1,7 +1,7 @@
 """The torch.distributed transport: a site leader exchanging with its members over gloo or NCCL.
 
 One process group per site: the leader (the group's first rank) and its members (the
-other ranks, each serving one or more client ids with a :class:`~fedweave.client.ClientRuntime`).
+other ranks, each serving one or more client ids with a :class:`~fedweave.federated.client.ClientRuntime`).
 Every collective moves one flat buffer (a *bucket* of at most ``torchdist.bucket_mb``),
 never one tensor at a time:
 

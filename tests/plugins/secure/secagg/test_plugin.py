@@ -19,7 +19,7 @@ from fedweave.errors import RoundError
 from fedweave.plugins.chain import PluginContext
 from fedweave.plugins.secure.secagg import MASKED, SEALED_SHARES
 from fedweave.transports.base import Exchange
-from fedweave.types import Control, Update
+from fedweave.types import Control, Message, Update
 
 from ...helpers import ctx, make, model_tensors, update
 from .rounds import Federation, assert_holds_none, assert_mean_within_quantization, masked_round, secret_values, unmask
@@ -292,17 +292,18 @@ def test_a_masked_update_whose_clear_layout_is_not_the_model_s_is_refused_alone(
 
     from fedweave.plugins.chain import Chain, Chains
     from fedweave.plugins.packing import FLAT, SEP, layout
-    from fedweave.validation import UpdateSchema
+    from fedweave.federated.checks import Rejected, UpdateChecks, UpdateSchema
+    from fedweave.federated.receive import receive
 
     plugin, fed, plain, masked = masked_round(3)
     chains = Chains(client_send=Chain([plugin]))
     expected = UpdateSchema.of(plain[0].tensors).tensors
-    server = PluginContext(1, 0, "server", expected=expected)
     masked = [dataclasses.replace(m, applied=["secagg"]) for m in masked]  # as the client's chain marks them
+    schema = UpdateSchema(expected)
     for m in masked:  # the honest ones pass
-        chains.to_server(m, server)
+        receive(chains, Message(1, m.client_id, m), schema, UpdateChecks(), {m.client_id}, ())
     name = next(k for k in plain[0].tensors if plain[0].tensors[k].is_floating_point())
     forged = Update(masked[0].kind, {**masked[0].tensors, f"{name}{SEP}{FLAT}": layout(torch.zeros(1 << 20))},
                     masked[0].num_examples, client_id=0, applied=list(masked[0].applied))
-    with pytest.raises(ValueError, match=f"the layout of '{name}' is torch.float32 \\(1048576,\\)"):
-        chains.to_server(forged, server)
+    with pytest.raises(Rejected, match=f"the layout of '{name}' is torch.float32 \\(1048576,\\)"):
+        receive(chains, Message(1, 0, forged), schema, UpdateChecks(), {0}, ())  # the receive pipeline's layouts step

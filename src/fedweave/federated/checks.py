@@ -16,6 +16,11 @@ reason, an update that
   dtype (``extras``): a 1 GiB extras tensor for a three-entry model is refused here;
 - speaks for clients it may not (``senders``, :func:`check_senders`).
 
+The server applies these checks, and those of a still-encoded update's layouts and sums, as the
+steps of one pipeline in one documented order (:mod:`fedweave.federated.receive`): senders, then
+(once decoded) the schema (:func:`check_schema`), finiteness (:func:`check_update_finite`), the
+example bounds (:func:`bounded_examples`).
+
 An update still encoded for a plugin that combines updates while encoded (secure
 aggregation, homomorphic encryption) is checked as far as it can be: its claims and
 extras, not its encoded tensors; the combined update is checked in full once decoded.
@@ -114,10 +119,10 @@ def finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
-def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | None = None) -> None:
-    """Raise :class:`Rejected` unless ``tensors`` are exactly ``expected``: the same names, each
-    a dense tensor of its shape and dtype, floating values finite. ``reason`` overrides the
-    reason of a wrong name, shape or dtype (``extras`` for an extras tensor)."""
+def check_specs(tensors: Params, expected: Specs, what: str, reason: str | None = None) -> None:
+    """Raise :class:`Rejected` unless ``tensors`` are named and shaped as ``expected``: the same
+    names, each a dense tensor of its shape and dtype. ``reason`` overrides the reason of a wrong
+    name, shape or dtype (``extras`` for an extras tensor)."""
     if not isinstance(tensors, Mapping):
         raise Rejected("malformed", f"its {what}s are a {type(tensors).__name__}, not named tensors")
     if tensors.keys() != expected.keys():  # sets compared; the names told only when they differ
@@ -133,13 +138,26 @@ def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | Non
             raise Rejected(reason or "shape", f"{what} {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         if tensor.dtype != spec.dtype:
             raise Rejected(reason or "dtype", f"{what} {name!r} is {tensor.dtype}, expected {spec.dtype}")
+
+
+def check_finite(tensors: Params, what: str) -> None:
+    """Raise :class:`Rejected` (``non_finite``) when a floating tensor of ``tensors``, which
+    :func:`check_specs` passed, holds NaN or infinite values."""
+    for name, tensor in tensors.items():
         if tensor.is_floating_point() and not finite(tensor):
             raise Rejected("non_finite", f"{what} {name!r} holds NaN or infinite values")
 
 
-def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) -> None:
-    """Raise :class:`Rejected` unless ``update`` fits ``schema`` (module doc); an ``encoded``
-    update's tensors are not checked, only its claims and extras."""
+def check_tensors(tensors: Params, expected: Specs, what: str, reason: str | None = None) -> None:
+    """Raise :class:`Rejected` unless ``tensors`` are exactly ``expected`` (:func:`check_specs`),
+    their floating values finite (:func:`check_finite`)."""
+    check_specs(tensors, expected, what, reason)
+    check_finite(tensors, what)
+
+
+def check_schema(update: Update, schema: UpdateSchema, encoded: bool = False) -> None:
+    """Raise :class:`Rejected` unless ``update``'s claims and the names, shapes and dtypes of its
+    tensors and extras fit ``schema`` (module doc); an ``encoded`` update's tensors are not checked."""
     n = update.num_examples
     if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_EXAMPLES:
         raise Rejected("examples", f"it claims {n!r} examples, not a whole number in 1..2^53")
@@ -149,8 +167,24 @@ def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) ->
         raise Rejected("malformed", f"it is a {getattr(update.kind, 'value', update.kind)!r} update, "
                                     f"the strategy's clients send {schema.kind.value!r}")
     if not encoded:
-        check_tensors(update.tensors, schema.tensors, "tensor")
-    check_tensors(update.extras, schema.extras, "extras tensor", reason="extras")
+        check_specs(update.tensors, schema.tensors, "tensor")
+    check_specs(update.extras, schema.extras, "extras tensor", reason="extras")
+
+
+def check_update_finite(update: Update, encoded: bool = False) -> None:
+    """Raise :class:`Rejected` (``non_finite``) when the tensors (not those of an ``encoded``
+    update) or the extras of ``update``, which :func:`check_schema` passed, hold NaN or infinite values."""
+    if not encoded:
+        check_finite(update.tensors, "tensor")
+    check_finite(update.extras, "extras tensor")
+
+
+def check_update(update: Update, schema: UpdateSchema, encoded: bool = False) -> None:
+    """Raise :class:`Rejected` unless ``update`` fits ``schema`` (:func:`check_schema`) and holds
+    finite values (:func:`check_update_finite`); an ``encoded`` update's tensors are not checked,
+    only its claims and extras."""
+    check_schema(update, schema, encoded)
+    check_update_finite(update, encoded)
 
 
 def check_ciphertexts(ciphertexts: Mapping[str, object], names: Sequence[str], max_bytes: int) -> None:

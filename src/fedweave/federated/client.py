@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm, ReadsInstruction, training_metrics
 from fedweave.training import INSTRUCTED, SGD_LOOP, ClientJob, LocalSettings, LossFn, instructed, rows
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, Work
-from fedweave.validation import specs_of
+from fedweave.federated.checks import specs_of
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class ClientRuntime:
         if instruction.task is TaskKind.TRAIN:
             self.store.stage(opened.client_id, instruction.round, state)
             if self.chains.client_send.plugins:  # none: nothing to encode, no context to build (~15 µs)
-                body = self.chains.client_send.encode(body, dataclasses.replace(opened.ctx, config=instruction.config))
+                body = self.chains.client_send.encode(cast(Update, body), dataclasses.replace(opened.ctx, config=instruction.config))
         return Message(opened.round, opened.client_id, body)
 
     def release(self, cid: int) -> None:

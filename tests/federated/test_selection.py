@@ -1,4 +1,4 @@
-"""Tests of fedweave.batching.selection: seeded sampling of distinct clients, and the selections
+"""Tests of fedweave.federated.selection: seeded sampling of distinct clients, and the selections
 (uniform, power-of-choice, Oort) choosing what a hand computation on a fixed loss table says."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 from fedweave.batching.controller import StaticController
-from fedweave.batching.selection import Oort, PowerOfChoice, Uniform, oort_utility, percentile, sample_clients
+from fedweave.federated.selection import Oort, PowerOfChoice, Uniform, oort_utility, percentile, sample_clients
 from fedweave.build import build_controller
 from fedweave.config import SelectionConfig
 from fedweave.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Tests of fedweave.validation: an update's tensors, extras, claims and senders against the run's schema."""
+"""Tests of fedweave.federated.checks: an update's tensors, extras, claims and senders against the run's schema."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fedweave.strategies.fednova import NORM, FedNova, FedNovaParams
 from fedweave.strategies.fedper import FedPer, FedPerParams
 from fedweave.strategies.scaffold import Scaffold, ScaffoldParams
 from fedweave.types import Evaluation, Update, UpdateKind
-from fedweave.validation import (
+from fedweave.federated.checks import (
     check_ciphertexts,
     ExampleLimits,
     Rejected,

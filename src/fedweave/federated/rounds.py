@@ -5,7 +5,8 @@
     plan    = chains.setup(r, plan, control)    (a plugin's own steps, e.g. SecAgg's key set-up)
     send    = chains.to_clients(strategy.configure(r, global, plan))   (server_send chain; HE: the encrypted model)
     replies = topology.exchange(send, timeout)
-    updates = chains.to_server(replies)          (checked: fedweave.validation; bad ones rejected)
+    updates = accept_updates(replies)            (the receive pipeline, fedweave.federated.receive: each update
+                                                  decoded and checked in its documented order; bad ones rejected)
     updates = bound_weights(updates)             (aggregation.weight_policy: each claim within its cohort's bound)
     updates = cap_weight_share(updates)          (aggregation.max_weight_share)
           or [chains.combine(updates, control)]  (only with secure aggregation / HE plugins)
@@ -19,32 +20,30 @@ to unmask (:class:`~fedweave.errors.RoundError`) skip the round and keep the mod
 then no client's update counts as applied, so every client of the round drops the
 state it trained (:class:`AcceptedRounds`).
 
-:mod:`fedweave.asynchronous` is the other spine: buffered asynchronous aggregation.
+:mod:`fedweave.federated.buffered` is the other spine: buffered asynchronous aggregation.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import cast
 
 from fedweave.batching.controller import Controller
-from fedweave.batching.federated import client_timings
+from fedweave.federated.controllers import client_timings
 from fedweave.conforms import Conforms
 from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
-from fedweave.evaluation import EvaluationHooks
+from fedweave.federated.evaluation import EvaluationHooks
 from fedweave.plugins.chain import Chains, PluginContext
-from fedweave.plugins.contracts import ReportsMetrics
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
-from fedweave.strategies.base import Strategy, training_metrics
-from fedweave.topologies.base import Relaying, Topology
+from fedweave.strategies.base import Strategy
+from fedweave.topologies.base import Topology
 from fedweave.topologies.emulated import DEADLINE
-from fedweave.transports.base import Exchange, KnowsAbsent, KnowsDeclared
+from fedweave.transports.base import Exchange, KnowsAbsent
 from fedweave.types import (
     ACCEPTED_ROUND,
     Control,
@@ -56,43 +55,13 @@ from fedweave.types import (
     Update,
     Work,
 )
-from fedweave.validation import (
-    Rejected,
-    UpdateChecks,
-    UpdateSchema,
-    bounded_examples,
-    cap_weight_share,
-    check_senders,
-    check_update,
-    rejection_counts,
-    valid_evaluation,
-)
+from fedweave.federated.checks import UpdateChecks, cap_weight_share, rejection_counts, valid_evaluation
+from fedweave.federated.records import TRAFFIC, Record, finish_record, traffic_counts, train_metrics
+from fedweave.federated.receive import accept_updates, bound_weights, combine_checked, declared_examples, stand_for
 
 log = logging.getLogger(__name__)
 
-_reports_metrics, _knows_absent, _relaying = Conforms(ReportsMetrics), Conforms(KnowsAbsent), Conforms(Relaying)
-_knows_declared = Conforms(KnowsDeclared)
-
-Record = dict[str, Any]
-
-RECORD_KEYS = (
-    "round",
-    "wall_time",
-    "train_loss",
-    "test_accuracy",
-    "test_loss",
-    "clients_sampled",
-    "clients_completed",
-    "bytes_sent",
-    "bytes_received",
-    "skipped",
-    "round_time",
-    "clients",
-    "rejected",
-    "capped",
-)
-"""Keys every round's record has (None where a round has no value, e.g. no evaluation)."""
-
+_knows_absent = Conforms(KnowsAbsent)
 
 class AcceptedRounds:
     """Per client, the last round whose update the server applied to the model.
@@ -100,7 +69,7 @@ class AcceptedRounds:
     Every instruction tells its client (``config[ACCEPTED_ROUND]``, 0 for none), so that
     the client keeps the state it trained in that round and drops the state of a round
     whose update was rejected (malformed, non-finite, late), skipped with its round,
-    dropped as too stale, or discarded by the aggregation rule (:mod:`fedweave.client`).
+    dropped as too stale, or discarded by the aggregation rule (:mod:`fedweave.federated.client`).
     A rule such as Krum discards updates inside the strategy's ``aggregate``, which then
     returns a :class:`~fedweave.strategies.aggregate.Selected` naming those it kept; only
     they are recorded here. A pre-aggregated update counts for each of its ``members``,
@@ -169,20 +138,9 @@ def run(
             parts.controller.load_state_dict(planned)
             log.warning("run stopped before round %d: %s", rnd, exc)
             break
-        trained.update(parts.chains.metrics())
-        trained.update(strategy_metrics(parts.strategy))
-        record = {**dict.fromkeys(RECORD_KEYS), **trained, **evaluate_round(parts, rnd, params, last_round)}
-        add_evaluation_traffic(record)
-        record["wall_time"] = time.perf_counter() - start
-        on_round(rnd, params, record)
+        evaluated = evaluate_round(parts, rnd, params, last_round)
+        on_round(rnd, params, finish_record(trained, parts.chains, parts.strategy, evaluated, start))
     return params
-
-
-def strategy_metrics(strategy: Strategy) -> Record:
-    """The strategy's own numbers of the round (its optional ``metrics()``), as ``strategy_<key>``."""
-    if not _reports_metrics(strategy):
-        return {}
-    return {f"strategy_{key}": float(value) for key, value in strategy.metrics().items()}
 
 
 def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Record]:
@@ -229,7 +187,9 @@ def train_round(parts: RoundParts, rnd: int, params: Params) -> tuple[Params, Re
             )
         combining = parts.chains.client_send.combiner is not None
         if combining:
-            aggregated = [combine_checked(parts, rnd, params, updates, traffic)]
+            aggregated = [
+                combine_checked(parts.chains, rnd, params, updates, parts.checks, parts.rejected, traffic.control)
+            ]
         else:
             aggregated = cap_weight_share(updates, parts.checks.max_weight_share)
         result = parts.strategy.aggregate(rnd, params, aggregated)
@@ -283,33 +243,7 @@ def listed(ids: Collection[int], most: int = 10) -> str:
 def absent_clients(topology: Topology, wait_for: int = 0) -> frozenset[int]:
     """The clients the topology's transport knows are gone (none in simulation): no round samples them.
     With fewer than ``wait_for`` present, the transport first waits a bounded time for them to come back."""
-    return topology.absent(wait_for) if _knows_absent(topology) else frozenset()
-
-
-def declared_examples(topology: Topology) -> Mapping[int, int]:
-    """The training examples each client declared when it registered, by authenticated id (none in simulation)."""
-    return topology.declared_examples() if _knows_declared(topology) else {}
-
-
-def stand_for(topology: Topology, cohort: set[int]) -> Callable[[int], Collection[int]]:
-    """Sender -> the clients of ``cohort`` its update may stand for: its site's in a
-    :class:`~fedweave.topologies.base.Relaying` topology, else itself alone."""
-    if _relaying(topology):
-        return lambda sender: topology.site_members(sender) & cohort
-    return lambda sender: {sender}
-
-
-def combine_checked(parts: RoundParts, rnd: int, params: Params, updates: list[Update], traffic: RoundTraffic) -> Update:
-    """The round's encoded updates combined by their plugin and decoded, checked in full; one
-    that does not fit the run's schema skips the round (:class:`~fedweave.errors.RoundError`)."""
-    schema = parts.checks.schema or UpdateSchema.of(params)
-    combined = parts.chains.combine(updates, PluginContext(rnd, -1, "server", expected=schema.tensors), traffic.control)
-    try:
-        check_update(combined, schema)
-    except Rejected as exc:
-        parts.rejected[exc.reason] += 1
-        raise RoundError(f"the combined update is rejected ({exc.reason}): {exc}") from None
-    return combined
+    return cast(KnowsAbsent, topology).absent(wait_for) if _knows_absent(topology) else frozenset()
 
 
 class RoundTraffic:
@@ -345,22 +279,6 @@ class RoundTraffic:
 
     def counts(self) -> Record:
         return traffic_counts(self.bytes)
-
-
-TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received")
-"""An exchange's byte counts: payload everywhere, wire where a network carried it (docs/metrics.md)."""
-
-
-def add_evaluation_traffic(record: Record) -> None:
-    """The traffic of a federated evaluation (``eval_*`` keys) counted in the round's bytes."""
-    counts = {key: (record.get(key) or 0) + record.pop(f"eval_{key}", 0) for key in TRAFFIC}
-    record.update(traffic_counts(counts))
-
-
-def traffic_counts(counts: dict[str, int]) -> Record:
-    """A record's byte counts: the payload's, and the wire's where anything crossed a network."""
-    return {k: v for k, v in counts.items() if k.startswith("bytes") or counts["wire_bytes_sent"]
-            or counts["wire_bytes_received"]}
 
 
 def evaluate_round(parts: RoundParts, rnd: int, params: Params, last_round: int) -> Record:
@@ -399,104 +317,3 @@ def encode_instructions(chains: Chains, instructions: list[Instruction], accepte
         ctx = PluginContext(ins.round, ins.work.client_id, "server")
         out.append(Message(ins.round, ctx.client_id, chains.to_clients(ins, ctx)))
     return out
-
-
-def accept_updates(
-    chains: Chains,
-    replies: list[Message],
-    failures: dict[int, str],
-    params: Params,
-    checks: UpdateChecks = UpdateChecks(),
-    may_stand_for: Callable[[int], Collection[int]] | None = None,
-    rejected: Counter[str] | None = None,
-) -> list[Update]:
-    """Decode replies; reject (log, count as failed and in ``rejected`` by reason) any that
-    does not pass :mod:`fedweave.validation`, so that no strategy sees a malformed update.
-
-    An update counts for the client that sent it (the transport's id, authenticated over
-    gRPC), whatever id it claims; it may stand for other clients only as a site's
-    pre-aggregated update, for clients in ``may_stand_for(sender)`` (None: none but
-    itself), each once in the round. A fully decoded update must fit ``checks.schema``
-    (None: exactly the tensors of ``params``); one still encoded for a combining plugin
-    (``applied`` not empty) is checked as far as it can be, and its combination after
-    decoding. A claimed example count above ``checks.limits`` is lowered to it (refused
-    when encoded).
-    """
-    # each update counts for its sender (authenticated over gRPC), never for the id it claims
-    replies = [
-        Message(r.round, r.client_id, replace(r.body, client_id=r.client_id)) if isinstance(r.body, Update) else r
-        for r in replies
-    ]
-    chains.observe([r.body for r in replies if isinstance(r.body, Update)])
-    schema = checks.schema or UpdateSchema.of(params)
-    updates: list[Update] = []
-    counted: set[int] = set()
-    for reply in replies:
-        cid = reply.client_id
-        try:
-            if not isinstance(reply.body, Update):
-                raise Rejected("malformed", f"expected an update, got {type(reply.body).__name__}")
-            ids = check_senders(reply.body, cid, may_stand_for(cid) if may_stand_for else {cid}, counted)
-            try:
-                ctx = PluginContext(reply.round, cid, "server", expected=schema.tensors)
-                update = chains.to_server(reply.body, ctx)
-            except Exception as exc:  # a decoder's complaint: the update is malformed
-                raise Rejected("malformed", str(exc)) from None
-            encoded = bool(update.applied)
-            check_update(update, schema, encoded)
-            claimed = update.num_examples
-            update = bounded_examples(update, checks.limits.limit(ids), encoded)
-        except Rejected as exc:
-            log.warning("round %d: update of client %d rejected: %s (%s)", reply.round, cid, exc, exc.reason)
-            failures[cid] = f"rejected: {exc}"
-            if rejected is not None:
-                rejected[exc.reason] += 1
-            continue
-        if update.num_examples < claimed:
-            log.warning("round %d: client %d claims %d examples, counted as %d", reply.round, cid, claimed,
-                        update.num_examples)
-        counted.update(ids)
-        updates.append(update)
-    return updates
-
-
-def bound_weights(
-    rnd: int,
-    updates: list[Update],
-    checks: UpdateChecks,
-    failures: dict[int, str],
-    rejected: Counter[str],
-    reference: Collection[float] = (),
-    declared: Mapping[int, int] | None = None,
-) -> tuple[list[Update], int]:
-    """``updates``, one cohort, with each claim within its bound (``checks.weights``,
-    :meth:`~fedweave.validation.WeightPolicy.bound`; ``reference``: other clients' latest claims
-    per client; ``declared``: the examples clients declared at registration), and how many were
-    capped; a refused one is logged, counted in ``rejected`` (``examples``) and in ``failures``."""
-    bounded = checks.weights.bound(updates, list(reference), declared)
-    claims = {u.client_id: u.num_examples for u in updates}
-    counted = {u.client_id: u.num_examples for u in bounded.kept}
-    for cid in bounded.capped:
-        own = (declared or {}).get(cid)
-        declared_bound = own is not None and counted[cid] == max(1, own)
-        bound = f"the {own} it declared at registration" if declared_bound else "its cohort's bound"
-        log.warning("round %d: client %d claims %d examples, above %s: counted as %d",
-                    rnd, cid, claims[cid], bound, counted[cid])
-    for cid, why in bounded.refused.items():
-        log.warning("round %d: update of client %d rejected: %s (examples)", rnd, cid, why)
-        failures[cid] = f"rejected: {why}"
-        rejected["examples"] += 1
-    return bounded.kept, len(bounded.capped)
-
-
-def train_metrics(strategy: Strategy, updates: list[Update]) -> Record:
-    """Each training metric the strategy's clients send (``train_loss`` and those it declares), weighted by examples."""
-    return {name: weighted_metric(updates, name) for name in sorted(training_metrics(strategy.Client))}
-
-
-def weighted_metric(updates: list[Update], name: str) -> float | None:
-    pairs = [(u.metrics[name], u.num_examples) for u in updates if name in u.metrics]
-    pairs = [(v, n) for v, n in pairs if math.isfinite(v)]
-    if not pairs:
-        return None
-    return sum(v * n for v, n in pairs) / sum(n for _, n in pairs)

@@ -27,7 +27,7 @@ from fedweave import rundir, runner
 from fedweave.topologies.emulated import emulated_handler
 from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.checkpoint import CHECKPOINT, load_checkpoint
-from fedweave.client import ClientStateStore
+from fedweave.federated.client import ClientStateStore
 from fedweave.errors import ConfigError
 from fedweave.reach import server_topology
 from fedweave.transports.grpc.client import GrpcClient
@@ -214,7 +214,7 @@ def test_a_client_killed_mid_training_does_not_stop_the_run(tmp_path: Path, capl
 
 class Events(logging.Handler):
     """What the server thread did, in order: jobs posted (``("job", id)``), what the test marked
-    from ``on_record``, and the lines fedweave.asynchronous logged (``("log", message)``)."""
+    from ``on_record``, and the lines fedweave.federated.buffered logged (``("log", message)``)."""
 
     def __init__(self, transport: Any) -> None:
         super().__init__()
@@ -252,7 +252,7 @@ def test_a_killed_client_gets_no_job_until_it_registers_again(
     r = deployed(config, tmp_path / "run")
     transport = r.parts.topology.transport
     events = Events(transport)
-    logging.getLogger("fedweave.asynchronous").addHandler(events)
+    logging.getLogger("fedweave.federated.buffered").addHandler(events)
     caplog.set_level(logging.INFO, logger="fedweave")
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedweave", "client", str(path), "--id", "2", "--address", f"127.0.0.1:{port}"],
@@ -279,7 +279,7 @@ def test_a_killed_client_gets_no_job_until_it_registers_again(
         with client_threads(config, transport.address, {0: 0.05, 1: 0.05}):
             records = runner.run_rounds(r, on_record)
     finally:
-        logging.getLogger("fedweave.asynchronous").removeHandler(events)
+        logging.getLogger("fedweave.federated.buffered").removeHandler(events)
         proc.kill()
         proc.wait(5)
         again.stop()

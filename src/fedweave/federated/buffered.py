@@ -27,7 +27,7 @@ With FedAvg, all updates fresh (τ = 0), η_g = 1 and K = concurrency = clients,
 step is exactly a synchronous FedAvg round. A client trains each model version at most
 once: trained again from the same model and state it would repeat its update. A client
 keeps the state it trained (SCAFFOLD's c_i) only when its update is applied in a step
-(:class:`~fedweave.loop.AcceptedRounds`): dropped ones are forgotten on both sides. So
+(:class:`~fedweave.federated.rounds.AcceptedRounds`): dropped ones are forgotten on both sides. So
 that the client knows which state to train from, it is not dispatched again while its
 update waits in the buffer.
 
@@ -61,28 +61,21 @@ from fedweave.topologies.emulated import DEADLINE
 from fedweave.checkpoint import checkpoint_type
 from fedweave.config import AsynchronousConfig, Config, StalenessOptions
 from fedweave.errors import RoundError
-from fedweave.loop import (
-    RECORD_KEYS,
-    Record,
+from fedweave.federated.receive import accept_updates, bound_weights, declared_examples, stand_for
+from fedweave.federated.records import Record, finish_record, train_metrics
+from fedweave.federated.rounds import (
     RoundParts,
     absent_clients,
-    accept_updates,
-    add_evaluation_traffic,
-    bound_weights,
-    declared_examples,
     encode_instructions,
     evaluate_round,
     missed_deadline,
-    stand_for,
-    strategy_metrics,
-    train_metrics,
 )
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.aggregate import discarded_clients, kept_indices, with_selection
 from fedweave.strategies.base import Strategy
 from fedweave.transports.base import Exchange, PostsJobs
 from fedweave.types import Message, Params, Update, Work
-from fedweave.validation import cap_weight_share, rejection_counts
+from fedweave.federated.checks import cap_weight_share, rejection_counts
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +110,7 @@ def buffered_step(
         weight = staleness_weight(tau, settings)
         tensors = {k: v * weight if v.is_floating_point() else v for k, v in update.tensors.items()}
         scaled.append(dataclasses.replace(update, tensors=tensors))
-    target = strategy.aggregate(rnd, params, scaled)
+    target: Params = strategy.aggregate(rnd, params, scaled)
     lr = settings.server_lr
     if lr == 1.0:
         return target
@@ -259,8 +252,7 @@ class BufferedServer:
         flights, updates, capped = self.bounded(parts, rnd, flights)
         updates = cap_weight_share(updates, parts.checks.max_weight_share)
         staleness = [self.version - f.version for f in flights]
-        record: Record = {
-            **dict.fromkeys(RECORD_KEYS),
+        record: Record = {  # finished with every key a round writes by records.finish_record
             "round": rnd,
             "clients_sampled": self.arrived,
             "clients_completed": sum(u.clients for u in updates),
@@ -301,7 +293,7 @@ class BufferedServer:
 
     def bounded(self, parts: RoundParts, rnd: int, flights: list[Flight]) -> tuple[list[Flight], list[Update], int]:
         """The buffer's ``flights`` and their updates with each claim within its bound
-        (:func:`~fedweave.loop.bound_weights`): the cohort is the buffer with the latest counted
+        (:func:`~fedweave.federated.receive.bound_weights`): the cohort is the buffer with the latest counted
         claim per client of every other client (``claims``), so that a small buffer is bounded
         by the federation, not by itself; the refused ones dropped; how many were capped."""
         arrived = [f for f in flights if f.update is not None]
@@ -424,12 +416,8 @@ def _step(
 ) -> Params:
     """A server step on the full buffer, evaluated, recorded with ``wall_time`` since ``started``."""
     params, record = server.step(parts, params)
-    record.update(parts.chains.metrics())
-    record.update(strategy_metrics(parts.strategy))
-    record.update(evaluate_round(parts, server.version, params, last_round))
-    add_evaluation_traffic(record)
-    record["wall_time"] = time.perf_counter() - started
-    on_round(server.version, params, record)
+    evaluated = evaluate_round(parts, server.version, params, last_round)
+    on_round(server.version, params, finish_record(record, parts.chains, parts.strategy, evaluated, started))
     return params
 
 
@@ -450,13 +438,13 @@ def run_deployed(
     """Server steps ``first_round..last_round`` over a network, on the real clock.
 
     Each idle client drawn as in simulation gets its job at once (``jobs.post``), the answers
-    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.loop.accept_updates`
+    are taken as they come (``jobs.collect``), each checked by :func:`~fedweave.federated.receive.accept_updates`
     (a rejected, failed, lost or late one is not buffered and its client may train the next
     model version), and every K buffered updates the server steps as in simulation. ``clock``
     is the real seconds since the run began, continued across a resume. Work in flight when a
     previous server died is lost with it: its clients may train the same version again.
 
-    A client the topology knows is gone (:func:`~fedweave.loop.absent_clients`) gets no job
+    A client the topology knows is gone (:func:`~fedweave.federated.rounds.absent_clients`) gets no job
     until it is heard from again. When nothing is in flight and every client free to train is
     gone, the server waits up to ``rejoin_timeout`` s for one to come back (one log line), then
     stops as when no client is left.

@@ -38,8 +38,8 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from fedweave.batching.controller import StaticController
-from fedweave.batching.selection import Selection
 from fedweave.data_parallel.controller import JUMP
+from fedweave.federated.selection import Selection
 from fedweave.config import ClientControllerConfig
 from fedweave.types import Update, Work
 
@@ -112,7 +112,7 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ measurements
 
-    def observe(self, rnd: int, updates: Sequence[Update]) -> None:
+    def observe(self, rnd: int, updates: list[Update]) -> None:
         """Fold the compute times of ``updates`` into the clients' estimates (the selection sees them too)."""
         self.configured.observe(rnd, updates)
         self.observed_round = rnd

@@ -1,4 +1,4 @@
-"""Tests of fedweave.evaluation: the metrics aggregations, the server function, per-client records."""
+"""Tests of fedweave.federated.evaluation: the metrics aggregations, the server function, per-client records."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.build import build_task
 from fedweave.config import ConfigError
-from fedweave.evaluation import EvaluationHooks, MetricPairs, weighted_mean
+from fedweave.federated.evaluation import EvaluationHooks, MetricPairs, weighted_mean
 from fedweave.types import Params
 
 HERE = __name__

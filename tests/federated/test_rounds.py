@@ -1,4 +1,4 @@
-"""Tests of fedweave.loop with scripted clients: sampling, failures, rejection, skipped rounds, evaluation,
+"""Tests of fedweave.federated.rounds with scripted clients: sampling, failures, rejection, skipped rounds, evaluation,
 a plugin's own protocol steps."""
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ import torch
 from conftest import LargestTensor
 from fedweave.batching.controller import StaticController
 from fedweave.config import AggregationConfig
-from fedweave.batching.selection import sample_clients
-from fedweave.loop import (
-    RECORD_KEYS,
+from fedweave.federated.selection import sample_clients
+from fedweave.federated.records import RECORD_KEYS, Record, add_evaluation_traffic, traffic_counts
+from fedweave.federated.rounds import (
     AcceptedRounds,
-    Record,
     RoundParts,
-    add_evaluation_traffic,
     federated_evaluate,
     listed,
     run,
-    traffic_counts,
     train_round,
 )
 from fedweave.errors import RoundError
@@ -49,7 +46,7 @@ from fedweave.types import (
     UpdateKind,
     Work,
 )
-from fedweave.validation import ExampleLimits, UpdateChecks, WeightPolicy
+from fedweave.federated.checks import ExampleLimits, UpdateChecks, WeightPolicy
 
 Handler = Callable[[Message], Message]
 
@@ -203,7 +200,7 @@ def test_a_bad_update_is_rejected_logged_and_leaves_the_model_alone(
     bad: Callable[[int], Any], reason: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     handler, _ = clients({2: bad})
-    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+    with caplog.at_level(logging.WARNING, logger="fedweave.federated.rounds"):
         params, record = train_round(make_parts(handler), 1, start())
     assert f"round 1: update of client 2 rejected: {reason} ({why})" in caplog.text
     assert record["clients_completed"] == 3 and record["rejected"] == {why: 1}
@@ -217,7 +214,7 @@ def test_too_few_answers_skip_the_round_and_keep_the_model(caplog: pytest.LogCap
     handler, _ = clients({0: crash, 3: crash})
     parts = make_parts(handler, min_clients=3)
     params = start()
-    with caplog.at_level(logging.ERROR, logger="fedweave.loop"):
+    with caplog.at_level(logging.ERROR, logger="fedweave.federated.rounds"):
         kept, record = train_round(parts, 2, params)
     assert kept is params and torch.equal(kept["w"], torch.zeros(2, dtype=torch.float64))
     assert record["skipped"] is True and record["train_loss"] is None
@@ -312,7 +309,7 @@ def test_updates_the_rule_discards_do_not_count_as_applied(
     """Deltas 1, 2, 100, 4, 8 (weights 1..5); client 2's update, the outlier, is a site's for
     clients 2, 5, 6 and client 3's one for 3, 7: a discarded site update counts for none of
     its members, a kept one for all of them."""
-    caplog.set_level(logging.INFO, logger="fedweave.loop")
+    caplog.set_level(logging.INFO, logger="fedweave.federated.rounds")
     handler, _ = clients({
         0: lambda cid: scripted(cid, 1.0),
         1: lambda cid: scripted(cid, 2.0),
@@ -497,7 +494,7 @@ def test_a_plugin_protocol_runs_its_steps_through_the_topology_and_its_bytes_cou
     handler, seen = roll_clients({0: 1, 1: 4, 2: 7, 3: 9}, wrong_step={3})
     parts = make_parts(handler)
     parts.chains = Chains(client_send=Chain([plugin]))
-    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+    with caplog.at_level(logging.WARNING, logger="fedweave.federated.rounds"):
         params, record = train_round(parts, 1, start())
     # 3 answered the draw with the wrong step: ignored; 1 drew an even number: not set up
     assert seen == [("draw", 0), ("draw", 1), ("draw", 2), ("draw", 3), ("train", 0), ("train", 2), ("check", 0), ("check", 2)]
@@ -516,7 +513,7 @@ def test_a_protocol_set_up_that_fails_skips_the_round_before_training(caplog: py
     handler, seen = clients({c: silent for c in range(4)})
     parts = make_parts(handler)
     parts.chains = Chains(client_send=Chain([Roll()]))
-    with caplog.at_level(logging.ERROR, logger="fedweave.loop"):
+    with caplog.at_level(logging.ERROR, logger="fedweave.federated.rounds"):
         kept, record = train_round(parts, 2, start())
     assert seen == [0, 1, 2, 3]  # the draws only: nobody was asked to train
     assert record["skipped"] is True and record["train_loss"] is None and record["clients_completed"] == 0
@@ -548,7 +545,7 @@ def test_a_plain_client_claiming_to_be_five_counts_for_nobody(caplog: pytest.Log
         crafted = lambda cid, m=members: dataclasses.replace(scripted(cid), clients=len(m), members=m)  # noqa: E731
         handler, _ = clients({0: crafted, 1: crash, 2: crash, 3: crash})
         parts = make_parts(handler, min_clients=2)
-        with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+        with caplog.at_level(logging.WARNING, logger="fedweave.federated.rounds"):
             params, record = train_round(parts, 1, start())
         assert record["skipped"] and record["clients_completed"] == 0 and record["rejected"] == {"senders": 1}
         assert parts.accepted.state_dict() == {}
@@ -596,7 +593,7 @@ def test_a_claim_above_the_cohort_bound_is_refused_with_weight_policy_refuse(cap
     handler, _ = clients({3: lambda cid: scripted(cid, num_examples=9)})
     parts = make_parts(handler)
     parts.checks = UpdateChecks(weights=WeightPolicy("refuse", ratio=2.0))
-    with caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+    with caplog.at_level(logging.WARNING, logger="fedweave.federated.rounds"):
         params, record = train_round(parts, 1, start())
     assert_w(params, (1 + 4 + 9) / 6)
     assert record["rejected"] == {"examples": 1} and record["capped"] == 0 and record["clients_completed"] == 3
@@ -697,7 +694,7 @@ def test_a_compressed_update_whose_layout_is_not_the_model_s_is_refused_before_i
     handler, _ = clients({0: honest, 1: honest, 2: forged, 3: honest})
     parts = make_parts(handler)
     parts.chains = Chains(client_send=Chain([plugin]))
-    with LargestTensor() as built, caplog.at_level(logging.WARNING, logger="fedweave.loop"):
+    with LargestTensor() as built, caplog.at_level(logging.WARNING, logger="fedweave.federated.rounds"):
         params, record = train_round(parts, 1, start())
     assert 0 < built.entries < 1 << 20  # the honest updates were decoded here; nothing of 2^26 entries was built
     assert record["clients_completed"] == 3 and record["rejected"] == {"malformed": 1}

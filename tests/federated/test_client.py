@@ -1,4 +1,4 @@
-"""Tests of fedweave.client: the state store, one runtime serving every client, the scale property,
+"""Tests of fedweave.federated.client: the state store, one runtime serving every client, the scale property,
 control messages with per-client private plugin state."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 from conftest import LargestTensor, small_config
 from fedweave import runner
-from fedweave.batching.selection import sample_clients
+from fedweave.federated.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
-from fedweave.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.federated.client import ClientData, ClientRuntime, ClientStateStore
 from fedweave.plugins.chain import Chain, Chains, PluginContext
 from fedweave.plugins.compression.topk import TopK, TopKParams
 from fedweave.plugins.compression.wire import DELTA
@@ -264,7 +264,7 @@ def test_epochs_a_strategy_sets_per_round_are_honoured_and_declared_metrics_reco
     refused, in one line naming it, once."""
     config = small_config(f"strategy={__name__}:PerRoundEpochs")
     sizes = build_task(config).clients.train_size
-    with caplog.at_level("WARNING", logger="fedweave.client"):
+    with caplog.at_level("WARNING", logger="fedweave.federated.client"):
         records = runner.execute(runner.prepare(config, tmp_path))
     for record in records:
         rnd = record["round"]

@@ -12,13 +12,13 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave import runner
-from fedweave.asynchronous import buffered_step, staleness_weight
+from fedweave.federated.buffered import buffered_step, staleness_weight
 from fedweave.config import AsynchronousConfig
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvg, FedAvgParams
 from fedweave.types import Update, UpdateKind
-from fedweave.validation import ExampleLimits
+from fedweave.federated.checks import ExampleLimits
 
 from conftest import assert_same_params, run_interrupted, run_to_end, small_config
 
