@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.batching.controller import Controller, StaticController
-from fedweave.federated.controllers import AdaptiveController
+from fedweave.federated.controller import Controller, StaticController
+from fedweave.federated.adaptive import AdaptiveController
 from fedweave.federated.selection import build_selection
 from fedweave.federated.client import ClientData, ClientRuntime, ClientSplits, ClientStateStore
 from fedweave.config import Config

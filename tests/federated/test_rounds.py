@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import LargestTensor
-from fedweave.batching.controller import StaticController
+from fedweave.federated.controller import StaticController
 from fedweave.config import AggregationConfig
 from fedweave.federated.selection import sample_clients
 from fedweave.federated.records import RECORD_KEYS, Record, add_evaluation_traffic, traffic_counts

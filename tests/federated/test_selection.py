@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
-from fedweave.batching.controller import StaticController
+from fedweave.federated.controller import StaticController
 from fedweave.federated.selection import Oort, PowerOfChoice, Uniform, oort_utility, percentile, sample_clients
 from fedweave.build import build_controller
 from fedweave.config import SelectionConfig

@@ -147,7 +147,7 @@ class HeterogeneityConfig:
 
 @dataclass
 class ClientControllerConfig:
-    """The federated controller: each sampled client's local work (see :mod:`fedweave.federated.controllers`)."""
+    """The federated controller: each sampled client's local work (see :mod:`fedweave.federated.adaptive`)."""
 
     SHORTHAND = "kind"
     kind: Literal["static", "adaptive"] = opt(

@@ -32,8 +32,8 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from fedweave.batching.controller import Controller
-from fedweave.federated.controllers import client_timings
+from fedweave.federated.controller import Controller
+from fedweave.federated.adaptive import client_timings
 from fedweave.conforms import Conforms
 from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError

@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from fedweave.batching.controller import StaticController
+from fedweave.federated.controller import StaticController
 from fedweave.data_parallel.controller import JUMP
 from fedweave.federated.selection import Selection
 from fedweave.config import ClientControllerConfig

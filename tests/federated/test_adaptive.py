@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedweave import config as config_mod
-from fedweave.federated.controllers import MISS_PENALTY, AdaptiveController, client_timings
+from fedweave.federated.adaptive import MISS_PENALTY, AdaptiveController, client_timings
 from fedweave.config import ClientControllerConfig
 from fedweave.errors import ConfigError
 from fedweave.types import Update, UpdateKind, Work

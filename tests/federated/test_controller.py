@@ -1,8 +1,8 @@
-"""Tests of fedweave.batching.controller: the static plan."""
+"""Tests of fedweave.federated.controller: the static plan."""
 
 from __future__ import annotations
 
-from fedweave.batching.controller import StaticController
+from fedweave.federated.controller import StaticController
 from fedweave.federated.selection import sample_clients
 from fedweave.seeding import numpy_rng
 from fedweave.types import Work
