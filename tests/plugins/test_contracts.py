@@ -33,7 +33,7 @@ class Base:
     combines_encoded = False
 
     @dataclass
-    class Params:
+    class HParams:
         pass
 
     def __init__(self, hp: Any) -> None:
@@ -50,7 +50,7 @@ class NoDecode:
     name = "no_decode"
     accepts = frozenset(UpdateKind)
     combines_encoded = False
-    Params = Base.Params
+    HParams = Base.HParams
 
     def encode(self, payload: Any, ctx: Any) -> Any:
         return payload
@@ -191,6 +191,6 @@ def test_building_the_chains_checks_each_plugin_too() -> None:
     from fedweave.config import PluginSpec
 
     config = small_config()
-    config.plugins.client_send = [PluginSpec(name=path(SaveOnly), params=Base.Params())]
+    config.plugins.client_send = [PluginSpec(name=path(SaveOnly), params=Base.HParams())]
     with pytest.raises(ConfigError, match="has state_dict but lacks load_state_dict"):
         build_chains(config)

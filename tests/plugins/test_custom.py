@@ -20,7 +20,7 @@ from fedweave.types import UpdateKind
 
 
 @dataclass
-class ExcludeLayersParams:
+class ExcludeLayersHParams:
     patterns: list[str] = field(default_factory=lambda: ["head.*"])
 
 
@@ -28,7 +28,7 @@ class ExcludeLayers:
     """Keep the layers matching the patterns on the client: the server sees zero change for them."""
 
     name = "exclude_layers"
-    Params = ExcludeLayersParams
+    HParams = ExcludeLayersHParams
     accepts = frozenset({UpdateKind.DELTA})
     combines_encoded = False
     points = ("client_send",)

@@ -18,7 +18,7 @@ state only once the server has applied the round's update (:mod:`fedweave.client
 
 A strategy also declares, for the config validator:
 
-- ``Params``: a dataclass of its hyper-parameters (bounds in field metadata);
+- ``HParams``: a dataclass of its hyper-parameters (bounds in field metadata);
 - ``update_kind``: what its clients send (weights, delta, gradient);
 - a constructor ``(hp: Params, ctx: StrategyContext)``;
 - optionally ``check_config(config)``, a static method that refuses impossible
@@ -131,7 +131,7 @@ def training_metrics(client: Any) -> frozenset[str]:
 class Strategy(Protocol):
     """The server half of a strategy."""
 
-    Params: ClassVar[type]
+    HParams: ClassVar[type]
     Client: ClassVar[type]
     update_kind: ClassVar[UpdateKind]
     weighted_sum: ClassVar[bool]

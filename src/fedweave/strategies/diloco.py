@@ -28,7 +28,7 @@ from fedweave.types import Params, Update
 
 
 @dataclass
-class DiLoCoParams:
+class DiLoCoHParams:
     outer_lr: float = opt(0.7, gt=0, help="outer (server) learning rate")
     outer_momentum: float = opt(0.9, ge=0, lt=1, help="outer momentum")
     nesterov: bool = opt(True, help="Nesterov outer momentum")
@@ -49,7 +49,7 @@ class InnerAdamW(LocalOptimizer):
     Its state is named by parameter, so a client can keep it in ``job.state``.
     """
 
-    def __init__(self, model: nn.Module, hp: DiLoCoParams, saved: dict[str, dict[str, torch.Tensor]]):
+    def __init__(self, model: nn.Module, hp: DiLoCoHParams, saved: dict[str, dict[str, torch.Tensor]]):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         settings = LocalSettings(optimizer="adamw", lr=hp.inner_lr, momentum=0.0, weight_decay=hp.inner_weight_decay)
         super().__init__([p for _, p in named], settings)
@@ -114,10 +114,10 @@ class DiLoCo(FedAvg):
     combined value. With outer_lr 1 and momentum 0 the server step is FedAvg's.
     """
 
-    Params = DiLoCoParams
+    HParams = DiLoCoHParams
     Client = DiLoCoClient
 
-    def __init__(self, hp: DiLoCoParams, ctx: StrategyContext):
+    def __init__(self, hp: DiLoCoHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.momentum: Params = {}
 

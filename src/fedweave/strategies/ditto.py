@@ -20,7 +20,7 @@ from fedweave.types import Evaluation, Update
 
 
 @dataclass
-class DittoParams:
+class DittoHParams:
     lam: float = opt(0.1, ge=0, help="λ of the personal objective F_k(v) + λ/2 ||v − w||²")
     personal_steps: int | None = opt(
         None, ge=1, help="local steps of the personal model per round (none: the same local work as the global model)"
@@ -68,5 +68,5 @@ class DittoClient(FedAvgClient):
 class Ditto(FedAvg):
     """Ditto (Li et al., ICML 2021): the global model is FedAvg's; each client keeps a personal model."""
 
-    Params = DittoParams
+    HParams = DittoHParams
     Client = DittoClient

@@ -33,7 +33,7 @@ from fedweave.types import (
 
 
 @dataclass
-class FedAvgParams:
+class FedAvgHParams:
     """FedAvg has no hyper-parameters beyond the local training settings."""
 
 
@@ -44,7 +44,7 @@ class FedAvgClient:
     (plain here; FedProx adds its penalty, SCAFFOLD its correction), the update ``finish`` makes of
     the delta (SCAFFOLD adds Δc, FedNova a_i)."""
 
-    def __init__(self, hp: FedAvgParams):
+    def __init__(self, hp: FedAvgHParams):
         self.hp = hp
 
     def train(self, job: ClientJob) -> Update:
@@ -70,12 +70,12 @@ class FedAvgClient:
 class FedAvg:
     """FedAvg (McMahan et al., 2017): global ← global + Σ n_k Δ_k / Σ n_k."""
 
-    Params = FedAvgParams
+    HParams = FedAvgHParams
     Client = FedAvgClient
     update_kind = UpdateKind.DELTA
     weighted_sum = True
 
-    def __init__(self, hp: FedAvgParams, ctx: StrategyContext):
+    def __init__(self, hp: FedAvgHParams, ctx: StrategyContext):
         self.hp = hp
         self.ctx = ctx
 

@@ -20,7 +20,7 @@ from fedweave.types import Params, Update
 
 
 @dataclass
-class FedAvgMParams:
+class FedAvgMHParams:
     server_lr: float = opt(1.0, gt=0, help="server learning rate applied to the momentum buffer")
     momentum: float = opt(0.9, ge=0, lt=1, help="server momentum (0: FedAvg with a server learning rate)")
     plain_average: list[str] = plain_average_option("momentum step")
@@ -59,10 +59,10 @@ class FedAvgM(FedAvg):
     could push a variance below zero. With ``momentum=0`` and ``server_lr=1`` it is FedAvg.
     """
 
-    Params = FedAvgMParams
+    HParams = FedAvgMHParams
     Client = FedAvgClient
 
-    def __init__(self, hp: FedAvgMParams, ctx: StrategyContext):
+    def __init__(self, hp: FedAvgMHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.velocity: Params = {}
 

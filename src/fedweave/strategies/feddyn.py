@@ -26,7 +26,7 @@ LINEAR = "linear"
 
 
 @dataclass
-class FedDynParams:
+class FedDynHParams:
     alpha: float = opt(0.01, gt=0, help="weight α of the dynamic regulariser")
     plain_average: list[str] = plain_average_option("h-corrected step")
 
@@ -91,11 +91,11 @@ class FedDyn(FedAvg):
     correction could push a variance below zero.
     """
 
-    Params = FedDynParams
+    HParams = FedDynHParams
     Client = FedDynClient
     weighted_sum = False
 
-    def __init__(self, hp: FedDynParams, ctx: StrategyContext):
+    def __init__(self, hp: FedDynHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.h: Params = {}
 

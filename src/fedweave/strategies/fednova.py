@@ -33,7 +33,7 @@ NORM = "fednova.a"
 
 
 @dataclass
-class FedNovaParams:
+class FedNovaHParams:
     """a_i follows from the local SGD settings; only running statistics are configured."""
 
     plain_average: list[str] = plain_average_option("normalised step")
@@ -99,7 +99,7 @@ class FedNova(FedAvg):
     client claiming a huge a_i then cannot inflate everyone's step.
     """
 
-    Params = FedNovaParams
+    HParams = FedNovaHParams
     Client = FedNovaClient
     weighted_sum = False
 
@@ -113,7 +113,7 @@ class FedNova(FedAvg):
             )
 
     @staticmethod
-    def update_schema(model: nn.Module, hp: FedNovaParams) -> UpdateSchema:
+    def update_schema(model: nn.Module, hp: FedNovaHParams) -> UpdateSchema:
         """Δ of every state-dict entry; a_i, one float64 number, in ``extras``."""
         return UpdateSchema(specs_of(model.state_dict()), {NORM: TensorSpec((), torch.float64)})
 

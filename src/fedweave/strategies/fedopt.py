@@ -80,7 +80,7 @@ def adaptive_step(
 
 
 @dataclass
-class FedOptParams:
+class FedOptHParams:
     """Hyper-parameters of FedAdam and FedYogi."""
 
     server_lr: float = opt(0.1, gt=0, help="server learning rate η")
@@ -91,7 +91,7 @@ class FedOptParams:
 
 
 @dataclass
-class FedAdagradParams:
+class FedAdagradHParams:
     server_lr: float = opt(0.1, gt=0, help="server learning rate η")
     beta1: float = opt(0.9, ge=0, lt=1, help="decay of the first moment")
     tau: float = opt(1e-3, gt=0, help="adaptivity τ: added to √v, and v starts at τ²")
@@ -138,7 +138,7 @@ class _FedOpt(FedAvg):
 class FedAdam(_FedOpt):
     """FedAdam (Reddi et al., 2021): Adam without bias correction on the server."""
 
-    Params = FedOptParams
+    HParams = FedOptHParams
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return adam_moment(v, d2, self.hp.beta2)
@@ -147,7 +147,7 @@ class FedAdam(_FedOpt):
 class FedYogi(_FedOpt):
     """FedYogi (Reddi et al., 2021): Yogi's additive second-moment update on the server."""
 
-    Params = FedOptParams
+    HParams = FedOptHParams
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return yogi_moment(v, d2, self.hp.beta2)
@@ -156,7 +156,7 @@ class FedYogi(_FedOpt):
 class FedAdagrad(_FedOpt):
     """FedAdagrad (Reddi et al., 2021): Adagrad (with first-moment decay β1) on the server."""
 
-    Params = FedAdagradParams
+    HParams = FedAdagradHParams
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return adagrad_moment(v, d2)

@@ -35,7 +35,7 @@ from fedweave.validation import UpdateSchema, specs_of
 
 
 @dataclass
-class FedPerParams:
+class FedPerHParams:
     personal: list[str] = opt(
         factory=lambda: ["head.*"],
         help="glob patterns of state-dict names (parameters and buffers) that stay on each client",
@@ -101,16 +101,16 @@ class FedPer(FedAvg):
     global test set means little: FedPer is judged by federated (personalised) evaluation.
     """
 
-    Params = FedPerParams
+    HParams = FedPerHParams
     Client = FedPerClient
 
     @staticmethod
-    def check_model(model: nn.Module, hp: FedPerParams) -> None:
+    def check_model(model: nn.Module, hp: FedPerHParams) -> None:
         """Every personal-layer pattern must name a parameter: refuse a typo before round 1."""
         matching_keys(model, hp.personal)
 
     @staticmethod
-    def update_schema(model: nn.Module, hp: FedPerParams) -> UpdateSchema:
+    def update_schema(model: nn.Module, hp: FedPerHParams) -> UpdateSchema:
         """Every state-dict entry but the personal layers."""
         return shared_schema(model, matching_keys(model, hp.personal))
 

@@ -17,7 +17,7 @@ from fedweave.training import ClientJob, LocalStep
 
 
 @dataclass
-class FedProxParams:
+class FedProxHParams:
     mu: float = opt(0.01, ge=0, help="weight μ of the proximal term μ/2·‖w − w_global‖² (0: FedAvg)")
 
 
@@ -43,5 +43,5 @@ class FedProx(FedAvg):
     against the current round's global model. ``train_loss`` reports the task loss alone.
     """
 
-    Params = FedProxParams
+    HParams = FedProxHParams
     Client = FedProxClient

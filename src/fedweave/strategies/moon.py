@@ -21,7 +21,7 @@ from fedweave.types import Update
 
 
 @dataclass
-class MoonParams:
+class MoonHParams:
     mu: float = opt(1.0, ge=0, help="weight μ of the model-contrastive term")
     temperature: float = opt(0.5, gt=0, help="temperature τ of the contrastive softmax")
 
@@ -86,10 +86,10 @@ class MoonClient(FedAvgClient):
 class Moon(FedAvg):
     """MOON (Li et al., CVPR 2021): clients add the model-contrastive loss; the server is FedAvg."""
 
-    Params = MoonParams
+    HParams = MoonHParams
     Client = MoonClient
 
     @staticmethod
-    def check_model(model: nn.Module, hp: MoonParams) -> None:
+    def check_model(model: nn.Module, hp: MoonHParams) -> None:
         """MOON needs the model's representation: refuse a model without one before round 1."""
         _require_representation(model)

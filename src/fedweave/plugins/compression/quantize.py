@@ -28,7 +28,7 @@ CASTS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class QuantizeParams:
+class QuantizeHParams:
     dtype: Literal["float16", "bfloat16", "int8"] = opt("int8", help="what each entry is sent as")
     bucket: int = opt(512, ge=1, help="int8: entries per bucket, each with its own scale")
     stochastic: bool = opt(True, help="int8: round at random (unbiased) rather than to the nearest")
@@ -36,7 +36,7 @@ class QuantizeParams:
 
 
 class QuantizeCodec:
-    def __init__(self, hp: QuantizeParams):
+    def __init__(self, hp: QuantizeHParams):
         self.hp = hp
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
@@ -101,10 +101,10 @@ class Quantize(Compressor):
     """Quantization to float16, bfloat16 or int8 (per-bucket scales, stochastic rounding)."""
 
     name = "quantize"
-    Params = QuantizeParams
+    HParams = QuantizeHParams
     accepts = frozenset(UpdateKind)
     summable = staticmethod(_summable)
 
-    def __init__(self, hp: QuantizeParams):
+    def __init__(self, hp: QuantizeHParams):
         super().__init__(QuantizeCodec(hp), hp.error_feedback)
         self.hp = hp

@@ -31,7 +31,7 @@ from fedweave.types import Update
 
 
 @dataclass
-class RandKParams:
+class RandKHParams:
     ratio: float = opt(0.1, gt=0, le=1, help="share of each tensor's entries sent (at least one)")
     error_feedback: bool = opt(False, help="keep what was not sent and add it next time (values then unscaled)")
     shared_indices: bool = opt(False, help="every client of a round sends the same positions (summable)")
@@ -42,7 +42,7 @@ HELD_POSITIONS = 1 << 22
 
 
 class RandKCodec:
-    def __init__(self, hp: RandKParams):
+    def __init__(self, hp: RandKHParams):
         self.hp = hp
         self.drawn: dict[tuple[int, int], torch.Tensor] = {}  # (seed, numel) -> positions
         self.held = 0  # positions in ``drawn``
@@ -206,10 +206,10 @@ class RandK(Compressor):
     """Random-k sparsification, unbiased (scaled by d/k) or with error feedback."""
 
     name = "randk"
-    Params = RandKParams
+    HParams = RandKHParams
     summable = staticmethod(_summable)
 
-    def __init__(self, hp: RandKParams):
+    def __init__(self, hp: RandKHParams):
         super().__init__(RandKCodec(hp), hp.error_feedback)
         self.hp = hp
 

@@ -17,7 +17,7 @@ from fedweave.types import Params, Update, UpdateKind
 
 
 @dataclass
-class ClipParams:
+class ClipHParams:
     max_norm: float = opt(1.0, gt=0, help="L2 norm C that each update (all tensors together) is clipped to")
 
 
@@ -39,14 +39,14 @@ class Clip:
     """Clip each update to an L2 norm (the whole update, all tensors together)."""
 
     name = "clip"
-    Params = ClipParams
+    HParams = ClipHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = False
     stage = "clip"
     points = ("client_send",)
     summable = True
 
-    def __init__(self, hp: ClipParams):
+    def __init__(self, hp: ClipHParams):
         self.hp = hp
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:

@@ -69,13 +69,13 @@ CLIP = "dp_central.clip"
 SEEDED_HELP = "draw the noise from the run seed (reproducible; simulation only: anyone with the config can redraw it)"
 
 
-def fresh_noise(params: DPLocalParams | DPCentralParams) -> FreshDraws | None:
+def fresh_noise(params: DPLocalHParams | DPCentralHParams) -> FreshDraws | None:
     """Privacy noise from the OS's secure source, unless seeded: a round done again is a second release."""
     return None if params.seeded_noise else FreshDraws("privacy noise", releases=True)
 
 
 @dataclass
-class DPLocalParams:
+class DPLocalHParams:
     clip: float = opt(1.0, gt=0, help="L2 norm C each client's update is clipped to")
     noise_multiplier: float = opt(1.0, ge=0, help="z: each client adds N(0, (z·C)²) to every entry")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
@@ -84,7 +84,7 @@ class DPLocalParams:
 
 
 @dataclass
-class DPCentralParams:
+class DPCentralHParams:
     clip: float = opt(1.0, gt=0, help="L2 norm C each client's update is clipped to (the initial C when adaptive)")
     noise_multiplier: float = opt(1.0, ge=0, help="z: the server adds N(0, (z·C)²) to every entry of the sum")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
@@ -128,7 +128,7 @@ class DPLocal:
     """DP-FedAvg, local noise: each client clips its update and adds Gaussian noise."""
 
     name = "dp_local"
-    Params = DPLocalParams
+    HParams = DPLocalHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = False
     stage = "noise"
@@ -137,7 +137,7 @@ class DPLocal:
     protects = "update"
     fresh_draws = staticmethod(fresh_noise)
 
-    def __init__(self, hp: DPLocalParams):
+    def __init__(self, hp: DPLocalHParams):
         self.hp = hp
         self.seed = 0
         # Replace-one adjacency in the local model: sensitivity 2C, so multiplier z / 2, no sampling.
@@ -165,7 +165,7 @@ class DPCentral:
     """DP-FedAvg, central noise: clients clip, the server adds noise once to the sum."""
 
     name = "dp_central"
-    Params = DPCentralParams
+    HParams = DPCentralHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = True
     stage = "noise"
@@ -173,7 +173,7 @@ class DPCentral:
     protects = "update"
     fresh_draws = staticmethod(fresh_noise)
 
-    def __init__(self, hp: DPCentralParams):
+    def __init__(self, hp: DPCentralHParams):
         self.hp = hp
         self.seed = 0
         self.clip_norm = hp.clip

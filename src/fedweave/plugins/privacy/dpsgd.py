@@ -67,7 +67,7 @@ STEPS = "dpsgd_steps"
 
 
 @dataclass
-class DPSGDParams:
+class DPSGDHParams:
     noise_multiplier: float = opt(1.0, gt=0, help="z: noise std over max_grad_norm, per step")
     max_grad_norm: float = opt(1.0, gt=0, help="L2 norm each example's gradient is clipped to")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
@@ -91,7 +91,7 @@ class DPSGD:
     """DP-SGD (Abadi et al. 2016) in local training, through Opacus; ε per client from its RDP accountant."""
 
     name = "dpsgd"
-    Params = DPSGDParams
+    HParams = DPSGDHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
     stage = "train"
@@ -99,11 +99,11 @@ class DPSGD:
     protects = "training"
 
     @staticmethod
-    def fresh_draws(params: DPSGDParams) -> FreshDraws | None:
+    def fresh_draws(params: DPSGDHParams) -> FreshDraws | None:
         """Noise and batches from the OS's secure source, unless seeded: a round done again is a second release."""
         return None if params.seeded_noise else FreshDraws("privacy noise and batch sampling", releases=True)
 
-    def __init__(self, hp: DPSGDParams):
+    def __init__(self, hp: DPSGDHParams):
         self.hp = hp
         self.seed = 0
         self.ledger: dict[int, History] = {}
@@ -168,7 +168,7 @@ class PrivateTraining:
     """One client's private local training for one round (see the module doc): a
     :class:`~fedweave.training.LocalTraining`."""
 
-    def __init__(self, hp: DPSGDParams, noise: NoiseSource):
+    def __init__(self, hp: DPSGDHParams, noise: NoiseSource):
         self.hp = hp
         self.noise = noise
         self.spent: dict[str, float] = {}
