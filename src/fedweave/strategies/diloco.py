@@ -15,7 +15,7 @@ from torch import nn
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import (
     ClientJob,
     LocalOptimizer,
@@ -86,7 +86,7 @@ class InnerAdamW(LocalOptimizer):
         return {n: state for n, state in zip(self.names, self.state) if state}
 
 
-class DiLoCoClient(FedAvgClient):
+class DiLoCoClient(FedAvgClient[DiLoCoHParams]):
     """H inner AdamW steps (the round's local work: ``local.steps``, else ``local.epochs``); sends the delta.
 
     The inner optimiser is always AdamW with this strategy's settings (defaults: torch's);
@@ -102,7 +102,7 @@ class DiLoCoClient(FedAvgClient):
         return delta_update(result, model_delta(job.model, job.instruction.params))
 
 
-class DiLoCo(FedAvg):
+class DiLoCo(FedAvgBase[DiLoCoHParams]):
     """DiLoCo (Douillard et al., 2023): an outer SGD step with Nesterov momentum on the pseudo-gradient.
 
     The pseudo-gradient is g = −Δ̄, Δ̄ the clients' deltas combined by ``ctx.average``

@@ -15,7 +15,7 @@ import torch
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.types import Params, Update
 
 
@@ -51,7 +51,7 @@ def momentum_step(
     return new_params, new_velocity
 
 
-class FedAvgM(FedAvg):
+class FedAvgM(FedAvgBase[FedAvgMHParams]):
     """FedAvgM (Hsu et al., 2019): ``v ← β·v + Δ̄``, ``x ← x + η·v`` with Δ̄ the
     example-weighted mean client delta (``ctx.average``).
 

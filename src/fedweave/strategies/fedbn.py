@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.strategies.fedper import aggregate_shared, keep_local, restore_local, shared_schema
 from fedweave.training import ClientJob, train_local
 from fedweave.types import Evaluation, Params, Update
@@ -35,7 +35,7 @@ def batch_norm_keys(model: nn.Module) -> list[str]:
     return keys
 
 
-class FedBNClient(FedAvgClient):
+class FedBNClient(FedAvgClient[FedBNHParams]):
     """Train with this client's own BatchNorm layers; send the delta of all other layers."""
 
     def __init__(self, hp: FedBNHParams):
@@ -55,7 +55,7 @@ class FedBNClient(FedAvgClient):
         return super().evaluate(job)
 
 
-class FedBN(FedAvg):
+class FedBN(FedAvgBase[FedBNHParams]):
     """FedBN (Li et al., ICLR 2021): FedAvg on every layer except BatchNorm, which each client keeps.
 
     Layers are found by module type (``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d,

@@ -23,7 +23,7 @@ from fedweave.strategies.aggregate import (
     weighted_average,
     with_selection,
 )
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import PLAIN_STEP, ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Params, Update
 from fedweave.validation import TensorSpec, UpdateSchema, specs_of
@@ -64,7 +64,7 @@ def _scaled(tensors: Params, scale: float, plain_average: Sequence[str]) -> Para
     }
 
 
-class FedNovaClient(FedAvgClient):
+class FedNovaClient(FedAvgClient[FedNovaHParams]):
     """Local SGD as FedAvg; also sends a_i (from its steps and momentum) in ``extras``."""
 
     def local_step(self, job: ClientJob) -> LocalStep:
@@ -81,7 +81,7 @@ class FedNovaClient(FedAvgClient):
         return delta_update(result, delta, {NORM: torch.tensor(a, dtype=torch.float64)})
 
 
-class FedNova(FedAvg):
+class FedNova(FedAvgBase[FedNovaHParams]):
     """FedNova (Wang et al., 2020), with Δ_i = y_i − x and p_i = n_i / Σ n::
 
         d_i = Δ_i / a_i,   τ_eff = Σ p_i a_i,   x ← x + τ_eff · Σ p_i d_i

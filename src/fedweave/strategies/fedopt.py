@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.types import Params, Update
 
 SecondMoment = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,12 +98,24 @@ class FedAdagradHParams:
     plain_average: list[str] = plain_average_option("adaptive step")
 
 
-class _FedOpt(FedAvg):
+class AdaptiveSettings(Protocol):
+    """What :func:`adaptive_step` reads of the hyper-parameters of all three."""
+
+    server_lr: float
+    beta1: float
+    tau: float
+    plain_average: list[str]
+
+
+A = TypeVar("A", bound=AdaptiveSettings)
+
+
+class _FedOpt(FedAvgBase[A]):
     """The server half shared by the three: average, then one :func:`adaptive_step`."""
 
     Client = FedAvgClient
 
-    def __init__(self, hp: Any, ctx: StrategyContext):
+    def __init__(self, hp: A, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.m: Params = {}
         self.v: Params = {}
@@ -135,7 +147,7 @@ class _FedOpt(FedAvg):
         self.v = dict(state["v"])
 
 
-class FedAdam(_FedOpt):
+class FedAdam(_FedOpt[FedOptHParams]):
     """FedAdam (Reddi et al., 2021): Adam without bias correction on the server."""
 
     HParams = FedOptHParams
@@ -144,7 +156,7 @@ class FedAdam(_FedOpt):
         return adam_moment(v, d2, self.hp.beta2)
 
 
-class FedYogi(_FedOpt):
+class FedYogi(_FedOpt[FedOptHParams]):
     """FedYogi (Reddi et al., 2021): Yogi's additive second-moment update on the server."""
 
     HParams = FedOptHParams
@@ -153,7 +165,7 @@ class FedYogi(_FedOpt):
         return yogi_moment(v, d2, self.hp.beta2)
 
 
-class FedAdagrad(_FedOpt):
+class FedAdagrad(_FedOpt[FedAdagradHParams]):
     """FedAdagrad (Reddi et al., 2021): Adagrad (with first-moment decay β1) on the server."""
 
     HParams = FedAdagradHParams

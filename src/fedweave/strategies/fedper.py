@@ -22,7 +22,7 @@ from fedweave.errors import TaskError
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import apply_delta, with_selection
 from fedweave.strategies.base import Average
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import (
     ClientJob,
     TrainResult,
@@ -81,7 +81,7 @@ def matching_keys(model: nn.Module, patterns: list[str]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-class FedPerClient(FedAvgClient):
+class FedPerClient(FedAvgClient[FedPerHParams]):
     """Train the whole model with this client's personal layers; send the shared layers' delta."""
 
     def train(self, job: ClientJob) -> Update:
@@ -94,7 +94,7 @@ class FedPerClient(FedAvgClient):
         return super().evaluate(job)
 
 
-class FedPer(FedAvg):
+class FedPer(FedAvgBase[FedPerHParams]):
     """FedPer (Arivazhagan et al., 2019): FedAvg on the base layers; the server never touches personal ones.
 
     The global model's personal layers keep their initial values, so its accuracy on the

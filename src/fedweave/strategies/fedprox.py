@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.schema import opt
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import ClientJob, LocalStep
 
 
@@ -27,7 +27,7 @@ def proximal(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tens
     return 0.5 * mu * total
 
 
-class FedProxClient(FedAvgClient):
+class FedProxClient(FedAvgClient[FedProxHParams]):
     """Minimise ``loss + μ/2·‖w − w_t‖²`` with w_t the global model received this round."""
 
     def local_step(self, job: ClientJob) -> LocalStep:
@@ -38,7 +38,7 @@ class FedProxClient(FedAvgClient):
         return proximal(params, anchor, self.hp.mu)
 
 
-class FedProx(FedAvg):
+class FedProx(FedAvgBase[FedProxHParams]):
     """FedProx (Li et al., 2020): FedAvg's server step; clients add the proximal term
     against the current round's global model. ``train_loss`` reports the task loss alone.
     """

@@ -15,7 +15,7 @@ from torch import nn
 
 from fedweave.errors import TaskError
 from fedweave.schema import opt
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import Update
 
@@ -51,7 +51,7 @@ def _frozen(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> n
     return frozen
 
 
-class MoonClient(FedAvgClient):
+class MoonClient(FedAvgClient[MoonHParams]):
     """Local training on task loss + μ·ℓ_con; the update is the trained model's delta.
 
     z comes from the trained model's ``features``, z_glob from a frozen copy of the
@@ -83,7 +83,7 @@ class MoonClient(FedAvgClient):
         return delta_update(result, model_delta(job.model, job.instruction.params))
 
 
-class Moon(FedAvg):
+class Moon(FedAvgBase[MoonHParams]):
     """MOON (Li et al., CVPR 2021): clients add the model-contrastive loss; the server is FedAvg."""
 
     HParams = MoonHParams

@@ -22,7 +22,7 @@ from fedweave.strategies.aggregate import (
     with_selection,
 )
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
 from fedweave.training import ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Instruction, Params, TaskKind, Update, Work
@@ -69,7 +69,7 @@ def option_two(control: Params, server_control: Params, delta: Params, steps: fl
     }
 
 
-class ScaffoldClient(FedAvgClient):
+class ScaffoldClient(FedAvgClient[ScaffoldHParams]):
     """Local steps on ``g − c_i + c``; sends Δy in ``tensors`` and Δc = c_i⁺ − c_i in ``extras``.
 
     c_i is kept in ``job.state`` (zeros the first time), c arrives in
@@ -104,7 +104,7 @@ class ScaffoldClient(FedAvgClient):
         return control, {name: job.instruction.extras.get(name, zeros[name]) for name in zeros}
 
 
-class Scaffold(FedAvg):
+class Scaffold(FedAvgBase[ScaffoldHParams]):
     """SCAFFOLD (Karimireddy et al., 2020), server half::
 
         x ← x + η_g · mean_w(Δy_i)          (weights: num_examples, as FedAvg)
