@@ -16,6 +16,7 @@ from fnmatch import fnmatch
 
 import torch
 
+from fedweave.plugins.contracts import Declaration
 from fedweave.types import UpdateKind
 
 
@@ -31,7 +32,7 @@ class ExcludeLayers:
     HParams = ExcludeLayersHParams
     accepts = frozenset({UpdateKind.DELTA})
     combines_encoded = False
-    points = ("client_send",)
+    declares = Declaration(points=("client_send",))
 
     def __init__(self, hp):
         self.hp = hp

@@ -69,55 +69,37 @@ config loads):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedweave.plugins.contracts import (
+    POINTS,
     Answers,
     BeginsRound,
     Binds,
     ChecksSummed,
     Combines,
+    ControlExchange,
     Instructs,
     Observes,
+    Payload,
     Plugin,
+    PluginContext,
     ReportsMetrics,
     RunsProtocol,
     SealsModel,
     Stateful,
     TakesOverTraining,
+    declaration,
 )
 from fedweave.plugins.packing import check_layouts, clear_layouts
 from fedweave.types import Control, Instruction, Update
 
 if TYPE_CHECKING:
     from fedweave.training import LocalTraining
-    from fedweave.validation import Specs
 
-POINTS = ("server_send", "client_receive", "client_send", "server_receive")
-
-Payload = TypeVar("Payload", Instruction, Update)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PluginContext:
-    """Where a plugin runs: the round, the client the payload concerns, the side."""
-
-    round: int
-    client_id: int
-    side: str  # "server" or "client"
-    state: dict[str, Any] | None = field(default=None, compare=False)  # client side: its private plugin state
-    config: Mapping[str, Any] = field(default_factory=dict, compare=False)  # client side: the instruction's config
-    # what a decoded payload may hold (the run's update schema on the server, the model on a
-    # client): a decoder refuses a layout of any other name, shape or dtype before it allocates
-    expected: Specs | None = field(default=None, compare=False)
-
-
-ControlExchange = Callable[[dict[int, Control]], dict[int, Control]]
-"""Send each client id its control message; the answers of the clients that answered."""
 
 
 @dataclass
@@ -195,7 +177,7 @@ class Chains:
         cover, and under a sealed model (HE), where a loss is that of whatever model the server
         encrypted, an oracle on ciphertexts it chose."""
         return self.sealer is not None or any(
-            getattr(p, "protects", None) for point in POINTS for p in getattr(self, point).plugins
+            declaration(p).protects for point in POINTS for p in getattr(self, point).plugins
         )
 
     def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:

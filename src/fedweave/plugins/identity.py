@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Payload, PluginContext
 from fedweave.types import UpdateKind
 
 

@@ -14,13 +14,13 @@ each update into the encrypted model itself, so no compressor may precede it.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site, require, tensor_seeds
+from fedweave.plugins.compression.wire import COMPRESSOR, Compressor, Site, require, tensor_seeds
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
@@ -103,7 +103,7 @@ class Quantize(Compressor):
     name = "quantize"
     HParams = QuantizeHParams
     accepts = frozenset(UpdateKind)
-    summable = staticmethod(_summable)
+    declares = replace(COMPRESSOR, summable=_summable)
 
     def __init__(self, hp: QuantizeHParams):
         super().__init__(QuantizeCodec(hp), hp.error_feedback)

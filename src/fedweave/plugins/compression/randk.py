@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
+from fedweave.plugins.contracts import Payload, PluginContext
+from fedweave.plugins.compression.wire import COMPRESSOR, Compressor, Site, require, vectors
 from fedweave.plugins.packing import SEP
 from fedweave.schema import opt
 from fedweave.types import Update
@@ -207,7 +207,7 @@ class RandK(Compressor):
 
     name = "randk"
     HParams = RandKHParams
-    summable = staticmethod(_summable)
+    declares = replace(COMPRESSOR, summable=_summable)
 
     def __init__(self, hp: RandKHParams):
         super().__init__(RandKCodec(hp), hp.error_feedback)

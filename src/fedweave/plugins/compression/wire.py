@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Declaration, Payload, PluginContext
 from fedweave.plugins.packing import FLAT, LAYOUT, SEP, decode_all, encode_fields, read_layout
 from fedweave.seeding import derive_seed, derive_seeds
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
@@ -120,15 +120,17 @@ class CheckedCodec(Protocol):
     def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None: ...
 
 
+COMPRESSOR = Declaration(stage="compress", points=("server_send", "client_send"))
+"""What every compressor declares (quantize and randk also when their payloads can be summed)."""
+
+
 class Compressor:
     """A compression plugin: a codec driven in both directions (see the module doc)."""
 
     name: ClassVar[str]
     accepts: ClassVar[frozenset[UpdateKind]] = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded: ClassVar[bool] = False
-    stage: ClassVar[str] = "compress"
-    points: ClassVar[tuple[str, ...]] = ("server_send", "client_send")
-    summable: ClassVar[Any] = False
+    declares: ClassVar[Declaration] = COMPRESSOR
 
     def __init__(self, codec: Codec, error_feedback: bool):
         self.codec = codec

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import Declaration, PluginContext
 from fedweave.schema import opt
 from fedweave.types import Params, Update, UpdateKind
 
@@ -42,9 +42,7 @@ class Clip:
     HParams = ClipHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = False
-    stage = "clip"
-    points = ("client_send",)
-    summable = True
+    declares = Declaration(stage="clip", points=("client_send",), summable=True)
 
     def __init__(self, hp: ClipHParams):
         self.hp = hp

@@ -53,8 +53,7 @@ from typing import Any
 import torch
 
 from fedweave.errors import ConfigError
-from fedweave.plugins.chain import PluginContext
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import Declaration, FreshDraws, PluginContext
 from fedweave.plugins.packing import combine_plain
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.plugins.privacy.clip import clip_tensors
@@ -131,10 +130,7 @@ class DPLocal:
     HParams = DPLocalHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = False
-    stage = "noise"
-    points = ("client_send",)
-    summable = True
-    protects = "update"
+    declares = Declaration(stage="noise", points=("client_send",), summable=True, protects="update")
     fresh_draws = staticmethod(fresh_noise)
 
     def __init__(self, hp: DPLocalHParams):
@@ -168,9 +164,7 @@ class DPCentral:
     HParams = DPCentralHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = True
-    stage = "noise"
-    points = ("client_send",)
-    protects = "update"
+    declares = Declaration(stage="noise", points=("client_send",), protects="update")
     fresh_draws = staticmethod(fresh_noise)
 
     def __init__(self, hp: DPCentralHParams):

@@ -50,8 +50,7 @@ from typing import Any
 
 import torch
 
-from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import Declaration, FreshDraws, Payload, PluginContext
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.schema import opt
 from fedweave.plugins.privacy.noise import NoiseSource, noise_source
@@ -94,9 +93,7 @@ class DPSGD:
     HParams = DPSGDHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
-    stage = "train"
-    points = ("client_receive",)
-    protects = "training"
+    declares = Declaration(stage="train", points=("client_receive",), protects="training")
 
     @staticmethod
     def fresh_draws(params: DPSGDHParams) -> FreshDraws | None:

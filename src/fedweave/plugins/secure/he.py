@@ -92,8 +92,7 @@ import torch
 
 from fedweave.errors import CheckpointError, ConfigError, RoundError, first_line
 from fedweave.files import atomic_write_bytes
-from fedweave.plugins.chain import ControlExchange, PluginContext
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import ControlExchange, Declaration, FreshDraws, PluginContext
 from fedweave.plugins.secure.ckks_wire import check_vector
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
@@ -290,9 +289,7 @@ class HE:
     HParams = HEHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = True
-    stage = "secure"
-    points = ("client_send",)
-    one_process = staticmethod(_one_process)
+    declares = Declaration(stage="secure", points=("client_send",), one_process=_one_process)
 
     @staticmethod
     def fresh_draws(params: HEHParams) -> FreshDraws:

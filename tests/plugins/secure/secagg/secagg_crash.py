@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Declaration, Payload, PluginContext
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
@@ -32,7 +32,7 @@ class CrashAfterMasking:
     HParams = CrashHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
-    summable = True  # it changes nothing, so secagg may follow it
+    declares = Declaration(summable=True)  # it changes nothing, so secagg may follow it
 
     def __init__(self, hp: CrashHParams):
         self.hp = hp

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.packing import flatten
 from fedweave.plugins.secure import pedersen, shamir
 from fedweave.plugins.secure.secagg.keys import (

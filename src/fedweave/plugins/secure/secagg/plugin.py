@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import Declaration, FreshDraws
 from fedweave.plugins.secure.secagg.client import SecAggClient
 from fedweave.plugins.secure.secagg.masking import Field
 from fedweave.plugins.secure.secagg.neighbours import ring
@@ -23,8 +23,7 @@ class SecAgg(SecAggServer, SecAggClient):
     HParams = SecAggHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = True
-    stage = "secure"
-    points = ("client_send",)
+    declares = Declaration(stage="secure", points=("client_send",))
 
     @staticmethod
     def fresh_draws(params: SecAggHParams) -> FreshDraws | None:

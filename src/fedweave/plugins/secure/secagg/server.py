@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fedweave.errors import RoundError
-from fedweave.plugins.chain import ControlExchange, PluginContext
+from fedweave.plugins.contracts import ControlExchange, PluginContext
 from fedweave.plugins.packing import combine_plain, unflatten
 from fedweave.plugins.secure import pedersen, shamir
 from fedweave.plugins.secure.secagg.keys import (
