@@ -33,10 +33,12 @@ class FedDynHParams:
 
 def dynamic_regularizer(model: nn.Module, linear: Params, anchor: Params, alpha: float) -> torch.Tensor:
     """``−⟨g, θ⟩ + α/2·‖θ − θ^{t−1}‖²`` over the trainable parameters, g = ``linear``."""
-    return sum(
-        0.5 * alpha * ((p - anchor[name]) ** 2).sum() - (linear[name] * p).sum()
-        for name, p in model.named_parameters()
-        if p.requires_grad
+    return torch.as_tensor(
+        sum(
+            0.5 * alpha * ((p - anchor[name]) ** 2).sum() - (linear[name] * p).sum()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        )
     )
 
 

@@ -24,7 +24,7 @@ class FedProxHParams:
 def proximal(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
     """``μ/2 · Σ ‖w − anchor‖²`` over ``params`` (trainable parameters by name)."""
     total = sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
-    return 0.5 * mu * total
+    return 0.5 * mu * torch.as_tensor(total)
 
 
 class FedProxClient(FedAvgClient[FedProxHParams]):

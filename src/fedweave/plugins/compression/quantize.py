@@ -72,7 +72,7 @@ class QuantizeCodec:
         return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales))]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        out = [f["values"].to(torch.float32).reshape(shape) if "scales" not in f else None for f, shape in zip(fields, shapes)]
+        out = {i: f["values"].to(torch.float32).reshape(shape) for i, (f, shape) in enumerate(zip(fields, shapes)) if "scales" not in f}
         scaled = [i for i, f in enumerate(fields) if "scales" in f]
         if scaled:
             buckets = layout(tuple(math.prod(shapes[i]) for i in scaled), self.hp.bucket)
@@ -80,7 +80,7 @@ class QuantizeCodec:
             rows = products(buckets, values, [fields[i]["scales"] for i in scaled], "values", "scales")
             for i, entries in zip(scaled, buckets.entries(rows, [shapes[i] for i in scaled])):
                 out[i] = entries
-        return out
+        return [out[i] for i in range(len(fields))]
 
 
 def int8_values(rows: torch.Tensor, scales: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

@@ -210,7 +210,8 @@ class RandK(Compressor):
     declares = replace(COMPRESSOR, summable=_summable)
 
     def __init__(self, hp: RandKHParams):
-        super().__init__(RandKCodec(hp), hp.error_feedback)
+        self.randk = RandKCodec(hp)
+        super().__init__(self.randk, hp.error_feedback)
         self.hp = hp
 
     def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
@@ -219,6 +220,6 @@ class RandK(Compressor):
         larger seed would otherwise place every client's values."""
         if self.hp.shared_indices and isinstance(payload, Update):
             seeds = {k: self._site("up", ctx, k[: -len(SEP + "seed")]) for k in payload.tensors if k.endswith(SEP + "seed")}
-            own = {k: torch.tensor([self.codec.seed(site)], dtype=torch.int64) for k, site in seeds.items()}
+            own = {k: torch.tensor([self.randk.seed(site)], dtype=torch.int64) for k, site in seeds.items()}
             payload = replace(payload, tensors={**payload.tensors, **own})
         return super().decode(payload, ctx)

@@ -176,6 +176,7 @@ class Compressor:
         names = [name for name, tensor in update.tensors.items() if _compressible(tensor)]
         xs = [_accumulated(update.tensors[name], residual.get(name), copy=self.error_feedback) for name in names]
         sites = [self._site("up", ctx, name) for name in names]
+        fields: Sequence[dict[str, torch.Tensor] | None]
         if self.error_feedback and self.sparse is not None:
             fields = self.sparse.compress_keeping_rest(xs, sites)
             self.residuals[ctx.client_id] = dict(zip(names, xs))
@@ -244,7 +245,7 @@ class Compressor:
                 value = torch.empty(shape, dtype=dtype, device="meta")
             if name and part not in (LAYOUT, FLAT):
                 fields.setdefault(name, {})[part] = value
-        names = [n for n, spec in expected.items() if spec.dtype.is_floating_point and math.prod(spec.shape)]
+        names = [n for n, spec in expected.items() if spec.dtype.is_floating_point and math.prod(spec.shape) > 0]
         laid = {key.rpartition(SEP)[0] for key in tensors if key.endswith(SEP + LAYOUT)}
         if fields.keys() != set(names) or laid != set(names):
             raise ValueError(f"plugin {self.name!r}: the update encodes {sorted(fields)[:5]}, not the model's "

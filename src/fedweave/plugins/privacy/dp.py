@@ -208,7 +208,7 @@ class DPCentral:
         m = len(updates)
         floating = [{k: v for k, v in u.tensors.items() if v.is_floating_point()} for u in updates]
         plain = [{k: v for k, v in u.tensors.items() if not v.is_floating_point() and k != UNCLIPPED} for u in updates]
-        total = {k: sum(f[k].double() for f in floating) for k in floating[0]}
+        total = {k: torch.as_tensor(sum(f[k].double() for f in floating)) for k in floating[0]}
         source = noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round)
         noisy = add_noise(total, self.update_noise * self.clip_norm, source)
         mean = {k: (v / m).to(floating[0][k].dtype) for k, v in noisy.items()}
