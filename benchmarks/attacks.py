@@ -63,7 +63,7 @@ from fedweave.build import build_chains, build_client_runtime, build_task
 from fedweave.federated.client import ClientStateStore
 from fedweave.plugins.attacks import poison
 from fedweave.plugins.secure import shamir
-from fedweave.plugins.secure.he import HE, HEParams
+from fedweave.plugins.secure.he import HE, HEHParams
 from fedweave.plugins.secure.secagg.messages import read_shares, share_bytes
 from fedweave.types import Control
 from fedweave.federated.checks import ExampleLimits
@@ -170,7 +170,7 @@ def _in_round(rnd: int) -> Callable[[Any], Undo]:
 
 def _other_key(run: Any) -> Undo:
     """Client 0 encrypts its updates under another federation's keys."""
-    plugin, other = run.parts.chains.client_send.plugins[0], HE(HEParams())
+    plugin, other = run.parts.chains.client_send.plugins[0], HE(HEHParams())
     honest = plugin.encode
     plugin.encode = lambda payload, ctx: other.encode(payload, ctx) if ctx.client_id == 0 else honest(payload, ctx)
     return lambda: setattr(plugin, "encode", honest)

@@ -10,7 +10,7 @@ A config selects it by its import path, with this folder on the Python path::
 
 The three pieces every strategy has, in one file (docs/custom-strategy.md walks through them):
 
-- ``DecayedFedAvgParams``: its hyper-parameters, with bounds checked when the config loads;
+- ``DecayedFedAvgHParams``: its hyper-parameters, with bounds checked when the config loads;
 - ``DecayedFedAvgClient``: the client half (train and evaluate on one client's data);
 - ``DecayedFedAvg``: the server half (configure a round, aggregate the updates).
 """
@@ -25,11 +25,11 @@ from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
 from fedweave.task import evaluate
 from fedweave.training import ClientJob, delta_update, model_delta, train_local
-from fedweave.types import Evaluation, Instruction, TaskKind, Update, UpdateKind, Work
+from fedweave.types import Evaluation, Instruction, Params, TaskKind, Update, UpdateKind, Work
 
 
 @dataclass
-class DecayedFedAvgParams:
+class DecayedFedAvgHParams:
     server_lr: float = opt(1.0, gt=0, help="server learning rate η_1 of the first round")
     decay: float = opt(0.95, gt=0, le=1, help="η_r = server_lr · decay^(r − 1); 1 keeps it constant")
     plain_average: list[str] = plain_average_option("decayed step")
@@ -38,7 +38,7 @@ class DecayedFedAvgParams:
 class DecayedFedAvgClient:
     """Local SGD from the received global model; the update is the trained model minus it."""
 
-    def __init__(self, hp: DecayedFedAvgParams):
+    def __init__(self, hp: DecayedFedAvgHParams):
         self.hp = hp
 
     def train(self, job: ClientJob) -> Update:
@@ -63,12 +63,12 @@ class DecayedFedAvg:
     there is no server state to checkpoint.
     """
 
-    Params = DecayedFedAvgParams
+    HParams = DecayedFedAvgHParams
     Client = DecayedFedAvgClient
     update_kind = UpdateKind.DELTA
     weighted_sum = True
 
-    def __init__(self, hp: DecayedFedAvgParams, ctx: StrategyContext):
+    def __init__(self, hp: DecayedFedAvgHParams, ctx: StrategyContext):
         self.hp = hp
         self.ctx = ctx
 

@@ -13,8 +13,9 @@ import torch
 
 from conftest import assert_same_params, comparable, run_to_end, small_config
 from fedweave.errors import ConfigError
-from fedweave.plugins.chain import Chain, Chains, Payload, PluginContext
-from fedweave.plugins.identity import Identity, IdentityParams
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.contracts import Payload, PluginContext
+from fedweave.plugins.identity import Identity, IdentityHParams
 from fedweave.strategies.fedavg import FedAvg
 from fedweave.types import Instruction, TaskKind, Update, UpdateKind, Work
 from plugins.helpers import make
@@ -53,15 +54,15 @@ def update(value: float = 3.0) -> Update:
 
 def test_encode_applies_in_order_and_records_applied() -> None:
     original = update(3.0)
-    encoded = Chain([AddOne(IdentityParams()), Double(IdentityParams())]).encode(original, CTX)
+    encoded = Chain([AddOne(IdentityHParams()), Double(IdentityHParams())]).encode(original, CTX)
     assert encoded.tensors["w"].item() == (3.0 + 1) * 2
     assert encoded.applied == ["add_one", "double"]
     assert original.applied == [] and original.tensors["w"].item() == 3.0  # the sent payload is not changed
 
 
 def test_decode_undoes_in_reverse_order() -> None:
-    sender = Chain([AddOne(IdentityParams()), Double(IdentityParams())])
-    receiver = Chain([Double(IdentityParams()), AddOne(IdentityParams())])  # configured order does not matter
+    sender = Chain([AddOne(IdentityHParams()), Double(IdentityHParams())])
+    receiver = Chain([Double(IdentityHParams()), AddOne(IdentityHParams())])  # configured order does not matter
     decoded = receiver.decode(sender.encode(update(3.0), CTX), CTX)
     # (3 + 1) · 2 = 8 undone last-first gives 3; undone first-first it would give (8 - 1) / 2 = 3.5
     assert decoded.tensors["w"].item() == 3.0
@@ -69,23 +70,23 @@ def test_decode_undoes_in_reverse_order() -> None:
 
 
 def test_receive_chain_filters_in_configured_order() -> None:
-    filtered = Chain([AddOne(IdentityParams()), Double(IdentityParams())]).filter(update(9.0), CTX)
+    filtered = Chain([AddOne(IdentityHParams()), Double(IdentityHParams())]).filter(update(9.0), CTX)
     assert filtered.tensors["w"].item() == (9.0 - 1) / 2
 
 
 def test_a_payload_from_a_plugin_the_receiver_lacks_is_refused() -> None:
-    encoded = Chain([AddOne(IdentityParams()), Double(IdentityParams())]).encode(update(), CTX)
+    encoded = Chain([AddOne(IdentityHParams()), Double(IdentityHParams())]).encode(update(), CTX)
     with pytest.raises(ValueError, match="^payload was encoded by plugin 'double', which this side's chain lacks$"):
-        Chain([AddOne(IdentityParams())]).decode(encoded, CTX)
+        Chain([AddOne(IdentityHParams())]).decode(encoded, CTX)
 
 
 def test_the_loop_rejects_such_an_update(caplog: pytest.LogCaptureFixture) -> None:
     from fedweave.federated.receive import accept_updates
     from fedweave.types import Message
 
-    good = Chain([AddOne(IdentityParams())]).encode(update(), CTX)
+    good = Chain([AddOne(IdentityHParams())]).encode(update(), CTX)
     foreign = replace(update(), applied=["secret_plugin"])
-    chains = Chains(client_send=Chain([AddOne(IdentityParams())]))
+    chains = Chains(client_send=Chain([AddOne(IdentityHParams())]))
     failures: dict[int, str] = {}
     with caplog.at_level(logging.WARNING, logger="fedweave.federated.receive"):
         accepted = accept_updates(chains, [Message(1, 0, good), Message(1, 1, foreign)], failures, {"w": torch.zeros(1, dtype=torch.float64)})
@@ -96,10 +97,10 @@ def test_the_loop_rejects_such_an_update(caplog: pytest.LogCaptureFixture) -> No
 
 def test_chains_decode_then_filter_both_ways() -> None:
     chains = Chains(
-        server_send=Chain([Identity(IdentityParams())]),
-        client_receive=Chain([Identity(IdentityParams())]),
-        client_send=Chain([AddOne(IdentityParams())]),
-        server_receive=Chain([Double(IdentityParams())]),
+        server_send=Chain([Identity(IdentityHParams())]),
+        client_receive=Chain([Identity(IdentityHParams())]),
+        client_send=Chain([AddOne(IdentityHParams())]),
+        server_receive=Chain([Double(IdentityHParams())]),
     )
     instruction = Instruction(1, TaskKind.TRAIN, Work(0, 8), {"w": torch.ones(1)})
     sent = chains.server_send.encode(instruction, CTX)
@@ -112,7 +113,7 @@ def test_chains_decode_then_filter_both_ways() -> None:
 
 def test_identity_returns_a_copy() -> None:
     original = update()
-    plugin = Identity(IdentityParams())
+    plugin = Identity(IdentityHParams())
     assert plugin.encode(original, CTX) is not original
     assert plugin.decode(original, CTX) is not original
     assert plugin.encode(original, CTX) == original
@@ -153,7 +154,7 @@ def test_identity_at_all_four_points_changes_nothing(tmp_path: Path, monkeypatch
 
 
 @dataclass
-class SummingParams:
+class SummingHParams:
     """No settings."""
 
 
@@ -161,7 +162,7 @@ class Summing(Identity):
     """A plugin the server must combine while encoded (as secure aggregation is)."""
 
     name = "summing"
-    Params = SummingParams
+    HParams = SummingHParams
     combines_encoded = True
 
     def combine(self, updates: list[Update], ctx: PluginContext) -> Update:

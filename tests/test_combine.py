@@ -15,7 +15,7 @@ SEEN: list[int] = []
 
 
 @dataclass
-class ScaledSumParams:
+class ScaledSumHParams:
     fail: bool = False
 
 
@@ -23,11 +23,11 @@ class ScaledSum:
     """Clients send n_k · Δ_k; the server only ever sums, then divides by Σ n_k."""
 
     name = "scaled_sum"
-    Params = ScaledSumParams
+    HParams = ScaledSumHParams
     accepts = frozenset({UpdateKind.DELTA})
     combines_encoded = True
 
-    def __init__(self, hp: ScaledSumParams):
+    def __init__(self, hp: ScaledSumHParams):
         self.hp = hp
 
     def encode(self, payload: Update, ctx) -> Update:

@@ -18,23 +18,23 @@ from fedweave.config import Config, ConfigError
 from fedweave.plugins.identity import Identity
 from fedweave.registry import import_object
 from fedweave.schema import describe_fields, opt
-from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgHParams
 from fedweave.types import UpdateKind
 
 
 @dataclass
-class ProximalParams:
+class ProximalHParams:
     mu: float = opt(0.01, ge=0, help="proximal weight")
 
 
 class Proximal(FedAvg):
     """FedAvg with one declared hyper-parameter, to test strategy settings."""
 
-    Params = ProximalParams
+    HParams = ProximalHParams
 
 
 @dataclass
-class ScaleParams:
+class ScaleHParams:
     factor: float = opt(1.0, gt=0)
 
 
@@ -42,7 +42,7 @@ class Scale(Identity):
     """An identity plugin with one declared setting."""
 
     name = "scale"
-    Params = ScaleParams
+    HParams = ScaleHParams
 
 
 class WeightsOnly(Identity):
@@ -71,7 +71,7 @@ def test_the_quickstart_is_the_default() -> None:
     assert (config.task.dataset, config.task.model) == ("digits", "mlp")
     assert (config.task.partition.scheme, config.task.partition.alpha) == ("dirichlet", 1.0)
     assert (config.local.epochs, config.local.batch_size, config.local.lr, config.local.momentum) == (3, 16, 0.1, 0.9)
-    assert config.strategy.name == "fedavg" and config.strategy.params == FedAvgParams()
+    assert config.strategy.name == "fedavg" and config.strategy.params == FedAvgHParams()
     assert (config.eval.every, config.eval.federated_every) == (1, 5)
 
 
@@ -122,8 +122,8 @@ def test_unknown_plugin_setting_suggests_the_declared_one() -> None:
 
 def test_strategy_and_plugin_settings_are_parsed_and_checked() -> None:
     config = config_mod.load(None, [f"strategy={{name: '{PROXIMAL}', mu: 0.5}}", f"plugins.server_send=['{SCALE}']"])
-    assert config.strategy.params == ProximalParams(mu=0.5)
-    assert [(s.name, s.params) for s in config.plugins.server_send] == [(SCALE, ScaleParams())]
+    assert config.strategy.params == ProximalHParams(mu=0.5)
+    assert [(s.name, s.params) for s in config.plugins.server_send] == [(SCALE, ScaleHParams())]
     assert error_of(f"strategy={{name: '{PROXIMAL}', mu: -1}}") == "config key 'strategy.mu': must be >= 0, got -1.0"
     assert error_of(f"plugins.client_send=[{{name: '{SCALE}', factor: none}}]") == (
         "config key 'plugins.client_send[0].factor': expected a number, got 'none'"
@@ -228,7 +228,7 @@ def test_import_paths_that_do_not_resolve() -> None:
     with pytest.raises(ConfigError, match="^config key 'x': 'fedavg:' is not of the form 'package.module:name'$"):
         import_object("fedavg:", "x")
     assert error_of("strategy=fedweave.strategies.fedavg:FedAvgClient") == (
-        "config key 'strategy.name': 'fedweave.strategies.fedavg:FedAvgClient' declares no Params dataclass "
+        "config key 'strategy.name': 'fedweave.strategies.fedavg:FedAvgClient' declares no HParams dataclass "
         "of its settings"
     )
 
@@ -298,7 +298,7 @@ def test_shorthand_overrides() -> None:
     assert (config.strategy.name, config.aggregation.rule, config.topology.kind) == ("fedavg", "mean", "star")
     # a dotted key below a shorthand string turns it into its section
     proximal = config_mod.load(None, [f"strategy={PROXIMAL}", "strategy.mu=0.2"])
-    assert (proximal.strategy.name, proximal.strategy.params) == (PROXIMAL, ProximalParams(mu=0.2))
+    assert (proximal.strategy.name, proximal.strategy.params) == (PROXIMAL, ProximalHParams(mu=0.2))
     partition = config_mod.load(None, ["task.partition=iid", "task.partition.min_samples=3"])
     assert (partition.task.partition.scheme, partition.task.partition.min_samples) == ("iid", 3)
 
@@ -323,7 +323,7 @@ def test_load_a_file_with_overrides(tmp_path: Path) -> None:
 def test_an_empty_file_is_all_defaults(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing here\n")
-    assert config_mod.load(path) == Config(strategy=config_mod.StrategyConfig("fedavg", FedAvgParams()))
+    assert config_mod.load(path) == Config(strategy=config_mod.StrategyConfig("fedavg", FedAvgHParams()))
 
 
 def file_error(path: Path) -> str:
@@ -386,7 +386,7 @@ def test_to_yaml_then_load_gives_the_same_config(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(config_mod.to_yaml(config))
     assert config_mod.load(path) == config
-    assert config_mod.load(path).strategy.params == ProximalParams(mu=0.25)
+    assert config_mod.load(path).strategy.params == ProximalHParams(mu=0.25)
 
 
 def test_clients_per_round_honours_fraction_and_minimum() -> None:

@@ -22,7 +22,7 @@ from fedweave import runner
 from fedweave.build import build_strategy
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgHParams
 from fedweave.training import ClientJob, LocalSettings
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind, Work
 
@@ -46,7 +46,7 @@ def example(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 def test_the_config_selects_it_by_import_path(example: ModuleType) -> None:
     config = config_mod.load(CONFIG)
     assert config.strategy.name == NAME
-    assert config.strategy.params == example.DecayedFedAvgParams(server_lr=1.0, decay=0.95)
+    assert config.strategy.params == example.DecayedFedAvgHParams(server_lr=1.0, decay=0.95)
     assert isinstance(build_strategy(config), example.DecayedFedAvg)
 
 
@@ -127,7 +127,7 @@ def gradient_descent(params: Params, cid: int, steps: int, lr: float) -> tuple[t
 def test_one_round_by_hand(example: ModuleType) -> None:
     x0 = linear([0.5, -0.25], 0.1)
     rnd, steps, lr, server_lr, decay = 3, 2, 0.1, 0.5, 0.8
-    client = example.DecayedFedAvgClient(example.DecayedFedAvgParams())
+    client = example.DecayedFedAvgClient(example.DecayedFedAvgHParams())
     updates = [client.train(job(x0, cid, rnd, steps, lr)) for cid in (0, 1)]
 
     deltas = []
@@ -140,7 +140,7 @@ def test_one_round_by_hand(example: ModuleType) -> None:
         assert_same_params(update.tensors, expected, atol=1e-12)
         deltas.append(expected)
 
-    server = example.DecayedFedAvg(example.DecayedFedAvgParams(server_lr=server_lr, decay=decay), StrategyContext(2))
+    server = example.DecayedFedAvg(example.DecayedFedAvgHParams(server_lr=server_lr, decay=decay), StrategyContext(2))
     x1 = server.aggregate(rnd, x0, updates)
     eta = server_lr * decay ** (rnd - 1)  # 0.32 in round 3
     for name in x0:
@@ -163,7 +163,7 @@ def test_running_statistics_take_the_mean_and_counters_the_max(example: ModuleTy
         )
         for w, v, count in deltas
     ]
-    server = example.DecayedFedAvg(example.DecayedFedAvgParams(server_lr=0.5, decay=0.5), StrategyContext(2))
+    server = example.DecayedFedAvg(example.DecayedFedAvgHParams(server_lr=0.5, decay=0.5), StrategyContext(2))
     new = server.aggregate(2, params, updates)  # η_2 = 0.25
     torch.testing.assert_close(new["w"], torch.tensor([1.05, 2.1]))
     torch.testing.assert_close(new["bn.running_var"], torch.tensor([1.4]))
@@ -172,11 +172,11 @@ def test_running_statistics_take_the_mean_and_counters_the_max(example: ModuleTy
 
 def test_without_decay_it_is_fedavg_exactly(example: ModuleType) -> None:
     x0 = linear([0.5, -0.25], 0.1)
-    client = example.DecayedFedAvgClient(example.DecayedFedAvgParams())
+    client = example.DecayedFedAvgClient(example.DecayedFedAvgHParams())
     updates = [client.train(job(x0, cid, 1, 3, 0.1)) for cid in (0, 1)]
     ctx = StrategyContext(2)
-    ours = example.DecayedFedAvg(example.DecayedFedAvgParams(server_lr=1.0, decay=1.0), ctx).aggregate(7, x0, updates)
-    assert_same_params(ours, FedAvg(FedAvgParams(), ctx).aggregate(7, x0, updates))
+    ours = example.DecayedFedAvg(example.DecayedFedAvgHParams(server_lr=1.0, decay=1.0), ctx).aggregate(7, x0, updates)
+    assert_same_params(ours, FedAvg(FedAvgHParams(), ctx).aggregate(7, x0, updates))
 
 
 # --------------------------------------------------------------------------- end to end

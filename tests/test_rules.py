@@ -25,7 +25,7 @@ class GradientOnly:
     combines_encoded: ClassVar[bool] = False
 
     @dataclass
-    class Params:
+    class HParams:
         pass
 
     def __init__(self, params: Any) -> None:

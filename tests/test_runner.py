@@ -25,7 +25,7 @@ from fedweave.errors import CheckpointError, ConfigError, NothingTrained
 from fedweave.plugins.privacy.accountant import epsilon
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgHParams
 from fedweave.training import ClientJob
 from fedweave.types import Params, Update, UpdateKind
 
@@ -59,7 +59,7 @@ class ServerMomentum(FedAvg):
 
     Client = CarryingClient
 
-    def __init__(self, hp: FedAvgParams, ctx: StrategyContext):
+    def __init__(self, hp: FedAvgHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.velocity: Params = {}
 
@@ -420,7 +420,7 @@ def test_reopen_of_a_run_without_a_checkpoint_begins_it_again(tmp_path: Path) ->
 
 
 @dataclasses.dataclass
-class UnreachableParams:
+class UnreachableHParams:
     hold_file: str = ""
 
 
@@ -429,11 +429,11 @@ class Unreachable:
     federation whose server no client reaches; then it lets every update pass unchanged."""
 
     name = "unreachable"
-    Params = UnreachableParams
+    HParams = UnreachableHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
 
-    def __init__(self, hp: UnreachableParams):
+    def __init__(self, hp: UnreachableHParams):
         self.hp = hp
 
     def encode(self, payload: Any, ctx: Any) -> Any:

@@ -28,8 +28,8 @@ from fedweave.device import resolve
 from fedweave.errors import ConfigError
 from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
-from fedweave.plugins.chain import POINTS, Chain, Chains
-from fedweave.plugins.contracts import check_plugin_class
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.contracts import POINTS, check_plugin_class
 from fedweave.seeding import derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
 from fedweave.strategies.base import ChecksModel, DeclaresUpdate, StrategyContext

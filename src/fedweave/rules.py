@@ -24,7 +24,7 @@ from typing import Any
 from fedweave.config.root import emulates_clients
 from fedweave.errors import ConfigError
 from fedweave.plugins.compose import check_chains, configured
-from fedweave.plugins.contracts import BeginsRound, SealsModel, check_plugin_class
+from fedweave.plugins.contracts import BeginsRound, SealsModel, check_plugin_class, declaration
 
 RING_OBSERVERS = ("fedavg", "fedprox")
 """Strategies whose server step is the plain example-weighted mean: a ring's observer."""
@@ -244,7 +244,7 @@ def sealed_model(config: Any) -> None:
                 "which no plugin can compress or transform; leave plugins.server_send empty"
             )
         for at, j, earlier, cls in plugins:
-            if at == "client_send" and j < i and getattr(cls, "stage", None) == "compress":
+            if at == "client_send" and j < i and declaration(cls).stage == "compress":
                 raise ConfigError(
                     f"config key 'plugins.client_send[{j}]': plugin {spec.name!r} adds every value of the update into "
                     f"the encrypted model, whose layout compression ({earlier.name!r}) changes; remove it"
@@ -285,7 +285,7 @@ def per_client_evaluation(config: Any) -> None:
     if not config.eval.per_client:
         return
     for point, i, spec, plugin in _plugins(config):
-        if getattr(plugin, "protects", None):
+        if declaration(plugin).protects:
             raise ConfigError(
                 f"config key 'eval.per_client': each client's own metrics are not released under differential "
                 f"privacy (plugins.{point}[{i}] is {spec.name!r}); drop per_client"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, final
 
 import torch
 
@@ -46,6 +46,7 @@ update of that client it applied (0: none); the client then keeps or drops the s
 trained in that round (see :mod:`fedweave.federated.client`)."""
 
 
+@final
 @dataclass
 class Instruction:
     """Server to client: what to do this round and with which parameters."""
@@ -59,6 +60,7 @@ class Instruction:
     applied: list[str] = field(default_factory=list)  # plugins applied on the wire, in order
 
 
+@final
 @dataclass
 class Update:
     """Client to server: the result of local training."""

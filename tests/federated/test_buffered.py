@@ -16,7 +16,7 @@ from fedweave.federated.buffered import buffered_step, staleness_weight
 from fedweave.config import AsynchronousConfig
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgHParams
 from fedweave.types import Update, UpdateKind
 from fedweave.federated.checks import ExampleLimits
 
@@ -36,7 +36,7 @@ def test_staleness_weights() -> None:
 
 
 def test_buffered_step_by_hand() -> None:
-    strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=2))
+    strategy = FedAvg(FedAvgHParams(), StrategyContext(num_clients=2))
     params = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "count": torch.tensor(3)}
     fresh = Update(UpdateKind.DELTA, {"w": torch.tensor([2.0, 0.0], dtype=torch.float64), "count": torch.tensor(5)}, 1)
     stale = Update(UpdateKind.DELTA, {"w": torch.tensor([0.0, 4.0], dtype=torch.float64), "count": torch.tensor(7)}, 3)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedweave.strategies.fedbn import FedBN, FedBNParams
-from fedweave.strategies.fednova import NORM, FedNova, FedNovaParams
-from fedweave.strategies.fedper import FedPer, FedPerParams
-from fedweave.strategies.scaffold import Scaffold, ScaffoldParams
+from fedweave.strategies.fedbn import FedBN, FedBNHParams
+from fedweave.strategies.fednova import NORM, FedNova, FedNovaHParams
+from fedweave.strategies.fedper import FedPer, FedPerHParams
+from fedweave.strategies.scaffold import Scaffold, ScaffoldHParams
 from fedweave.types import Evaluation, Update, UpdateKind
 from fedweave.federated.checks import (
     check_ciphertexts,
@@ -142,15 +142,15 @@ class Net(nn.Module):
 def test_strategies_declare_what_their_updates_hold() -> None:
     net = Net()
     entries = dict(net.state_dict())
-    scaffold = Scaffold.update_schema(net, ScaffoldParams())
+    scaffold = Scaffold.update_schema(net, ScaffoldHParams())
     assert set(scaffold.tensors) == set(entries)
     assert scaffold.extras == {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in net.named_parameters()}
     assert "norm.running_mean" not in scaffold.extras  # a buffer has no control variate
-    nova = FedNova.update_schema(net, FedNovaParams())
+    nova = FedNova.update_schema(net, FedNovaHParams())
     assert set(nova.tensors) == set(entries) and nova.extras == {NORM: TensorSpec((), torch.float64)}
-    per = FedPer.update_schema(net, FedPerParams(personal=["head.*"]))
+    per = FedPer.update_schema(net, FedPerHParams(personal=["head.*"]))
     assert set(per.tensors) == set(entries) - {"head.weight", "head.bias"} and not per.extras
-    bn = FedBN.update_schema(net, FedBNParams())
+    bn = FedBN.update_schema(net, FedBNHParams())
     assert set(bn.tensors) == {"body.weight", "body.bias", "head.weight", "head.bias"}
 
 

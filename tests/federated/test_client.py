@@ -19,8 +19,9 @@ from fedweave import runner
 from fedweave.federated.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
 from fedweave.federated.client import ClientData, ClientRuntime, ClientStateStore
-from fedweave.plugins.chain import Chain, Chains, PluginContext
-from fedweave.plugins.compression.topk import TopK, TopKParams
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.contracts import PluginContext
+from fedweave.plugins.compression.topk import TopK, TopKHParams
 from fedweave.plugins.compression.wire import DELTA
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
@@ -450,7 +451,7 @@ def test_a_compressed_broadcast_whose_layout_is_not_the_model_s_is_refused_befor
     anything (no tensor of more entries than the model's largest), and still trains on an honest
     broadcast afterwards."""
     runtime, params = runtime_and_params
-    plugin = TopK(TopKParams())
+    plugin = TopK(TopKHParams())
     client = ClientRuntime(runtime.algorithm, runtime.data, runtime.model, runtime.loss_fn, runtime.settings,
                            Chains(server_send=Chain([plugin])), ClientStateStore(), runtime.seed)
     dense = train_message(0, params)

@@ -15,7 +15,8 @@ import torch
 from fedweave.federated import receive as receive_module
 from fedweave.federated.checks import ExampleLimits, UpdateChecks
 from fedweave.federated.receive import STEPS, accept_updates
-from fedweave.plugins.chain import Chain, Chains, PluginContext
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.packing import FLAT, field, layout
 from fedweave.types import Message, Params, Update, UpdateKind
 

@@ -25,11 +25,12 @@ from fedweave.federated.rounds import (
     train_round,
 )
 from fedweave.errors import RoundError
-from fedweave.plugins.chain import Chain, Chains, PluginContext
-from fedweave.plugins.compression.topk import TopK, TopKParams
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.contracts import PluginContext
+from fedweave.plugins.compression.topk import TopK, TopKHParams
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgHParams
 from fedweave.strategies.robust import averager
 from fedweave.topologies.star import Star
 from fedweave.transports.base import Exchange
@@ -100,7 +101,7 @@ def make_parts(
     seed: int = 0,
 ) -> RoundParts:
     return RoundParts(
-        strategy=FedAvg(FedAvgParams(), StrategyContext(num_clients=num_clients)),
+        strategy=FedAvg(FedAvgHParams(), StrategyContext(num_clients=num_clients)),
         controller=RecordingController(num_clients, per_round, seed),
         topology=topology if topology is not None else Star(InMemoryTransport(handler)),
         chains=Chains(),
@@ -318,7 +319,7 @@ def test_updates_the_rule_discards_do_not_count_as_applied(
         4: lambda cid: scripted(cid, 8.0),
     })
     parts = make_parts(handler, num_clients=8, per_round=8, topology=TwoSites(handler))
-    parts.strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=8, average=averager(aggregation)))
+    parts.strategy = FedAvg(FedAvgHParams(), StrategyContext(num_clients=8, average=averager(aggregation)))
     parts.checks = UpdateChecks(weights=WeightPolicy("trust"))  # client 4's 5 is above 3 x the median 1 per client
     params, record = train_round(parts, 1, start())
     assert_w(params, w)
@@ -679,7 +680,7 @@ def test_a_compressed_update_whose_layout_is_not_the_model_s_is_refused_before_i
     """Client 2's top-k payload (18 bytes) claims 'w' is 2^26 float64 entries: the server refuses
     the layout against the model's before building anything (before, it built 768 MB and only
     then refused the shape), and the honest compressed updates of the round count."""
-    plugin = TopK(TopKParams(ratio=1.0, error_feedback=False))
+    plugin = TopK(TopKHParams(ratio=1.0, error_feedback=False))
     big = 1 << 26
 
     def honest(cid: int) -> Update:

@@ -10,13 +10,13 @@ import os
 import time
 from dataclasses import dataclass, replace
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Payload, PluginContext
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
 
 @dataclass
-class SlowLinkParams:
+class SlowLinkHParams:
     seconds: float = opt(0.5, ge=0, help="delay of each update while hold_file exists")
     hold_file: str = opt("", help="the delay applies while this file exists (empty: always)")
 
@@ -25,11 +25,11 @@ class SlowLink:
     """Delay each update on the client; change nothing."""
 
     name = "slowlink"
-    Params = SlowLinkParams
+    HParams = SlowLinkHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
 
-    def __init__(self, hp: SlowLinkParams):
+    def __init__(self, hp: SlowLinkHParams):
         self.hp = hp
 
     def encode(self, payload: Payload, ctx: PluginContext) -> Payload:

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 
 from fedweave.plugins import PLUGINS
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.types import Params, Update, UpdateKind
 
 
 def make(name: str, clients: int = 10, clients_per_round: int | None = None, seed: int = 0, **params: Any) -> Any:
     """Built-in plugin ``name`` with ``params``, bound to a run of ``clients`` clients."""
     cls = PLUGINS.get(name, "test")
-    plugin = cls(cls.Params(**params))
+    plugin = cls(cls.HParams(**params))
     if hasattr(plugin, "bind"):
         per_round = clients if clients_per_round is None else clients_per_round
         plugin.bind(SimpleNamespace(seed=seed, clients=clients, clients_per_round=per_round))

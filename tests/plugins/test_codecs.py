@@ -96,7 +96,7 @@ def test_randk_sends_the_seeded_positions_scaled_and_decodes_them_anywhere() -> 
 
 def test_randk_keeps_a_bounded_number_of_drawn_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(randk_mod, "HELD_POSITIONS", 25)
-    codec = randk_mod.RandKCodec(randk_mod.RandKParams(ratio=0.1))
+    codec = randk_mod.RandKCodec(randk_mod.RandKHParams(ratio=0.1))
     for seed in range(10):
         positions = codec._positions(seed, 100)  # 10 each: at most 2 kept
         assert torch.equal(positions, torch.randperm(100, generator=torch.Generator().manual_seed(seed))[:10].int())

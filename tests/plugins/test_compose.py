@@ -8,7 +8,7 @@ import pytest
 
 from conftest import small_config
 from fedweave.errors import ConfigError
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.identity import Identity
 from fedweave.training import SGD_LOOP, LocalTraining
 

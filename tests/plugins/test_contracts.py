@@ -14,9 +14,11 @@ from fedweave import runner
 from fedweave.errors import ConfigError
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.contracts import (
+    NOTHING,
     Answers,
     Binds,
     Combines,
+    Declaration,
     Plugin,
     ReportsMetrics,
     RunsProtocol,
@@ -33,7 +35,7 @@ class Base:
     combines_encoded = False
 
     @dataclass
-    class Params:
+    class HParams:
         pass
 
     def __init__(self, hp: Any) -> None:
@@ -50,7 +52,7 @@ class NoDecode:
     name = "no_decode"
     accepts = frozenset(UpdateKind)
     combines_encoded = False
-    Params = Base.Params
+    HParams = Base.HParams
 
     def encode(self, payload: Any, ctx: Any) -> Any:
         return payload
@@ -94,8 +96,38 @@ class SetupNotCombining(Base):
 
 class UplinkCompressor(Base):
     name = "uplink_compressor"
-    stage = "compress"
-    points = ("client_send",)
+    declares = Declaration(stage="compress", points=("client_send",))
+
+
+class DeclaresAString(Base):
+    name = "declares_a_string"
+    declares = "compress"
+
+
+class UnknownStage(Base):
+    name = "unknown_stage"
+    declares = Declaration(stage="compression")
+
+
+class PointsAsAString(Base):
+    name = "points_as_a_string"
+    declares = Declaration(points="client_send")
+
+
+class SummableAsAString(Base):
+    name = "summable_as_a_string"
+    declares = Declaration(summable="yes")
+
+
+class UnknownProtection(Base):
+    name = "unknown_protection"
+    declares = Declaration(protects="everything")
+
+
+class BareStage(Base):
+    name = "bare_stage"
+    stage = "clip"
+    summable = True
 
 
 def path(cls: type) -> str:
@@ -111,6 +143,13 @@ def path(cls: type) -> str:
         ("client_send", SaveOnly, "has state_dict but lacks load_state_dict of the Stateful protocol"),
         ("client_send", SetupNotCombining, "has setup(), which runs only for a plugin that combines updates"),
         ("server_send", UplinkCompressor, "belongs in plugins.client_send: its class declares points = ('client_send',)"),
+        ("client_send", DeclaresAString, "declares must be a fedweave.plugins.contracts.Declaration, got str"),
+        ("client_send", UnknownStage, "its Declaration's stage must be one of clip, noise, compress, secure, train"),
+        ("client_send", PointsAsAString, "its Declaration's points must be a non-empty tuple of server_send,"),
+        ("client_send", SummableAsAString, "its Declaration's summable must be a bool or a function"),
+        ("client_send", UnknownProtection, "its Declaration's protects must be one of update, training or None"),
+        ("client_send", BareStage, "declares stage, summable as class attributes, which the rules do not read; "
+         "declare them as declares = Declaration(stage=..., summable=...)"),
     ],
 )
 def test_a_broken_contract_is_one_line_at_load(point: str, cls: type, message: str) -> None:
@@ -119,6 +158,25 @@ def test_a_broken_contract_is_one_line_at_load(point: str, cls: type, message: s
     assert f"config key 'plugins.{point}[0]'" in str(err.value)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_every_built_in_plugin_declares_through_one_declaration() -> None:
+    from fedweave.plugins import PLUGINS
+    from fedweave.plugins.compression.quantize import QuantizeHParams
+    from fedweave.plugins.compression.randk import RandKHParams
+    from fedweave.plugins.contracts import check_plugin_class
+
+    for name in PLUGINS.names():
+        cls = PLUGINS.get(name, "plugins.client_send[0].name")
+        check_plugin_class(cls, "plugins.client_send[0]")  # no bare stage, points, summable, ... beside it
+        assert isinstance(getattr(cls, "declares", NOTHING), Declaration), name
+    declared = {name: getattr(PLUGINS.get(name, "k"), "declares", NOTHING) for name in PLUGINS.names()}
+    assert declared["clip"] == Declaration(stage="clip", points=("client_send",), summable=True)
+    assert declared["dp_local"].protects == "update" and declared["dpsgd"].protects == "training"
+    assert declared["he"].needs_one_process(PLUGINS.get("he", "k").HParams()) is not None
+    assert declared["quantize"].is_summable(QuantizeHParams(dtype="float16"))
+    assert not declared["quantize"].is_summable(QuantizeHParams(dtype="int8"))
+    assert declared["randk"].is_summable(RandKHParams(shared_indices=True)) and not declared["topk"].is_summable(None)
 
 
 def test_a_compressor_outside_the_send_chains_is_told_why() -> None:
@@ -191,6 +249,6 @@ def test_building_the_chains_checks_each_plugin_too() -> None:
     from fedweave.config import PluginSpec
 
     config = small_config()
-    config.plugins.client_send = [PluginSpec(name=path(SaveOnly), params=Base.Params())]
+    config.plugins.client_send = [PluginSpec(name=path(SaveOnly), params=Base.HParams())]
     with pytest.raises(ConfigError, match="has state_dict but lacks load_state_dict"):
         build_chains(config)

@@ -16,11 +16,12 @@ from fnmatch import fnmatch
 
 import torch
 
+from fedweave.plugins.contracts import Declaration
 from fedweave.types import UpdateKind
 
 
 @dataclass
-class ExcludeLayersParams:
+class ExcludeLayersHParams:
     patterns: list[str] = field(default_factory=lambda: ["head.*"])
 
 
@@ -28,10 +29,10 @@ class ExcludeLayers:
     """Keep the layers matching the patterns on the client: the server sees zero change for them."""
 
     name = "exclude_layers"
-    Params = ExcludeLayersParams
+    HParams = ExcludeLayersHParams
     accepts = frozenset({UpdateKind.DELTA})
     combines_encoded = False
-    points = ("client_send",)
+    declares = Declaration(points=("client_send",))
 
     def __init__(self, hp):
         self.hp = hp

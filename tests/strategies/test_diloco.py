@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.diloco import DiLoCo, DiLoCoClient, DiLoCoParams, InnerAdamW
+from fedweave.strategies.diloco import DiLoCo, DiLoCoClient, DiLoCoHParams, InnerAdamW
 from fedweave.types import Params, Update, UpdateKind
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 
 from .conftest import tiny_data, tiny_job, tiny_params
 
-HP = DiLoCoParams(
+HP = DiLoCoHParams(
     outer_lr=0.7, outer_momentum=0.9, inner_lr=0.05, inner_weight_decay=0.1, beta1=0.8, beta2=0.95, eps=1e-6
 )
 

@@ -10,7 +10,7 @@ import torch
 
 from fedweave import runner
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.ditto import Ditto, DittoClient, DittoParams
+from fedweave.strategies.ditto import Ditto, DittoClient, DittoHParams
 from fedweave.types import Params, TaskKind
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
@@ -18,7 +18,7 @@ from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 from .conftest import tiny_data, tiny_job, tiny_params
 
 LR = 0.1
-HP = DittoParams(lam=0.3, personal_steps=3)
+HP = DittoHParams(lam=0.3, personal_steps=3)
 
 
 def tiny_mse(w: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -8,17 +8,17 @@ import numpy as np
 import torch
 
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgHParams
 from fedweave.types import TaskKind, Update, UpdateKind, Work
 
 from .conftest import tiny_data, tiny_job, tiny_params
 
-NumpyParams = dict[str, np.ndarray]
+NumpyHParams = dict[str, np.ndarray]
 
 
 def gradient_descent(
-    params: NumpyParams, x: np.ndarray, y: np.ndarray, lr: float, steps: int
-) -> tuple[NumpyParams, list[float]]:
+    params: NumpyHParams, x: np.ndarray, y: np.ndarray, lr: float, steps: int
+) -> tuple[NumpyHParams, list[float]]:
     """Full-batch gradient descent on the MSE of Tiny (out = (x Wᵀ) hᵀ + b), gradients written out by hand."""
     w, h, b = (params[k].copy() for k in ("features.weight", "head.weight", "head.bias"))
     losses = []
@@ -35,12 +35,12 @@ def gradient_descent(
     return {"features.weight": w, "head.weight": h, "head.bias": b}, losses
 
 
-def as_numpy(params: dict[str, torch.Tensor]) -> NumpyParams:
+def as_numpy(params: dict[str, torch.Tensor]) -> NumpyHParams:
     return {k: v.numpy().copy() for k, v in params.items()}
 
 
 def test_configure_sends_the_global_params_to_every_planned_client() -> None:
-    strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=5))
+    strategy = FedAvg(FedAvgHParams(), StrategyContext(num_clients=5))
     params = tiny_params()
     plan = [Work(1, 8), Work(3, 8, epochs=2), Work(4, 16, local_steps=3)]
     instructions = strategy.configure(7, params, plan)
@@ -50,7 +50,7 @@ def test_configure_sends_the_global_params_to_every_planned_client() -> None:
 
 
 def test_server_step_is_the_example_weighted_mean_of_deltas() -> None:
-    strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=2))
+    strategy = FedAvg(FedAvgHParams(), StrategyContext(num_clients=2))
     params = {"w": torch.tensor([1.0, 1.0], dtype=torch.float64), "n": torch.tensor(2)}
     updates = [
         Update(UpdateKind.DELTA, {"w": torch.tensor([2.0, 0.0], dtype=torch.float64), "n": torch.tensor(4)}, 1),
@@ -64,7 +64,7 @@ def test_server_step_is_the_example_weighted_mean_of_deltas() -> None:
 
 def test_client_update_is_full_batch_gradient_descent() -> None:
     job = tiny_job(epochs=3, lr=0.05)
-    update = FedAvgClient(FedAvgParams()).train(job)
+    update = FedAvgClient(FedAvgHParams()).train(job)
     x, y = (t.numpy() for t in tiny_data())
     expected, losses = gradient_descent(as_numpy(tiny_params()), x, y, lr=0.05, steps=3)
     assert update.kind is UpdateKind.DELTA and update.num_examples == 4 and update.local_steps == 3
@@ -78,10 +78,10 @@ def test_one_round_by_hand() -> None:
     """Two clients with 1 and 3 samples, two full-batch steps each, then the server's weighted mean."""
     x, y = tiny_data()
     shards = [(x[:1], y[:1]), (x[1:], y[1:])]
-    strategy = FedAvg(FedAvgParams(), StrategyContext(num_clients=2))
+    strategy = FedAvg(FedAvgHParams(), StrategyContext(num_clients=2))
     global_params = tiny_params()
     instructions = strategy.configure(1, global_params, [Work(0, 4, epochs=2), Work(1, 4, epochs=2)])
-    client = FedAvgClient(FedAvgParams())
+    client = FedAvgClient(FedAvgHParams())
     updates = []
     for instruction, (xs, ys) in zip(instructions, shards):
         job = dataclasses.replace(tiny_job(lr=0.1, epochs=2), instruction=instruction, x_train=xs, y_train=ys)
@@ -100,9 +100,9 @@ def test_one_round_by_hand() -> None:
 
 def test_evaluate_reports_the_local_test_split() -> None:
     job = tiny_job()
-    evaluation = FedAvgClient(FedAvgParams()).evaluate(job)
+    evaluation = FedAvgClient(FedAvgHParams()).evaluate(job)
     assert evaluation.num_examples == 4
     assert set(evaluation.metrics) == {"loss", "accuracy"}
     empty = dataclasses.replace(job, x_test=job.x_test[:0], y_test=job.y_test[:0])
-    nothing = FedAvgClient(FedAvgParams()).evaluate(empty)
+    nothing = FedAvgClient(FedAvgHParams()).evaluate(empty)
     assert (nothing.num_examples, nothing.metrics) == (0, {})

@@ -10,8 +10,8 @@ import torch
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
-from fedweave.strategies.fedavgm import FedAvgM, FedAvgMParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgHParams
+from fedweave.strategies.fedavgm import FedAvgM, FedAvgMHParams
 from fedweave.types import Params, Update, UpdateKind
 
 from .conftest import tiny_params
@@ -38,7 +38,7 @@ def test_clients_train_as_fedavg() -> None:
 
 def test_two_rounds_of_server_momentum_by_hand() -> None:
     lr, beta = 0.5, 0.8
-    strategy = FedAvgM(FedAvgMParams(server_lr=lr, momentum=beta), StrategyContext(num_clients=2))
+    strategy = FedAvgM(FedAvgMHParams(server_lr=lr, momentum=beta), StrategyContext(num_clients=2))
     x0 = with_counter(tiny_params(), 5)
     x1 = strategy.aggregate(1, x0, ROUNDS[0])
     x2 = strategy.aggregate(2, x1, ROUNDS[1])
@@ -56,8 +56,8 @@ def test_two_rounds_of_server_momentum_by_hand() -> None:
 
 def test_momentum_zero_is_fedavg_exactly() -> None:
     ctx = StrategyContext(num_clients=2)
-    fedavgm = FedAvgM(FedAvgMParams(server_lr=1.0, momentum=0.0), ctx)
-    fedavg = FedAvg(FedAvgParams(), ctx)
+    fedavgm = FedAvgM(FedAvgMHParams(server_lr=1.0, momentum=0.0), ctx)
+    fedavg = FedAvg(FedAvgHParams(), ctx)
     a = b = with_counter(tiny_params(), 5)
     for rnd, updates in enumerate(ROUNDS, start=1):
         a, b = fedavgm.aggregate(rnd, a, updates), fedavg.aggregate(rnd, b, updates)
@@ -72,7 +72,7 @@ def test_run_with_momentum_zero_is_the_fedavg_run(tmp_path: Path) -> None:
 
 
 def test_running_statistics_take_the_plain_average() -> None:
-    strategy = FedAvgM(FedAvgMParams(server_lr=2.0, momentum=0.9), StrategyContext(num_clients=2))
+    strategy = FedAvgM(FedAvgMHParams(server_lr=2.0, momentum=0.9), StrategyContext(num_clients=2))
     x = {"w": torch.tensor([1.0]), "bn.running_var": torch.tensor([1.0])}
     updates = [update({"w": torch.tensor([0.5]), "bn.running_var": torch.tensor([v])}, 1) for v in (-0.6, -0.8)]
     new = strategy.aggregate(1, x, updates)

@@ -10,7 +10,7 @@ from torch import nn
 
 from fedweave import runner
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedbn import FedBN, FedBNClient, FedBNParams, batch_norm_keys
+from fedweave.strategies.fedbn import FedBN, FedBNClient, FedBNHParams, batch_norm_keys
 from fedweave.task import build_model
 from fedweave.training import ClientJob
 from fedweave.types import Params, TaskKind
@@ -96,7 +96,7 @@ def test_one_round_by_hand_client_and_server() -> None:
     glob = bn_params([1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], 0)
     own = bn_params([1.5, 0.5], [-0.2, 0.3], [0.3, -0.1], [2.0, 0.5], 5)
     x, y = tiny_data()
-    client = FedBNClient(FedBNParams())
+    client = FedBNClient(FedBNHParams())
     jobs = [bn_job(glob, 0, 4, state={"local": {k: own[k] for k in (*BN, COUNT)}}), bn_job(glob, 1, 3)]
     updates = [client.train(job) for job in jobs]
 
@@ -108,7 +108,7 @@ def test_one_round_by_hand_client_and_server() -> None:
         assert_same_params(job.state["local"], {k: want[k] for k in (*BN, COUNT)}, atol=1e-10)
     assert int(jobs[0].state["local"][COUNT]) == 7
 
-    new = FedBN(FedBNParams(), StrategyContext(num_clients=2)).aggregate(1, glob, updates)
+    new = FedBN(FedBNHParams(), StrategyContext(num_clients=2)).aggregate(1, glob, updates)
     mean = {k: (4 * trained[0][k] + 3 * trained[1][k]) / 7 for k in shared}
     assert_same_params(new, {**glob, **mean}, atol=1e-10)
 
@@ -121,7 +121,7 @@ def test_evaluate_uses_the_local_batch_norm() -> None:
     z = x @ own["features.0.weight"].T
     normed = (z - own[BN[2]]) / torch.sqrt(own[BN[3]] + EPS) * own[BN[0]] + own[BN[1]]
     expected = ((normed @ own["head.weight"].T + own["head.bias"] - y) ** 2).mean()
-    assert abs(FedBNClient(FedBNParams()).evaluate(job).metrics["loss"] - float(expected)) < 1e-10
+    assert abs(FedBNClient(FedBNHParams()).evaluate(job).metrics["loss"] - float(expected)) < 1e-10
 
 
 def test_without_batch_norm_it_is_fedavg(tmp_path: Path) -> None:

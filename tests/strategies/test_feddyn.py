@@ -10,7 +10,7 @@ import torch
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.feddyn import LINEAR, FedDyn, FedDynClient, FedDynParams
+from fedweave.strategies.feddyn import LINEAR, FedDyn, FedDynClient, FedDynHParams
 from fedweave.types import Params, Update, UpdateKind
 
 from .conftest import tiny_data, tiny_job, tiny_params
@@ -41,7 +41,7 @@ def dyn_descent(linear: Params) -> Params:
 @pytest.mark.parametrize("linear", [None, tiny_params(0.02)])
 def test_client_round_by_hand(linear: Params | None) -> None:
     job = tiny_job(X, local_steps=STEPS, lr=LR, state=None if linear is None else {LINEAR: linear})
-    update = FedDynClient(FedDynParams(alpha=ALPHA)).train(job)
+    update = FedDynClient(FedDynHParams(alpha=ALPHA)).train(job)
     previous = linear if linear is not None else {k: torch.zeros_like(v) for k, v in X.items()}
     theta = dyn_descent(previous)
     assert_same_params(update.tensors, {k: theta[k] - X[k] for k in X}, atol=1e-12)
@@ -55,7 +55,7 @@ def update(scale: float, counter: int, n: int) -> Update:
 
 def test_two_server_rounds_by_hand() -> None:
     """m = 4 clients, two of them per round; means are uniform whatever num_examples says."""
-    strategy = FedDyn(FedDynParams(alpha=ALPHA), StrategyContext(num_clients=4))
+    strategy = FedDyn(FedDynHParams(alpha=ALPHA), StrategyContext(num_clients=4))
     x0 = {**X, "bn.num_batches_tracked": torch.tensor(1)}
     x1 = strategy.aggregate(1, x0, [update(0.1, 3, 1), update(-0.3, 2, 9)])
     x2 = strategy.aggregate(2, x1, [update(0.2, 5, 4), update(0.4, 4, 1)])
@@ -84,7 +84,7 @@ def test_config_loads_and_checks_ranges() -> None:
 
 
 def test_running_statistics_take_the_plain_average() -> None:
-    strategy = FedDyn(FedDynParams(alpha=ALPHA), StrategyContext(num_clients=4))
+    strategy = FedDyn(FedDynHParams(alpha=ALPHA), StrategyContext(num_clients=4))
     x = {"w": torch.tensor([1.0]), "bn.running_var": torch.tensor([1.0])}
     deltas = [{"w": torch.tensor([0.5]), "bn.running_var": torch.tensor([v])} for v in (-0.6, -0.8)]
     new = strategy.aggregate(1, x, [Update(kind=UpdateKind.DELTA, tensors=d, num_examples=1) for d in deltas])

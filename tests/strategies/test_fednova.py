@@ -12,8 +12,8 @@ import torch
 from conftest import assert_same_params, run_to_end, small_config
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
-from fedweave.strategies.fednova import NORM, FedNova, FedNovaClient, FedNovaParams
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgHParams
+from fedweave.strategies.fednova import NORM, FedNova, FedNovaClient, FedNovaHParams
 from fedweave.training import ClientJob
 from fedweave.types import Params, Update, UpdateKind
 
@@ -48,7 +48,7 @@ def job(steps: int, momentum: float = 0.0, second: bool = False, **kw) -> Client
 
 
 def test_unequal_steps_with_momentum_by_hand() -> None:
-    client = FedNovaClient(FedNovaParams())
+    client = FedNovaClient(FedNovaHParams())
     jobs = [job(2, 0.5), job(5, 0.5, second=True)]
     updates = [client.train(j) for j in jobs]
     a = [1 + 1.5, 1 + 1.5 + 1.75 + 1.875 + 1.9375]  # Σ_t Σ_{k<t} ρ^k: each gradient's total weight
@@ -60,25 +60,25 @@ def test_unequal_steps_with_momentum_by_hand() -> None:
         assert u.extras[NORM].item() == pytest.approx(a_i, abs=1e-12)
     p = [4 / 7, 3 / 7]
     tau_eff = p[0] * a[0] + p[1] * a[1]
-    new = FedNova(FedNovaParams(), StrategyContext(num_clients=2)).aggregate(1, X, updates)
+    new = FedNova(FedNovaHParams(), StrategyContext(num_clients=2)).aggregate(1, X, updates)
     for k in X:
         want = X[k] + tau_eff * (p[0] * deltas[0][k] / a[0] + p[1] * deltas[1][k] / a[1])
         torch.testing.assert_close(new[k], want, rtol=0, atol=1e-12)
 
 
 def test_weight_decay_leaves_a_at_the_step_count() -> None:
-    update = FedNovaClient(FedNovaParams()).train(job(4, weight_decay=0.01))
+    update = FedNovaClient(FedNovaHParams()).train(job(4, weight_decay=0.01))
     assert update.extras[NORM].item() == 4.0
 
 
 def test_equal_steps_without_momentum_is_fedavg_exactly() -> None:
-    nova = [FedNovaClient(FedNovaParams()).train(job(3, second=s)) for s in (False, True)]
-    plain = [FedAvgClient(FedAvgParams()).train(job(3, second=s)) for s in (False, True)]
+    nova = [FedNovaClient(FedNovaHParams()).train(job(3, second=s)) for s in (False, True)]
+    plain = [FedAvgClient(FedAvgHParams()).train(job(3, second=s)) for s in (False, True)]
     for a, b in zip(nova, plain):
         assert_same_params(a.tensors, b.tensors)
     ctx = StrategyContext(num_clients=2)
     assert_same_params(
-        FedNova(FedNovaParams(), ctx).aggregate(1, X, nova), FedAvg(FedAvgParams(), ctx).aggregate(1, X, plain)
+        FedNova(FedNovaHParams(), ctx).aggregate(1, X, nova), FedAvg(FedAvgHParams(), ctx).aggregate(1, X, plain)
     )
 
 
@@ -93,7 +93,7 @@ def test_run_with_equal_steps_is_the_fedavg_run(tmp_path: Path) -> None:
 
 def test_local_adam_is_refused() -> None:
     with pytest.raises(ValueError, match="FedNova"):
-        FedNovaClient(FedNovaParams()).train(job(2, optimizer="adam"))
+        FedNovaClient(FedNovaHParams()).train(job(2, optimizer="adam"))
 
 
 def test_config_loads_and_rejects_unknown_keys() -> None:
@@ -113,7 +113,7 @@ def test_running_statistics_take_the_plain_average() -> None:
         )
         for v, n, a in ((-0.6, 1, 2.0), (-0.8, 3, 6.0))
     ]
-    new = FedNova(FedNovaParams(), StrategyContext(num_clients=2)).aggregate(1, x, updates)
+    new = FedNova(FedNovaHParams(), StrategyContext(num_clients=2)).aggregate(1, x, updates)
     assert new["bn.running_var"].item() == pytest.approx(1 - (0.6 + 3 * 0.8) / 4)
     tau_eff = (2.0 + 3 * 6.0) / 4
     assert new["w"].item() == pytest.approx(1 + tau_eff * (0.5 / 2.0 + 3 * 0.5 / 6.0) / 4)
@@ -148,5 +148,5 @@ def test_a_robust_rule_takes_the_effective_steps_from_the_updates_it_trusts(rule
     average = averager(AggregationConfig(rule=rule, **options))
     updates = [claimed(0.4, 2, 2), claimed(1.0, 5, 1), claimed(50.0, 1000, 1)]
     x = {"w": torch.tensor([1.0], dtype=torch.float64)}
-    new = FedNova(FedNovaParams(), StrategyContext(num_clients=3, average=average)).aggregate(1, x, updates)
+    new = FedNova(FedNovaHParams(), StrategyContext(num_clients=3, average=average)).aggregate(1, x, updates)
     assert new["w"].item() == pytest.approx(want, rel=1e-12)

@@ -13,7 +13,7 @@ from fedweave.errors import ConfigError
 from fedweave.strategies import STRATEGIES
 from fedweave.strategies.base import StrategyContext
 from fedweave.strategies.fedavg import FedAvgClient
-from fedweave.strategies.fedopt import FedAdagrad, FedAdagradParams, FedAdam, FedOptParams, FedYogi
+from fedweave.strategies.fedopt import FedAdagrad, FedAdagradHParams, FedAdam, FedOptHParams, FedYogi
 from fedweave.types import Update, UpdateKind
 
 NAMES = ["fedadam", "fedyogi", "fedadagrad"]
@@ -56,9 +56,9 @@ def by_hand(rule: str, lr: float, beta1: float, beta2: float, tau: float) -> lis
 @pytest.mark.parametrize(
     ("rule", "cls", "hp"),
     [
-        ("adam", FedAdam, FedOptParams(server_lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)),
-        ("yogi", FedYogi, FedOptParams(server_lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)),
-        ("adagrad", FedAdagrad, FedAdagradParams(server_lr=0.1, beta1=0.9, tau=1e-3)),
+        ("adam", FedAdam, FedOptHParams(server_lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)),
+        ("yogi", FedYogi, FedOptHParams(server_lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)),
+        ("adagrad", FedAdagrad, FedAdagradHParams(server_lr=0.1, beta1=0.9, tau=1e-3)),
     ],
 )
 def test_three_server_steps_by_hand(rule: str, cls: type, hp: object) -> None:
@@ -74,7 +74,7 @@ def test_three_server_steps_by_hand(rule: str, cls: type, hp: object) -> None:
 
 def test_yogi_second_moment_falls_additively() -> None:
     """On a shrinking pseudo-gradient Yogi's v falls by (1-β2)Δ², Adam's by (1-β2)(v - Δ²)."""
-    hp = FedOptParams(server_lr=0.1, beta1=0.0, beta2=0.5, tau=1e-3)
+    hp = FedOptHParams(server_lr=0.1, beta1=0.0, beta2=0.5, tau=1e-3)
     adam, yogi = FedAdam(hp, StrategyContext(num_clients=2)), FedYogi(hp, StrategyContext(num_clients=2))
     params = {"w": torch.tensor([1.0], dtype=torch.float64), "steps": torch.tensor(0)}
     for strategy in (adam, yogi):
@@ -115,7 +115,7 @@ def test_adagrad_has_no_beta2() -> None:
 
 
 def test_running_statistics_take_the_plain_average() -> None:
-    strategy = FedAdam(FedOptParams(), StrategyContext(num_clients=2))
+    strategy = FedAdam(FedOptHParams(), StrategyContext(num_clients=2))
     x = {"w": torch.tensor([1.0]), "bn.running_var": torch.tensor([1.0])}
     deltas = [{"w": torch.tensor([0.5]), "bn.running_var": torch.tensor([v])} for v in (-0.6, -0.8)]
     new = strategy.aggregate(1, x, [Update(kind=UpdateKind.DELTA, tensors=d, num_examples=1) for d in deltas])

@@ -11,7 +11,7 @@ import torch
 from fedweave import runner
 from fedweave.errors import TaskError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedper import FedPer, FedPerClient, FedPerParams
+from fedweave.strategies.fedper import FedPer, FedPerClient, FedPerHParams
 from fedweave.types import Params, TaskKind
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
@@ -19,7 +19,7 @@ from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 from .conftest import tiny_data, tiny_job, tiny_params
 
 LR = 0.1
-HP = FedPerParams(personal=["head.*"])
+HP = FedPerHParams(personal=["head.*"])
 HEAD = ("head.weight", "head.bias")
 
 
@@ -68,7 +68,7 @@ def test_evaluate_uses_the_personal_head() -> None:
 
 def test_a_pattern_matching_nothing_is_a_clear_error() -> None:
     with pytest.raises(TaskError, match=r"pattern 'heda\.\*' matches no parameter of Tiny; its names are features"):
-        FedPerClient(FedPerParams(personal=["heda.*"])).train(tiny_job())
+        FedPerClient(FedPerHParams(personal=["heda.*"])).train(tiny_job())
 
 
 def test_no_personal_patterns_is_fedavg(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ import torch
 from conftest import assert_same_params, comparable, run_to_end, small_config
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvgClient, FedAvgParams
-from fedweave.strategies.fedprox import FedProx, FedProxClient, FedProxParams
+from fedweave.strategies.fedavg import FedAvgClient, FedAvgHParams
+from fedweave.strategies.fedprox import FedProx, FedProxClient, FedProxHParams
 from fedweave.training import ClientJob
 from fedweave.types import Params
 
@@ -45,7 +45,7 @@ def test_one_round_by_hand() -> None:
     mu = 0.7
     received = tiny_params(0.8)
     jobs = [tiny_job(received, local_steps=STEPS, lr=LR), second_client(tiny_job(received, local_steps=STEPS, lr=LR))]
-    client = FedProxClient(FedProxParams(mu=mu))
+    client = FedProxClient(FedProxHParams(mu=mu))
     updates = [client.train(job) for job in jobs]
     expected_deltas = []
     for job, u in zip(jobs, updates):
@@ -60,7 +60,7 @@ def test_one_round_by_hand() -> None:
         expected_deltas.append(delta)
         assert_same_params(u.tensors, delta, atol=1e-12)
         assert u.num_examples == len(y) and u.local_steps == STEPS
-    strategy = FedProx(FedProxParams(mu=mu), StrategyContext(num_clients=2))
+    strategy = FedProx(FedProxHParams(mu=mu), StrategyContext(num_clients=2))
     new = strategy.aggregate(1, received, updates)
     for k, w in received.items():
         want = w + (4 * expected_deltas[0][k] + 3 * expected_deltas[1][k]) / 7
@@ -69,7 +69,7 @@ def test_one_round_by_hand() -> None:
 
 def test_reported_loss_is_the_task_loss() -> None:
     received = tiny_params(0.8)
-    update = FedProxClient(FedProxParams(mu=5.0)).train(tiny_job(received, local_steps=STEPS, lr=LR))
+    update = FedProxClient(FedProxHParams(mu=5.0)).train(tiny_job(received, local_steps=STEPS, lr=LR))
     x, y = tiny_data()
 
     def objective(w: Params) -> torch.Tensor:
@@ -83,8 +83,8 @@ def test_reported_loss_is_the_task_loss() -> None:
 
 
 def test_mu_zero_is_fedavg_exactly() -> None:
-    prox = FedProxClient(FedProxParams(mu=0.0)).train(tiny_job(tiny_params(0.8), local_steps=STEPS))
-    plain = FedAvgClient(FedAvgParams()).train(tiny_job(tiny_params(0.8), local_steps=STEPS))
+    prox = FedProxClient(FedProxHParams(mu=0.0)).train(tiny_job(tiny_params(0.8), local_steps=STEPS))
+    plain = FedAvgClient(FedAvgHParams()).train(tiny_job(tiny_params(0.8), local_steps=STEPS))
     assert_same_params(prox.tensors, plain.tensors)
     assert prox.metrics == plain.metrics
 

@@ -11,15 +11,15 @@ from torch import nn
 
 from fedweave.errors import TaskError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvgClient, FedAvgParams
-from fedweave.strategies.moon import Moon, MoonClient, MoonParams
+from fedweave.strategies.fedavg import FedAvgClient, FedAvgHParams
+from fedweave.strategies.moon import Moon, MoonClient, MoonHParams
 from fedweave.types import Params
 
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end
 
 from .conftest import tiny_data, tiny_job, tiny_params
 
-HP = MoonParams(mu=0.7, temperature=0.5)
+HP = MoonHParams(mu=0.7, temperature=0.5)
 LR = 0.1
 
 
@@ -68,7 +68,7 @@ def test_one_round_by_hand_client_and_server() -> None:
 def test_first_round_has_no_negative_and_is_plain_local_training() -> None:
     moon_job, fedavg_job = tiny_job(local_steps=3), tiny_job(local_steps=3)
     update = MoonClient(HP).train(moon_job)
-    assert_same_params(update.tensors, FedAvgClient(FedAvgParams()).train(fedavg_job).tensors)
+    assert_same_params(update.tensors, FedAvgClient(FedAvgHParams()).train(fedavg_job).tensors)
     assert_same_params(moon_job.state["previous"], fedavg_job.model.state_dict())
 
 

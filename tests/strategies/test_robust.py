@@ -112,8 +112,8 @@ def test_every_strategy_names_the_updates_krum_kept_and_steps_as_if_only_they_ca
     cls = STRATEGIES.get(name, "strategy.name")
     updates = strategy_updates(name)
     three_of_four = functools.partial(multi_krum, byzantine=0, select=3)
-    krum = cls(cls.Params(), StrategyContext(num_clients=8, average=three_of_four))
-    mean = cls(cls.Params(), StrategyContext(num_clients=8))
+    krum = cls(cls.HParams(), StrategyContext(num_clients=8, average=three_of_four))
+    mean = cls(cls.HParams(), StrategyContext(num_clients=8))
     got = krum.aggregate(1, tiny_params(), updates)
     assert kept_indices(got, 4) == [0, 2, 3]
     assert_same_params(got, mean.aggregate(1, tiny_params(), [updates[i] for i in (0, 2, 3)]), atol=1e-12)
@@ -158,7 +158,7 @@ def test_trimmed_mean_of_nothing_is_fedavg_on_equal_clients(tmp_path: Path) -> N
 
 
 @dataclass
-class ByzantineParams:
+class ByzantineHParams:
     scale: float = opt(-10.0, help="factor on the update of a Byzantine client (-1: sign flip)")
     byzantine: list[int] = opt(factory=lambda: [0, 1], help="ids of the Byzantine clients")
 
@@ -177,7 +177,7 @@ class ByzantineClient(FedAvgClient):
 class ByzantineFedAvg(FedAvg):
     """FedAvg's server with clients 0 and 1 Byzantine; selected as ``strategy.name=<this module>:ByzantineFedAvg``."""
 
-    Params = ByzantineParams
+    HParams = ByzantineHParams
     Client = ByzantineClient
 
 

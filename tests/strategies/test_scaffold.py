@@ -12,8 +12,8 @@ import torch
 from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
 from fedweave.errors import ConfigError
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgParams
-from fedweave.strategies.scaffold import CONTROL, Scaffold, ScaffoldClient, ScaffoldParams, full_gradient
+from fedweave.strategies.fedavg import FedAvg, FedAvgClient, FedAvgHParams
+from fedweave.strategies.scaffold import CONTROL, Scaffold, ScaffoldClient, ScaffoldHParams, full_gradient
 from fedweave.training import ClientJob
 from fedweave.types import Params, Update, UpdateKind, Work
 
@@ -60,7 +60,7 @@ def job(momentum: float = 0.0, second: bool = False, first_round: bool = False) 
 @pytest.mark.parametrize(("momentum", "effective_steps"), [(0.0, 3.0), (0.5, 1 + 1.5 + 1.75)])
 def test_option_two_client_by_hand(momentum: float, effective_steps: float) -> None:
     j = job(momentum)
-    update = ScaffoldClient(ScaffoldParams(option="II")).train(j)
+    update = ScaffoldClient(ScaffoldHParams(option="II")).train(j)
     y = corrected_sgd(j.x_train, j.y_train, momentum)
     assert_same_params(update.tensors, {k: y[k] - X[k] for k in X}, atol=1e-12)
     new_control = {k: C_I[k] - C[k] + (X[k] - y[k]) / (effective_steps * LR) for k in X}
@@ -70,7 +70,7 @@ def test_option_two_client_by_hand(momentum: float, effective_steps: float) -> N
 
 def test_option_one_client_by_hand() -> None:
     j = job(second=True)
-    update = ScaffoldClient(ScaffoldParams(option="I")).train(j)
+    update = ScaffoldClient(ScaffoldHParams(option="I")).train(j)
     y = corrected_sgd(j.x_train, j.y_train, 0.0)
     assert_same_params(update.tensors, {k: y[k] - X[k] for k in X}, atol=1e-12)
     at_x = gradient(X, j.x_train, j.y_train)
@@ -97,15 +97,15 @@ def test_option_one_gradient_pass_leaves_batch_norm_statistics_alone() -> None:
         start = {k: v.clone() for k, v in model.state_dict().items()}
         return dataclasses.replace(j, model=model, instruction=dataclasses.replace(j.instruction, params=start))
 
-    scaffold = ScaffoldClient(ScaffoldParams(option="I")).train(bn_job())
-    fedavg = FedAvgClient(FedAvgParams()).train(bn_job())
+    scaffold = ScaffoldClient(ScaffoldHParams(option="I")).train(bn_job())
+    fedavg = FedAvgClient(FedAvgHParams()).train(bn_job())
     assert_same_params(scaffold.tensors, fedavg.tensors)
 
 
 def test_server_step_by_hand() -> None:
-    client = ScaffoldClient(ScaffoldParams())
+    client = ScaffoldClient(ScaffoldHParams())
     updates = [client.train(job()), client.train(job(second=True))]
-    strategy = Scaffold(ScaffoldParams(global_lr=0.5), StrategyContext(num_clients=4))
+    strategy = Scaffold(ScaffoldHParams(global_lr=0.5), StrategyContext(num_clients=4))
     strategy.load_state_dict({"control": C})
     (instruction,) = strategy.configure(1, X, [Work(0, 4)])
     assert_same_params(instruction.extras, C)
@@ -120,13 +120,13 @@ def test_server_step_by_hand() -> None:
 
 
 def test_first_round_with_zero_control_variates_is_fedavg_exactly() -> None:
-    scaffold = [ScaffoldClient(ScaffoldParams()).train(job(second=s, first_round=True)) for s in (False, True)]
-    fedavg = [FedAvgClient(FedAvgParams()).train(job(second=s, first_round=True)) for s in (False, True)]
+    scaffold = [ScaffoldClient(ScaffoldHParams()).train(job(second=s, first_round=True)) for s in (False, True)]
+    fedavg = [FedAvgClient(FedAvgHParams()).train(job(second=s, first_round=True)) for s in (False, True)]
     for a, b in zip(scaffold, fedavg):
         assert_same_params(a.tensors, b.tensors)
     ctx = StrategyContext(num_clients=2)
     assert_same_params(
-        Scaffold(ScaffoldParams(), ctx).aggregate(1, X, scaffold), FedAvg(FedAvgParams(), ctx).aggregate(1, X, fedavg)
+        Scaffold(ScaffoldHParams(), ctx).aggregate(1, X, scaffold), FedAvg(FedAvgHParams(), ctx).aggregate(1, X, fedavg)
     )
 
 
@@ -154,7 +154,7 @@ def test_config_loads_and_checks_ranges() -> None:
 
 
 def test_running_statistics_take_the_plain_average() -> None:
-    strategy = Scaffold(ScaffoldParams(global_lr=2.0), StrategyContext(num_clients=2))
+    strategy = Scaffold(ScaffoldHParams(global_lr=2.0), StrategyContext(num_clients=2))
     x = {"w": torch.tensor([1.0]), "bn.running_var": torch.tensor([1.0])}
     updates = [
         Update(
@@ -191,7 +191,7 @@ def test_krum_keeps_the_same_client_for_model_and_control_deltas() -> None:
     # Krum run on each half alone would pick different clients.
     assert int(krum_scores([u.tensors for u in updates], 1).argmin()) == 0
     assert int(krum_scores([u.extras for u in updates], 1).argmin()) == 1
-    strategy = Scaffold(ScaffoldParams(), StrategyContext(num_clients=5, average=krum))
+    strategy = Scaffold(ScaffoldHParams(), StrategyContext(num_clients=5, average=krum))
     new = strategy.aggregate(1, X, updates)
     joined = [{**u.tensors, **{f"c.{k}": v for k, v in u.extras.items()}} for u in updates]
     chosen = int(krum_scores(joined, 1).argmin())
@@ -208,7 +208,7 @@ def test_option_two_extras_give_back_the_raw_delta_so_client_level_dp_is_refused
     """Issue 14's leak: Δc_i = −c − Δy_i/(K·η_l), so the server rebuilds the un-noised Δy_i from
     the extras, whatever noise dp_local adds to the tensors; such a config is refused at load."""
     j = job()
-    update = ScaffoldClient(ScaffoldParams(option="II")).train(j)
+    update = ScaffoldClient(ScaffoldHParams(option="II")).train(j)
     rebuilt = {k: -(update.extras[k] + C[k]) * STEPS * LR for k in X}
     assert_same_params(rebuilt, update.tensors, atol=1e-12)
     with pytest.raises(ConfigError, match="'plugins.client_send\\[0\\]': plugin 'dp_local' cannot protect"):

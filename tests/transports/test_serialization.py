@@ -12,7 +12,7 @@ import torch
 
 from fedweave.errors import PayloadMismatch, PayloadTooLarge, SerializationError
 from fedweave.plugins import PLUGINS
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.transports import serialization as ser
 from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
 
@@ -107,7 +107,7 @@ def test_every_codecs_fields_cross_the_wire(name: str, params: dict[str, Any]) -
     cls = PLUGINS.get(name, "test")
     g = torch.Generator().manual_seed(0)
     tensors = {"w": torch.randn(300, 300, generator=g), "b": torch.randn(10, generator=g), "n": torch.tensor(7)}
-    encoded = cls(cls.Params(**params)).encode(Update(UpdateKind.DELTA, tensors, 10), PluginContext(1, 0, "client"))
+    encoded = cls(cls.HParams(**params)).encode(Update(UpdateKind.DELTA, tensors, 10), PluginContext(1, 0, "client"))
     msg = update(encoded.tensors, applied=[name])
     for out in decoders(msg):
         same(out.body.tensors, msg.body.tensors)

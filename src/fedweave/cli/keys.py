@@ -77,8 +77,8 @@ def decrypt(run_dir: str, keys: str) -> int:
     import torch
 
     from fedweave import rundir
-    from fedweave.plugins.secure.he import HE, HEParams
     from fedweave.federated.checks import Rejected
+    from fedweave.plugins.secure.he import HE, HEHParams
 
     path = Path(run_dir) / rundir.SEALED_MODEL_FILE
     if not path.is_file():
@@ -90,7 +90,7 @@ def decrypt(run_dir: str, keys: str) -> int:
     if not isinstance(sealed, dict) or not all(isinstance(t, torch.Tensor) for t in sealed.values()):
         raise ConfigError(f"{str(path)!r} is not an encrypted model fedweave wrote")
     try:
-        plain = HE(HEParams(keys=keys)).unseal(sealed)
+        plain = HE(HEHParams(keys=keys)).unseal(sealed)
     except (ValueError, Rejected) as exc:
         raise ConfigError(f"{str(path)!r} cannot be decrypted with {keys}/secret.ctx: {exc}") from None
     rundir.save_model(plain, Path(run_dir))

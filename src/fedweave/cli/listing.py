@@ -25,7 +25,7 @@ def list_builtins() -> int:
         print(f"{title}:")
         for name in registry.names():
             cls = registry.get(name, title)
-            settings = ", ".join(f.name for f in dataclasses.fields(cls.Params)) or "no settings"
+            settings = ", ".join(f.name for f in dataclasses.fields(cls.HParams)) or "no settings"
             print(f"  {name:<12} {_first_paragraph(cls.__doc__)}  [{settings}]")
     print("datasets:   digits, mnist5k, synthetic, torchvision:mnist, torchvision:cifar10, package.module:function")
     print("models:     mlp, cnn, package.module:function")

@@ -19,7 +19,7 @@ from fedweave.schema import parse, to_dict, unknown_key
 
 
 def _parse_named(section: str, data: Any, registry: Any, spec_cls: type) -> Any:
-    """Parse ``{name: X, **hyper-parameters}`` against the ``Params`` that X declares."""
+    """Parse ``{name: X, **hyper-parameters}`` against the ``HParams`` that X declares."""
     if isinstance(data, str):
         data = {"name": data}
     if not isinstance(data, dict):
@@ -34,10 +34,10 @@ def _parse_named(section: str, data: Any, registry: Any, spec_cls: type) -> Any:
             raise unknown_key(section, typo[0], ["name"])
         raise ConfigError(f"config key '{section}.name' is required (a {registry.kind} name)")
     cls = registry.get(name, f"{section}.name")
-    params_cls = getattr(cls, "Params", None)
+    params_cls = getattr(cls, "HParams", None)
     if params_cls is None or not dataclasses.is_dataclass(params_cls):
         raise ConfigError(
-            f"config key '{section}.name': {name!r} declares no Params dataclass of its settings"
+            f"config key '{section}.name': {name!r} declares no HParams dataclass of its settings"
         )
     settings = [f.name for f in dataclasses.fields(params_cls)]
     for key in data:

@@ -77,7 +77,7 @@ def _drop_settings_of_previous_choice(
         return
     registry = STRATEGIES if section == "strategy" else PLUGINS
     try:
-        declared = {f.name for f in dataclasses.fields(registry.get(name, f"{section}.name").Params)}
+        declared = {f.name for f in dataclasses.fields(registry.get(name, f"{section}.name").HParams)}
     except (ConfigError, AttributeError, TypeError):
         return  # the new name is checked, with its one line, when the config is parsed
     dropped = [k for k in node if k != "name" and k not in declared and f"{section}.{k}" not in touched]

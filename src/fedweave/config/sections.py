@@ -268,7 +268,7 @@ class SimulationConfig:
 
 @dataclass
 class StrategyConfig:
-    """``name`` plus the hyper-parameters the named strategy declares in its ``Params``."""
+    """``name`` plus the hyper-parameters the named strategy declares in its ``HParams``."""
 
     SHORTHAND = "name"
     name: str = opt("fedavg", help="fedavg | package.module:Class")

@@ -52,7 +52,8 @@ from torch import nn
 from fedweave.device import CPU, moved
 from fedweave.errors import ConfigError
 from fedweave.plugins.attacks.poison import Attacker
-from fedweave.plugins.chain import POINTS, Chains, PluginContext
+from fedweave.plugins.chain import Chains
+from fedweave.plugins.contracts import POINTS, PluginContext
 from fedweave.seeding import derive_seed, torch_generator
 from fedweave.strategies.base import ClientAlgorithm, ReadsInstruction, training_metrics
 from fedweave.training import INSTRUCTED, SGD_LOOP, ClientJob, LocalSettings, LossFn, instructed, rows

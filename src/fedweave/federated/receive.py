@@ -51,7 +51,8 @@ from fedweave.federated.checks import (
     check_update,
     check_update_finite,
 )
-from fedweave.plugins.chain import Chains, ControlExchange, PluginContext
+from fedweave.plugins.chain import Chains
+from fedweave.plugins.contracts import ControlExchange, PluginContext
 from fedweave.plugins.packing import check_layouts, clear_layouts
 from fedweave.topologies.base import Relaying, Topology
 from fedweave.transports.base import KnowsDeclared

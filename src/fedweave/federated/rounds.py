@@ -38,7 +38,8 @@ from fedweave.conforms import Conforms
 from fedweave.deadlines import Deadlines
 from fedweave.errors import BudgetSpent, RoundError
 from fedweave.federated.evaluation import EvaluationHooks
-from fedweave.plugins.chain import Chains, PluginContext
+from fedweave.plugins.chain import Chains
+from fedweave.plugins.contracts import PluginContext
 from fedweave.strategies.aggregate import discarded_clients, kept_indices
 from fedweave.strategies.base import Strategy
 from fedweave.topologies.base import Topology

@@ -398,7 +398,7 @@ class SitePolicy:
         noises, seeded = [], []
         for key, name, settings in plugin_specs(job):
             if name in DP_PLUGINS:
-                default = PLUGINS.get(name, key).Params.__dataclass_fields__["noise_multiplier"].default
+                default = PLUGINS.get(name, key).HParams.__dataclass_fields__["noise_multiplier"].default
                 noise = settings.get("noise_multiplier", default)
                 if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise):
                     raise _Malformed(f"job key '{key}.noise_multiplier' is not a finite number ({_shown(noise)})")

@@ -69,54 +69,35 @@ config loads):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fedweave.plugins.contracts import (
+    POINTS,
     Answers,
     BeginsRound,
     Binds,
     ChecksSummed,
     Combines,
+    ControlExchange,
     Instructs,
     Observes,
+    Payload,
     Plugin,
+    PluginContext,
     ReportsMetrics,
     RunsProtocol,
     SealsModel,
     Stateful,
     TakesOverTraining,
+    declaration,
 )
 from fedweave.types import Control, Instruction, Update
 
 if TYPE_CHECKING:
     from fedweave.training import LocalTraining
-    from fedweave.federated.checks import Specs
 
-POINTS = ("server_send", "client_receive", "client_send", "server_receive")
-
-Payload = TypeVar("Payload", Instruction, Update)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PluginContext:
-    """Where a plugin runs: the round, the client the payload concerns, the side."""
-
-    round: int
-    client_id: int
-    side: str  # "server" or "client"
-    state: dict[str, Any] | None = field(default=None, compare=False)  # client side: its private plugin state
-    config: Mapping[str, Any] = field(default_factory=dict, compare=False)  # client side: the instruction's config
-    # what a decoded payload may hold (the run's update schema on the server, the model on a
-    # client): a decoder refuses a layout of any other name, shape or dtype before it allocates
-    expected: Specs | None = field(default=None, compare=False)
-
-
-ControlExchange = Callable[[dict[int, Control]], dict[int, Control]]
-"""Send each client id its control message; the answers of the clients that answered."""
 
 
 @dataclass
@@ -163,7 +144,6 @@ class Chains:
     client_receive: Chain = field(default_factory=Chain)
     client_send: Chain = field(default_factory=Chain)
     server_receive: Chain = field(default_factory=Chain)
-    _found: dict[type, list[tuple[str, Any]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @cached_property  # read for every instruction and update; a runtime protocol check costs ~30 µs
     def sealer(self) -> SealsModel | None:
@@ -194,7 +174,7 @@ class Chains:
         cover, and under a sealed model (HE), where a loss is that of whatever model the server
         encrypted, an oracle on ciphertexts it chose."""
         return self.sealer is not None or any(
-            getattr(p, "protects", None) for point in POINTS for p in getattr(self, point).plugins
+            declaration(p).protects for point in POINTS for p in getattr(self, point).plugins
         )
 
     def to_client(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
@@ -245,57 +225,83 @@ class Chains:
 
     def answer(self, control: Control, ctx: PluginContext) -> Control:
         """Client side: the answer of the plugin ``control`` is addressed to."""
-        for _, plugin in self._having(Answers):
-            if plugin.name == control.plugin:
+        for name, plugin in self._answering:
+            if name == control.plugin:
                 return plugin.answer(control, ctx)
         raise ValueError(f"no plugin of this client answers control messages of {control.plugin!r}")
 
-    def _having(self, protocol: type[T]) -> list[tuple[str, T]]:
-        """``(point[index], plugin)`` of every plugin that follows ``protocol``, in chain order; found
-        once per protocol (asked per round and per instruction; a runtime protocol check costs µs a plugin)."""
-        found = self._found.get(protocol)
-        if found is None:
-            found = self._found[protocol] = [
-                (f"{point}[{i}]", plugin)
-                for point in POINTS
-                for i, plugin in enumerate(getattr(self, point).plugins)
-                if isinstance(plugin, protocol)
-            ]
-        return found
+    def _each(self) -> list[tuple[str, Plugin]]:
+        """``(point[index], plugin)`` of every plugin of the four chains, in chain order."""
+        chains: list[tuple[str, Chain]] = [(point, getattr(self, point)) for point in POINTS]
+        return [(f"{point}[{i}]", plugin) for point, chain in chains for i, plugin in enumerate(chain.plugins)]
+
+    # The plugins of each capability, found once (asked per round and per instruction; a runtime
+    # protocol check costs µs a plugin), in chain order.
+    @cached_property
+    def _answering(self) -> list[tuple[str, Answers]]:
+        return [(p.name, p) for _, p in self._each() if isinstance(p, Answers)]
+
+    @cached_property
+    def _binding(self) -> list[Binds]:
+        return [p for _, p in self._each() if isinstance(p, Binds)]
+
+    @cached_property
+    def _beginning(self) -> list[BeginsRound]:
+        return [p for _, p in self._each() if isinstance(p, BeginsRound)]
+
+    @cached_property
+    def _instructing(self) -> list[Instructs]:
+        return [p for _, p in self._each() if isinstance(p, Instructs)]
+
+    @cached_property
+    def _training(self) -> list[TakesOverTraining]:
+        return [p for _, p in self._each() if isinstance(p, TakesOverTraining)]
+
+    @cached_property
+    def _observing(self) -> list[Observes]:
+        return [p for _, p in self._each() if isinstance(p, Observes)]
+
+    @cached_property
+    def _reporting(self) -> list[tuple[str, ReportsMetrics]]:
+        return [(p.name, p) for _, p in self._each() if isinstance(p, ReportsMetrics)]
+
+    @cached_property
+    def _stateful(self) -> list[tuple[str, Stateful]]:
+        return [(where, p) for where, p in self._each() if isinstance(p, Stateful)]
 
     def bind(self, config: Any) -> None:
-        for _, plugin in self._having(Binds):
+        for plugin in self._binding:
             plugin.bind(config)
 
     def begin_round(self, rnd: int, client_ids: list[int]) -> None:
-        for _, plugin in self._having(BeginsRound):
+        for plugin in self._beginning:
             plugin.begin_round(rnd, client_ids)
 
     def instruct(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
         """Server side: the instruction with its plugins' per-client settings in ``config``."""
-        instructing = self._having(Instructs)
+        instructing = self._instructing
         if not instructing:
             return instruction
         config = dict(instruction.config)
-        for _, plugin in instructing:
+        for plugin in instructing:
             config.update(plugin.instruct(ctx))
         return replace(instruction, config=config)
 
     def training(self, ctx: PluginContext) -> LocalTraining | None:
         """Client side: the local training of ``ctx``'s client and round of the plugin that takes
         the loop over (:mod:`.compose` allows one), or None: the plain loop."""
-        for _, plugin in self._having(TakesOverTraining):
+        for plugin in self._training:
             return plugin.training(ctx)
         return None
 
     def observe(self, updates: list[Update]) -> None:
-        for _, plugin in self._having(Observes):
+        for plugin in self._observing:
             plugin.observe(updates)
 
     def metrics(self) -> dict[str, float]:
         """Every plugin's metrics; a name two plugins report (both DP plugins' ``epsilon``)
         becomes ``<plugin>.<name>`` for each, so neither hides the other."""
-        reports = [(plugin.name, plugin.metrics()) for _, plugin in self._having(ReportsMetrics)]
+        reports = [(name, plugin.metrics()) for name, plugin in self._reporting]
         seen: dict[str, int] = {}
         for _, report in reports:
             for key in report:
@@ -307,9 +313,9 @@ class Chains:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {where: plugin.state_dict() for where, plugin in self._having(Stateful)}
+        return {where: plugin.state_dict() for where, plugin in self._stateful}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for where, plugin in self._having(Stateful):
+        for where, plugin in self._stateful:
             if where in state:
                 plugin.load_state_dict(state[where])

@@ -1,6 +1,7 @@
 """Composition rules of plugin chains, checked when the config is loaded (by :mod:`fedweave.rules`).
 
-Plugins declare, as class attributes, what the rules need:
+Plugins declare what the rules need in one typed class attribute, ``declares``, a
+:class:`~fedweave.plugins.contracts.Declaration` (absent: ``Declaration()``, nothing declared):
 
 - ``points``: the attachment points where the plugin means something (absent: any);
 - ``stage``: ``clip``, ``noise``, ``compress`` or ``secure`` (masking, encryption);
@@ -41,7 +42,7 @@ than its last round redoes the rounds since, and such a plugin draws them anew.
 Control messages of a plugin's own protocol (secure aggregation's key set-up and
 unmasking) need no rule: every topology and transport carries them.
 
-Plugins without these attributes (user plugins) are free, except that nothing may
+Plugins that declare nothing (user plugins) are free, except that nothing may
 follow a ``secure`` plugin and only summable plugins may precede a combining one.
 """
 
@@ -52,8 +53,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fedweave.errors import ConfigError
-from fedweave.plugins.chain import POINTS
-from fedweave.plugins.contracts import DrawsFresh, FreshDraws, TakesOverTraining
+from fedweave.plugins.contracts import POINTS, DrawsFresh, FreshDraws, TakesOverTraining, declaration
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,6 @@ WHY_ORDER = {
     "but noise added after compression protects an update whose norm is no longer bounded by the clip "
     "(rescaled entries, error-feedback residuals)",
 }
-
-
-def summable(cls: Any, params: Any) -> bool:
-    value = getattr(cls, "summable", False)
-    return bool(value(params) if callable(value) else value)
 
 
 def deployed(config: Any) -> str | None:
@@ -111,7 +106,8 @@ def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
                     f"which {trainer!r} already does; one plugin of a run may"
                 )
             trainer = spec.name
-        if getattr(cls, "stage", None) == "compress":
+        declared = declaration(cls)
+        if declared.stage == "compress":
             if point in compressors:
                 raise ConfigError(
                     f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} would compress what {compressors[point]!r} "
@@ -119,16 +115,15 @@ def check_chains(config: Any, registry: Any, strategy: Any = None) -> None:
                     "its values at float16 or bfloat16 with its own 'values' option)"
                 )
             compressors[point] = spec.name
-        points = getattr(cls, "points", None)
+        points = declared.points
         if points is not None and point not in points:
             where = " or ".join(f"plugins.{p}" for p in points)
             why = f"its class declares points = {tuple(points)!r}"
-            stage = getattr(cls, "stage", "")
+            stage = declared.stage
             if stage in WHY_POINT and (stage != "compress" or point in ("client_receive", "server_receive")):
                 why = WHY_POINT[stage]
             raise ConfigError(f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} belongs in {where}: {why}")
-        reason = getattr(cls, "one_process", None)
-        reason = reason(spec.params) if callable(reason) else reason
+        reason = declared.needs_one_process(spec.params)
         if reason and (apart := deployed(config)):
             raise ConfigError(
                 f"config key 'plugins.{point}[{i}]': plugin {spec.name!r} needs the server and the clients in "
@@ -177,9 +172,9 @@ def _check_client_send(specs: list[Any], registry: Any) -> None:
     for j, spec in enumerate(specs):
         key = f"config key 'plugins.client_send[{j}]'"
         cls = registry.get(spec.name, f"plugins.client_send[{j}].name")
-        stage = getattr(cls, "stage", None)
+        stage = declaration(cls).stage
         for i, name, earlier in seen:
-            earlier_stage = getattr(earlier, "stage", None)
+            earlier_stage = declaration(earlier).stage
             if earlier_stage == "secure":
                 raise ConfigError(
                     f"{key}: plugin {spec.name!r} comes after {name!r} (plugins.client_send[{i}]), which masks or "
@@ -201,12 +196,12 @@ def _check_client_send(specs: list[Any], registry: Any) -> None:
         if cls.combines_encoded:
             for i, name, earlier in seen:
                 params = specs[i].params
-                if not summable(earlier, params):
+                if not declaration(earlier).is_summable(params):
                     hint = (
                         "use quantize with dtype float16 or bfloat16, or randk with shared_indices: true, "
                         "or compress the broadcast (server_send) instead"
-                        if getattr(earlier, "stage", None) == "compress"
-                        else "a plugin whose decode is linear can declare summable = True"
+                        if declaration(earlier).stage == "compress"
+                        else "a plugin whose decode is linear can declare summable = True (declares = Declaration(summable=True))"
                     )
                     raise ConfigError(
                         f"config key 'plugins.client_send[{i}]': plugin {name!r} comes before {spec.name!r}, which "
@@ -224,7 +219,7 @@ def _check_privacy(config: Any, key: str, spec: Any, cls: Any, strategy: Any) ->
             f"every node reads in the config, so the noise could be drawn again and subtracted; reproducible "
             f"noise is for simulation only, and {where} runs the nodes apart (remove seeded_noise)"
         )
-    protects = getattr(cls, "protects", None)
+    protects = declaration(cls).protects
     declare = getattr(strategy, "private_extras", None)
     leak = declare(config.strategy.params) if protects and declare is not None else None
     if leak is None:

@@ -1,7 +1,10 @@
 """What a plugin is, and each optional capability it may have, as small typed protocols.
 
 Every plugin is a :class:`Plugin` (a name, the update kinds it accepts, whether the
-server combines its payloads while encoded, ``encode`` and ``decode``). Beyond that a
+server combines its payloads while encoded, ``encode`` and ``decode``), and declares for the
+composition rules its stage, points, summability, need of one process and what it protects
+in one typed class attribute, ``declares: ClassVar[Declaration]`` (:class:`Declaration`;
+absent: ``Declaration()``). Beyond that a
 plugin has a capability exactly when it has the methods of its protocol; the chains
 (:mod:`fedweave.plugins.chain`) call it through the protocol, never by a looked-up
 name, and :func:`check_plugin_class` refuses at load a class that has part of a
@@ -31,16 +34,101 @@ protocol            methods                                         when it is c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from fedweave.errors import ConfigError
-from fedweave.types import Control, Params, Update, UpdateKind
+from fedweave.types import Control, Instruction, Params, Update, UpdateKind
 
 if TYPE_CHECKING:
-    from fedweave.plugins.chain import ControlExchange, Payload, PluginContext
     from fedweave.training import LocalTraining
     from fedweave.federated.checks import Specs
+
+POINTS = ("server_send", "client_receive", "client_send", "server_receive")
+"""The four attachment points of a round's plugin chains (:mod:`fedweave.plugins.chain`)."""
+
+Payload = TypeVar("Payload", Instruction, Update)
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """Where a plugin runs: the round, the client the payload concerns, the side."""
+
+    round: int
+    client_id: int
+    side: str  # "server" or "client"
+    state: dict[str, Any] | None = field(default=None, compare=False)  # client side: its private plugin state
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False)  # client side: the instruction's config
+    # what a decoded payload may hold (the run's update schema on the server, the model on a
+    # client): a decoder refuses a layout of any other name, shape or dtype before it allocates
+    expected: Specs | None = field(default=None, compare=False)
+
+
+ControlExchange = Callable[[dict[int, Control]], dict[int, Control]]
+"""Send each client id its control message; the answers of the clients that answered."""
+
+STAGES = ("clip", "noise", "compress", "secure", "train")
+"""A plugin's stages (:class:`Declaration`); within ``client_send`` the first four come in this order."""
+
+PROTECTS = ("update", "training")
+"""What a privacy plugin protects (:class:`Declaration`)."""
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a plugin class declares for the composition rules (:mod:`fedweave.plugins.compose`), as
+    its ``declares: ClassVar[Declaration]``; a plugin that declares nothing has ``Declaration()``.
+
+    - ``stage``: one of :data:`STAGES`, or None (a plugin of no stage);
+    - ``points``: the attachment points where the plugin means something (None: any);
+    - ``summable``: whether payloads it encoded for different clients can be summed entry by entry
+      and decoded as one (a bool, or a function of the plugin's params giving one);
+    - ``one_process``: why the plugin needs the server and the clients in one process (a string,
+      or a function of its params giving one or None), or None;
+    - ``protects``: what a privacy plugin protects, one of :data:`PROTECTS`, or None.
+    """
+
+    stage: str | None = None
+    points: tuple[str, ...] | None = None
+    summable: bool | Callable[[Any], bool] = False
+    one_process: str | Callable[[Any], str | None] | None = None
+    protects: str | None = None
+
+    def is_summable(self, params: Any) -> bool:
+        """Whether payloads encoded with ``params`` can be summed entry by entry."""
+        return bool(self.summable(params) if callable(self.summable) else self.summable)
+
+    def needs_one_process(self, params: Any) -> str | None:
+        """Why a plugin with ``params`` needs the server and the clients in one process, or None."""
+        return self.one_process(params) if callable(self.one_process) else self.one_process
+
+    def problem(self) -> str | None:
+        """What is wrong with this declaration (a value of the wrong type or out of its set), or None."""
+        if self.stage is not None and self.stage not in STAGES:
+            return f"stage must be one of {', '.join(STAGES)} or None, got {self.stage!r}"
+        if self.points is not None and (
+            not isinstance(self.points, tuple) or not self.points or any(p not in POINTS for p in self.points)
+        ):
+            return f"points must be a non-empty tuple of {', '.join(POINTS)}, or None, got {self.points!r}"
+        if not (isinstance(self.summable, bool) or callable(self.summable)):
+            return f"summable must be a bool or a function of the plugin's params, got {self.summable!r}"
+        if not (self.one_process is None or isinstance(self.one_process, str) or callable(self.one_process)):
+            return f"one_process must be a string, a function of the plugin's params, or None, got {self.one_process!r}"
+        if self.protects is not None and self.protects not in PROTECTS:
+            return f"protects must be one of {', '.join(PROTECTS)} or None, got {self.protects!r}"
+        return None
+
+
+NOTHING = Declaration()
+"""The declaration of a plugin that declares nothing."""
+
+
+def declaration(plugin: Any) -> Declaration:
+    """What a plugin (class or instance) declares: its ``declares``, or :data:`NOTHING`
+    (:func:`check_plugin_class` has refused one of another type when the config loaded)."""
+    declared = getattr(plugin, "declares", NOTHING)
+    return declared if isinstance(declared, Declaration) else NOTHING
 
 
 @runtime_checkable
@@ -196,6 +284,7 @@ def check_plugin_class(cls: Any, key: str) -> None:
         raise ConfigError(f"{what}: its name must be a non-empty string, got {cls.name!r}")
     if not all(isinstance(k, UpdateKind) for k in cls.accepts):
         raise ConfigError(f"{what}: accepts must be a set of fedweave.types.UpdateKind, got {cls.accepts!r}")
+    _check_declaration(cls, what)
     for protocol, methods in PARTS:
         present = [m for m in methods if _has(cls, m)]
         if protocol == "RunsProtocol and Answers" and present == ["combine"]:
@@ -213,4 +302,28 @@ def check_plugin_class(cls: Any, key: str) -> None:
         raise ConfigError(
             f"{what} has setup(), which runs only for a plugin that combines updates while encoded; "
             "set combines_encoded = True or drop setup"
+        )
+
+
+_DECLARED = tuple(f for f in Declaration.__dataclass_fields__)
+
+
+def _check_declaration(cls: Any, what: str) -> None:
+    """A plugin's ``declares`` is a :class:`Declaration` of valid values; nothing it declares stands
+    beside it as a bare class attribute, which the rules would not read."""
+    declared = getattr(cls, "declares", NOTHING)
+    if not isinstance(declared, Declaration):
+        raise ConfigError(
+            f"{what}: declares must be a fedweave.plugins.contracts.Declaration, got {type(declared).__qualname__}"
+        )
+    problem = declared.problem()
+    if problem is not None:
+        raise ConfigError(f"{what}: its Declaration's {problem}")
+    klass = cls if isinstance(cls, type) else type(cls)
+    bare = [name for name in _DECLARED if hasattr(klass, name)]
+    if bare:
+        settings = ", ".join(f"{name}=..." for name in bare)
+        raise ConfigError(
+            f"{what} declares {', '.join(bare)} as class attributes, which the rules do not read; "
+            f"declare them as declares = Declaration({settings}) (fedweave.plugins.contracts)"
         )

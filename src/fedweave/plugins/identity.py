@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Payload, PluginContext
 from fedweave.types import UpdateKind
 
 
 @dataclass
-class IdentityParams:
+class IdentityHParams:
     """No settings."""
 
 
@@ -17,11 +17,11 @@ class Identity:
     """Pass payloads through unchanged (as a copy, as every plugin must)."""
 
     name = "identity"
-    Params = IdentityParams
+    HParams = IdentityHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
 
-    def __init__(self, hp: IdentityParams):
+    def __init__(self, hp: IdentityHParams):
         self.hp = hp
 
     def encode(self, payload: Payload, ctx: PluginContext) -> Payload:

@@ -18,9 +18,9 @@ state only once the server has applied the round's update (:mod:`fedweave.federa
 
 A strategy also declares, for the config validator:
 
-- ``Params``: a dataclass of its hyper-parameters (bounds in field metadata);
+- ``HParams``: a dataclass of its hyper-parameters (bounds in field metadata);
 - ``update_kind``: what its clients send (weights, delta, gradient);
-- a constructor ``(hp: Params, ctx: StrategyContext)``;
+- a constructor ``(hp: HParams, ctx: StrategyContext)``;
 - optionally ``check_config(config)``, a static method that refuses impossible
   settings when the config loads (e.g. FedNova with a local optimiser other than SGD),
   and ``check_model(model, hp)``, which refuses a model it cannot train before round 1
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from torch import nn
 
@@ -128,10 +128,18 @@ def training_metrics(client: Any) -> frozenset[str]:
     return frozenset({"train_loss", *declared})
 
 
-class Strategy(Protocol):
-    """The server half of a strategy."""
+H_co = TypeVar("H_co", covariant=True)
+"""A strategy's hyper-parameters (a dataclass)."""
 
-    Params: ClassVar[type]
+
+class Strategy(Protocol[H_co]):
+    """The server half of a strategy, whose hyper-parameters are a ``H_co`` (``HParams``)."""
+
+    @property
+    def HParams(self) -> type[H_co]:
+        """The dataclass of its hyper-parameters."""
+        ...
+
     Client: ClassVar[type]
     update_kind: ClassVar[UpdateKind]
     weighted_sum: ClassVar[bool]

@@ -15,7 +15,7 @@ from torch import nn
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import (
     ClientJob,
     LocalOptimizer,
@@ -28,7 +28,7 @@ from fedweave.types import Params, Update
 
 
 @dataclass
-class DiLoCoParams:
+class DiLoCoHParams:
     outer_lr: float = opt(0.7, gt=0, help="outer (server) learning rate")
     outer_momentum: float = opt(0.9, ge=0, lt=1, help="outer momentum")
     nesterov: bool = opt(True, help="Nesterov outer momentum")
@@ -49,7 +49,7 @@ class InnerAdamW(LocalOptimizer):
     Its state is named by parameter, so a client can keep it in ``job.state``.
     """
 
-    def __init__(self, model: nn.Module, hp: DiLoCoParams, saved: dict[str, dict[str, torch.Tensor]]):
+    def __init__(self, model: nn.Module, hp: DiLoCoHParams, saved: dict[str, dict[str, torch.Tensor]]):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         settings = LocalSettings(optimizer="adamw", lr=hp.inner_lr, momentum=0.0, weight_decay=hp.inner_weight_decay)
         super().__init__([p for _, p in named], settings)
@@ -86,7 +86,7 @@ class InnerAdamW(LocalOptimizer):
         return {n: state for n, state in zip(self.names, self.state) if state}
 
 
-class DiLoCoClient(FedAvgClient):
+class DiLoCoClient(FedAvgClient[DiLoCoHParams]):
     """H inner AdamW steps (the round's local work: ``local.steps``, else ``local.epochs``); sends the delta.
 
     The inner optimiser is always AdamW with this strategy's settings (defaults: torch's);
@@ -102,7 +102,7 @@ class DiLoCoClient(FedAvgClient):
         return delta_update(result, model_delta(job.model, job.instruction.params))
 
 
-class DiLoCo(FedAvg):
+class DiLoCo(FedAvgBase[DiLoCoHParams]):
     """DiLoCo (Douillard et al., 2023): an outer SGD step with Nesterov momentum on the pseudo-gradient.
 
     The pseudo-gradient is g = −Δ̄, Δ̄ the clients' deltas combined by ``ctx.average``
@@ -114,10 +114,10 @@ class DiLoCo(FedAvg):
     combined value. With outer_lr 1 and momentum 0 the server step is FedAvg's.
     """
 
-    Params = DiLoCoParams
+    HParams = DiLoCoHParams
     Client = DiLoCoClient
 
-    def __init__(self, hp: DiLoCoParams, ctx: StrategyContext):
+    def __init__(self, hp: DiLoCoHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.momentum: Params = {}
 

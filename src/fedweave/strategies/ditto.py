@@ -14,20 +14,20 @@ import torch
 from torch import nn
 
 from fedweave.schema import opt
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import Evaluation, Update
 
 
 @dataclass
-class DittoParams:
+class DittoHParams:
     lam: float = opt(0.1, ge=0, help="λ of the personal objective F_k(v) + λ/2 ||v − w||²")
     personal_steps: int | None = opt(
         None, ge=1, help="local steps of the personal model per round (none: the same local work as the global model)"
     )
 
 
-class DittoClient(FedAvgClient):
+class DittoClient(FedAvgClient[DittoHParams]):
     """Train the global model as FedAvg (its delta is the update), then the personal model v_k.
 
     v_k lives in ``job.state`` and starts, in a client's first round, from the global
@@ -65,8 +65,8 @@ class DittoClient(FedAvgClient):
         return dataclasses.replace(job, instruction=dataclasses.replace(job.instruction, work=work))
 
 
-class Ditto(FedAvg):
+class Ditto(FedAvgBase[DittoHParams]):
     """Ditto (Li et al., ICML 2021): the global model is FedAvg's; each client keeps a personal model."""
 
-    Params = DittoParams
+    HParams = DittoHParams
     Client = DittoClient

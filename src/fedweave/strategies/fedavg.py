@@ -7,7 +7,7 @@ Decentralized Data", AISTATS 2017. https://arxiv.org/abs/1602.05629
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 from fedweave.strategies.aggregate import apply_delta
 from fedweave.strategies.base import StrategyContext
@@ -33,18 +33,22 @@ from fedweave.types import (
 
 
 @dataclass
-class FedAvgParams:
+class FedAvgHParams:
     """FedAvg has no hyper-parameters beyond the local training settings."""
 
 
-class FedAvgClient:
+H = TypeVar("H")
+"""The hyper-parameters (a dataclass) of a strategy built on FedAvg."""
+
+
+class FedAvgClient(Generic[H]):
     """Train the received global model with local SGD and send back the delta.
 
     Its round is :class:`~fedweave.strategies.base.Vectorisable`: the step ``local_step`` declares
     (plain here; FedProx adds its penalty, SCAFFOLD its correction), the update ``finish`` makes of
     the delta (SCAFFOLD adds Δc, FedNova a_i)."""
 
-    def __init__(self, hp: FedAvgParams):
+    def __init__(self, hp: H):
         self.hp = hp
 
     def train(self, job: ClientJob) -> Update:
@@ -67,15 +71,16 @@ class FedAvgClient:
         return Evaluation(num_examples=num_examples, metrics=evaluate(job.model, job.x_test, job.y_test, job.loss_fn))
 
 
-class FedAvg:
-    """FedAvg (McMahan et al., 2017): global ← global + Σ n_k Δ_k / Σ n_k."""
+class FedAvgBase(Generic[H]):
+    """FedAvg's server step for any hyper-parameters ``H``: the base of the strategies built on FedAvg,
+    each of which names its ``HParams`` (a ``type[H]``, checked against ``H``) and usually its ``Client``."""
 
-    Params = FedAvgParams
-    Client = FedAvgClient
-    update_kind = UpdateKind.DELTA
-    weighted_sum = True
+    HParams: type[H]
+    Client: ClassVar[type[FedAvgClient[Any]]] = FedAvgClient
+    update_kind: ClassVar[UpdateKind] = UpdateKind.DELTA
+    weighted_sum: ClassVar[bool] = True
 
-    def __init__(self, hp: FedAvgParams, ctx: StrategyContext):
+    def __init__(self, hp: H, ctx: StrategyContext):
         self.hp = hp
         self.ctx = ctx
 
@@ -91,3 +96,9 @@ class FedAvg:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """FedAvg keeps no server state."""
+
+
+class FedAvg(FedAvgBase[FedAvgHParams]):
+    """FedAvg (McMahan et al., 2017): global ← global + Σ n_k Δ_k / Σ n_k."""
+
+    HParams = FedAvgHParams

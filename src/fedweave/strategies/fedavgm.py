@@ -15,12 +15,12 @@ import torch
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.types import Params, Update
 
 
 @dataclass
-class FedAvgMParams:
+class FedAvgMHParams:
     server_lr: float = opt(1.0, gt=0, help="server learning rate applied to the momentum buffer")
     momentum: float = opt(0.9, ge=0, lt=1, help="server momentum (0: FedAvg with a server learning rate)")
     plain_average: list[str] = plain_average_option("momentum step")
@@ -51,7 +51,7 @@ def momentum_step(
     return new_params, new_velocity
 
 
-class FedAvgM(FedAvg):
+class FedAvgM(FedAvgBase[FedAvgMHParams]):
     """FedAvgM (Hsu et al., 2019): ``v ← β·v + Δ̄``, ``x ← x + η·v`` with Δ̄ the
     example-weighted mean client delta (``ctx.average``).
 
@@ -59,10 +59,10 @@ class FedAvgM(FedAvg):
     could push a variance below zero. With ``momentum=0`` and ``server_lr=1`` it is FedAvg.
     """
 
-    Params = FedAvgMParams
+    HParams = FedAvgMHParams
     Client = FedAvgClient
 
-    def __init__(self, hp: FedAvgMParams, ctx: StrategyContext):
+    def __init__(self, hp: FedAvgMHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.velocity: Params = {}
 

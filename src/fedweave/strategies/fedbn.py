@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.strategies.fedper import aggregate_shared, keep_local, restore_local, shared_schema
 from fedweave.training import ClientJob, train_local
-from fedweave.types import Evaluation, Update
 from fedweave.federated.checks import UpdateSchema
+from fedweave.types import Evaluation, Params, Update
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class FedBNParams:
+class FedBNHParams:
     """FedBN has no hyper-parameters beyond the local training settings."""
 
 
@@ -35,10 +35,10 @@ def batch_norm_keys(model: nn.Module) -> list[str]:
     return keys
 
 
-class FedBNClient(FedAvgClient):
+class FedBNClient(FedAvgClient[FedBNHParams]):
     """Train with this client's own BatchNorm layers; send the delta of all other layers."""
 
-    def __init__(self, hp: FedBNParams):
+    def __init__(self, hp: FedBNHParams):
         super().__init__(hp)
         self.warned = False
 
@@ -55,7 +55,7 @@ class FedBNClient(FedAvgClient):
         return super().evaluate(job)
 
 
-class FedBN(FedAvg):
+class FedBN(FedAvgBase[FedBNHParams]):
     """FedBN (Li et al., ICLR 2021): FedAvg on every layer except BatchNorm, which each client keeps.
 
     Layers are found by module type (``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d,
@@ -63,11 +63,11 @@ class FedBN(FedAvg):
     judged by federated (personalised) evaluation on the clients' local test splits.
     """
 
-    Params = FedBNParams
+    HParams = FedBNHParams
     Client = FedBNClient
 
     @staticmethod
-    def update_schema(model: nn.Module, hp: FedBNParams) -> UpdateSchema:
+    def update_schema(model: nn.Module, hp: FedBNHParams) -> UpdateSchema:
         """Every state-dict entry but those of BatchNorm layers."""
         return shared_schema(model, batch_norm_keys(model))
 

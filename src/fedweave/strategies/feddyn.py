@@ -17,7 +17,7 @@ from torch import nn
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import kept_indices, plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import Params, Update
 
@@ -26,17 +26,19 @@ LINEAR = "linear"
 
 
 @dataclass
-class FedDynParams:
+class FedDynHParams:
     alpha: float = opt(0.01, gt=0, help="weight α of the dynamic regulariser")
     plain_average: list[str] = plain_average_option("h-corrected step")
 
 
 def dynamic_regularizer(model: nn.Module, linear: Params, anchor: Params, alpha: float) -> torch.Tensor:
     """``−⟨g, θ⟩ + α/2·‖θ − θ^{t−1}‖²`` over the trainable parameters, g = ``linear``."""
-    return sum(
-        0.5 * alpha * ((p - anchor[name]) ** 2).sum() - (linear[name] * p).sum()
-        for name, p in model.named_parameters()
-        if p.requires_grad
+    return torch.as_tensor(
+        sum(
+            0.5 * alpha * ((p - anchor[name]) ** 2).sum() - (linear[name] * p).sum()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        )
     )
 
 
@@ -57,7 +59,7 @@ def server_step(
     return new_params, new_h
 
 
-class FedDynClient(FedAvgClient):
+class FedDynClient(FedAvgClient[FedDynHParams]):
     """Minimise ``L_k(θ) − ⟨∇L_k(θ_k^{t−1}), θ⟩ + α/2·‖θ − θ^{t−1}‖²``, θ^{t−1} the received
     model; then ``∇L_k(θ_k^t) = ∇L_k(θ_k^{t−1}) − α(θ_k^t − θ^{t−1})`` (zeros at first),
     kept in ``job.state``."""
@@ -79,7 +81,7 @@ class FedDynClient(FedAvgClient):
         return delta_update(result, delta)
 
 
-class FedDyn(FedAvg):
+class FedDyn(FedAvgBase[FedDynHParams]):
     """FedDyn (Acar et al., 2021), server half, with m = ``ctx.num_clients`` and P the
     clients of the round whose updates are applied (a rule like Krum discards some)::
 
@@ -91,11 +93,11 @@ class FedDyn(FedAvg):
     correction could push a variance below zero.
     """
 
-    Params = FedDynParams
+    HParams = FedDynHParams
     Client = FedDynClient
     weighted_sum = False
 
-    def __init__(self, hp: FedDynParams, ctx: StrategyContext):
+    def __init__(self, hp: FedDynHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.h: Params = {}
 

@@ -23,7 +23,7 @@ from fedweave.strategies.aggregate import (
     weighted_average,
     with_selection,
 )
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import PLAIN_STEP, ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Params, Update
 from fedweave.federated.checks import TensorSpec, UpdateSchema, specs_of
@@ -33,7 +33,7 @@ NORM = "fednova.a"
 
 
 @dataclass
-class FedNovaParams:
+class FedNovaHParams:
     """a_i follows from the local SGD settings; only running statistics are configured."""
 
     plain_average: list[str] = plain_average_option("normalised step")
@@ -64,7 +64,7 @@ def _scaled(tensors: Params, scale: float, plain_average: Sequence[str]) -> Para
     }
 
 
-class FedNovaClient(FedAvgClient):
+class FedNovaClient(FedAvgClient[FedNovaHParams]):
     """Local SGD as FedAvg; also sends a_i (from its steps and momentum) in ``extras``."""
 
     def local_step(self, job: ClientJob) -> LocalStep:
@@ -81,7 +81,7 @@ class FedNovaClient(FedAvgClient):
         return delta_update(result, delta, {NORM: torch.tensor(a, dtype=torch.float64)})
 
 
-class FedNova(FedAvg):
+class FedNova(FedAvgBase[FedNovaHParams]):
     """FedNova (Wang et al., 2020), with Δ_i = y_i − x and p_i = n_i / Σ n::
 
         d_i = Δ_i / a_i,   τ_eff = Σ p_i a_i,   x ← x + τ_eff · Σ p_i d_i
@@ -99,7 +99,7 @@ class FedNova(FedAvg):
     client claiming a huge a_i then cannot inflate everyone's step.
     """
 
-    Params = FedNovaParams
+    HParams = FedNovaHParams
     Client = FedNovaClient
     weighted_sum = False
 
@@ -113,7 +113,7 @@ class FedNova(FedAvg):
             )
 
     @staticmethod
-    def update_schema(model: nn.Module, hp: FedNovaParams) -> UpdateSchema:
+    def update_schema(model: nn.Module, hp: FedNovaHParams) -> UpdateSchema:
         """Δ of every state-dict entry; a_i, one float64 number, in ``extras``."""
         return UpdateSchema(specs_of(model.state_dict()), {NORM: TensorSpec((), torch.float64)})
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import plain_average_option, step_floats
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.types import Params, Update
 
 SecondMoment = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -80,7 +80,7 @@ def adaptive_step(
 
 
 @dataclass
-class FedOptParams:
+class FedOptHParams:
     """Hyper-parameters of FedAdam and FedYogi."""
 
     server_lr: float = opt(0.1, gt=0, help="server learning rate η")
@@ -91,19 +91,31 @@ class FedOptParams:
 
 
 @dataclass
-class FedAdagradParams:
+class FedAdagradHParams:
     server_lr: float = opt(0.1, gt=0, help="server learning rate η")
     beta1: float = opt(0.9, ge=0, lt=1, help="decay of the first moment")
     tau: float = opt(1e-3, gt=0, help="adaptivity τ: added to √v, and v starts at τ²")
     plain_average: list[str] = plain_average_option("adaptive step")
 
 
-class _FedOpt(FedAvg):
+class AdaptiveSettings(Protocol):
+    """What :func:`adaptive_step` reads of the hyper-parameters of all three."""
+
+    server_lr: float
+    beta1: float
+    tau: float
+    plain_average: list[str]
+
+
+A = TypeVar("A", bound=AdaptiveSettings)
+
+
+class _FedOpt(FedAvgBase[A]):
     """The server half shared by the three: average, then one :func:`adaptive_step`."""
 
     Client = FedAvgClient
 
-    def __init__(self, hp: Any, ctx: StrategyContext):
+    def __init__(self, hp: A, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.m: Params = {}
         self.v: Params = {}
@@ -135,28 +147,28 @@ class _FedOpt(FedAvg):
         self.v = dict(state["v"])
 
 
-class FedAdam(_FedOpt):
+class FedAdam(_FedOpt[FedOptHParams]):
     """FedAdam (Reddi et al., 2021): Adam without bias correction on the server."""
 
-    Params = FedOptParams
+    HParams = FedOptHParams
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return adam_moment(v, d2, self.hp.beta2)
 
 
-class FedYogi(_FedOpt):
+class FedYogi(_FedOpt[FedOptHParams]):
     """FedYogi (Reddi et al., 2021): Yogi's additive second-moment update on the server."""
 
-    Params = FedOptParams
+    HParams = FedOptHParams
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return yogi_moment(v, d2, self.hp.beta2)
 
 
-class FedAdagrad(_FedOpt):
+class FedAdagrad(_FedOpt[FedAdagradHParams]):
     """FedAdagrad (Reddi et al., 2021): Adagrad (with first-moment decay β1) on the server."""
 
-    Params = FedAdagradParams
+    HParams = FedAdagradHParams
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return adagrad_moment(v, d2)

@@ -22,7 +22,7 @@ from fedweave.errors import TaskError
 from fedweave.schema import opt
 from fedweave.strategies.aggregate import apply_delta, with_selection
 from fedweave.strategies.base import Average
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import (
     ClientJob,
     TrainResult,
@@ -35,7 +35,7 @@ from fedweave.federated.checks import UpdateSchema, specs_of
 
 
 @dataclass
-class FedPerParams:
+class FedPerHParams:
     personal: list[str] = opt(
         factory=lambda: ["head.*"],
         help="glob patterns of state-dict names (parameters and buffers) that stay on each client",
@@ -81,7 +81,7 @@ def matching_keys(model: nn.Module, patterns: list[str]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-class FedPerClient(FedAvgClient):
+class FedPerClient(FedAvgClient[FedPerHParams]):
     """Train the whole model with this client's personal layers; send the shared layers' delta."""
 
     def train(self, job: ClientJob) -> Update:
@@ -94,23 +94,23 @@ class FedPerClient(FedAvgClient):
         return super().evaluate(job)
 
 
-class FedPer(FedAvg):
+class FedPer(FedAvgBase[FedPerHParams]):
     """FedPer (Arivazhagan et al., 2019): FedAvg on the base layers; the server never touches personal ones.
 
     The global model's personal layers keep their initial values, so its accuracy on the
     global test set means little: FedPer is judged by federated (personalised) evaluation.
     """
 
-    Params = FedPerParams
+    HParams = FedPerHParams
     Client = FedPerClient
 
     @staticmethod
-    def check_model(model: nn.Module, hp: FedPerParams) -> None:
+    def check_model(model: nn.Module, hp: FedPerHParams) -> None:
         """Every personal-layer pattern must name a parameter: refuse a typo before round 1."""
         matching_keys(model, hp.personal)
 
     @staticmethod
-    def update_schema(model: nn.Module, hp: FedPerParams) -> UpdateSchema:
+    def update_schema(model: nn.Module, hp: FedPerHParams) -> UpdateSchema:
         """Every state-dict entry but the personal layers."""
         return shared_schema(model, matching_keys(model, hp.personal))
 

@@ -12,22 +12,22 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.schema import opt
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import ClientJob, LocalStep
 
 
 @dataclass
-class FedProxParams:
+class FedProxHParams:
     mu: float = opt(0.01, ge=0, help="weight μ of the proximal term μ/2·‖w − w_global‖² (0: FedAvg)")
 
 
 def proximal(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
     """``μ/2 · Σ ‖w − anchor‖²`` over ``params`` (trainable parameters by name)."""
     total = sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
-    return 0.5 * mu * total
+    return 0.5 * mu * torch.as_tensor(total)
 
 
-class FedProxClient(FedAvgClient):
+class FedProxClient(FedAvgClient[FedProxHParams]):
     """Minimise ``loss + μ/2·‖w − w_t‖²`` with w_t the global model received this round."""
 
     def local_step(self, job: ClientJob) -> LocalStep:
@@ -38,10 +38,10 @@ class FedProxClient(FedAvgClient):
         return proximal(params, anchor, self.hp.mu)
 
 
-class FedProx(FedAvg):
+class FedProx(FedAvgBase[FedProxHParams]):
     """FedProx (Li et al., 2020): FedAvg's server step; clients add the proximal term
     against the current round's global model. ``train_loss`` reports the task loss alone.
     """
 
-    Params = FedProxParams
+    HParams = FedProxHParams
     Client = FedProxClient

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -15,13 +16,13 @@ from torch import nn
 
 from fedweave.errors import TaskError
 from fedweave.schema import opt
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.training import ClientJob, delta_update, model_delta, train_local
 from fedweave.types import Update
 
 
 @dataclass
-class MoonParams:
+class MoonHParams:
     mu: float = opt(1.0, ge=0, help="weight μ of the model-contrastive term")
     temperature: float = opt(0.5, gt=0, help="temperature τ of the contrastive softmax")
 
@@ -33,12 +34,23 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
     return (torch.logaddexp(positive, negative) - positive).mean()
 
 
-def _require_representation(model: nn.Module) -> None:
-    if not (callable(getattr(model, "features", None)) and callable(getattr(model, "head", None))):
+@runtime_checkable
+class Representation(Protocol):
+    """A model that exposes its representation: ``features(x)`` (z) and ``head(z)`` (the logits)."""
+
+    def features(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, z: torch.Tensor) -> torch.Tensor: ...
+
+
+def _representation(model: nn.Module) -> Representation:
+    """``model`` as a :class:`Representation`, or a TaskError saying what it lacks."""
+    if not (isinstance(model, Representation) and callable(model.features) and callable(model.head)):
         raise TaskError(
             f"strategy 'moon' needs a model with a representation: {type(model).__name__} must expose "
             "features(x) (the representation z) and head(z) (the logits), as the built-in mlp and cnn do"
         )
+    return model
 
 
 def _frozen(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
@@ -51,7 +63,7 @@ def _frozen(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> n
     return frozen
 
 
-class MoonClient(FedAvgClient):
+class MoonClient(FedAvgClient[MoonHParams]):
     """Local training on task loss + μ·ℓ_con; the update is the trained model's delta.
 
     z comes from the trained model's ``features``, z_glob from a frozen copy of the
@@ -63,17 +75,18 @@ class MoonClient(FedAvgClient):
     """
 
     def train(self, job: ClientJob) -> Update:
-        _require_representation(job.model)
+        _representation(job.model)
         previous = job.state.get("previous")
         if previous is None:
             result = train_local(job)
         else:
-            global_model = _frozen(job.model)
-            previous_model = _frozen(job.model, previous)
+            global_model = _representation(_frozen(job.model))
+            previous_model = _representation(_frozen(job.model, previous))
 
             def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                z = model.features(x)
-                task = job.loss_fn(model.head(z), y)
+                trained = _representation(model)
+                z = trained.features(x)
+                task = job.loss_fn(trained.head(z), y)
                 with torch.no_grad():
                     z_glob, z_prev = global_model.features(x), previous_model.features(x)
                 return task + self.hp.mu * contrastive_loss(z, z_glob, z_prev, self.hp.temperature), task
@@ -83,13 +96,13 @@ class MoonClient(FedAvgClient):
         return delta_update(result, model_delta(job.model, job.instruction.params))
 
 
-class Moon(FedAvg):
+class Moon(FedAvgBase[MoonHParams]):
     """MOON (Li et al., CVPR 2021): clients add the model-contrastive loss; the server is FedAvg."""
 
-    Params = MoonParams
+    HParams = MoonHParams
     Client = MoonClient
 
     @staticmethod
-    def check_model(model: nn.Module, hp: MoonParams) -> None:
+    def check_model(model: nn.Module, hp: MoonHParams) -> None:
         """MOON needs the model's representation: refuse a model without one before round 1."""
-        _require_representation(model)
+        _representation(model)

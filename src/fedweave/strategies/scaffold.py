@@ -22,7 +22,7 @@ from fedweave.strategies.aggregate import (
     with_selection,
 )
 from fedweave.strategies.base import StrategyContext
-from fedweave.strategies.fedavg import FedAvg, FedAvgClient
+from fedweave.strategies.fedavg import FedAvgBase, FedAvgClient
 from fedweave.strategies.fednova import normalizing_factor
 from fedweave.training import ClientJob, LocalStep, TrainResult, delta_update
 from fedweave.types import Instruction, Params, TaskKind, Update, Work
@@ -35,7 +35,7 @@ JOINT = "__control_delta."
 
 
 @dataclass
-class ScaffoldParams:
+class ScaffoldHParams:
     option: Literal["I", "II"] = opt(
         "II", help="client control variate update: I = gradient at the global model, II = from the local steps"
     )
@@ -69,7 +69,7 @@ def option_two(control: Params, server_control: Params, delta: Params, steps: fl
     }
 
 
-class ScaffoldClient(FedAvgClient):
+class ScaffoldClient(FedAvgClient[ScaffoldHParams]):
     """Local steps on ``g − c_i + c``; sends Δy in ``tensors`` and Δc = c_i⁺ − c_i in ``extras``.
 
     c_i is kept in ``job.state`` (zeros the first time), c arrives in
@@ -104,7 +104,7 @@ class ScaffoldClient(FedAvgClient):
         return control, {name: job.instruction.extras.get(name, zeros[name]) for name in zeros}
 
 
-class Scaffold(FedAvg):
+class Scaffold(FedAvgBase[ScaffoldHParams]):
     """SCAFFOLD (Karimireddy et al., 2020), server half::
 
         x ← x + η_g · mean_w(Δy_i)          (weights: num_examples, as FedAvg)
@@ -121,7 +121,7 @@ class Scaffold(FedAvg):
     statistics (``plain_average``) take x + mean_w(Δy), whatever η_g.
     """
 
-    Params = ScaffoldParams
+    HParams = ScaffoldHParams
     Client = ScaffoldClient
     weighted_sum = False
 
@@ -135,20 +135,20 @@ class Scaffold(FedAvg):
             )
 
     @staticmethod
-    def update_schema(model: nn.Module, hp: ScaffoldParams) -> UpdateSchema:
+    def update_schema(model: nn.Module, hp: ScaffoldHParams) -> UpdateSchema:
         """Δy of every state-dict entry; Δc of every trainable parameter, in ``extras``."""
         trainable = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
         return UpdateSchema(specs_of(model.state_dict()), specs_of(trainable))
 
     @staticmethod
-    def private_extras(hp: ScaffoldParams) -> tuple[str, str]:
+    def private_extras(hp: ScaffoldHParams) -> tuple[str, str]:
         """What Δc_i in ``extras`` is computed from, for the privacy rules at load
         (:mod:`fedweave.plugins.compose`): it never passes the client_send chain."""
         if hp.option == "I":
             return "data", "Δc_i = ∇f_i(x) − c_i, the exact gradient of its whole training set (strategy.option I)"
         return "update", "Δc_i = −c − Δy_i/(K·η_l), from which the un-noised Δy_i comes back (strategy.option II)"
 
-    def __init__(self, hp: ScaffoldParams, ctx: StrategyContext):
+    def __init__(self, hp: ScaffoldHParams, ctx: StrategyContext):
         super().__init__(hp, ctx)
         self.control: Params = {}
 

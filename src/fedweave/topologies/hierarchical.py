@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedweave.plugins import PLUGINS
-from fedweave.plugins.chain import POINTS
+from fedweave.plugins.contracts import POINTS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
 from fedweave.types import Message, Update, body_nbytes

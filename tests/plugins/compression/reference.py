@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.compression.wire import Site
 from fedweave.federated.checks import UpdateSchema
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDParams, to_levels
+from fedweave.plugins.compression.qsgd import QSGDCodec, QSGDHParams, to_levels
 
 from ..helpers import make
 from . import reference as ref
@@ -15,7 +15,7 @@ from .reference import SHAPES, same
 
 
 def encode(s: int, size: int, xs: list[torch.Tensor]) -> tuple[QSGDCodec, list[dict[str, torch.Tensor]], list]:
-    codec = QSGDCodec(QSGDParams(levels=s, bucket=size))
+    codec = QSGDCodec(QSGDHParams(levels=s, bucket=size))
     sites = [ref.site(f"t{i}") for i in range(len(xs))]
     return codec, codec.compress_many(xs, sites), sites
 

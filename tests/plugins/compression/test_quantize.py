@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedweave.plugins.compression.quantize import QuantizeCodec, QuantizeParams, int8_values
+from fedweave.plugins.compression.quantize import QuantizeCodec, QuantizeHParams, int8_values
 
 from . import reference as ref
 from .reference import SHAPES, same
@@ -17,7 +17,7 @@ from .reference import SHAPES, same
 @pytest.mark.parametrize("size", [1, 7, 64, 512])
 def test_values_scales_and_decoded_floats_are_the_definitions(stochastic: bool, size: int) -> None:
     xs = ref.tensors(size + stochastic, SHAPES)
-    codec = QuantizeCodec(QuantizeParams(dtype="int8", bucket=size, stochastic=stochastic))
+    codec = QuantizeCodec(QuantizeHParams(dtype="int8", bucket=size, stochastic=stochastic))
     sites = [ref.site(f"t{i}") for i in range(len(xs))]
     fields = codec.compress_many(xs, sites)
     expected = []
@@ -51,7 +51,7 @@ def test_values_are_entry_over_scale_in_one_rounding_to_the_last_bit() -> None:
 
 def test_a_zero_bucket_has_scale_zero_and_decodes_to_zero() -> None:
     x = torch.tensor([0.0, -0.0, 0.0, 0.0, 1.27, -0.5])
-    codec = QuantizeCodec(QuantizeParams(dtype="int8", bucket=4))
+    codec = QuantizeCodec(QuantizeHParams(dtype="int8", bucket=4))
     (f,) = codec.compress_many([x], [ref.site("w")])
     assert same(f["scales"], torch.tensor([0.0, 0.01]))
     assert same(f["values"][:4], torch.zeros(4, dtype=torch.int8)) and int(f["values"][4]) == 127
@@ -61,7 +61,7 @@ def test_a_zero_bucket_has_scale_zero_and_decodes_to_zero() -> None:
 def test_casts_decode_to_float32_values_of_the_cast() -> None:
     x = torch.tensor([1.0 / 3.0, -70000.0, 1e-8])
     for dtype, cast in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
-        codec = QuantizeCodec(QuantizeParams(dtype=dtype))
+        codec = QuantizeCodec(QuantizeHParams(dtype=dtype))
         (f,) = codec.compress_many([x], [ref.site("w")])
         assert same(f["values"], x.to(cast))
         assert same(codec.decompress_many([f], [(3,)])[0], x.to(cast).to(torch.float32))

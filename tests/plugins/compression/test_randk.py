@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedweave.plugins.chain import PluginContext
-from fedweave.plugins.compression.randk import HEAD_FROM, RandKCodec, RandKParams, fisher_yates_head, randperm_head
+from fedweave.plugins.contracts import PluginContext
+from fedweave.plugins.compression.randk import HEAD_FROM, RandKCodec, RandKHParams, fisher_yates_head, randperm_head
 from fedweave.plugins.compression.wire import Site
 
 from ..helpers import make, update
@@ -109,7 +109,7 @@ def awkward(n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,ratio", [(100352, 0.1), (1280, 0.1), (10, 0.1)])
 def test_decode_is_the_index_write_bit_for_bit(n: int, ratio: float) -> None:
-    codec = RandKCodec(RandKParams(ratio=ratio))
+    codec = RandKCodec(RandKHParams(ratio=ratio))
     values = awkward(codec.k(n), 1)
     seed = 99
     fields = {"values": values, "seed": torch.tensor([seed])}
@@ -123,7 +123,7 @@ def test_decode_is_the_index_write_bit_for_bit(n: int, ratio: float) -> None:
 def test_the_rest_kept_is_x_less_what_was_sent_bit_for_bit(n: int, ratio: float, feedback: bool) -> None:
     """With error feedback the values go unscaled and leave x - x there (0, or NaN for ±inf);
     without, the rest is x less the scaled values, as decompress would give them."""
-    codec = RandKCodec(RandKParams(ratio=ratio, error_feedback=feedback))
+    codec = RandKCodec(RandKHParams(ratio=ratio, error_feedback=feedback))
     x = awkward(n, 2)
     original = x.clone()
     site = Site("randk", 0, "up", 1, 4, "w")
@@ -138,7 +138,7 @@ def test_the_rest_kept_is_x_less_what_was_sent_bit_for_bit(n: int, ratio: float,
 
 
 def test_the_codec_sends_the_values_at_torchs_positions() -> None:
-    codec = RandKCodec(RandKParams(ratio=0.1))
+    codec = RandKCodec(RandKHParams(ratio=0.1))
     x = torch.randn(128, 784)
     site = Site("randk", 0, "up", 1, 4, "w")
     fields = codec.compress(x, site)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedweave.plugins.compression.topk import TopKCodec, TopKParams
+from fedweave.plugins.compression.topk import TopKCodec, TopKHParams
 from fedweave.plugins.compression.wire import Site
 
 from ..helpers import make
@@ -17,7 +17,7 @@ SITE = Site("topk", 0, "up", 1, 0, "w")
 def test_the_rest_kept_is_x_less_what_was_sent() -> None:
     """k = 2 of 5: -4 and 3 are sent; float32 values leave exact zeros where they were."""
     x = torch.tensor([1.0, -4.0, 0.5, 3.0, -2.0])
-    [fields] = TopKCodec(TopKParams(ratio=0.4)).compress_keeping_rest([x], [SITE])
+    [fields] = TopKCodec(TopKHParams(ratio=0.4)).compress_keeping_rest([x], [SITE])
     assert fields["values"].tolist() == [-4.0, 3.0]
     assert (fields["indices"].long() + 32_768).tolist() == [1, 3]
     assert x.tolist() == [1.0, 0.0, 0.5, 0.0, -2.0]
@@ -26,7 +26,7 @@ def test_the_rest_kept_is_x_less_what_was_sent() -> None:
 def test_values_in_fewer_bits_leave_their_rounding_in_the_rest() -> None:
     x = torch.tensor([0.1, 3.0e-5, 1.0 / 3.0, 0.0])
     original = x.clone()
-    [fields] = TopKCodec(TopKParams(ratio=0.5, values="float16")).compress_keeping_rest([x], [SITE])
+    [fields] = TopKCodec(TopKHParams(ratio=0.5, values="float16")).compress_keeping_rest([x], [SITE])
     sent = original[[0, 2]].to(torch.float16)
     assert torch.equal(fields["values"], sent)
     rest = original.clone()
@@ -36,7 +36,7 @@ def test_values_in_fewer_bits_leave_their_rounding_in_the_rest() -> None:
 
 
 def test_the_rest_equals_x_less_the_decoded_fields_and_the_fields_those_compress_sends() -> None:
-    codec = TopKCodec(TopKParams(ratio=0.01))
+    codec = TopKCodec(TopKHParams(ratio=0.01))
     xs = [torch.randn(300, 500, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     sites = [Site("topk", 0, "up", 1, 0, str(i)) for i in range(3)]
     plain = [codec.compress(x, s) for x, s in zip(xs, sites)]
@@ -49,7 +49,7 @@ def test_the_rest_equals_x_less_the_decoded_fields_and_the_fields_those_compress
 
 def test_a_payload_s_tensors_decode_at_once_into_their_own_shapes() -> None:
     """Three tensors scattered into one buffer: each its own zeros and sent values."""
-    codec = TopKCodec(TopKParams(ratio=0.5))
+    codec = TopKCodec(TopKHParams(ratio=0.5))
     xs = [torch.tensor([[0.0, 2.0], [-3.0, 1.0]]), torch.tensor([5.0, -1.0, 0.0]), torch.tensor([-7.0])]
     fields = [codec.compress(x, SITE) for x in xs]
     got = codec.decompress_many(fields, [tuple(x.shape) for x in xs])

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fedweave.plugins.chain import Chain, Chains, PluginContext
+from fedweave.plugins.chain import Chain, Chains
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.compression.wire import Site, tensor_seeds
 from fedweave.plugins.contracts import Plugin
 from fedweave.types import Instruction, Message, TaskKind, Update, Work

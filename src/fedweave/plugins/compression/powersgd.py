@@ -25,13 +25,13 @@ from fedweave.schema import opt
 
 
 @dataclass
-class PowerSGDParams:
+class PowerSGDHParams:
     rank: int = opt(4, ge=1, help="rank r of the approximation")
     error_feedback: bool = opt(True, help="keep what the approximation missed and add it next time")
 
 
 class PowerSGDCodec:
-    def __init__(self, hp: PowerSGDParams):
+    def __init__(self, hp: PowerSGDHParams):
         self.hp = hp
         self.warm: dict[tuple[str, int, str], torch.Tensor] = {}  # (direction, client, tensor) -> Q
 
@@ -79,8 +79,8 @@ class PowerSGD(Compressor):
     """PowerSGD (Vogels et al. 2019): rank-r power-iteration compression, warm-started."""
 
     name = "powersgd"
-    Params = PowerSGDParams
+    HParams = PowerSGDHParams
 
-    def __init__(self, hp: PowerSGDParams):
+    def __init__(self, hp: PowerSGDHParams):
         super().__init__(PowerSGDCodec(hp), hp.error_feedback)
         self.hp = hp

@@ -24,7 +24,7 @@ from fedweave.schema import opt
 
 
 @dataclass
-class QSGDParams:
+class QSGDHParams:
     levels: int = opt(127, ge=1, le=32767, help="quantization levels s (127: one byte per entry)")
     bucket: int = opt(512, ge=1, help="entries per bucket, each with its own norm")
     error_feedback: bool = opt(False, help="keep the quantization error and add it next time")
@@ -44,7 +44,7 @@ def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class QSGDCodec:
-    def __init__(self, hp: QSGDParams):
+    def __init__(self, hp: QSGDHParams):
         self.hp = hp
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
@@ -116,8 +116,8 @@ class QSGD(Compressor):
     """QSGD (Alistarh et al. 2017): unbiased stochastic quantization to s levels per bucket."""
 
     name = "qsgd"
-    Params = QSGDParams
+    HParams = QSGDHParams
 
-    def __init__(self, hp: QSGDParams):
+    def __init__(self, hp: QSGDHParams):
         super().__init__(QSGDCodec(hp), hp.error_feedback)
         self.hp = hp

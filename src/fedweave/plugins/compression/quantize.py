@@ -14,13 +14,13 @@ each update into the encrypted model itself, so no compressor may precede it.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from fedweave.plugins.compression.buckets import layout, nonzero, products, stochastic_round
-from fedweave.plugins.compression.wire import Compressor, Site, require, tensor_seeds
+from fedweave.plugins.compression.wire import COMPRESSOR, Compressor, Site, require, tensor_seeds
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
@@ -28,7 +28,7 @@ CASTS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class QuantizeParams:
+class QuantizeHParams:
     dtype: Literal["float16", "bfloat16", "int8"] = opt("int8", help="what each entry is sent as")
     bucket: int = opt(512, ge=1, help="int8: entries per bucket, each with its own scale")
     stochastic: bool = opt(True, help="int8: round at random (unbiased) rather than to the nearest")
@@ -36,7 +36,7 @@ class QuantizeParams:
 
 
 class QuantizeCodec:
-    def __init__(self, hp: QuantizeParams):
+    def __init__(self, hp: QuantizeHParams):
         self.hp = hp
 
     def compress(self, x: torch.Tensor, site: Site) -> dict[str, torch.Tensor]:
@@ -72,7 +72,7 @@ class QuantizeCodec:
         return [{"values": v, "scales": s} for v, s in zip(buckets.entries(values), buckets.per_bucket(scales))]
 
     def decompress_many(self, fields: list[dict[str, torch.Tensor]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        out = [f["values"].to(torch.float32).reshape(shape) if "scales" not in f else None for f, shape in zip(fields, shapes)]
+        out = {i: f["values"].to(torch.float32).reshape(shape) for i, (f, shape) in enumerate(zip(fields, shapes)) if "scales" not in f}
         scaled = [i for i, f in enumerate(fields) if "scales" in f]
         if scaled:
             buckets = layout(tuple(math.prod(shapes[i]) for i in scaled), self.hp.bucket)
@@ -80,7 +80,7 @@ class QuantizeCodec:
             rows = products(buckets, values, [fields[i]["scales"] for i in scaled], "values", "scales")
             for i, entries in zip(scaled, buckets.entries(rows, [shapes[i] for i in scaled])):
                 out[i] = entries
-        return out
+        return [out[i] for i in range(len(fields))]
 
 
 def int8_values(rows: torch.Tensor, scales: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
@@ -101,10 +101,10 @@ class Quantize(Compressor):
     """Quantization to float16, bfloat16 or int8 (per-bucket scales, stochastic rounding)."""
 
     name = "quantize"
-    Params = QuantizeParams
+    HParams = QuantizeHParams
     accepts = frozenset(UpdateKind)
-    summable = staticmethod(_summable)
+    declares = replace(COMPRESSOR, summable=_summable)
 
-    def __init__(self, hp: QuantizeParams):
+    def __init__(self, hp: QuantizeHParams):
         super().__init__(QuantizeCodec(hp), hp.error_feedback)
         self.hp = hp

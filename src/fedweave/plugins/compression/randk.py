@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.compression.wire import Compressor, Site, require, vectors
+from fedweave.plugins.contracts import Payload, PluginContext
+from fedweave.plugins.compression.wire import COMPRESSOR, Compressor, Site, require, vectors
 from fedweave.plugins.packing import SEP
 from fedweave.schema import opt
 from fedweave.types import Update
 
 
 @dataclass
-class RandKParams:
+class RandKHParams:
     ratio: float = opt(0.1, gt=0, le=1, help="share of each tensor's entries sent (at least one)")
     error_feedback: bool = opt(False, help="keep what was not sent and add it next time (values then unscaled)")
     shared_indices: bool = opt(False, help="every client of a round sends the same positions (summable)")
@@ -42,7 +42,7 @@ HELD_POSITIONS = 1 << 22
 
 
 class RandKCodec:
-    def __init__(self, hp: RandKParams):
+    def __init__(self, hp: RandKHParams):
         self.hp = hp
         self.drawn: dict[tuple[int, int], torch.Tensor] = {}  # (seed, numel) -> positions
         self.held = 0  # positions in ``drawn``
@@ -206,11 +206,12 @@ class RandK(Compressor):
     """Random-k sparsification, unbiased (scaled by d/k) or with error feedback."""
 
     name = "randk"
-    Params = RandKParams
-    summable = staticmethod(_summable)
+    HParams = RandKHParams
+    declares = replace(COMPRESSOR, summable=_summable)
 
-    def __init__(self, hp: RandKParams):
-        super().__init__(RandKCodec(hp), hp.error_feedback)
+    def __init__(self, hp: RandKHParams):
+        self.randk = RandKCodec(hp)
+        super().__init__(self.randk, hp.error_feedback)
         self.hp = hp
 
     def decode(self, payload: Payload, ctx: PluginContext) -> Payload:
@@ -219,6 +220,6 @@ class RandK(Compressor):
         larger seed would otherwise place every client's values."""
         if self.hp.shared_indices and isinstance(payload, Update):
             seeds = {k: self._site("up", ctx, k[: -len(SEP + "seed")]) for k in payload.tensors if k.endswith(SEP + "seed")}
-            own = {k: torch.tensor([self.codec.seed(site)], dtype=torch.int64) for k, site in seeds.items()}
+            own = {k: torch.tensor([self.randk.seed(site)], dtype=torch.int64) for k, site in seeds.items()}
             payload = replace(payload, tensors={**payload.tensors, **own})
         return super().decode(payload, ctx)

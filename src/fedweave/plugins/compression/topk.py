@@ -28,14 +28,14 @@ VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 @dataclass
-class TopKParams:
+class TopKHParams:
     ratio: float = opt(0.01, gt=0, le=1, help="share of each tensor's entries sent (at least one)")
     error_feedback: bool = opt(True, help="keep what was not sent and add it to the next update")
     values: Literal["float32", "float16", "bfloat16"] = opt("float32", help="dtype of the sent values")
 
 
 class TopKCodec:
-    def __init__(self, hp: TopKParams):
+    def __init__(self, hp: TopKHParams):
         self.hp = hp
 
     def k(self, numel: int) -> int:
@@ -129,8 +129,8 @@ class TopK(Compressor):
     """Top-k sparsification (Aji & Heafield 2017) with error feedback."""
 
     name = "topk"
-    Params = TopKParams
+    HParams = TopKHParams
 
-    def __init__(self, hp: TopKParams):
+    def __init__(self, hp: TopKHParams):
         super().__init__(TopKCodec(hp), hp.error_feedback)
         self.hp = hp

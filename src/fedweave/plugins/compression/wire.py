@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Declaration, Payload, PluginContext
 from fedweave.plugins.packing import FLAT, LAYOUT, SEP, decode_all, encode_fields, read_layout
 from fedweave.seeding import derive_seed, derive_seeds
 from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
@@ -120,15 +120,17 @@ class CheckedCodec(Protocol):
     def check_fields(self, fields: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None: ...
 
 
+COMPRESSOR = Declaration(stage="compress", points=("server_send", "client_send"))
+"""What every compressor declares (quantize and randk also when their payloads can be summed)."""
+
+
 class Compressor:
     """A compression plugin: a codec driven in both directions (see the module doc)."""
 
     name: ClassVar[str]
     accepts: ClassVar[frozenset[UpdateKind]] = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded: ClassVar[bool] = False
-    stage: ClassVar[str] = "compress"
-    points: ClassVar[tuple[str, ...]] = ("server_send", "client_send")
-    summable: ClassVar[Any] = False
+    declares: ClassVar[Declaration] = COMPRESSOR
 
     def __init__(self, codec: Codec, error_feedback: bool):
         self.codec = codec
@@ -174,6 +176,7 @@ class Compressor:
         names = [name for name, tensor in update.tensors.items() if _compressible(tensor)]
         xs = [_accumulated(update.tensors[name], residual.get(name), copy=self.error_feedback) for name in names]
         sites = [self._site("up", ctx, name) for name in names]
+        fields: Sequence[dict[str, torch.Tensor] | None]
         if self.error_feedback and self.sparse is not None:
             fields = self.sparse.compress_keeping_rest(xs, sites)
             self.residuals[ctx.client_id] = dict(zip(names, xs))
@@ -242,7 +245,7 @@ class Compressor:
                 value = torch.empty(shape, dtype=dtype, device="meta")
             if name and part not in (LAYOUT, FLAT):
                 fields.setdefault(name, {})[part] = value
-        names = [n for n, spec in expected.items() if spec.dtype.is_floating_point and math.prod(spec.shape)]
+        names = [n for n, spec in expected.items() if spec.dtype.is_floating_point and math.prod(spec.shape) > 0]
         laid = {key.rpartition(SEP)[0] for key in tensors if key.endswith(SEP + LAYOUT)}
         if fields.keys() != set(names) or laid != set(names):
             raise ValueError(f"plugin {self.name!r}: the update encodes {sorted(fields)[:5]}, not the model's "

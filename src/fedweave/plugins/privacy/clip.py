@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import Declaration, PluginContext
 from fedweave.schema import opt
 from fedweave.types import Params, Update, UpdateKind
 
 
 @dataclass
-class ClipParams:
+class ClipHParams:
     max_norm: float = opt(1.0, gt=0, help="L2 norm C that each update (all tensors together) is clipped to")
 
 
@@ -39,14 +39,12 @@ class Clip:
     """Clip each update to an L2 norm (the whole update, all tensors together)."""
 
     name = "clip"
-    Params = ClipParams
+    HParams = ClipHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = False
-    stage = "clip"
-    points = ("client_send",)
-    summable = True
+    declares = Declaration(stage="clip", points=("client_send",), summable=True)
 
-    def __init__(self, hp: ClipParams):
+    def __init__(self, hp: ClipHParams):
         self.hp = hp
 
     def encode(self, payload: Update, ctx: PluginContext) -> Update:

@@ -53,8 +53,7 @@ from typing import Any
 import torch
 
 from fedweave.errors import ConfigError
-from fedweave.plugins.chain import PluginContext
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import Declaration, FreshDraws, PluginContext
 from fedweave.plugins.packing import combine_plain
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.plugins.privacy.clip import clip_tensors
@@ -69,13 +68,13 @@ CLIP = "dp_central.clip"
 SEEDED_HELP = "draw the noise from the run seed (reproducible; simulation only: anyone with the config can redraw it)"
 
 
-def fresh_noise(params: DPLocalParams | DPCentralParams) -> FreshDraws | None:
+def fresh_noise(params: DPLocalHParams | DPCentralHParams) -> FreshDraws | None:
     """Privacy noise from the OS's secure source, unless seeded: a round done again is a second release."""
     return None if params.seeded_noise else FreshDraws("privacy noise", releases=True)
 
 
 @dataclass
-class DPLocalParams:
+class DPLocalHParams:
     clip: float = opt(1.0, gt=0, help="L2 norm C each client's update is clipped to")
     noise_multiplier: float = opt(1.0, ge=0, help="z: each client adds N(0, (z·C)²) to every entry")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
@@ -84,7 +83,7 @@ class DPLocalParams:
 
 
 @dataclass
-class DPCentralParams:
+class DPCentralHParams:
     clip: float = opt(1.0, gt=0, help="L2 norm C each client's update is clipped to (the initial C when adaptive)")
     noise_multiplier: float = opt(1.0, ge=0, help="z: the server adds N(0, (z·C)²) to every entry of the sum")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
@@ -128,16 +127,13 @@ class DPLocal:
     """DP-FedAvg, local noise: each client clips its update and adds Gaussian noise."""
 
     name = "dp_local"
-    Params = DPLocalParams
+    HParams = DPLocalHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = False
-    stage = "noise"
-    points = ("client_send",)
-    summable = True
-    protects = "update"
+    declares = Declaration(stage="noise", points=("client_send",), summable=True, protects="update")
     fresh_draws = staticmethod(fresh_noise)
 
-    def __init__(self, hp: DPLocalParams):
+    def __init__(self, hp: DPLocalHParams):
         self.hp = hp
         self.seed = 0
         # Replace-one adjacency in the local model: sensitivity 2C, so multiplier z / 2, no sampling.
@@ -165,15 +161,13 @@ class DPCentral:
     """DP-FedAvg, central noise: clients clip, the server adds noise once to the sum."""
 
     name = "dp_central"
-    Params = DPCentralParams
+    HParams = DPCentralHParams
     accepts = frozenset({UpdateKind.DELTA, UpdateKind.GRADIENT})
     combines_encoded = True
-    stage = "noise"
-    points = ("client_send",)
-    protects = "update"
+    declares = Declaration(stage="noise", points=("client_send",), protects="update")
     fresh_draws = staticmethod(fresh_noise)
 
-    def __init__(self, hp: DPCentralParams):
+    def __init__(self, hp: DPCentralHParams):
         self.hp = hp
         self.seed = 0
         self.clip_norm = hp.clip
@@ -214,7 +208,7 @@ class DPCentral:
         m = len(updates)
         floating = [{k: v for k, v in u.tensors.items() if v.is_floating_point()} for u in updates]
         plain = [{k: v for k, v in u.tensors.items() if not v.is_floating_point() and k != UNCLIPPED} for u in updates]
-        total = {k: sum(f[k].double() for f in floating) for k in floating[0]}
+        total = {k: torch.as_tensor(sum(f[k].double() for f in floating)) for k in floating[0]}
         source = noise_source(self.hp.seeded_noise, self.seed, self.name, ctx.round)
         noisy = add_noise(total, self.update_noise * self.clip_norm, source)
         mean = {k: (v / m).to(floating[0][k].dtype) for k, v in noisy.items()}

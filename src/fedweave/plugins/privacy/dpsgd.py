@@ -50,8 +50,7 @@ from typing import Any
 
 import torch
 
-from fedweave.plugins.chain import Payload, PluginContext
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import Declaration, FreshDraws, Payload, PluginContext
 from fedweave.plugins.privacy.accountant import History, check_target, epsilon
 from fedweave.schema import opt
 from fedweave.plugins.privacy.noise import NoiseSource, noise_source
@@ -67,7 +66,7 @@ STEPS = "dpsgd_steps"
 
 
 @dataclass
-class DPSGDParams:
+class DPSGDHParams:
     noise_multiplier: float = opt(1.0, gt=0, help="z: noise std over max_grad_norm, per step")
     max_grad_norm: float = opt(1.0, gt=0, help="L2 norm each example's gradient is clipped to")
     delta: float = opt(1e-5, gt=0, lt=1, help="δ of the reported (ε, δ) guarantee")
@@ -91,19 +90,17 @@ class DPSGD:
     """DP-SGD (Abadi et al. 2016) in local training, through Opacus; ε per client from its RDP accountant."""
 
     name = "dpsgd"
-    Params = DPSGDParams
+    HParams = DPSGDHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
-    stage = "train"
-    points = ("client_receive",)
-    protects = "training"
+    declares = Declaration(stage="train", points=("client_receive",), protects="training")
 
     @staticmethod
-    def fresh_draws(params: DPSGDParams) -> FreshDraws | None:
+    def fresh_draws(params: DPSGDHParams) -> FreshDraws | None:
         """Noise and batches from the OS's secure source, unless seeded: a round done again is a second release."""
         return None if params.seeded_noise else FreshDraws("privacy noise and batch sampling", releases=True)
 
-    def __init__(self, hp: DPSGDParams):
+    def __init__(self, hp: DPSGDHParams):
         self.hp = hp
         self.seed = 0
         self.ledger: dict[int, History] = {}
@@ -168,7 +165,7 @@ class PrivateTraining:
     """One client's private local training for one round (see the module doc): a
     :class:`~fedweave.training.LocalTraining`."""
 
-    def __init__(self, hp: DPSGDParams, noise: NoiseSource):
+    def __init__(self, hp: DPSGDHParams, noise: NoiseSource):
         self.hp = hp
         self.noise = noise
         self.spent: dict[str, float] = {}

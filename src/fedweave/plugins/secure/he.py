@@ -92,8 +92,7 @@ import torch
 
 from fedweave.errors import CheckpointError, ConfigError, RoundError, first_line
 from fedweave.files import atomic_write_bytes
-from fedweave.plugins.chain import ControlExchange, PluginContext
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import ControlExchange, Declaration, FreshDraws, PluginContext
 from fedweave.plugins.secure.ckks_wire import check_vector
 from fedweave.plugins.packing import FLAT, SEP, combine_plain, flatten, read_layout, unflatten
 from fedweave.schema import opt
@@ -124,7 +123,7 @@ class Refused(ValueError):
 
 
 @dataclass
-class HEParams:
+class HEHParams:
     keys: str | None = opt(
         None, help="folder made by `fedweave keys`: clients read secret.ctx, the server public.ctx (none: fresh keys)"
     )
@@ -279,7 +278,7 @@ def open_vector(context: Any, data: bytes, size: int) -> Any:
     return vector
 
 
-def _one_process(params: HEParams) -> str | None:
+def _one_process(params: HEHParams) -> str | None:
     return "without keys each process would make its own CKKS context; make them with `fedweave keys`" if params.keys is None else None
 
 
@@ -287,19 +286,17 @@ class HE:
     """Homomorphic encryption (CKKS, TenSEAL): the server keeps the model encrypted, clients decrypt it."""
 
     name = "he"
-    Params = HEParams
+    HParams = HEHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = True
-    stage = "secure"
-    points = ("client_send",)
-    one_process = staticmethod(_one_process)
+    declares = Declaration(stage="secure", points=("client_send",), one_process=_one_process)
 
     @staticmethod
-    def fresh_draws(params: HEParams) -> FreshDraws:
+    def fresh_draws(params: HEHParams) -> FreshDraws:
         """CKKS encryption is randomized: a round done again decrypts to values that differ in the last bits."""
         return FreshDraws("encryption randomness", releases=False)
 
-    def __init__(self, hp: HEParams):
+    def __init__(self, hp: HEHParams):
         self.hp = hp
         self._secret: Any = None  # the client half's context, loaded when a client first needs it
         self._server: HEServer | None = None

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.secure.secagg import ClientRound
 from fedweave.plugins.secure.secagg.messages import share_bytes
 from fedweave.strategies.aggregate import weighted_average

@@ -14,13 +14,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from fedweave.plugins.chain import Payload, PluginContext
+from fedweave.plugins.contracts import Declaration, Payload, PluginContext
 from fedweave.schema import opt
 from fedweave.types import UpdateKind
 
 
 @dataclass
-class CrashParams:
+class CrashHParams:
     client: int = opt(0, ge=0, help="the client whose process dies")
     round: int = opt(1, ge=1, help="the round it dies in")
     after: float = opt(1.5, ge=0, help="seconds after its update is encoded")
@@ -29,12 +29,12 @@ class CrashParams:
 
 class CrashAfterMasking:
     name = "crash_after_masking"
-    Params = CrashParams
+    HParams = CrashHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = False
-    summable = True  # it changes nothing, so secagg may follow it
+    declares = Declaration(summable=True)  # it changes nothing, so secagg may follow it
 
-    def __init__(self, hp: CrashParams):
+    def __init__(self, hp: CrashHParams):
         self.hp = hp
 
     def encode(self, payload: Payload, ctx: PluginContext) -> Payload:

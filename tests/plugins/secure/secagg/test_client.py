@@ -11,7 +11,7 @@ import torch
 
 from conftest import small_config
 from fedweave.errors import ConfigError, RoundError
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.secure.secagg import MASKED
 from fedweave.types import Control
 

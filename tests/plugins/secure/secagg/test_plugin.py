@@ -16,7 +16,7 @@ import torch
 from conftest import assert_same_params, run_to_end, small_config
 from fedweave import runner
 from fedweave.errors import RoundError
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.secure.secagg import MASKED, SEALED_SHARES
 from fedweave.transports.base import Exchange
 from fedweave.types import Control, Message, Update

@@ -87,7 +87,7 @@ from fedweave.plugins.secure.secagg.keys import KEY_BYTES, SEALED_SHARES, SECRET
 from fedweave.plugins.secure.secagg.masking import Field
 from fedweave.plugins.secure.secagg.messages import ADVERTISE, FORWARD, MASKED, MASKED_STEP, MASKING, SHARE, SUM, UNMASK
 from fedweave.plugins.secure.secagg.neighbours import ring, threshold_of
-from fedweave.plugins.secure.secagg.params import SecAggParams
+from fedweave.plugins.secure.secagg.params import SecAggHParams
 from fedweave.plugins.secure.secagg.plugin import SecAgg
 from fedweave.plugins.secure.secagg.quantization import Quantizer
 from fedweave.plugins.secure.secagg.server import SecAggServer, ServerRound
@@ -110,7 +110,7 @@ __all__ = [
     "Quantizer",
     "SecAgg",
     "SecAggClient",
-    "SecAggParams",
+    "SecAggHParams",
     "SecAggServer",
     "ServerRound",
     "hkdf",

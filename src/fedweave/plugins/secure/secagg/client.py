@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.plugins.chain import PluginContext
+from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.packing import flatten
 from fedweave.plugins.secure import pedersen, shamir
 from fedweave.plugins.secure.secagg.keys import (
@@ -49,7 +49,7 @@ from fedweave.plugins.secure.secagg.messages import (
     u8,
 )
 from fedweave.plugins.secure.secagg.neighbours import threshold_of
-from fedweave.plugins.secure.secagg.params import SecAggParams
+from fedweave.plugins.secure.secagg.params import SecAggHParams
 from fedweave.plugins.secure.secagg.quantization import Quantizer
 from fedweave.types import Control, Update
 
@@ -80,7 +80,7 @@ class SecAggClient:
     """The client's steps of :class:`~fedweave.plugins.secure.secagg.SecAgg` (which sets these attributes)."""
 
     name: str
-    hp: SecAggParams
+    hp: SecAggHParams
     field: Field
     quantize: Quantizer
     seed: int

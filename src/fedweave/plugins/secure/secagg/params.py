@@ -10,7 +10,7 @@ from fedweave.schema import opt
 
 
 @dataclass
-class SecAggParams:
+class SecAggHParams:
     neighbours: int | None = opt(
         None, ge=2, help="SecAgg+: each client masks with this many others (none: all others, as in SecAgg)"
     )

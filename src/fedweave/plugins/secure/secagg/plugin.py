@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fedweave.plugins.contracts import FreshDraws
+from fedweave.plugins.contracts import Declaration, FreshDraws
 from fedweave.plugins.secure.secagg.client import SecAggClient
 from fedweave.plugins.secure.secagg.masking import Field
 from fedweave.plugins.secure.secagg.neighbours import ring
-from fedweave.plugins.secure.secagg.params import SecAggParams
+from fedweave.plugins.secure.secagg.params import SecAggHParams
 from fedweave.plugins.secure.secagg.quantization import Quantizer
 from fedweave.plugins.secure.secagg.server import SecAggServer, ServerRound
 from fedweave.types import UpdateKind
@@ -20,18 +20,17 @@ class SecAgg(SecAggServer, SecAggClient):
     """Secure aggregation, SecAgg+ style: pairwise and self masks, Shamir recovery of drop-outs."""
 
     name = "secagg"
-    Params = SecAggParams
+    HParams = SecAggHParams
     accepts = frozenset(UpdateKind)
     combines_encoded = True
-    stage = "secure"
-    points = ("client_send",)
+    declares = Declaration(stage="secure", points=("client_send",))
 
     @staticmethod
-    def fresh_draws(params: SecAggParams) -> FreshDraws | None:
+    def fresh_draws(params: SecAggHParams) -> FreshDraws | None:
         """Stochastic rounding from the OS's secure source, unless seeded (the masks cancel in the sum)."""
         return None if params.seeded_noise else FreshDraws("stochastic rounding", releases=False)
 
-    def __init__(self, hp: SecAggParams):
+    def __init__(self, hp: SecAggHParams):
         self.hp = hp
         self.field = Field(hp.bits)
         self.levels = (1 << (hp.bits - math.ceil(math.log2(hp.max_examples)))) - 1

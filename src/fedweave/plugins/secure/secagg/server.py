@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fedweave.errors import RoundError
-from fedweave.plugins.chain import ControlExchange, PluginContext
+from fedweave.plugins.contracts import ControlExchange, PluginContext
 from fedweave.plugins.packing import combine_plain, unflatten
 from fedweave.plugins.secure import pedersen, shamir
 from fedweave.plugins.secure.secagg.keys import (
@@ -44,7 +44,7 @@ from fedweave.plugins.secure.secagg.messages import (
     u8,
 )
 from fedweave.plugins.secure.secagg.neighbours import threshold_of
-from fedweave.plugins.secure.secagg.params import SecAggParams
+from fedweave.plugins.secure.secagg.params import SecAggHParams
 from fedweave.types import Control, Update
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class SecAggServer:
     """The server's steps of :class:`~fedweave.plugins.secure.secagg.SecAgg` (which sets these attributes)."""
 
     name: str
-    hp: SecAggParams
+    hp: SecAggHParams
     field: Field
     levels: int
     round: ServerRound | None
