@@ -35,7 +35,7 @@ def _parse_named(section: str, data: Any, registry: Any, spec_cls: type) -> Any:
         raise ConfigError(f"config key '{section}.name' is required (a {registry.kind} name)")
     cls = registry.get(name, f"{section}.name")
     params_cls = getattr(cls, "HParams", None)
-    if params_cls is None or not dataclasses.is_dataclass(params_cls):
+    if not (isinstance(params_cls, type) and dataclasses.is_dataclass(params_cls)):
         raise ConfigError(
             f"config key '{section}.name': {name!r} declares no HParams dataclass of its settings"
         )

@@ -106,9 +106,10 @@ def _shorthands(cls: type, prefix: str = "") -> dict[str, str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             key = f"{prefix}{f.name}"
-            if getattr(tp, "SHORTHAND", None):
-                out[key] = tp.SHORTHAND
+            shorthand = getattr(tp, "SHORTHAND", None)
+            if shorthand:
+                out[key] = shorthand
             out.update(_shorthands(tp, f"{key}."))
     return out

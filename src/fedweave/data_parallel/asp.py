@@ -118,7 +118,7 @@ def unpack_header(message: torch.Tensor, count: int) -> list[float]:
 
 def _group(store: dist.Store, rank: int, size: int, timeout: float) -> dist.ProcessGroupGloo:
     """The run's gloo group of W + 1 ranks on 127.0.0.1 (standalone: no global state)."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # in torch at runtime, not in its stub
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     options._timeout = datetime.timedelta(seconds=group_timeout(timeout))
     return dist.ProcessGroupGloo(dist.PrefixStore("asp/", store), rank, size, options)
@@ -159,7 +159,7 @@ class Worker:
         task = torch.empty(header_slots(TASK_HEADER, self.dtype) + size, dtype=self.dtype)
         pushed: float | None = None
         while True:
-            _complete(group.recv([task], SERVER, TAG), "waiting for a task")
+            _complete(group.recv([task], SERVER, TAG), "waiting for a task")  # type: ignore[attr-defined]  # in torch at runtime, not in its stub
             received = time.perf_counter()
             kind, version, epoch, start, count = (int(v) for v in unpack_header(task, TASK_HEADER))
             if kind == STOP:
@@ -167,7 +167,7 @@ class Worker:
             waited = received - pushed if pushed is not None else math.nan
             message = self.compute(task, version, epoch, start, count, waited)
             pushed = time.perf_counter()
-            _complete(group.send([message], SERVER, TAG), "pushing a gradient")
+            _complete(group.send([message], SERVER, TAG), "pushing a gradient")  # type: ignore[attr-defined]  # in torch at runtime, not in its stub
 
     def compute(
         self, task: torch.Tensor, version: int, epoch: int, start: int, count: int, waited: float
@@ -382,14 +382,14 @@ class Server:
 
     def _receive(self, worker: int) -> int:
         """(In a pool thread.) Wait for ``worker``'s push (bounded: see :meth:`_expire`)."""
-        self.group.recv([self.inbox[worker]], worker + 1, TAG).wait()
+        self.group.recv([self.inbox[worker]], worker + 1, TAG).wait()  # type: ignore[attr-defined]  # in torch at runtime, not in its stub
         return worker
 
     def _send(self, worker: int, message: torch.Tensor) -> None:
         previous = self.sends.pop(worker, None)
         if previous is not None:
             previous.wait()  # already complete: the worker pushed after receiving it
-        self.sends[worker] = self.group.send([message], worker + 1, TAG)
+        self.sends[worker] = self.group.send([message], worker + 1, TAG)  # type: ignore[attr-defined]  # in torch at runtime, not in its stub
 
     def _params(self) -> torch.Tensor:
         """The current flat params, built once per version (a message in flight keeps its own)."""

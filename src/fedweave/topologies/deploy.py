@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 from fedweave.config import Config
 from fedweave.conforms import Conforms
@@ -194,7 +194,7 @@ class SiteBatches:
         smallest of them would hold that many members."""
         sizes = sorted(len(members) for members in self.sites)
         sites = next((k for k in range(len(sizes) + 1) if sum(sizes[:k]) >= wait_for), len(sizes))
-        gone = self.transport.absent(sites) if _knows_absent(self.transport) else frozenset()
+        gone = cast(KnowsAbsent, self.transport).absent(sites) if _knows_absent(self.transport) else frozenset()
         return frozenset(cid for s in gone if 0 <= s < len(self.sites) for cid in self.sites[s])
 
     def close(self) -> None:

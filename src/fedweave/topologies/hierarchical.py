@@ -109,7 +109,7 @@ class Site:
         self.pre_aggregate = pre_aggregate
         self.name = name
         self.link_aggregates = link_aggregates
-        self.ids = [
+        self.ids: list[int] = [
             cid for m in self.members for cid in ([m] if isinstance(m, int) else m.ids)
         ]
 
@@ -127,14 +127,14 @@ class Site:
             except Rejected as exc:
                 result.replies.remove(reply)
                 result.failures[reply.client_id] = f"rejected: {exc}"
-        updates = [r.body for r in result.replies]
+        updates = [r.body for r in result.replies if isinstance(r.body, Update)]
         if (
             self.pre_aggregate
-            and all(isinstance(u, Update) for u in updates)
+            and len(updates) == len(result.replies)  # every reply is an update
             and combinable(updates)
         ):
             first = result.replies[0]
-            combined = combine(updates, first.client_id)  # type: ignore[arg-type]
+            combined = combine(updates, first.client_id)
             log.debug("%s: %d updates pre-aggregated", self.name, len(updates))
             result.replies = [Message(first.round, first.client_id, combined)]
             result.bytes_received = body_nbytes(combined)

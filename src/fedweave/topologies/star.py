@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from fedweave.conforms import Conforms
 from fedweave.transports.base import Exchange, KnowsAbsent, KnowsDeclared, Transport
@@ -24,11 +25,11 @@ class Star:
     def absent(self, wait_for: int = 0) -> frozenset[int]:
         """The clients its transport knows are gone (none, for a transport that cannot tell); with
         ``wait_for``, after waiting a bounded time for that many to be present."""
-        return self.transport.absent(wait_for) if _knows_absent(self.transport) else frozenset()
+        return cast(KnowsAbsent, self.transport).absent(wait_for) if _knows_absent(self.transport) else frozenset()
 
     def declared_examples(self) -> Mapping[int, int]:
         """The examples each client declared at registration (none, for a transport without declarations)."""
-        return self.transport.declared_examples() if _knows_declared(self.transport) else {}
+        return cast(KnowsDeclared, self.transport).declared_examples() if _knows_declared(self.transport) else {}
 
     def close(self) -> None:
         self.transport.close()

@@ -201,7 +201,9 @@ class GrpcClient:
         s = self.settings
         frames = iter(self._pull_rpc(b"", metadata=self._metadata(), timeout=s.poll_timeout + s.stream_timeout))
         first = next(frames, None)
-        control = None if first is None else p.parse_control(first)
+        if first is None:
+            return None
+        control = p.parse_control(first)
         if control is None or control["type"] == "idle":
             return None
         if control["type"] == "shutdown":

@@ -9,7 +9,7 @@ import mmap
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -257,7 +257,7 @@ def _check_batch(layout: Layout) -> None:
         for c, why in failures.items():
             cid = ascii_id(c)
             check(cid is not None and cid not in ids and isinstance(why, str), f"failure {c!r} is not a reason of another client")
-            ids.add(cid)
+            ids.add(cast(int, cid))  # check() raised if it were None
         broken = f["broken"]
         check(
             broken is None or (isinstance(broken, str) and broken != "" and not items),
@@ -363,7 +363,7 @@ def region_view(region: mmap.mmap, t: _Tensor) -> torch.Tensor:
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable uint8 view of a fresh contiguous tensor's memory."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def decode(

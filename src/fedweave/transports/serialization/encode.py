@@ -48,7 +48,7 @@ def _raw(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _body_fields(body: Any) -> tuple[str, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:

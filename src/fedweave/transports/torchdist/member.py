@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from fedweave.transports import serialization
 from fedweave.transports.torchdist.group import SiteGroup
@@ -90,8 +90,8 @@ class TorchDistMember(SiteGroup):
                 if isinstance(reply, str):
                     failures[cid] = reply
                     continue
-                data = bytes(serialization.encode(reply))
-                replies.append((self._describe(reply, len(data)), data, reply))
+                encoded = bytes(serialization.encode(reply))
+                replies.append((self._describe(reply, len(encoded)), encoded, reply))
                 done += 1
             self.gather_bytes(
                 json.dumps(
@@ -102,9 +102,10 @@ class TorchDistMember(SiteGroup):
             if (
                 mode["mode"] == "reduce"
             ):  # this member's updates form one contribution to the sum
+                # the leader reduces only when every reply is a combinable Update (see _describe)
                 reduce_update(
-                    self, mode["layout"], [r[2].body for r in replies], mode["bucket"]
-                )  # type: ignore[misc]
+                    self, mode["layout"], [cast(Update, r[2].body) for r in replies], mode["bucket"]
+                )
             else:
                 self.gather_bytes(b"".join(r[1] for r in replies))
 
