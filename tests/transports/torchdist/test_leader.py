@@ -272,7 +272,9 @@ def test_a_member_past_the_timeout_fails_its_client_alone_and_a_stopped_one_fail
         os.kill(site.procs[1].pid, signal.SIGSTOP)
         started = time.monotonic()
         ex = site.leader.exchange(messages(3, p), timeout=1.0)
-        assert 2.0 <= time.monotonic() - started < 15  # the deadline and the grace; not the group's 30 s
+        # the deadline and the grace (less a millisecond: torch truncates a wait to whole ms); not
+        # the group's 30 s
+        assert 1.99 <= time.monotonic() - started < 15
         assert sorted(ex.failures) == [0, 1, 2] and not ex.replies
         assert "site group broken: RuntimeError: not every rank of [0, 1, 2] took part in a" in ex.failures[2]
         # a gRPC site leader's reply says so, for the server to sample around the site's members
