@@ -333,15 +333,11 @@ def build_controller(config: Config) -> Controller:
     """The federated controller: ``controller.kind`` static (configured work) or adaptive; its clients
     chosen by ``selection``."""
     local, selection = config.local, build_selection(config.selection)
-    if config.controller.kind == "adaptive":
-        return AdaptiveController(
-            config.clients, config.clients_per_round, batch_size=local.batch_size, epochs=local.epochs,
-            local_steps=local.steps, seed=config.seed, selection=selection, settings=config.controller,
-        )
-    return StaticController(
+    configured = StaticController(
         config.clients, config.clients_per_round, batch_size=local.batch_size, epochs=local.epochs,
         local_steps=local.steps, seed=config.seed, selection=selection,
     )
+    return AdaptiveController(configured, config.controller) if config.controller.kind == "adaptive" else configured
 
 
 def build_client_runtime(config: Config, task: TaskBundle, chains: Chains, store: ClientStateStore) -> ClientRuntime:

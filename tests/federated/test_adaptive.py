@@ -11,6 +11,7 @@ import torch
 
 from fedweave import config as config_mod
 from fedweave.federated.adaptive import MISS_PENALTY, AdaptiveController, client_timings
+from fedweave.federated.controller import StaticController
 from fedweave.config import ClientControllerConfig
 from fedweave.errors import ConfigError
 from fedweave.types import Update, UpdateKind, Work
@@ -21,10 +22,8 @@ SAMPLE_TIME = 1e-3  # virtual seconds per training sample at speed 1
 def controller(
     n: int = 8, per_round: int | None = None, steps: int | None = 40, batch: int = 16, **settings: object
 ) -> AdaptiveController:
-    return AdaptiveController(
-        n, per_round or n, batch_size=batch, epochs=1, local_steps=steps, seed=0,
-        settings=ClientControllerConfig(kind="adaptive", **settings),
-    )
+    configured = StaticController(n, per_round or n, batch_size=batch, epochs=1, local_steps=steps, seed=0)
+    return AdaptiveController(configured, ClientControllerConfig(kind="adaptive", **settings))
 
 
 def virtual_time(work: Work, speed: float, examples: int) -> tuple[int, float]:

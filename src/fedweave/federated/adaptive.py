@@ -39,7 +39,6 @@ from typing import Any
 
 from fedweave.federated.controller import StaticController
 from fedweave.data_parallel.controller import JUMP
-from fedweave.federated.selection import Selection
 from fedweave.config import ClientControllerConfig
 from fedweave.types import Update, Work
 
@@ -48,26 +47,13 @@ MISS_PENALTY = 2.0
 
 
 class AdaptiveController:
-    """Sample like :class:`StaticController`; size each client's work to its speed."""
+    """Sample like ``configured`` (the static plan of the configured work); size each client's
+    work to its speed."""
 
-    def __init__(
-        self,
-        num_clients: int,
-        per_round: int,
-        *,
-        batch_size: int,
-        epochs: int,
-        local_steps: int | None,
-        seed: int,
-        settings: ClientControllerConfig,
-        selection: Selection | None = None,
-    ):
-        if settings.adjust == "batch_size" and local_steps is None:
+    def __init__(self, configured: StaticController, settings: ClientControllerConfig):
+        if settings.adjust == "batch_size" and configured.local_steps is None:
             raise ValueError("adjust batch_size needs a fixed number of local steps")
-        self.configured = StaticController(
-            num_clients, per_round, batch_size=batch_size, epochs=epochs, local_steps=local_steps, seed=seed,
-            selection=selection,
-        )
+        self.configured = configured
         self.settings = settings
         self.target: float | None = settings.target_round_time
         self.target_fixed = settings.target_round_time is not None

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple, cast
 
@@ -96,32 +97,35 @@ def receive(
     return Received(bounded, ids, update.num_examples)
 
 
+@contextmanager
+def malformed() -> Iterator[None]:
+    """A plugin's or a layout's complaint about an update makes it ``malformed``."""
+    try:
+        yield
+    except Exception as exc:
+        raise Rejected("malformed", str(exc)) from None
+
+
 def decoded(chains: Chains, update: Update, ctx: PluginContext) -> Update:
     """``update`` decoded and filtered by the chains; a decoder's complaint is ``malformed``."""
-    try:
+    with malformed():
         return chains.to_server(update, ctx)
-    except Exception as exc:  # a decoder's complaint: the update is malformed
-        raise Rejected("malformed", str(exc)) from None
 
 
 def check_encoded_layouts(update: Update, schema: UpdateSchema) -> None:
     """A still-encoded update's layouts are those of ``schema``'s tensors, else ``malformed``."""
-    try:
+    with malformed():
         check_layouts(clear_layouts(update.tensors), schema.tensors)
-    except Exception as exc:
-        raise Rejected("malformed", str(exc)) from None
 
 
 def check_sums(chains: Chains, update: Update, schema: UpdateSchema) -> None:
     """A still-encoded update's fields to be summed are those the plugins before the combiner
     send, and its ciphertexts those a sealer can add to the model, else ``malformed``."""
-    try:
+    with malformed():
         for plugin in chains.summed_checkers:
             plugin.check_summed(update.tensors, schema.tensors)
         if (sealer := chains.sealer) is not None:
             sealer.check_encoded(update)
-    except Exception as exc:
-        raise Rejected("malformed", str(exc)) from None
 
 
 def accept_updates(
