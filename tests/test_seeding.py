@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedweave.seeding import derive_seed, derive_seeds, numpy_rng, torch_generator
+from fedweave.seeding import derive_seed, derive_seeds, numpy_rng, torch_generator, torch_generators
 
 
 def test_pinned_values() -> None:
@@ -64,3 +64,21 @@ def test_seeds_are_numpys_seed_sequence(entropy: list[int]) -> None:
        st.lists(st.one_of(st.integers(0, 2**40), st.text(max_size=8)), max_size=5))
 def test_seeds_of_streams_sharing_their_first_keys_are_each_derive_seed(keys: list, lasts: list) -> None:
     assert derive_seeds(7, keys, lasts) == [derive_seed(7, *keys, last) for last in lasts]
+
+
+@given(st.lists(st.one_of(st.integers(0, 2**40), st.text(max_size=8)), max_size=6),
+       st.lists(st.one_of(st.integers(0, 2**32 - 1), st.text(max_size=8)), min_size=8, max_size=40))
+@settings(max_examples=50)
+def test_many_streams_mixed_on_arrays_are_each_derive_seed(keys: list, lasts: list) -> None:
+    assert derive_seeds(7, keys, lasts) == [derive_seed(7, *keys, last) for last in lasts]
+
+
+def test_many_streams_with_a_last_key_wider_than_a_word_are_each_derive_seed() -> None:
+    lasts = [*range(10), 2**32, 2**40 + 3]  # two words: mixed one stream at a time
+    assert derive_seeds(3, ("client", 5), lasts) == [derive_seed(3, "client", 5, last) for last in lasts]
+
+
+def test_torch_generators_draw_as_torch_generator_does() -> None:
+    made = torch_generators(11, ("client", 2), list(range(12)))
+    for cid, generator in enumerate(made):
+        assert torch.equal(torch.randperm(9, generator=generator), torch.randperm(9, generator=torch_generator(11, "client", 2, cid)))

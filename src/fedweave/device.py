@@ -46,8 +46,8 @@ def moved(tree: Any, device: torch.device) -> Any:
     there is the same tensor, not a copy)."""
     if isinstance(tree, torch.Tensor):
         return tree.to(device)
-    if isinstance(tree, dict):
-        return {k: moved(v, device) for k, v in tree.items()}
+    if isinstance(tree, dict):  # a tensor's move inline: a client's state and update, several a client a round
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else moved(v, device) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(moved(v, device) for v in tree)
     return tree

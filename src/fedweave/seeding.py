@@ -37,9 +37,13 @@ def derive_seed(seed: int, *keys: int | str) -> int:
 
 def derive_seeds(seed: int, keys: Sequence[int | str], lasts: Sequence[int | str]) -> list[int]:
     """``[derive_seed(seed, *keys, last) for last in lasts]``, the words of the common keys
-    read once (the streams of one update's tensors: a seed per tensor of every update)."""
+    read once (the streams of one update's tensors: a seed per tensor of every update; a client's
+    per client of a cohort). Many one-word ``lasts`` are mixed together on arrays (:func:`_seed_sequences`)."""
     head = _words_of([seed, *(_key(k) for k in keys)])
-    return [_seed_sequence(head + _words_of([_key(last)])) & _SEED_MASK for last in lasts]
+    words = [_key(last) for last in lasts]
+    if len(words) >= _MANY and all(0 <= w <= _MASK for w in words):
+        return _seed_sequences(head, words)
+    return [_seed_sequence(head + _words_of([w])) & _SEED_MASK for w in words]
 
 
 # NumPy's SeedSequence (numpy/random/bit_generator.pyx; O'Neill's seed_seq_fe) with a pool of
@@ -152,6 +156,50 @@ def _seed_sequence(words: tuple[int, ...]) -> int:
         value = (value * hash_const) & _MASK
         out |= (value ^ (value >> 16)) << (32 * i)
     return out
+
+
+_MANY = 8  # from this many streams on, mixing them on arrays beats one after another (~1 us against ~10 us each)
+
+
+def _seed_sequences(head: tuple[int, ...], lasts: Sequence[int]) -> list[int]:
+    """``[_seed_sequence(head + (last,)) & _SEED_MASK for last in lasts]`` for one-word ``lasts``:
+    the same mixing, each step one NumPy operation over all of them (uint64 arrays holding 32-bit
+    words: a product of two words fits, a difference wraps modulo 2^64, the same modulo 2^32)."""
+    last = np.asarray(lasts, dtype=np.uint64)
+    mask = np.uint64(_MASK)
+    if len(head) + 1 > _POOL:
+        start, step = _pool(head)
+        pool = [np.full(len(last), word, dtype=np.uint64) for word in start]
+        consts = _hash_a(step + _POOL)
+        for dst in range(_POOL):
+            value = ((last ^ np.uint64(consts[step + dst])) * np.uint64(consts[step + dst + 1])) & mask
+            mixed = (np.uint64(_MIX_L) * pool[dst] - np.uint64(_MIX_R) * (value ^ (value >> np.uint64(16)))) & mask
+            pool[dst] = mixed ^ (mixed >> np.uint64(16))
+    else:
+        words = [np.full(len(last), word, dtype=np.uint64) for word in head] + [last]
+        pool = []
+        for i, (pre, post) in enumerate(_FILL):
+            given = words[i] if i < len(words) else np.zeros(len(last), dtype=np.uint64)
+            value = ((given ^ np.uint64(pre)) * np.uint64(post)) & mask
+            pool.append(value ^ (value >> np.uint64(16)))
+        for src, dst, pre, post in _CROSS:
+            value = ((pool[src] ^ np.uint64(pre)) * np.uint64(post)) & mask
+            mixed = (np.uint64(_MIX_L) * pool[dst] - np.uint64(_MIX_R) * (value ^ (value >> np.uint64(16)))) & mask
+            pool[dst] = mixed ^ (mixed >> np.uint64(16))
+    hash_const = _INIT_B
+    out = np.zeros(len(last), dtype=np.uint64)
+    for i in range(2):  # two 32-bit words, little-endian
+        value = pool[i] ^ np.uint64(hash_const)
+        hash_const = (hash_const * _MULT_B) & _MASK
+        value = (value * np.uint64(hash_const)) & mask
+        out |= (value ^ (value >> np.uint64(16))) << np.uint64(32 * i)
+    return (out & np.uint64(_SEED_MASK)).tolist()
+
+
+def torch_generators(seed: int, keys: Sequence[int | str], lasts: Sequence[int | str]) -> list[torch.Generator]:
+    """``[torch_generator(seed, *keys, last) for last in lasts]``, the seeds derived together
+    (:func:`derive_seeds`): a generator per client of a cohort."""
+    return [torch.Generator().manual_seed(s) for s in derive_seeds(seed, keys, lasts)]
 
 
 def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:

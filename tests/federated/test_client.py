@@ -66,6 +66,16 @@ def test_client_data_keeps_test_rows_until_something_edits_them() -> None:
     assert torch.equal(data.split(0)[2], torch.tensor([[10.0, 11.0]])) and torch.equal(data.split(0)[3], torch.tensor([5]))
 
 
+def test_client_data_splits_are_each_clients_split_gathered_in_one_pass() -> None:
+    x, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)
+    data = ClientData(x, y, train_idx=[torch.tensor([4, 0]), torch.tensor([7]), torch.tensor([1, 2, 3])],
+                      test_idx=[torch.tensor([5]), torch.tensor([6]), torch.tensor([8])])
+    together = data.splits([2, 0, 1])
+    for cid, split in zip([2, 0, 1], together):
+        assert all(torch.equal(a, b) for a, b in zip(split, data.split(cid)))
+    assert together[0][0].data_ptr() + 3 * 2 * 4 == together[1][0].data_ptr()  # rows of one gathered tensor
+
+
 def test_store_keeps_copies_not_aliases() -> None:
     store = ClientStateStore()
     state = {"c": torch.zeros(2), "nested": {"m": torch.ones(1)}, "steps": 3}
@@ -466,3 +476,24 @@ def test_a_compressed_broadcast_whose_layout_is_not_the_model_s_is_refused_befor
         client.handle(message)
     assert built.entries <= max(v.numel() for v in params.values())
     assert isinstance(client.handle(train_message(0, params, 3)).body, Update)
+
+
+def test_cohort_jobs_are_the_jobs_job_makes_and_a_bad_instruction_fails_alone(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    runtime, params = runtime_and_params
+    batch = [(cid, train_message(cid, params, rnd=3).body, {}) for cid in (2, 0, 1)]
+    batch.insert(1, (3, train_message(3, params, rnd=3, nonsense=1).body, {}))
+    made = runtime.cohort_jobs(batch)  # type: ignore[arg-type]
+    assert isinstance(made[1], ValueError) and "'nonsense' is unknown" in str(made[1])
+    for (cid, instruction, state), job in zip(batch, made):
+        if cid == 3:
+            continue
+        assert isinstance(job, ClientJob)
+        alone = runtime.job(cid, instruction, state)  # type: ignore[arg-type]
+        assert job.client_id == cid and job.settings == alone.settings and job.instruction.work == alone.instruction.work
+        assert torch.equal(job.x_train, alone.x_train) and torch.equal(job.y_train, alone.y_train)
+        assert torch.equal(job.x_test, alone.x_test) and torch.equal(job.y_test, alone.y_test)
+        assert torch.equal(torch.randperm(50, generator=job.generator), torch.randperm(50, generator=alone.generator))
+    shared = [job.instruction.params for job in made if isinstance(job, ClientJob)]
+    assert all(p is shared[0] for p in shared)  # one broadcast, moved once for all of them

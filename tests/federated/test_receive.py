@@ -148,3 +148,47 @@ def test_the_documented_order_is_the_pipeline_s() -> None:
     page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
     section = page[page.index("## The receive pipeline"):]
     assert tuple(re.findall(r"^\d\. `(\w+)`", section, re.M)) == STEPS
+
+
+class Scaling:
+    """A decoder that halves the tensors it receives in place (its output the same tensors, edited)."""
+
+    name = "scaling"
+    accepts = frozenset(UpdateKind)
+    combines_encoded = False
+
+    def encode(self, payload: Update, ctx: PluginContext) -> Update:
+        return replace(payload, applied=[*payload.applied, self.name])
+
+    def decode(self, payload: Update, ctx: PluginContext) -> Update:
+        for tensor in payload.tensors.values():
+            if tensor.is_floating_point():
+                tensor.mul_(float("inf") if ctx.client_id == 1 else 0.5)
+        return replace(payload, applied=payload.applied[:-1])
+
+
+def stacked_updates(stack: torch.Tensor, applied: list[str] | None = None) -> list[Message]:
+    """One update per row of ``stack`` (a cohort's: each client's tensor a row of one stacked change)."""
+    return [
+        Message(1, cid, Update(UpdateKind.DELTA, {"w": row, "n": torch.tensor(1)}, 10, client_id=cid, applied=list(applied or [])))
+        for cid, row in enumerate(stack.unbind(0))
+    ]
+
+
+def test_rows_of_a_stack_are_checked_together_and_a_non_finite_row_still_rejected() -> None:
+    stack = torch.ones(4, 4)
+    stack[2, 1] = float("nan")
+    failures: dict[int, str] = {}
+    rejected: Counter[str] = Counter()
+    accepted = accept_updates(PLAIN, stacked_updates(stack), failures, MODEL, UpdateChecks(), rejected=rejected)
+    assert [u.client_id for u in accepted] == [0, 1, 3]
+    assert list(failures) == [2] and "tensor 'w' holds NaN or infinite values" in failures[2]
+    assert rejected == Counter({"non_finite": 1})
+
+
+def test_a_row_edited_in_place_after_the_stack_was_read_is_read_again() -> None:
+    chains = Chains(client_send=Chain([Scaling()]))  # type: ignore[list-item]
+    failures: dict[int, str] = {}
+    accepted = accept_updates(chains, stacked_updates(torch.ones(3, 4), ["scaling"]), failures, MODEL, UpdateChecks())
+    assert [u.client_id for u in accepted] == [0, 2]  # client 1's row became infinite in decoding: caught
+    assert list(failures) == [1] and "holds NaN or infinite values" in failures[1]

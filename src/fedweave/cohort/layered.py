@@ -168,6 +168,7 @@ class ChainGradients:
         self.workspace = Workspace() if workspace is None else workspace  # the weights' gradients, reused
         self.first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        self._ones_of: dict[tuple, torch.Tensor] = {}
 
     def _prefix(self, a: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per Linear, the first ``a`` clients' weight, its transpose and the bias as a column."""
@@ -179,6 +180,14 @@ class ChainGradients:
                 for layer in self.layers if layer.kind == "linear"
             ]
         return views
+
+    def _ones(self, g: torch.Tensor) -> torch.Tensor:
+        """A vector of ones as long as ``g``'s batch (its last dimension)."""
+        key = (g.shape[2], g.dtype, g.device)
+        ones = self._ones_of.get(key)
+        if ones is None:
+            ones = self._ones_of[key] = torch.ones(g.shape[2], dtype=g.dtype, device=g.device)
+        return ones
 
     def __call__(
         self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
@@ -224,14 +233,17 @@ class ChainGradients:
                     grads[name] = torch.bmm(g, inp.transpose(1, 2), out=into[0][name])
                 else:
                     grads[name] = into[0][name].baddbmm_(g, inp.transpose(1, 2), beta=into[1])
-                if layer.bias:
+                if layer.bias:  # the sum over the batch as a product with ones: ~2x faster than sum(2) on a CPU
                     bias = layer.name + ".bias"
+                    rows, ones = g.reshape(-1, g.shape[2]), self._ones(g)
                     if into is None:
-                        grads[bias] = g.sum(2)
+                        grads[bias] = torch.mv(rows, ones).view(g.shape[:2])
                     elif into[1] is None:
-                        grads[bias] = torch.sum(g, 2, out=into[0][bias])
+                        grads[bias] = into[0][bias]
+                        torch.mv(rows, ones, out=into[0][bias].view(-1))
                     else:
-                        grads[bias] = into[0][bias].mul_(into[1]).add_(g.sum(2))
+                        grads[bias] = into[0][bias]
+                        into[0][bias].view(-1).addmv_(rows, ones, beta=into[1])
                 if i > self.first:
                     g = torch.bmm(views[linear][1], g)
             elif layer.kind == "activation":

@@ -10,6 +10,7 @@ padding after them (``-1``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -63,20 +64,27 @@ def schedule(jobs: list[ClientJob], steps: list[int]) -> Schedule:
     K, T, B = len(jobs), max(steps), max(batches)
     perms = [torch.randperm(n, generator=job.generator) for job, n, p in zip(jobs, sizes, passes) for _ in range(p)]
     values = torch.cat(perms) if perms else torch.zeros(0, dtype=torch.int64)
+    # per client: its rows, batch, batches per pass, steps, first pass and first row (one tensor, read by column)
+    size, b, epoch_steps, own_steps, first, offset = torch.tensor(
+        [sizes, batches, per_epoch, list(steps), _starts(passes), _starts(sizes)], dtype=torch.int64
+    ).unbind(0)
     client = torch.repeat_interleave(torch.arange(K), torch.tensor(passes))  # each pass's client
-    first = torch.tensor([sum(passes[:k]) for k in range(K)])  # each client's first pass
     epoch = torch.arange(len(client)) - first[client]  # each pass's number within its client
-    length = torch.tensor(sizes)[client]  # each pass's rows
+    length = size[client]  # each pass's rows
     element = torch.repeat_interleave(torch.arange(len(client)), length)  # each drawn row's pass
     starts = torch.cumsum(length, 0) - length
     j = torch.arange(len(element)) - starts[element]  # its place in its pass
     k = client[element]
-    b = torch.tensor(batches)[k]
-    t = epoch[element] * torch.tensor(per_epoch)[k] + torch.div(j, b, rounding_mode="floor")
-    kept = t < torch.tensor(steps)[k]
-    offsets = torch.tensor([sum(sizes[:i]) for i in range(K)])
-    at = ((k * T + t) * B + j % b)[kept]
+    bk = b[k]
+    t = epoch[element] * epoch_steps[k] + torch.div(j, bk, rounding_mode="floor")
+    kept = t < own_steps[k]
+    at = ((k * T + t) * B + j % bk)[kept]
     rows = torch.zeros(K * T * B, dtype=torch.int64)
-    rows[at] = (values + offsets[k])[kept]
+    rows[at] = (values + offset[k])[kept]
     counts = torch.bincount((k * T + t)[kept], minlength=K * T)
     return Schedule(rows.view(K, T, B), counts.view(K, T), list(steps))
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Where each of consecutive runs of ``counts`` starts: 0, c0, c0 + c1, ..."""
+    return [0, *itertools.accumulate(counts)][: len(counts)]

@@ -63,10 +63,14 @@ class CohortTrainer:
         """Each item's outcome, in order: what the runtime's ``work`` returns, or the exception it raised."""
         out: list[Done | Exception | None] = [None] * len(batch)
         pending: list[Pending] = []
+        training = [i for i, (_, ins, _) in enumerate(batch) if self.reason is None and ins.task is TaskKind.TRAIN]
+        jobs = dict(zip(training, self.runtime.cohort_jobs([batch[i] for i in training])))
         for i, (cid, instruction, state) in enumerate(batch):
             try:
-                if self.reason is None and instruction.task is TaskKind.TRAIN:
-                    job = self.runtime.job(cid, instruction, state, load=False)
+                job = jobs.get(i)
+                if isinstance(job, Exception):
+                    raise job
+                if job is not None:
                     why = job_reason(job)
                     if why is None:
                         pending.append(Pending(i, instruction, job, self.runtime.algorithm.local_step(job)))  # type: ignore[attr-defined]

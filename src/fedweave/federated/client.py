@@ -54,10 +54,10 @@ from fedweave.errors import ConfigError
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import Chains
 from fedweave.plugins.contracts import POINTS, PluginContext
-from fedweave.seeding import derive_seed, torch_generator
+from fedweave.seeding import derive_seed, torch_generator, torch_generators
 from fedweave.strategies.base import ClientAlgorithm, ReadsInstruction, training_metrics
 from fedweave.training import INSTRUCTED, SGD_LOOP, ClientJob, LocalSettings, LossFn, instructed, rows
-from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, TaskKind, Update, Work
+from fedweave.types import ACCEPTED_ROUND, Control, Evaluation, Instruction, Message, Params, TaskKind, Update, Work
 from fedweave.federated.checks import specs_of
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,17 @@ class ClientData:
         """``x_train, y_train, x_test, y_test`` of one client."""
         train = self.train_idx[client_id]
         return rows(self.x, train), rows(self.y, train), *self._test_rows(client_id)
+
+    def splits(self, client_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`split` of each of ``client_ids``, their training rows gathered in one pass (each
+        client's are rows of one tensor of all of theirs)."""
+        index = [self.train_idx[c] for c in client_ids]
+        if not all(i.dtype == torch.int64 and i.dim() == 1 and i.device == self.x.device for i in index):
+            return [self.split(c) for c in client_ids]
+        sizes = [i.shape[0] for i in index]
+        together = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+        xs, ys = rows(self.x, together).split(sizes), rows(self.y, together).split(sizes)
+        return [(x, y, *self._test_rows(c)) for x, y, c in zip(xs, ys, client_ids)]
 
     def _test_rows(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         test = self.test_idx[client_id]
@@ -324,16 +335,57 @@ class ClientRuntime:
         if not self.plugin_state.get(cid, True):
             del self.plugin_state[cid]
 
-    def job(self, cid: int, instruction: Instruction, state: dict[str, Any], load: bool = True) -> ClientJob:
+    def job(self, cid: int, instruction: Instruction, state: dict[str, Any]) -> ClientJob:
         """Client ``cid``'s job for ``instruction`` from its committed ``state``, on this runtime's
-        device; the model holds the received parameters unless not ``load`` (a vectorised cohort
-        trains stacked copies of them instead: :mod:`fedweave.cohort`)."""
+        device, the model holding the received parameters."""
         settings, work = self._instructed(cid, instruction)
-        if load:
-            self.model.load_state_dict(instruction.params)
+        self.model.load_state_dict(instruction.params)
         # Dropout and other in-model randomness draw from torch's global generator.
         torch.default_generator.manual_seed(derive_seed(self.seed, "client-torch", instruction.round, cid))
-        x_train, y_train, x_test, y_test = self.data.split(cid)
+        generator = torch_generator(self.seed, "client", instruction.round, cid)
+        return self._job(cid, instruction, state, settings, work, self.data.split(cid), generator, {})
+
+    def cohort_jobs(self, batch: list[tuple[int, Instruction, dict[str, Any]]]) -> list[ClientJob | Exception]:
+        """The jobs of ``batch`` (each client id, instruction as received, committed state), each as
+        :meth:`job` makes it, or the exception that refused it, for a vectorised cohort
+        (:mod:`fedweave.cohort`): the model is not loaded (the cohort trains stacked copies of the
+        received parameters) and torch's global generator not seeded (a cohort's model draws nothing
+        from it: :mod:`fedweave.cohort.eligibility`); the clients' generators are seeded together,
+        their training rows gathered in one pass, and a broadcast shared by several of them moved
+        to the device once (the cohort then stacks one copy of it, not one per client)."""
+        out: list[ClientJob | Exception | None] = [None] * len(batch)
+        ready: list[tuple[int, LocalSettings, Work]] = []  # index into batch, the round's settings and work
+        for i, (cid, instruction, _) in enumerate(batch):
+            try:
+                ready.append((i, *self._instructed(cid, instruction)))
+            except Exception as exc:  # one client's bad instruction must not stop the others
+                out[i] = exc
+        ids = [batch[i][0] for i, _, _ in ready]
+        splits = self.data.splits(ids) if isinstance(self.data, ClientData) else [self.data.split(c) for c in ids]
+        by_round: dict[int, list[int]] = {}
+        for i, _, _ in ready:
+            by_round.setdefault(batch[i][1].round, []).append(i)
+        generators = {
+            i: g for rnd, items in by_round.items()
+            for i, g in zip(items, torch_generators(self.seed, ("client", rnd), [batch[i][0] for i in items]))
+        }
+        shared: dict[int, Params] = {}
+        for (i, settings, work), split in zip(ready, splits):
+            cid, instruction, state = batch[i]
+            try:
+                out[i] = self._job(cid, instruction, state, settings, work, split, generators[i], shared)
+            except Exception as exc:
+                out[i] = exc
+        return cast(list[ClientJob | Exception], out)
+
+    def _job(
+        self, cid: int, instruction: Instruction, state: dict[str, Any], settings: LocalSettings, work: Work,
+        split: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], generator: torch.Generator,
+        shared: dict[int, Params],
+    ) -> ClientJob:
+        """The job of client ``cid`` from its parts, its tensors on this runtime's device (``shared``:
+        the received tensors moved so far, by the identity of the mapping they came in)."""
+        x_train, y_train, x_test, y_test = split
         if self.attacker is not None:
             y_train = self.attacker.labels(cid, y_train)
         training = None
@@ -343,7 +395,8 @@ class ClientRuntime:
         return ClientJob(
             client_id=cid,
             instruction=dataclasses.replace(
-                instruction, work=work, params=moved(instruction.params, device), extras=moved(instruction.extras, device)
+                instruction, work=work, params=self._moved(instruction.params, shared),
+                extras=self._moved(instruction.extras, shared),
             ),
             model=self.model,
             x_train=x_train.to(device),
@@ -352,10 +405,17 @@ class ClientRuntime:
             y_test=y_test.to(device),
             loss_fn=self.loss_fn,
             settings=settings,
-            generator=torch_generator(self.seed, "client", instruction.round, cid),
+            generator=generator,
             state=moved(state, device),
             training=SGD_LOOP if training is None else training,
         )
+
+    def _moved(self, tensors: Params, shared: dict[int, Params]) -> Params:
+        """``tensors`` on this runtime's device, moved once for all jobs that received the same mapping."""
+        known = shared.get(id(tensors))
+        if known is None:
+            known = shared[id(tensors)] = moved(tensors, self.device)
+        return known
 
     def _instructed(self, cid: int, instruction: Instruction) -> tuple[LocalSettings, Work]:
         """The round's local settings and work, as the instruction's config changes them; a key

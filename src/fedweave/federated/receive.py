@@ -40,6 +40,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple, cast
 
+import torch
+
 from fedweave.conforms import Conforms
 from fedweave.errors import RoundError
 from fedweave.federated.checks import (
@@ -55,6 +57,7 @@ from fedweave.federated.checks import (
 from fedweave.plugins.chain import Chains
 from fedweave.plugins.contracts import ControlExchange, PluginContext
 from fedweave.plugins.packing import check_layouts, clear_layouts
+from fedweave.stacked import finite_rows
 from fedweave.topologies.base import Relaying, Topology
 from fedweave.transports.base import KnowsDeclared
 from fedweave.types import Message, Params, Update
@@ -78,10 +81,11 @@ class Received(NamedTuple):
 
 def receive(
     chains: Chains, reply: Message, schema: UpdateSchema, checks: UpdateChecks,
-    may_stand_for: Collection[int], counted: Collection[int],
+    may_stand_for: Collection[int], counted: Collection[int], cleared: Collection[tuple[int, int]] = (),
 ) -> Received:
     """``reply``'s update through every step, in order (module doc);
-    :class:`~fedweave.federated.checks.Rejected` by the first step that refuses it."""
+    :class:`~fedweave.federated.checks.Rejected` by the first step that refuses it. ``cleared``:
+    tensors found finite already (:func:`fedweave.stacked.finite_rows`), not read again."""
     cid = reply.client_id
     if not isinstance(reply.body, Update):
         raise Rejected("malformed", f"expected an update, got {type(reply.body).__name__}")
@@ -89,7 +93,7 @@ def receive(
     update = decoded(chains, reply.body, PluginContext(reply.round, cid, "server", expected=schema.tensors))
     encoded = bool(update.applied)
     check_schema(update, schema, encoded)
-    check_update_finite(update, encoded)
+    check_update_finite(update, encoded, cleared)
     bounded = bounded_examples(update, checks.limits.limit(ids), encoded)
     if chains.client_send.combiner is not None:
         check_encoded_layouts(update, schema)
@@ -151,18 +155,24 @@ def accept_updates(
     checks = checks or UpdateChecks()
     # each update counts for its sender (authenticated over gRPC), never for the id it claims
     replies = [
-        Message(r.round, r.client_id, replace(r.body, client_id=r.client_id)) if isinstance(r.body, Update) else r
+        Message(r.round, r.client_id, replace(r.body, client_id=r.client_id))
+        if isinstance(r.body, Update) and r.body.client_id != r.client_id else r
         for r in replies
     ]
     chains.observe([r.body for r in replies if isinstance(r.body, Update)])
     schema = checks.schema or UpdateSchema.of(params)
     updates: list[Update] = []
     counted: set[int] = set()
+    cleared = finite_rows([  # a cohort's updates, rows of its stacked change: their finiteness read at once
+        t for r in replies if isinstance(r.body, Update)
+        for ts in (r.body.tensors, r.body.extras) if isinstance(ts, Mapping)
+        for t in ts.values() if isinstance(t, torch.Tensor)
+    ])
     for reply in replies:
         cid = reply.client_id
         try:
             update, ids, claimed = receive(
-                chains, reply, schema, checks, may_stand_for(cid) if may_stand_for else {cid}, counted
+                chains, reply, schema, checks, may_stand_for(cid) if may_stand_for else {cid}, counted, cleared
             )
         except Rejected as exc:
             log.warning("round %d: update of client %d rejected: %s (%s)", reply.round, cid, exc, exc.reason)

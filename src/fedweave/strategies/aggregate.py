@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fedweave.schema import opt
+from fedweave.stacked import weighted_rows_sum
 from fedweave.types import Params, Update
 
 RUNNING_STATISTICS = ("*running_mean", "*running_var")
@@ -71,7 +72,8 @@ def with_selection(source: Params, result: Params) -> Params:
 
 
 def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Params:
-    """Σ w_i · t_i / Σ w_i for every floating tensor; element-wise max for integer ones."""
+    """Σ w_i · t_i / Σ w_i for every floating tensor (one product when the tensors are rows of one
+    stack, :mod:`fedweave.stacked`: a cohort's updates); element-wise max for integer ones."""
     if not tensors:
         raise ValueError("weighted_average needs at least one set of tensors")
     if len(tensors) != len(weights):
@@ -80,11 +82,15 @@ def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Par
     if not total > 0:
         raise ValueError(f"weights must sum to a positive number, got {total}")
     out: Params = {}
+    coefficients = [w / total for w in weights]
     for name, first in tensors[0].items():
         if first.is_floating_point():
-            acc = torch.zeros_like(first, dtype=torch.promote_types(first.dtype, torch.float32))
-            for t, w in zip(tensors, weights):
-                acc.add_(t[name], alpha=w / total)
+            dtype = torch.promote_types(first.dtype, torch.float32)
+            acc = weighted_rows_sum([t[name] for t in tensors], coefficients, dtype)  # a cohort's: one product
+            if acc is None:
+                acc = torch.zeros_like(first, dtype=dtype)
+                for t, c in zip(tensors, coefficients):
+                    acc.add_(t[name], alpha=c)
             out[name] = acc.to(first.dtype)
         else:
             acc = first.clone()

@@ -1,0 +1,77 @@
+"""Rows of one stacked tensor (fedweave.stacked): found only where they are whole rows, their
+finiteness read per row, their weighted sum one product equal to the sum of the rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedweave.stacked import finite_rows, row_of, stacked_rows, weighted_rows_sum
+
+
+def at(found: tuple[torch.Tensor, int] | None) -> tuple[int, int] | None:
+    """Where a found row lies: its stack's first element's address and the row."""
+    return None if found is None else (found[0].data_ptr(), found[1])
+
+
+def test_a_row_of_a_stack_is_found_with_its_index_and_nothing_else_is() -> None:
+    stack = torch.arange(24.0).reshape(4, 2, 3)  # itself a view of the arange: rows of its storage
+    rows = stack.unbind(0)
+    assert at(row_of(rows[2])) == (stack.data_ptr(), 2)
+    assert at(row_of(stack[3])) == (stack.data_ptr(), 3)
+    assert row_of(torch.zeros(2, 3)) is None  # a tensor of its own
+    assert row_of(stack[1, :, :2]) is None  # part of a row: not contiguous
+    assert row_of(stack[:, 0]) is None  # a column: not contiguous
+    assert row_of(stack.view(-1)[1:7].view(2, 3)) is None  # as many elements, not at a row's start
+    assert row_of(stack.transpose(1, 2)[0]) is None  # a row of the transposed stack: not contiguous
+    assert row_of(torch.zeros(26)[2:].view(4, 6)[1]) is None  # its storage is no whole number of such rows
+    inner = torch.zeros(4, 6)
+    assert at(row_of(inner[1:][0])) == (inner.data_ptr(), 1)  # a row of a view of a stack: counted in the stack
+
+
+def test_stacked_rows_are_in_the_order_given_and_need_one_stack_and_one_shape() -> None:
+    stack = torch.zeros(3, 4)
+    rows = stack.unbind(0)
+    found = stacked_rows([rows[2], rows[0], rows[1]])
+    assert found is not None and found[0] is stack and found[1] == [2, 0, 1]
+    assert stacked_rows([rows[0]]) is None  # one tensor: nothing to gain
+    assert stacked_rows([rows[0], torch.zeros(3, 4)[1]]) is None  # two stacks
+    assert stacked_rows([rows[0], rows[1].view(2, 2)]) is None  # a row seen in another shape
+
+
+def test_finite_rows_clears_the_finite_rows_only_and_an_edit_undoes_it() -> None:
+    stack = torch.ones(4, 3)
+    stack[1, 2] = float("nan")
+    stack[3, 0] = float("inf")
+    rows = stack.unbind(0)
+    alone = torch.ones(3)
+    cleared = finite_rows([*rows, alone])
+    assert cleared == {(id(rows[0]), rows[0]._version), (id(rows[2]), rows[2]._version)}
+    rows[0].add_(1)  # edited since: its version moved, the clearance no longer holds for it
+    assert (id(rows[0]), rows[0]._version) not in cleared
+
+
+def test_finite_rows_leaves_an_overflowing_row_to_the_exact_check() -> None:
+    big = torch.finfo(torch.float32).max
+    stack = torch.tensor([[big, big], [1.0, 2.0]])
+    rows = stack.unbind(0)
+    assert finite_rows(list(rows)) == {(id(rows[1]), rows[1]._version)}  # row 0 is finite, but its sum is not
+
+
+def test_the_weighted_sum_of_rows_is_the_sum_of_weighted_rows_in_any_order_or_subset() -> None:
+    stack = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])
+    rows = stack.unbind(0)
+    every = weighted_rows_sum([rows[2], rows[0], rows[1]], [0.5, 0.25, 0.25], torch.float32)
+    assert every is not None and torch.allclose(every, torch.tensor([0.5 * 100 + 0.25 * 1 + 0.25 * 10, 0.5 * 200 + 0.25 * 2 + 0.25 * 20]))
+    some = weighted_rows_sum([rows[1], rows[2]], [0.5, 0.5], torch.float64)
+    assert some is not None and some.dtype == torch.float64 and torch.equal(some, torch.tensor([55.0, 110.0], dtype=torch.float64))
+    assert weighted_rows_sum([torch.ones(2), torch.ones(2)], [0.5, 0.5], torch.float32) is None
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), ()])
+def test_a_nan_row_does_not_reach_the_sum_of_the_others(shape: tuple[int, ...]) -> None:
+    stack = torch.ones(3, *shape)
+    stack[0] = float("nan")
+    rows = stack.unbind(0)
+    total = weighted_rows_sum([rows[1], rows[2]], [0.5, 0.5], torch.float32)  # the NaN row left out, not weighted 0
+    assert total is not None and torch.equal(total, torch.ones(shape))
