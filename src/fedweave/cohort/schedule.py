@@ -10,9 +10,9 @@ padding after them (``-1``).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedweave.training import ClientJob
@@ -63,28 +63,21 @@ def schedule(jobs: list[ClientJob], steps: list[int]) -> Schedule:
     passes = [-(-s // e) for s, e in zip(steps, per_epoch)]
     K, T, B = len(jobs), max(steps), max(batches)
     perms = [torch.randperm(n, generator=job.generator) for job, n, p in zip(jobs, sizes, passes) for _ in range(p)]
-    values = torch.cat(perms) if perms else torch.zeros(0, dtype=torch.int64)
-    # per client: its rows, batch, batches per pass, steps, first pass and first row (one tensor, read by column)
-    size, b, epoch_steps, own_steps, first, offset = torch.tensor(
-        [sizes, batches, per_epoch, list(steps), _starts(passes), _starts(sizes)], dtype=torch.int64
-    ).unbind(0)
-    client = torch.repeat_interleave(torch.arange(K), torch.tensor(passes))  # each pass's client
-    epoch = torch.arange(len(client)) - first[client]  # each pass's number within its client
-    length = size[client]  # each pass's rows
-    element = torch.repeat_interleave(torch.arange(len(client)), length)  # each drawn row's pass
-    starts = torch.cumsum(length, 0) - length
-    j = torch.arange(len(element)) - starts[element]  # its place in its pass
-    k = client[element]
+    values = torch.cat(perms).numpy() if perms else np.zeros(0, dtype=np.int64)
+    # laid out with NumPy: a few thousand row numbers, where each operation's own cost is what counts
+    size, b, epoch_steps, own_steps = (np.asarray(v, dtype=np.int64) for v in (sizes, batches, per_epoch, steps))
+    pass_client = np.repeat(np.arange(K), passes)  # each pass's client
+    pass_epoch = np.arange(len(pass_client)) - np.repeat(np.cumsum(passes) - passes, passes)  # its number
+    length = size[pass_client]  # each pass's rows
+    k = np.repeat(pass_client, length)  # each drawn row's client
+    j = np.arange(len(k)) - np.repeat(np.cumsum(length) - length, length)  # its place in its pass
     bk = b[k]
-    t = epoch[element] * epoch_steps[k] + torch.div(j, bk, rounding_mode="floor")
-    kept = t < own_steps[k]
-    at = ((k * T + t) * B + j % bk)[kept]
-    rows = torch.zeros(K * T * B, dtype=torch.int64)
-    rows[at] = (values + offset[k])[kept]
-    counts = torch.bincount((k * T + t)[kept], minlength=K * T)
-    return Schedule(rows.view(K, T, B), counts.view(K, T), list(steps))
+    t = np.repeat(pass_epoch, length) * epoch_steps[k] + j // bk
+    kept = np.flatnonzero(t < own_steps[k])
+    k, t = k[kept], t[kept]
+    rows = np.zeros(K * T * B, dtype=np.int64)
+    rows[(k * T + t) * B + j[kept] % bk[kept]] = values[kept] + (np.cumsum(size) - size)[k]
+    counts = np.bincount(k * T + t, minlength=K * T)
+    return Schedule(torch.from_numpy(rows).view(K, T, B), torch.from_numpy(counts).view(K, T), list(steps))
 
 
-def _starts(counts: list[int]) -> list[int]:
-    """Where each of consecutive runs of ``counts`` starts: 0, c0, c0 + c1, ..."""
-    return [0, *itertools.accumulate(counts)][: len(counts)]

@@ -389,7 +389,7 @@ class ClientRuntime:
         if self.attacker is not None:
             y_train = self.attacker.labels(cid, y_train)
         training = None
-        if instruction.task is TaskKind.TRAIN:
+        if instruction.task is TaskKind.TRAIN and self.chains.takes_training:
             training = self.chains.training(PluginContext(round=instruction.round, client_id=cid, side="client"))
         device = self.device
         return ClientJob(

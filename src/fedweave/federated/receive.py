@@ -90,7 +90,9 @@ def receive(
     if not isinstance(reply.body, Update):
         raise Rejected("malformed", f"expected an update, got {type(reply.body).__name__}")
     ids = check_senders(reply.body, cid, may_stand_for, counted)
-    update = decoded(chains, reply.body, PluginContext(reply.round, cid, "server", expected=schema.tensors))
+    update = reply.body
+    if update.applied or chains.reads_updates:
+        update = decoded(chains, update, PluginContext(reply.round, cid, "server", expected=schema.tensors))
     encoded = bool(update.applied)
     check_schema(update, schema, encoded)
     check_update_finite(update, encoded, cleared)

@@ -287,6 +287,17 @@ class Chains:
             config.update(plugin.instruct(ctx))
         return replace(instruction, config=config)
 
+    @cached_property
+    def takes_training(self) -> bool:
+        """Whether a plugin takes the clients' training loop over (:meth:`training` may be other than None)."""
+        return bool(self._training)
+
+    @cached_property
+    def reads_updates(self) -> bool:
+        """Whether :meth:`to_server` does anything to an update that no plugin encoded (a server_receive
+        filter, a client_send decoder): without one, such an update is received as it came."""
+        return bool(self.client_send.plugins or self.server_receive.plugins)
+
     def training(self, ctx: PluginContext) -> LocalTraining | None:
         """Client side: the local training of ``ctx``'s client and round of the plugin that takes
         the loop over (:mod:`.compose` allows one), or None: the plain loop."""
