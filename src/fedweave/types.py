@@ -104,9 +104,6 @@ class Control:
     tensors: Params = field(default_factory=dict)
 
 
-Body = Instruction | Update | Evaluation | Control
-
-
 @dataclass
 class Message:
     """The one object that crosses a transport."""
@@ -116,13 +113,41 @@ class Message:
     body: Body
 
 
+@dataclass
+class SiteJob:
+    """Server to a site leader: one round's instructions (or control steps of a plugin's own
+    protocol) for the site's members (client ids), and the seconds the server waits for the
+    answer (None: no deadline)."""
+
+    messages: list[Message]
+    timeout: float | None = None
+
+
+@dataclass
+class SiteReply:
+    """A site leader to the server: its members' replies (updates, evaluations, control answers;
+    or one pre-aggregated update standing for ``clients`` of them, named in its ``members``) and
+    each failed member's reason. ``broken``: why the site's own group is broken (it reaches none
+    of its members until the site is restarted; then it answers for none), else None."""
+
+    messages: list[Message]
+    failures: dict[int, str] = field(default_factory=dict)
+    broken: str | None = None
+
+
+Body = Instruction | Update | Evaluation | Control | SiteJob | SiteReply
+"""What a message carries: a client's body, or a site leader's batch of its members' (gRPC sites)."""
+
+
 def params_nbytes(params: Params) -> int:
     """Bytes of raw tensor data in ``params`` (what a dense wire format carries)."""
     return sum(t.numel() * t.element_size() for t in params.values())
 
 
 def body_nbytes(body: Body) -> int:
-    """Bytes of tensor data a message body carries."""
+    """Bytes of tensor data a message body carries (a site batch: its members' bodies')."""
+    if isinstance(body, (SiteJob, SiteReply)):
+        return sum(body_nbytes(m.body) for m in body.messages)
     if isinstance(body, Evaluation):
         return 0
     if isinstance(body, Control):

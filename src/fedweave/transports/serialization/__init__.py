@@ -43,9 +43,10 @@ messages (the global model every member receives) travels once. Decoding checks 
 item as a message of its own, every pool index, that every pooled tensor is used, and
 that each item belongs to the batch's round.
 
-Modules: :mod:`.format` (constants, :class:`SiteJob`, :class:`SiteReply`), :mod:`.encode`,
+Modules: :mod:`.format` (constants), :mod:`.encode`,
 :mod:`.strict_json` (a peer's JSON), :mod:`.decode`, :mod:`.stream` (:class:`StreamDecoder`)
-and :mod:`.frames`; this package re-exports their public names.
+and :mod:`.frames`; this package re-exports their public names, and the site batches of
+:mod:`fedweave.types`.
 """
 
 from __future__ import annotations
@@ -65,12 +66,11 @@ from fedweave.transports.serialization.format import (
     MAX_NDIM,
     VERSION,
     Expected,
-    SiteJob,
-    SiteReply,
     align,
 )
 from fedweave.transports.serialization.frames import DATA, FLAG_CRC, FRAME, FrameDecoder, chunk_crc32, encode_frames
 from fedweave.transports.serialization.stream import StreamDecoder
+from fedweave.types import SiteJob, SiteReply
 from fedweave.transports.serialization.strict_json import ascii_id, load_json
 
 __all__ = [

@@ -26,12 +26,10 @@ from fedweave.transports.serialization.format import (
     MAX_NDIM,
     VERSION,
     Expected,
-    SiteJob,
-    SiteReply,
     align,
 )
 from fedweave.transports.serialization.strict_json import ascii_id, check, load_json
-from fedweave.types import Control, Evaluation, Instruction, Message, TaskKind, Update, UpdateKind, Work
+from fedweave.types import Control, Evaluation, Instruction, Message, SiteJob, SiteReply, TaskKind, Update, UpdateKind, Work
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,99}")
 """A control message's plugin and step: a short identifier."""

@@ -18,11 +18,9 @@ from fedweave.transports.serialization.format import (
     HEADER,
     MAGIC,
     VERSION,
-    SiteJob,
-    SiteReply,
     align,
 )
-from fedweave.types import Control, Evaluation, Instruction, Message, Update
+from fedweave.types import Control, Evaluation, Instruction, Message, SiteJob, SiteReply, Update
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 

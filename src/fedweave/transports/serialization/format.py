@@ -1,14 +1,12 @@
-"""The wire format's constants, its site batch bodies and the shape of what a receiver expects."""
+"""The wire format's constants and the shape of what a receiver expects (its site batch bodies are
+:class:`~fedweave.types.SiteJob` and :class:`~fedweave.types.SiteReply`)."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
-
-from fedweave.types import Message
 
 MAGIC = b"FWMS"
 VERSION = 4
@@ -58,23 +56,3 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass
-class SiteJob:
-    """Server to a site leader: one round's instructions (or control steps of a plugin's own
-    protocol) for the site's members (client ids), and the seconds the server waits for the
-    answer (None: no deadline)."""
-
-    messages: list[Message]
-    timeout: float | None = None
-
-
-@dataclass
-class SiteReply:
-    """A site leader to the server: its members' replies (updates, evaluations, control answers;
-    or one pre-aggregated update standing for ``clients`` of them, named in its ``members``) and
-    each failed member's reason. ``broken``: why the site's own group is broken (it reaches none
-    of its members until the site is restarted; then it answers for none), else None."""
-
-    messages: list[Message]
-    failures: dict[int, str] = field(default_factory=dict)
-    broken: str | None = None
