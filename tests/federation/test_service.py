@@ -216,7 +216,7 @@ def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(
     assert ids[0].startswith("job-")
     for job in ids:
         record = federation.wait(job)
-        assert record["state"] == "finished", (record, federation.admin.logs(job)[-3000:])
+        assert record["state"] == "finished", f"{job} {record['state']}: {record.get('reason')}\n{federation.admin.logs(job)[-3000:]}"
         assert record["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
         assert record["rounds_done"] == 3
     for job, config in zip(ids, (first, second)):
