@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 
 
-Stacks = dict[int, tuple[torch.Tensor, int]]
-"""What :func:`row_of` has read of each tensor it met as a stack, by identity: the tensor, and its
-storage offset (-1: not contiguous, no stack of rows)."""
+Stacks = dict[int, tuple[torch.Tensor, int, int, torch.dtype]]
+"""What :func:`row_of` has read of each tensor it met as a stack, by identity: the tensor, its
+storage offset (-1: not contiguous, no stack of rows), its elements and its dtype."""
 
 
 def row_of(tensor: torch.Tensor, stacks: Stacks | None = None) -> tuple[torch.Tensor, int] | None:
@@ -32,15 +32,15 @@ def row_of(tensor: torch.Tensor, stacks: Stacks | None = None) -> tuple[torch.Te
         return None
     known = None if stacks is None else stacks.get(id(base))
     if known is None:
-        known = (base, int(base.storage_offset()) if base.is_contiguous() else -1)
+        known = (base, int(base.storage_offset()) if base.is_contiguous() else -1, base.numel(), base.dtype)
         if stacks is not None:
             stacks[id(base)] = known
-    start = known[1]
+    _, start, elements, dtype = known
     size = tensor.numel()
-    if start < 0 or not size or base.numel() % size or tensor.dtype != base.dtype or not tensor.is_contiguous():
+    if start < 0 or not size or elements % size or tensor.dtype != dtype or not tensor.is_contiguous():
         return None
     row, rest = divmod(int(tensor.storage_offset()) - start, size)
-    return (base, row) if not rest and 0 <= row < base.numel() // size else None
+    return (base, row) if not rest and 0 <= row < elements // size else None
 
 
 def rows_view(stack: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -307,10 +307,11 @@ class ClientRuntime:
         in ``compute_time`` seconds): the update on the CPU with the metrics it may send, as an
         attacking client changes it, and the client's new state on the CPU."""
         cid = job.client_id
+        away = self.device != CPU  # on the CPU, what training made is there already
         update = dataclasses.replace(
             update,
-            tensors=moved(update.tensors, CPU),
-            extras=moved(update.extras, CPU),
+            tensors=moved(update.tensors, CPU) if away else update.tensors,
+            extras=moved(update.extras, CPU) if away else update.extras,
             metrics={**self._sent_metrics(cid, update.metrics), **job.training.report()},
             client_id=cid,
             compute_time=compute_time,
@@ -319,7 +320,7 @@ class ClientRuntime:
             p.grad = None
         if self.attacker is not None:  # after training, before any plugin: what a poisoning client sends
             update = self.attacker.update(update, instruction.params, instruction.round, cid)
-        return update, moved(job.state, CPU)
+        return update, moved(job.state, CPU) if away else job.state
 
     def close(self, opened: Opened, body: Update | Evaluation, state: dict[str, Any]) -> Message:
         """The second half: keep a trained state pending, encode the update, the reply."""
