@@ -17,30 +17,33 @@ from collections.abc import Sequence
 import torch
 
 
-Stacks = dict[int, tuple[torch.Tensor, int, int, torch.dtype]]
-"""What :func:`row_of` has read of each tensor it met as a stack, by identity: the tensor, its
-storage offset (-1: not contiguous, no stack of rows), its elements and its dtype."""
+def rows_in(stack: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """For each of ``tensors``, views of ``stack``, the index of its row when it is a whole row of
+    ``stack`` read as rows of its size (contiguous, as many elements, at a row's offset), else None.
+    ``stack`` is read once, each tensor with four cheap calls: a cohort's hundred rows at once."""
+    if not stack.is_contiguous():
+        return [None] * len(tensors)
+    start, elements, dtype = int(stack.storage_offset()), stack.numel(), stack.dtype
+    out: list[int | None] = []
+    for tensor in tensors:
+        size = tensor.numel()
+        if not size or elements % size or tensor.dtype != dtype or not tensor.is_contiguous():
+            out.append(None)
+            continue
+        row, rest = divmod(int(tensor.storage_offset()) - start, size)
+        out.append(row if not rest and 0 <= row < elements // size else None)
+    return out
 
 
-def row_of(tensor: torch.Tensor, stacks: Stacks | None = None) -> tuple[torch.Tensor, int] | None:
-    """The contiguous tensor ``tensor`` is a view of (``tensor._base``), read as a stack of rows of
-    ``tensor``'s size, and the index of ``tensor``'s row in it; None when ``tensor`` is no such row
-    (not a view, not contiguous, or not at a row's offset). ``stacks`` keeps what was read of each
-    stack for the next tensor (a hundred rows of one stack: the stack read once)."""
+def row_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The tensor ``tensor`` is a view of (``tensor._base``), read as a stack of rows of ``tensor``'s
+    size, and the index of ``tensor``'s row in it; None when ``tensor`` is no such row (not a view,
+    not contiguous, or not at a row's offset): :func:`rows_in` of one tensor."""
     base = tensor._base
     if base is None:
         return None
-    known = None if stacks is None else stacks.get(id(base))
-    if known is None:
-        known = (base, int(base.storage_offset()) if base.is_contiguous() else -1, base.numel(), base.dtype)
-        if stacks is not None:
-            stacks[id(base)] = known
-    _, start, elements, dtype = known
-    size = tensor.numel()
-    if start < 0 or not size or elements % size or tensor.dtype != dtype or not tensor.is_contiguous():
-        return None
-    row, rest = divmod(int(tensor.storage_offset()) - start, size)
-    return (base, row) if not rest and 0 <= row < elements // size else None
+    row = rows_in(base, [tensor])[0]
+    return None if row is None else (base, row)
 
 
 def rows_view(stack: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -49,42 +52,45 @@ def rows_view(stack: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def stacked_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
-    """The one stack every tensor of ``tensors`` is a row of (:func:`row_of`), each of the same
+    """The one stack every tensor of ``tensors`` is a row of (:func:`rows_in`), each of the same
     shape, and their rows in order, or None (fewer than two tensors, or one that is not such a row)."""
     if len(tensors) < 2:
         return None
-    stacks: Stacks = {}
-    shape = tensors[0].shape
-    first = row_of(tensors[0], stacks)
-    if first is None:
+    base, shape = tensors[0]._base, tensors[0].shape
+    if base is None or any(t._base is not base or t.shape != shape for t in tensors):
         return None
-    base, rows = first[0], [first[1]]
-    for tensor in tensors[1:]:
-        found = row_of(tensor, stacks)
-        if found is None or found[0] is not base or tensor.shape != shape:
-            return None
-        rows.append(found[1])
-    return base, rows
+    rows = rows_in(base, tensors)
+    return None if None in rows else (base, rows)  # type: ignore[return-value]
 
 
 def finite_rows(tensors: Sequence[torch.Tensor]) -> set[tuple[int, int]]:
     """Of ``tensors``, those found free of NaN and infinities by one sum per row of the stacks they
-    are rows of (:func:`row_of`; a finite sum clears a row, as :func:`fedweave.federated.checks.finite`
+    are rows of (:func:`rows_in`; a finite sum clears a row, as :func:`fedweave.federated.checks.finite`
     reads it), each as ``(id, version)``: the tensor, unchanged since (an in-place edit moves its
     version). A tensor that is no row of a floating stack, or whose row's sum is not finite (NaN,
     infinity, or an overflow of finite values), is not among them: it is for the caller to read."""
-    by_stack: dict[tuple[int, int], tuple[torch.Tensor, list[tuple[torch.Tensor, int]]]] = {}
-    stacks: Stacks = {}
+    by_stack: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for tensor in tensors:
-        found = row_of(tensor, stacks)
-        if found is not None and found[0].is_floating_point():
-            by_stack.setdefault((id(found[0]), tensor.numel()), (found[0], []))[1].append((tensor, found[1]))
+        base = tensor._base
+        if base is not None:
+            found = by_stack.get(id(base))
+            if found is None:
+                found = by_stack[id(base)] = (base, [])
+            found[1].append(tensor)
     cleared: set[tuple[int, int]] = set()
-    for stack, rows in by_stack.values():
-        if len(rows) < 2:
+    for stack, views in by_stack.values():
+        if len(views) < 2 or not stack.is_floating_point():
             continue
-        finite = rows_view(stack, rows[0][0]).sum(1).isfinite().tolist()
-        cleared.update((id(tensor), tensor._version) for tensor, row in rows if finite[row])
+        sums: dict[int, list[bool]] = {}  # per row size: each row's sum finite
+        for tensor, row in zip(views, rows_in(stack, views)):
+            if row is None:
+                continue
+            size = tensor.numel()
+            finite = sums.get(size)
+            if finite is None:
+                finite = sums[size] = rows_view(stack, tensor).sum(1).isfinite().tolist()
+            if finite[row]:
+                cleared.add((id(tensor), tensor._version))
     return cleared
 
 
