@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedweave.federated.checks import Rejected, check_finite
 from fedweave.stacked import finite_rows, row_of, stacked_rows, weighted_rows_sum
 
 
@@ -46,7 +47,7 @@ def test_finite_rows_clears_the_finite_rows_only_and_an_edit_undoes_it() -> None
     rows = stack.unbind(0)
     alone = torch.ones(3)
     cleared = finite_rows([*rows, alone])
-    assert cleared == {(id(rows[0]), rows[0]._version), (id(rows[2]), rows[2]._version)}
+    assert cleared.keys() == {(id(rows[0]), rows[0]._version), (id(rows[2]), rows[2]._version)}
     rows[0].add_(1)  # edited since: its version moved, the clearance no longer holds for it
     assert (id(rows[0]), rows[0]._version) not in cleared
 
@@ -55,7 +56,7 @@ def test_finite_rows_leaves_an_overflowing_row_to_the_exact_check() -> None:
     big = torch.finfo(torch.float32).max
     stack = torch.tensor([[big, big], [1.0, 2.0]])
     rows = stack.unbind(0)
-    assert finite_rows(list(rows)) == {(id(rows[1]), rows[1]._version)}  # row 0 is finite, but its sum is not
+    assert finite_rows(list(rows)).keys() == {(id(rows[1]), rows[1]._version)}  # row 0 is finite, but its sum is not
 
 
 def test_the_weighted_sum_of_rows_is_the_sum_of_weighted_rows_in_any_order_or_subset() -> None:
@@ -75,3 +76,43 @@ def test_a_nan_row_does_not_reach_the_sum_of_the_others(shape: tuple[int, ...]) 
     rows = stack.unbind(0)
     total = weighted_rows_sum([rows[1], rows[2]], [0.5, 0.5], torch.float32)  # the NaN row left out, not weighted 0
     assert total is not None and torch.equal(total, torch.ones(shape))
+
+
+@pytest.mark.parametrize("repoint", ["set_", "data"])
+def test_a_view_whose_base_now_holds_other_memory_is_no_row(repoint: str) -> None:
+    """A view keeps the storage it was made of when its base is pointed at other memory: its
+    storage offset still names a row of the base, whose values are no longer the view's."""
+    stack = torch.zeros(3, 4)
+    rows = stack.unbind(0)
+    stack[1, 2] = float("nan")
+    if repoint == "set_":
+        stack.set_(torch.ones(3, 4))
+    else:
+        stack.data = torch.ones(3, 4)
+    assert rows[0]._base is stack and not torch.isfinite(rows[1]).all()
+    assert stacked_rows(list(rows)) is None and row_of(rows[1]) is None
+    cleared = finite_rows(list(rows))
+    assert (id(rows[1]), rows[1]._version) not in cleared
+    with pytest.raises(Rejected, match="NaN or infinite"):
+        check_finite({"w": rows[1]}, "tensor", cleared)
+    assert weighted_rows_sum(list(rows), [0.5, 0.25, 0.25], torch.float32) is None  # the views read one by one
+
+
+def test_a_lazily_negated_view_is_no_row() -> None:
+    stack = torch.arange(12.0).view(3, 4).clone()
+    rows = [torch._neg_view(row) for row in stack.unbind(0)]
+    assert rows[0]._base is stack and rows[0].is_neg()
+    assert stacked_rows(rows) is None  # its values are -stack's: a product over stack would flip its sign
+
+
+def test_a_clearance_holds_for_its_tensor_only_not_another_with_its_id() -> None:
+    """A tensor freed after it was cleared may leave its id to a new one (with the same version):
+    the clearance names the very tensor, and the new one is read."""
+    stack = torch.ones(2, 3)
+    rows = stack.unbind(0)
+    cleared = finite_rows(list(rows))
+    impostor = torch.full((3,), float("nan"))
+    forged = {(id(impostor), impostor._version): rows[0], **cleared}  # what an id reused would look like
+    with pytest.raises(Rejected, match="NaN or infinite"):
+        check_finite({"w": impostor}, "tensor", forged)
+    check_finite({"w": rows[0], "v": rows[1]}, "tensor", cleared)

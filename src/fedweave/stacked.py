@@ -19,18 +19,26 @@ import torch
 
 def rows_in(stack: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[int | None]:
     """For each of ``tensors``, views of ``stack``, the index of its row when it is a whole row of
-    ``stack`` read as rows of its size (contiguous, as many elements, at a row's offset), else None.
-    ``stack`` is read once, each tensor with four cheap calls: a cohort's hundred rows at once."""
-    if not stack.is_contiguous():
+    ``stack`` read as rows of its size (contiguous, as many elements, its first element at a row's
+    address in ``stack``'s memory), else None.
+    ``stack`` is read once, each tensor with a few cheap calls: a cohort's hundred rows at once.
+
+    A row is found by its address, not by its storage offset: a view whose base was since pointed
+    at other memory (``base.set_(...)``, ``base.data = ...``) keeps its old storage, and its offset
+    would name a row of memory it does not hold. A view that reads its memory otherwise than as it
+    lies (a lazily negated or conjugated view) is no row either."""
+    if not stack.is_contiguous() or stack.is_neg() or stack.is_conj():
         return [None] * len(tensors)
-    start, elements, dtype = int(stack.storage_offset()), stack.numel(), stack.dtype
+    start, elements, dtype, device = stack.data_ptr(), stack.numel(), stack.dtype, stack.device
+    itemsize = stack.element_size()
     out: list[int | None] = []
     for tensor in tensors:
         size = tensor.numel()
-        if not size or elements % size or tensor.dtype != dtype or not tensor.is_contiguous():
+        if (not size or elements % size or tensor.dtype != dtype or tensor.device != device
+                or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj()):
             out.append(None)
             continue
-        row, rest = divmod(int(tensor.storage_offset()) - start, size)
+        row, rest = divmod(tensor.data_ptr() - start, size * itemsize)
         out.append(row if not rest and 0 <= row < elements // size else None)
     return out
 
@@ -63,12 +71,15 @@ def stacked_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[in
     return None if None in rows else (base, rows)  # type: ignore[return-value]
 
 
-def finite_rows(tensors: Sequence[torch.Tensor]) -> set[tuple[int, int]]:
+def finite_rows(tensors: Sequence[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
     """Of ``tensors``, those found free of NaN and infinities by one sum per row of the stacks they
     are rows of (:func:`rows_in`; a finite sum clears a row, as :func:`fedweave.federated.checks.finite`
-    reads it), each as ``(id, version)``: the tensor, unchanged since (an in-place edit moves its
-    version). A tensor that is no row of a floating stack, or whose row's sum is not finite (NaN,
-    infinity, or an overflow of finite values), is not among them: it is for the caller to read."""
+    reads it), each by ``(id, version)``: the tensor, unchanged since (an in-place edit moves its
+    version). Each key maps to its tensor, which the mapping keeps alive: a caller matches a tensor
+    by ``cleared.get((id(t), t._version)) is t``, so that another tensor that came to have a freed
+    one's id is never taken for it. A tensor that is no row of a floating stack, or whose row's sum
+    is not finite (NaN, infinity, or an overflow of finite values), or whose stack cannot be read so,
+    is not among them: it is for the caller to read."""
     by_stack: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for tensor in tensors:
         base = tensor._base
@@ -77,20 +88,23 @@ def finite_rows(tensors: Sequence[torch.Tensor]) -> set[tuple[int, int]]:
             if found is None:
                 found = by_stack[id(base)] = (base, [])
             found[1].append(tensor)
-    cleared: set[tuple[int, int]] = set()
+    cleared: dict[tuple[int, int], torch.Tensor] = {}
     for stack, views in by_stack.values():
         if len(views) < 2 or not stack.is_floating_point():
             continue
-        sums: dict[int, list[bool]] = {}  # per row size: each row's sum finite
-        for tensor, row in zip(views, rows_in(stack, views)):
-            if row is None:
-                continue
-            size = tensor.numel()
-            finite = sums.get(size)
-            if finite is None:
-                finite = sums[size] = rows_view(stack, tensor).sum(1).isfinite().tolist()
-            if finite[row]:
-                cleared.add((id(tensor), tensor._version))
+        try:
+            sums: dict[int, list[bool]] = {}  # per row size: each row's sum finite
+            for tensor, row in zip(views, rows_in(stack, views)):
+                if row is None:
+                    continue
+                size = tensor.numel()
+                finite = sums.get(size)
+                if finite is None:
+                    finite = sums[size] = rows_view(stack, tensor).sum(1).isfinite().tolist()
+                if finite[row]:
+                    cleared[(id(tensor), tensor._version)] = tensor
+        except Exception:  # a stack that cannot be read so (a meta tensor's): its views are read one by one
+            continue
     return cleared
 
 

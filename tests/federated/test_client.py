@@ -497,3 +497,17 @@ def test_cohort_jobs_are_the_jobs_job_makes_and_a_bad_instruction_fails_alone(
         assert torch.equal(torch.randperm(50, generator=job.generator), torch.randperm(50, generator=alone.generator))
     shared = [job.instruction.params for job in made if isinstance(job, ClientJob)]
     assert all(p is shared[0] for p in shared)  # one broadcast, moved once for all of them
+
+
+def test_cohort_jobs_a_client_whose_rows_cannot_be_gathered_fails_alone(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    runtime, params = runtime_and_params
+    data = runtime.data
+    broken = ClientData(data.x, data.y, [*data.train_idx], data.test_idx)
+    broken.train_idx[1] = torch.tensor([len(data.x) + 5])  # a row past the dataset's end
+    client = ClientRuntime(runtime.algorithm, broken, runtime.model, runtime.loss_fn, runtime.settings,
+                           runtime.chains, ClientStateStore(), runtime.seed)
+    made = client.cohort_jobs([(cid, train_message(cid, params, rnd=2).body, {}) for cid in (0, 1, 2)])
+    assert isinstance(made[0], ClientJob) and isinstance(made[2], ClientJob) and isinstance(made[1], Exception)
+    assert torch.equal(made[2].x_train, client.job(2, train_message(2, params, rnd=2).body, {}).x_train)

@@ -192,3 +192,24 @@ def test_a_row_edited_in_place_after_the_stack_was_read_is_read_again() -> None:
     accepted = accept_updates(chains, stacked_updates(torch.ones(3, 4), ["scaling"]), failures, MODEL, UpdateChecks())
     assert [u.client_id for u in accepted] == [0, 2]  # client 1's row became infinite in decoding: caught
     assert list(failures) == [1] and "holds NaN or infinite values" in failures[1]
+
+
+def test_an_update_whose_applied_is_no_list_is_still_malformed() -> None:
+    """Decoding is skipped only for an update no plugin encoded (``applied`` an empty list); any
+    other ``applied`` goes through decoding as before, which refuses what is no list of names."""
+    failures: dict[int, str] = {}
+    rejected: Counter[str] = Counter()
+    bad = Message(1, 0, Update(UpdateKind.DELTA, {"w": torch.ones(4), "n": torch.tensor(1)}, 10, client_id=0,
+                               applied=None))  # type: ignore[arg-type]
+    accepted = accept_updates(PLAIN, [bad], failures, MODEL, UpdateChecks(), rejected=rejected)
+    assert accepted == [] and rejected == Counter({"malformed": 1})
+
+
+def test_a_row_whose_stack_was_pointed_at_other_memory_is_read_on_its_own() -> None:
+    stack = torch.ones(3, 4)
+    replies = stacked_updates(stack)
+    stack[1, 0] = float("nan")
+    stack.set_(torch.ones(3, 4))  # the views keep the NaN; the stack now reads finite
+    failures: dict[int, str] = {}
+    accepted = accept_updates(PLAIN, replies, failures, MODEL, UpdateChecks())
+    assert [u.client_id for u in accepted] == [0, 2] and list(failures) == [1]

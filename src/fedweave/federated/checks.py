@@ -140,12 +140,14 @@ def check_specs(tensors: Params, expected: Specs, what: str, reason: str | None 
             raise Rejected(reason or "dtype", f"{what} {name!r} is {tensor.dtype}, expected {spec.dtype}")
 
 
-def check_finite(tensors: Params, what: str, cleared: Collection[tuple[int, int]] = ()) -> None:
+def check_finite(tensors: Params, what: str, cleared: Mapping[tuple[int, int], torch.Tensor] | None = None) -> None:
     """Raise :class:`Rejected` (``non_finite``) when a floating tensor of ``tensors``, which
-    :func:`check_specs` passed, holds NaN or infinite values; those ``cleared`` (``(id, version)``,
-    :func:`fedweave.stacked.finite_rows`: read together and found finite) are not read again."""
+    :func:`check_specs` passed, holds NaN or infinite values; those ``cleared`` (by ``(id, version)``,
+    the very tensor: :func:`fedweave.stacked.finite_rows`, read together and found finite) are not
+    read again."""
+    cleared = cleared or {}
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and (id(tensor), tensor._version) not in cleared and not finite(tensor):
+        if tensor.is_floating_point() and cleared.get((id(tensor), tensor._version)) is not tensor and not finite(tensor):
             raise Rejected("non_finite", f"{what} {name!r} holds NaN or infinite values")
 
 
@@ -172,7 +174,9 @@ def check_schema(update: Update, schema: UpdateSchema, encoded: bool = False) ->
     check_specs(update.extras, schema.extras, "extras tensor", reason="extras")
 
 
-def check_update_finite(update: Update, encoded: bool = False, cleared: Collection[tuple[int, int]] = ()) -> None:
+def check_update_finite(
+    update: Update, encoded: bool = False, cleared: Mapping[tuple[int, int], torch.Tensor] | None = None
+) -> None:
     """Raise :class:`Rejected` (``non_finite``) when the tensors (not those of an ``encoded``
     update) or the extras of ``update``, which :func:`check_schema` passed, hold NaN or infinite
     values (``cleared``: tensors found finite already, :func:`check_finite`)."""

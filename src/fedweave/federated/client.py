@@ -362,7 +362,12 @@ class ClientRuntime:
             except Exception as exc:  # one client's bad instruction must not stop the others
                 out[i] = exc
         ids = [batch[i][0] for i, _, _ in ready]
-        splits = self.data.splits(ids) if isinstance(self.data, ClientData) else [self.data.split(c) for c in ids]
+        splits: list[Any] = [None] * len(ids)  # None: each client's own split, its failure its own
+        if isinstance(self.data, ClientData):
+            try:
+                splits = list(self.data.splits(ids))
+            except Exception:  # some client's rows cannot be gathered: each is split alone below
+                pass
         by_round: dict[int, list[int]] = {}
         for i, _, _ in ready:
             by_round.setdefault(batch[i][1].round, []).append(i)
@@ -374,6 +379,7 @@ class ClientRuntime:
         for (i, settings, work), split in zip(ready, splits):
             cid, instruction, state = batch[i]
             try:
+                split = self.data.split(cid) if split is None else split
                 out[i] = self._job(cid, instruction, state, settings, work, split, generators[i], shared)
             except Exception as exc:
                 out[i] = exc

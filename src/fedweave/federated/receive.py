@@ -81,7 +81,8 @@ class Received(NamedTuple):
 
 def receive(
     chains: Chains, reply: Message, schema: UpdateSchema, checks: UpdateChecks,
-    may_stand_for: Collection[int], counted: Collection[int], cleared: Collection[tuple[int, int]] = (),
+    may_stand_for: Collection[int], counted: Collection[int],
+    cleared: Mapping[tuple[int, int], torch.Tensor] | None = None,
 ) -> Received:
     """``reply``'s update through every step, in order (module doc);
     :class:`~fedweave.federated.checks.Rejected` by the first step that refuses it. ``cleared``:
@@ -91,7 +92,7 @@ def receive(
         raise Rejected("malformed", f"expected an update, got {type(reply.body).__name__}")
     ids = check_senders(reply.body, cid, may_stand_for, counted)
     update = reply.body
-    if update.applied or chains.reads_updates:
+    if not isinstance(update.applied, list) or update.applied or chains.reads_updates:  # else: as decoding leaves it
         update = decoded(chains, update, PluginContext(reply.round, cid, "server", expected=schema.tensors))
     encoded = bool(update.applied)
     check_schema(update, schema, encoded)
