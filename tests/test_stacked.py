@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from fedweave.federated.checks import Rejected, check_finite
-from fedweave.stacked import finite_rows, row_of, stacked_rows, weighted_rows_sum
+from fedweave.stacked import finite_rows, rows_in, stacked_rows, weighted_rows_sum
+
+
+def row_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The stack ``tensor`` is a row of (its ``_base``) and the row, by :func:`rows_in` of one tensor."""
+    base = tensor._base
+    row = None if base is None else rows_in(base, [tensor])[0]
+    return None if base is None or row is None else (base, row)
 
 
 def at(found: tuple[torch.Tensor, int] | None) -> tuple[int, int] | None:

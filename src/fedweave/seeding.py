@@ -163,37 +163,10 @@ _MANY = 8  # from this many streams on, mixing them on arrays beats one after an
 
 def _seed_sequences(head: tuple[int, ...], lasts: Sequence[int]) -> list[int]:
     """``[_seed_sequence(head + (last,)) & _SEED_MASK for last in lasts]`` for one-word ``lasts``:
-    the same mixing, each step one NumPy operation over all of them (uint64 arrays holding 32-bit
-    words: a product of two words fits, a difference wraps modulo 2^64, the same modulo 2^32)."""
-    last = np.asarray(lasts, dtype=np.uint64)
-    mask = np.uint64(_MASK)
-    if len(head) + 1 > _POOL:
-        start, step = _pool(head)
-        pool = [np.full(len(last), word, dtype=np.uint64) for word in start]
-        consts = _hash_a(step + _POOL)
-        for dst in range(_POOL):
-            value = ((last ^ np.uint64(consts[step + dst])) * np.uint64(consts[step + dst + 1])) & mask
-            mixed = (np.uint64(_MIX_L) * pool[dst] - np.uint64(_MIX_R) * (value ^ (value >> np.uint64(16)))) & mask
-            pool[dst] = mixed ^ (mixed >> np.uint64(16))
-    else:
-        words = [np.full(len(last), word, dtype=np.uint64) for word in head] + [last]
-        pool = []
-        for i, (pre, post) in enumerate(_FILL):
-            given = words[i] if i < len(words) else np.zeros(len(last), dtype=np.uint64)
-            value = ((given ^ np.uint64(pre)) * np.uint64(post)) & mask
-            pool.append(value ^ (value >> np.uint64(16)))
-        for src, dst, pre, post in _CROSS:
-            value = ((pool[src] ^ np.uint64(pre)) * np.uint64(post)) & mask
-            mixed = (np.uint64(_MIX_L) * pool[dst] - np.uint64(_MIX_R) * (value ^ (value >> np.uint64(16)))) & mask
-            pool[dst] = mixed ^ (mixed >> np.uint64(16))
-    hash_const = _INIT_B
-    out = np.zeros(len(last), dtype=np.uint64)
-    for i in range(2):  # two 32-bit words, little-endian
-        value = pool[i] ^ np.uint64(hash_const)
-        hash_const = (hash_const * _MULT_B) & _MASK
-        value = (value * np.uint64(hash_const)) & mask
-        out |= (value ^ (value >> np.uint64(16))) << np.uint64(32 * i)
-    return (out & np.uint64(_SEED_MASK)).tolist()
+    :func:`_seed_sequence` itself, its last word a uint64 array of them. Its mixing reads the same
+    on arrays (NumPy 2 takes the Python int constants as uint64; words are 32-bit, so a product
+    of two fits, and a difference wraps modulo 2^64, the same modulo 2^32)."""
+    return (_seed_sequence((*head, np.asarray(lasts, dtype=np.uint64))) & _SEED_MASK).tolist()  # type: ignore[arg-type, attr-defined]
 
 
 def torch_generators(seed: int, keys: Sequence[int | str], lasts: Sequence[int | str]) -> list[torch.Generator]:

@@ -43,17 +43,6 @@ def rows_in(stack: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[int | 
     return out
 
 
-def row_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """The tensor ``tensor`` is a view of (``tensor._base``), read as a stack of rows of ``tensor``'s
-    size, and the index of ``tensor``'s row in it; None when ``tensor`` is no such row (not a view,
-    not contiguous, or not at a row's offset): :func:`rows_in` of one tensor."""
-    base = tensor._base
-    if base is None:
-        return None
-    row = rows_in(base, [tensor])[0]
-    return None if row is None else (base, row)
-
-
 def rows_view(stack: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``stack`` as its rows of ``tensor``'s size, one per line: ``[rows, size]``."""
     return stack.view(-1, tensor.numel())
