@@ -24,7 +24,6 @@ Every decision is appended to ``STORE/audit.jsonl`` (:class:`fedweave.federation
 from __future__ import annotations
 
 import copy
-import ctypes
 import errno
 import fcntl
 import json
@@ -54,7 +53,7 @@ from fedweave.federation.policy import SHA256
 from fedweave.federation.ports import free_port
 from fedweave.federation.store import AUDIT, ENDED, LOG, RUN, JobStore
 from fedweave.files import atomic_write_bytes, atomic_write_text
-from fedweave.nodes.signals import PARENT_ENV
+from fedweave.nodes.signals import KILLED_WITH_ENV, PARENT_ENV
 from fedweave.transports.grpc import certs
 from fedweave.transports.grpc.health import Health
 from fedweave.transports.grpc.protocol import grpc_module, identity
@@ -71,16 +70,6 @@ STOP_GRACE = 10.0
 """Seconds a cancelled job's server has to stop after SIGTERM before it is killed."""
 LOCK_WAIT = 60.0
 """Seconds a restarted service waits for a dead job server's run folder to be free."""
-
-
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
-"""Looked up here, so that the child between fork and exec makes one foreign call and nothing else."""
-
-
-def _die_with_parent() -> None:
-    """In a job server's process before it runs: SIGKILL when the service's scheduler thread ends (kill -9 too)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def rounds_done(run_dir: Path) -> int:
@@ -284,7 +273,8 @@ class FederationServer:
         tokens = {site: secrets.token_hex(32) for site in clients}
         hashes = {str(cid): certs.hash_token(tokens[site]) for site, cid in clients.items()}
         atomic_write_text(json.dumps(hashes), creds / certs.TOKENS, private=True)
-        env = {k: v for k, v in os.environ.items() if k != PARENT_ENV}  # it dies with this process (SIGKILL)
+        # it dies with this process, kill -9 too (SIGKILL when the scheduler thread that starts it ends)
+        env = {**{k: v for k, v in os.environ.items() if k != PARENT_ENV}, KILLED_WITH_ENV: str(os.getpid())}
         bundle = self.store.bundle(job)
         if bundle is not None:
             code = folder / "code"
@@ -304,8 +294,7 @@ class FederationServer:
         with open(folder / LOG, "ab") as out:
             self._procs[job] = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=folder,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 (one prctl call, looked up before the fork)
-            )
+            )  # no preexec_fn: in a forked child of this gRPC server, gRPC's fork handlers may abort it (SIGABRT)
         with self._lock:
             self._tokens[job] = tokens
             self.store.update(job, address=None)
