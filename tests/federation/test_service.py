@@ -200,6 +200,11 @@ def show(job: str, federation: Federation, capsys: pytest.CaptureFixture[str]) -
     return capsys.readouterr().out
 
 
+def ended(federation: Federation, job: str, record: dict[str, Any]) -> str:
+    """Why ``job`` ended as it did: its state and reason first, then the end of its server's log."""
+    return f"{job} {record['state']}: {record.get('reason')}\n{federation.admin.logs(job)[-3000:]}"
+
+
 def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(
     federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,7 +221,7 @@ def test_two_jobs_back_to_back_complete_and_equal_fedweave_run(
     assert ids[0].startswith("job-")
     for job in ids:
         record = federation.wait(job)
-        assert record["state"] == "finished", f"{job} {record['state']}: {record.get('reason')}\n{federation.admin.logs(job)[-3000:]}"
+        assert record["state"] == "finished", ended(federation, job, record)
         assert record["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
         assert record["rounds_done"] == 3
     for job, config in zip(ids, (first, second)):
@@ -242,7 +247,7 @@ def test_a_site_refuses_a_job_its_policy_forbids_and_it_runs_without_it_or_ends_
     without = federation.admin.submit(fedprox)  # min_clients 2: alpha and beta are enough
     refused = federation.admin.submit(fedprox | {"min_clients": 3})
     record = federation.wait(without)
-    assert record["state"] == "finished", federation.admin.logs(without)[-2000:]
+    assert record["state"] == "finished", ended(federation, without, record)
     assert record["clients"] == {"alpha": 0, "beta": 1}
     assert record["sites"]["gamma"]["state"] == "refused"
     assert record["sites"]["gamma"]["rule"] == "policy.strategies"
@@ -315,7 +320,7 @@ def test_kill_9_of_the_federation_mid_job_resumes_it_from_its_checkpoint_and_kee
     federation.start_server()
     federation.wait_for(federation.all_online, "the sites back online", 60)  # they reconnect on their own
     record = federation.wait(job)
-    assert record["state"] == "finished", federation.admin.logs(job)[-3000:]
+    assert record["state"] == "finished", ended(federation, job, record)
     assert record["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
     resumed = [f for e, f in events(federation.server_audit(), job) if e == "resumed"]
     assert len(resumed) == 1 and 1 <= resumed[0]["rounds_done"] < 30
@@ -323,7 +328,8 @@ def test_kill_9_of_the_federation_mid_job_resumes_it_from_its_checkpoint_and_kee
     for site in SITES:  # each site started its client again, at the new job server, on its own
         starts = [f["address"] for e, f in events(federation.site_audit(site), job) if e == "client_started"]
         assert len(set(starts)) == 2, starts
-    assert federation.wait(queued)["state"] == "finished"  # the queue survived the restart
+    record = federation.wait(queued)
+    assert record["state"] == "finished", ended(federation, queued, record)  # the queue survived the restart
 
 
 def test_cancel_stops_a_running_job_within_a_round_and_frees_its_sites(federation: Federation) -> None:
@@ -334,10 +340,11 @@ def test_cancel_stops_a_running_job_within_a_round_and_frees_its_sites(federatio
     federation.wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, "two rounds", 120)
     at_cancel = federation.admin.cancel(job)["rounds_done"]
     record = federation.wait(job)
-    assert record["state"] == "cancelled" and record["reason"] == "cancelled by ada"
+    assert record["state"] == "cancelled" and record["reason"] == "cancelled by ada", ended(federation, job, record)
     assert 2 <= record["rounds_done"] <= at_cancel + 1
     nxt = federation.wait(following)
-    assert nxt["state"] == "finished" and nxt["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
+    assert nxt["state"] == "finished", ended(federation, following, nxt)
+    assert nxt["clients"] == {"alpha": 0, "beta": 1, "gamma": 2}
     assert ("cancel", {"job": job, "by": "ada", "state": "running"}) in events(federation.server_audit(), job)
     for site in SITES:
         assert "client_ended" in [e for e, _ in events(federation.site_audit(site), job)]
