@@ -13,8 +13,10 @@ from fedweave.stacked import finite_rows, rows_in, stacked_rows, weighted_rows_s
 def row_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """The stack ``tensor`` is a row of (its ``_base``) and the row, by :func:`rows_in` of one tensor."""
     base = tensor._base
-    row = None if base is None else rows_in(base, [tensor])[0]
-    return None if base is None or row is None else (base, row)
+    if base is None:
+        return None
+    row = rows_in(base, [tensor])[0]
+    return None if row is None else (base, row)
 
 
 def at(found: tuple[torch.Tensor, int] | None) -> tuple[int, int] | None:

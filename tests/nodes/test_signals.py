@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from conftest import poll
 from fedweave.nodes.signals import KILLED_WITH_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -54,20 +54,14 @@ time.sleep(600)
     parent = subprocess.Popen([sys.executable, "-c", service], env=env())
     started: list[int] = []
     try:
-        deadline = time.monotonic() + 60
         out = tmp_path / "child.out"
-        while not (pids.is_file() and " " in pids.read_text() and out.read_text().endswith("\n")) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert poll(lambda: pids.is_file() and " " in pids.read_text() and out.read_text().endswith("\n"), 60)
         started[:] = map(int, pids.read_text().split())
         node_pid, child_pid = started
         assert not gone(node_pid)
         parent.kill()  # as kill -9 of the federation service
         parent.wait(10)
-        deadline = time.monotonic() + 30
-        while not gone(node_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gone(node_pid)
+        assert poll(lambda: gone(node_pid), 30)
         assert not gone(child_pid)  # a process the node started is not the service's job server
         assert out.read_text().strip() == "None"
     finally:
