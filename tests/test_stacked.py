@@ -114,6 +114,14 @@ def test_a_lazily_negated_view_is_no_row() -> None:
     assert stacked_rows(rows) is None  # its values are -stack's: a product over stack would flip its sign
 
 
+def test_a_lazily_conjugated_view_of_a_complex_stack_is_no_row() -> None:
+    stack = torch.arange(12.0).view(3, 4).to(torch.complex64) * (1 + 1j)
+    rows = [row.conj() for row in stack.unbind(0)]
+    assert rows[0]._base is stack and rows[0].is_conj()
+    assert rows_in(stack, rows) == [None, None, None]  # their values are stack's conjugates
+    assert rows_in(stack, list(stack.unbind(0))) == [0, 1, 2]
+
+
 def test_a_clearance_holds_for_its_tensor_only_not_another_with_its_id() -> None:
     """A tensor freed after it was cleared may leave its id to a new one (with the same version):
     the clearance names the very tensor, and the new one is read."""

@@ -31,11 +31,13 @@ def rows_in(stack: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[int | 
         return [None] * len(tensors)
     start, elements, dtype, device = stack.data_ptr(), stack.numel(), stack.dtype, stack.device
     itemsize = stack.element_size()
+    complex_ = stack.is_complex()  # only a complex tensor has a conjugate bit
     out: list[int | None] = []
     for tensor in tensors:
         size = tensor.numel()
-        if (not size or elements % size or tensor.dtype != dtype or tensor.device != device
-                or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj()):
+        if (not size or elements % size or tensor.dtype != dtype
+                or (tensor._base is not stack and tensor.device != device)  # a view of stack shares its memory
+                or not tensor.is_contiguous() or tensor.is_neg() or (complex_ and tensor.is_conj())):
             out.append(None)
             continue
         row, rest = divmod(tensor.data_ptr() - start, size * itemsize)

@@ -141,7 +141,7 @@ Body = Instruction | Update | Evaluation | Control | SiteJob | SiteReply
 
 def params_nbytes(params: Params) -> int:
     """Bytes of raw tensor data in ``params`` (what a dense wire format carries)."""
-    return sum(t.numel() * t.element_size() for t in params.values())
+    return sum(t.nbytes for t in params.values())
 
 
 def body_nbytes(body: Body) -> int:

@@ -499,6 +499,27 @@ def test_cohort_jobs_are_the_jobs_job_makes_and_a_bad_instruction_fails_alone(
     assert all(p is shared[0] for p in shared)  # one broadcast, moved once for all of them
 
 
+def test_a_job_and_a_trained_update_keep_every_field_they_do_not_change(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    """The job's instruction and the update that leaves are built field by field (faster than
+    ``dataclasses.replace``): each field not changed is the very object given (a field added to
+    Instruction or Update and forgotten there comes out as a fresh default and fails this)."""
+    runtime, params = runtime_and_params
+    given = Instruction(3, TaskKind.TRAIN, Work(2, 16), params, config={"lr": 0.05}, extras={}, applied=[])
+    job = runtime.job(2, given, {})
+    for f in dataclasses.fields(Instruction):
+        if f.name not in ("work", "params", "extras"):
+            assert getattr(job.instruction, f.name) is getattr(given, f.name), f.name
+    update = Update(UpdateKind.DELTA, {k: torch.zeros_like(v) for k, v in params.items()}, 7, metrics={},
+                    extras={}, applied=[], client_id=99, local_steps=5, compute_time=9.0, clients=1, members=[])
+    sent, _ = runtime.trained(job, given, update, 0.25)
+    assert (sent.client_id, sent.compute_time) == (2, 0.25)
+    for f in dataclasses.fields(Update):
+        if f.name not in ("metrics", "client_id", "compute_time"):
+            assert getattr(sent, f.name) is getattr(update, f.name), f.name
+
+
 def test_cohort_jobs_a_client_whose_rows_cannot_be_gathered_fails_alone(
     runtime_and_params: tuple[ClientRuntime, Params],
 ) -> None:

@@ -262,6 +262,10 @@ def test_a_pre_aggregated_update_counts_for_each_member() -> None:
     stamped = accepted.stamp(Instruction(3, TaskKind.TRAIN, Work(5, 8), start(), config={"lr": 0.1}))
     assert stamped.config == {"lr": 0.1, ACCEPTED_ROUND: 2}
     assert accepted.stamp(Instruction(3, TaskKind.TRAIN, Work(6, 8), start())).config == {ACCEPTED_ROUND: 0}
+    for f in dataclasses.fields(Instruction):  # built field by field: every other field the very object given
+        if f.name != "config":
+            given = Instruction(3, TaskKind.TRAIN, Work(5, 8), start(), config={}, extras={}, applied=[])
+            assert getattr(accepted.stamp(given), f.name) is getattr(given, f.name), f.name
 
 
 def site(cid: int, value: float, members: list[int]) -> Update:

@@ -246,10 +246,10 @@ def check_senders(update: Update, sender: int, may_stand_for: Collection[int], c
         raise Rejected("senders", f"it claims to stand for {update.clients!r} clients but names {len(ids)}")
     if sender not in ids:
         raise Rejected("senders", f"it stands for clients {members}, which do not include its sender")
-    strangers = sorted(set(ids) - set(may_stand_for) - {sender})
+    strangers = sorted(i for i in ids if i != sender and i not in may_stand_for)
     if strangers:
         raise Rejected("senders", f"it claims to stand for clients {strangers}, for whom its sender may not speak")
-    again = sorted(set(ids) & set(counted))
+    again = sorted(i for i in ids if i in counted)  # not set(counted): a copy per update, quadratic in a round
     if again:
         raise Rejected("senders", f"clients {again} were counted already this round")
     return ids

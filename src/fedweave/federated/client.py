@@ -308,13 +308,18 @@ class ClientRuntime:
         attacking client changes it, and the client's new state on the CPU."""
         cid = job.client_id
         away = self.device != CPU  # on the CPU, what training made is there already
-        update = dataclasses.replace(
-            update,
+        update = Update(  # every field (built, not dataclasses.replace: ~4x faster, a cohort makes 100 a round)
+            kind=update.kind,
             tensors=moved(update.tensors, CPU) if away else update.tensors,
-            extras=moved(update.extras, CPU) if away else update.extras,
+            num_examples=update.num_examples,
             metrics={**self._sent_metrics(cid, update.metrics), **job.training.report()},
+            extras=moved(update.extras, CPU) if away else update.extras,
+            applied=update.applied,
             client_id=cid,
+            local_steps=update.local_steps,
             compute_time=compute_time,
+            clients=update.clients,
+            members=update.members,
         )
         for p in self._parameters:  # the device keeps nothing of this client but the model's values
             p.grad = None
@@ -401,9 +406,10 @@ class ClientRuntime:
         device = self.device
         return ClientJob(
             client_id=cid,
-            instruction=dataclasses.replace(
-                instruction, work=work, params=self._moved(instruction.params, shared),
-                extras=self._moved(instruction.extras, shared),
+            instruction=Instruction(  # every field, as in trained
+                round=instruction.round, task=instruction.task, work=work,
+                params=self._moved(instruction.params, shared), config=instruction.config,
+                extras=self._moved(instruction.extras, shared), applied=instruction.applied,
             ),
             model=self.model,
             x_train=x_train.to(device),
