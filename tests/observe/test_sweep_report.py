@@ -17,7 +17,7 @@ from fedweave.observe.report import write_report
 
 from .conftest import SWEEP, embedded, figure
 from .test_report import PNG
-from .test_report_browser import CHROMIUM, check_in_browser, chromium
+from .test_report_browser import CHROMIUM, check_in_browser
 
 STRATEGIES = ("fedavg", "fedprox")
 
@@ -29,9 +29,17 @@ def accuracies(folder: Path, strategy: str) -> list[list[float]]:
             for seed in (1, 2, 3)]
 
 
-def test_two_lines_with_bands_and_a_legend_of_two(sweep_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def sweep_report(sweep_folder: Path) -> Path:
+    """``fedweave report`` of the sweep folder (its default page, range bands), rendered once (a render
+    draws every figure) for the tests that read that page."""
     assert cli.main(["report", str(sweep_folder)]) == 0
-    data = embedded(sweep_folder / "report.html")
+    return sweep_folder / "report.html"
+
+
+def test_two_lines_with_bands_and_a_legend_of_two(sweep_folder: Path, sweep_report: Path) -> None:
+    assert sweep_report == sweep_folder / "report.html"
+    data = embedded(sweep_report)
     assert len(data["runs"]) == 6
     acc = figure(data, "accuracy-round")
     assert [s["label"] for s in acc["series"]] == [f"strategy={s}: test accuracy" for s in STRATEGIES]
@@ -65,16 +73,14 @@ def test_the_standard_deviation_band_and_the_figures_folder(sweep_folder: Path, 
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
-def test_the_bands_are_on_the_screen(sweep_folder: Path, tmp_path: Path) -> None:
+def test_the_bands_are_on_the_screen(sweep_report: Path, tmp_path: Path) -> None:
     """In the browser's screenshot, the light blue and light orange of the two bands (tab:blue and
     tab:orange at alpha 0.2 over white) cover a visible area each."""
     import numpy as np
     from matplotlib.image import imread
 
-    page = write_report([sweep_folder], tmp_path / "sweep.html")
-    check_in_browser(page, tmp_path)
-    shot = tmp_path / "shot.png"
-    chromium(page, tmp_path / "profile-bands", f"--screenshot={shot}")
+    check_in_browser(sweep_report, tmp_path)  # the page loads whole; its screenshot is <tmp_path>/report.png
+    shot = tmp_path / f"{sweep_report.stem}.png"
     pixels = (imread(shot)[..., :3] * 255).astype(int)
     for blue_band in ((210, 228, 240), (255, 229, 207)):
         close = np.abs(pixels - np.array(blue_band)).max(axis=-1) <= 4

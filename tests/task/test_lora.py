@@ -76,7 +76,8 @@ def test_only_adapters_are_sent_aggregated_and_stored(tiny: Path, tmp_path: Path
 
 def test_lora_sends_under_5_percent_of_full_fine_tuning_and_perplexity_falls(tiny: Path, tmp_path: Path) -> None:
     _, full = run(tiny, tmp_path / "full", "task.peft.method=null", "rounds=1")
-    config = tiny_config(tiny, "rounds=10", "eval.every=10", "local.steps=20", "local.lr=0.01")
+    # 5 rounds reach 0.75 of the first perplexity, as 10 do (0.75): seeded, so the same on any host
+    config = tiny_config(tiny, "rounds=5", "eval.every=5", "local.steps=20", "local.lr=0.01")
     task = build_task(config)
     model = task.make_model()
     model.load_state_dict(initial_params(config, task))
