@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from conftest import small_config
 from fedweave import runner
+from fedweave.build import build_task, initial_params
 from fedweave.errors import TaskError
 
 
@@ -43,3 +47,31 @@ def test_model_options_a_factory_does_not_take_are_a_task_error(tmp_path: Path) 
     config = small_config("task.model=test_build:plain_model")  # the small config passes hidden=[16]
     with pytest.raises(TaskError, match="model 'test_build:plain_model'.*hidden.*task.model_options"):
         runner.prepare(config, tmp_path / "run")
+
+
+def test_the_initial_model_is_its_seed_s_while_another_thread_builds_a_model() -> None:
+    """A server and its client nodes run as threads of one process (as the gRPC tests run them): a
+    client that builds its model while the server draws the initial one draws from torch's global
+    generator too. It must wait rather than draw from the server's seeded stream between its seed and
+    its draws: the initial model, and the whole run, would otherwise depend on the threads' timing
+    (a compressed gRPC run once ended on another model than its simulation, every entry)."""
+    config = small_config()
+    task = build_task(config)
+    alone = initial_params(config, task)
+    built = threading.Event()
+
+    def client() -> None:
+        task.make_model()  # what a client node's runtime builds
+        built.set()
+
+    thread = threading.Thread(target=client)
+
+    def server_model() -> nn.Module:  # seeded: a client builds its model now, before the server draws
+        thread.start()
+        built.wait(1.0)
+        return task.make_model()
+
+    raced = initial_params(config, dataclasses.replace(task, make_model=server_model))
+    thread.join(10)
+    assert built.is_set()
+    assert all(torch.equal(raced[k], alone[k]) for k in alone)

@@ -30,7 +30,7 @@ from fedweave.plugins import PLUGINS
 from fedweave.plugins.attacks.poison import Attacker
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.contracts import POINTS, check_plugin_class
-from fedweave.seeding import derive_seed, numpy_rng
+from fedweave.seeding import TORCH_GLOBAL, derive_seed, numpy_rng
 from fedweave.strategies import STRATEGIES
 from fedweave.strategies.base import ChecksModel, DeclaresUpdate, StrategyContext
 from fedweave.strategies.robust import averager
@@ -199,14 +199,20 @@ def _model_factory(config: Config, dataset: Dataset) -> Callable[[], torch.nn.Mo
         from fedweave.task.hf import check_fits
         from fedweave.task.lora import language_model
 
-        with torch.random.fork_rng(devices=[]):  # the adapters' draws; the run's are untouched
+        with TORCH_GLOBAL, torch.random.fork_rng(devices=[]):  # the adapters' draws; the run's are untouched
             check_fits(language_model(task), dataset.num_classes, task.sequence_length, task.model)
-        return lambda: language_model(task)
+
+        def make_language_model() -> torch.nn.Module:
+            with TORCH_GLOBAL:  # its draws are never another thread's seeded ones (initial_params)
+                return language_model(task)
+
+        return make_language_model
 
     def make_model() -> torch.nn.Module:
-        return build_model(
-            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
-        )
+        with TORCH_GLOBAL:  # its draws are never another thread's seeded ones (initial_params)
+            return build_model(
+                task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+            )
 
     return make_model
 
@@ -265,8 +271,9 @@ def generated_clients(config: Config) -> GeneratedClients:
 def initial_params(config: Config, task: TaskBundle) -> Params:
     """The seeded initial global model (the same in every process), after the strategy's
     ``check_model`` (if it has one) accepted the model."""
-    torch.manual_seed(derive_seed(config.seed, "init"))
-    model = task.make_model()
+    with TORCH_GLOBAL:  # seeded and drawn from without another thread's draws in between
+        torch.manual_seed(derive_seed(config.seed, "init"))
+        model = task.make_model()
     strategy = strategy_class(config)
     if isinstance(strategy, ChecksModel):  # e.g. MOON needs a representation, FedPer its personal layers
         strategy.check_model(model, config.strategy.params)
@@ -280,7 +287,7 @@ def update_checks(config: Config, task: TaskBundle, params: Params) -> UpdateChe
     size), the weight share, the bound of each claim relative to its cohort."""
     cls = strategy_class(config)
     if isinstance(cls, DeclaresUpdate):
-        with torch.random.fork_rng(devices=[]):  # a model for its layers; the run's draws are untouched
+        with TORCH_GLOBAL, torch.random.fork_rng(devices=[]):  # a model for its layers; the run's draws are untouched
             schema = cls.update_schema(task.make_model(), config.strategy.params)
     else:
         schema = UpdateSchema.of(params)

@@ -16,6 +16,14 @@ import numpy as np
 import torch
 
 
+TORCH_GLOBAL = threading.RLock()
+"""Held by whoever seeds torch's global generator and draws from it (a model's initial weights,
+which ``nn.Module`` constructors draw from that generator alone), or draws from it unseeded (any
+model built): the generator is one per process, so two threads that build models at once (a
+server and client nodes run as threads of one process, as the tests run them) would otherwise
+draw from each other's seeded stream, and the server's initial global model would depend on
+the threads' timing."""
+
 _CRC: dict[str, int] = {}  # a purpose's CRC-32, by name (a handful of names, each asked per client per round)
 
 

@@ -22,7 +22,7 @@ from fedweave.federated.client import ClientData, ClientRuntime, ClientStateStor
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.compression.topk import TopK, TopKHParams
-from fedweave.plugins.compression.wire import DELTA
+from fedweave.plugins.compression.wire import DELTA, FORMAT, MODEL
 from fedweave.seeding import numpy_rng
 from fedweave.strategies.fedavg import FedAvg, FedAvgClient
 from fedweave.task.models import MLP
@@ -466,11 +466,12 @@ def test_a_compressed_broadcast_whose_layout_is_not_the_model_s_is_refused_befor
                            Chains(server_send=Chain([plugin])), ClientStateStore(), runtime.seed)
     dense = train_message(0, params)
     dense.body.applied = ["topk"]
+    dense.body.params = {**params, MODEL: torch.tensor([FORMAT, 7])}  # the model of id 7
     client.handle(dense)  # the dense model, through the plugin: what the client holds from now on
     name = next(k for k, v in params.items() if v.is_floating_point())
     forged = {k: v for k, v in params.items() if k != name}
     forged.update({f"{name}.__layout": torch.tensor([0, 1 << 26], dtype=torch.int32), f"{name}.__values": torch.ones(1),
-                   f"{name}.__indices": torch.tensor([-32768], dtype=torch.int16), DELTA: torch.ones(1, dtype=torch.int8)})
+                   f"{name}.__indices": torch.tensor([-32768], dtype=torch.int16), DELTA: torch.tensor([FORMAT, 7, 8])})
     message = Message(2, 0, Instruction(2, TaskKind.TRAIN, Work(0, 16), forged, applied=["topk"]))
     with LargestTensor() as built, pytest.raises(ValueError, match=rf"the layout of '{name}' is torch.float32 \(67108864,\), the model's"):
         client.handle(message)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_same_params, comparable, run_interrupted, run_to_end
+from conftest import assert_same_params, comparable, run_interrupted, run_to_end, small_config
+from fedweave import runner
 from fedweave.plugins.compression.wire import DELTA
 from fedweave.types import Instruction, TaskKind, Work, params_nbytes
 
@@ -166,7 +168,7 @@ def test_a_delta_broadcast_to_a_client_without_a_model_is_refused() -> None:
     params = {"w": torch.randn(10)}
     server.encode(instruction(params, 1, 0), ctx(1, 0, "server"))
     sent = server.encode(instruction({"w": params["w"] + 1}, 2, 0), ctx(2, 0, "server"))
-    with pytest.raises(ValueError, match="holds no model yet"):
+    with pytest.raises(ValueError, match="client 0 holds no model"):
         client.decode(sent, ctx(2, 0, "client"))
 
 
@@ -176,7 +178,8 @@ def test_runs_report_fewer_bytes_per_direction(tmp_path: Path) -> None:
     _, down = run_to_end(tmp_path / "down", "plugins.server_send=[{name: quantize, dtype: float16}]")
     assert [r["bytes_sent"] for r in up] == [r["bytes_sent"] for r in dense]
     assert all(u["bytes_received"] < d["bytes_received"] / 2.5 for u, d in zip(up, dense))
-    assert down[0]["bytes_sent"] == dense[0]["bytes_sent"]  # first contact: dense
+    # first contact: dense, each broadcast with the id of the model it gives (16 bytes)
+    assert down[0]["bytes_sent"] == dense[0]["bytes_sent"] + 16 * down[0]["clients_completed"]
     assert all(x["bytes_sent"] < d["bytes_sent"] / 1.5 for x, d in zip(down[1:], dense[1:]))
     assert down[-1]["test_accuracy"] >= dense[-1]["test_accuracy"] - 0.05
 
@@ -196,3 +199,30 @@ def test_payloads_are_new_objects(tmp_path: Path) -> None:
         encoded = plugin.encode(original, ctx())
         assert encoded is not original and original.tensors.keys() == model_tensors().keys()
         assert replace(plugin.decode(encoded, ctx()), applied=[]) is not encoded
+
+
+def test_a_client_that_lost_its_model_refuses_the_difference_and_gets_the_dense_model_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In simulation one plugin object holds the server's copies and the clients' models: client 0's
+    is dropped after round 1 (a restarted client). Round 2's difference is refused with the reason,
+    which fails that client's job alone; the server, told of the failure, sends it the dense model in
+    round 3, and every client completes again."""
+    caplog.set_level(logging.WARNING, logger="fedweave")
+    spec = "{name: quantize, dtype: bfloat16}"
+    r = runner.prepare(small_config("clients=2", "rounds=3", "checkpoint.every=0", f"plugins.server_send=[{spec}]"),
+                       tmp_path / "run")
+    plugin = r.parts.chains.server_send.plugins[0]
+
+    def restart(record: dict) -> None:
+        if record["round"] == 1:
+            plugin.held.pop(0)
+            plugin.held_ids.pop(0)
+
+    records = runner.execute(r, restart)
+    assert [record["clients_completed"] for record in records] == [2, 1, 2]
+    assert "round 2: client 0 refuses a compressed broadcast that is a difference of model" in caplog.text
+    assert "but client 0 holds no model" in caplog.text
+    assert records[2]["bytes_sent"] > 1.25 * records[1]["bytes_sent"]  # client 0 got the dense model, bf16 halves
+    assert plugin.held_ids[0] == plugin.sent_ids[0] and plugin.held_ids[1] == plugin.sent_ids[1]
+    assert_same_params(plugin.held[0], plugin.sent[0])

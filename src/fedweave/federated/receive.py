@@ -162,6 +162,7 @@ def accept_updates(
         if isinstance(r.body, Update) and r.body.client_id != r.client_id else r
         for r in replies
     ]
+    chains.failed(failures)  # before the rejections below: a rejected update's client decoded its broadcast
     chains.observe([r.body for r in replies if isinstance(r.body, Update)])
     schema = checks.schema or UpdateSchema.of(params)
     updates: list[Update] = []

@@ -60,6 +60,9 @@ config loads):
   instruction's ``config``, which the client half reads as ``ctx.config`` when it encodes;
 - ``training(ctx)``: client side, for each training instruction, the local training that takes
   the plain loop's place for that client and round (DP-SGD); at most one plugin of a run has it;
+- ``failed(failures)``: server side, the clients whose job failed (no reply), with the
+  reasons, before the round's updates are received (a compressor's downlink goes dense
+  for them);
 - ``observe(updates)``: server side, every update received, before any is decoded or
   rejected (a privacy ledger counts what each client released);
 - ``metrics() -> dict[str, float]``: after each round, merged into its record (``epsilon``);
@@ -82,6 +85,7 @@ from fedweave.plugins.contracts import (
     Combines,
     ControlExchange,
     Instructs,
+    HearsFailures,
     Observes,
     Payload,
     Plugin,
@@ -258,6 +262,10 @@ class Chains:
         return [p for _, p in self._each() if isinstance(p, TakesOverTraining)]
 
     @cached_property
+    def _hearing_failures(self) -> list[HearsFailures]:
+        return [p for _, p in self._each() if isinstance(p, HearsFailures)]
+
+    @cached_property
     def _observing(self) -> list[Observes]:
         return [p for _, p in self._each() if isinstance(p, Observes)]
 
@@ -304,6 +312,11 @@ class Chains:
         for plugin in self._training:
             return plugin.training(ctx)
         return None
+
+    def failed(self, failures: dict[int, str]) -> None:
+        if failures:
+            for plugin in self._hearing_failures:
+                plugin.failed(dict(failures))
 
     def observe(self, updates: list[Update]) -> None:
         for plugin in self._observing:

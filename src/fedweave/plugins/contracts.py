@@ -24,6 +24,7 @@ protocol            methods                                         when it is c
 :class:`BeginsRound`  ``begin_round(rnd, client_ids)``              before each round's set-up
 :class:`Instructs`  ``instruct(ctx) -> dict``                       server, per instruction
 :class:`Observes`   ``observe(updates)``                            server, on every update received
+:class:`HearsFailures`  ``failed(failures)``                        server, the round's failed jobs
 :class:`ReportsMetrics`  ``metrics() -> dict[str, float]``          after each round (also strategies)
 :class:`DrawsFresh`  ``fresh_draws(params) -> FreshDraws | None``   at load, on the class (checkpoint
                                                                     cadence, :mod:`.compose`)
@@ -223,6 +224,15 @@ class Instructs(Protocol):
 @runtime_checkable
 class Observes(Protocol):
     def observe(self, updates: list[Update]) -> None: ...
+
+
+@runtime_checkable
+class HearsFailures(Protocol):
+    """Server side: the clients whose job failed (no reply: an error it reported, a refused
+    instruction, a missed deadline, lost), by id with the reason, before their round's updates
+    are received (a compressor then sends such a client the dense model next)."""
+
+    def failed(self, failures: dict[int, str]) -> None: ...
 
 
 @runtime_checkable

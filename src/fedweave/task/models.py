@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fedweave.errors import TaskError
+from fedweave.seeding import TORCH_GLOBAL
 from fedweave.task.datasets import load_callable
 from fedweave.task.metrics import BUILTIN, DEFAULTS, MetricFn, accuracy, next_token_loss
 
@@ -126,7 +127,7 @@ def build_model(
     try:
         if seed is None:
             return _build(spec, tuple(input_shape), num_classes, options)
-        with torch.random.fork_rng(devices=[]):
+        with TORCH_GLOBAL, torch.random.fork_rng(devices=[]):  # no other thread's draws in between
             torch.manual_seed(seed)
             return _build(spec, tuple(input_shape), num_classes, options)
     except (MemoryError, RuntimeError) as exc:

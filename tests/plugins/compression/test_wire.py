@@ -12,7 +12,8 @@ import torch
 
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.contracts import PluginContext
-from fedweave.plugins.compression.wire import Site, tensor_seeds
+from fedweave.plugins.compression.wire import DELTA, FORMAT, Site, tensor_seeds
+from fedweave.plugins.compression.wire import MODEL as MARKED
 from fedweave.plugins.contracts import Plugin
 from fedweave.types import Instruction, Message, TaskKind, Update, Work
 from fedweave.federated.checks import Rejected, UpdateChecks, UpdateSchema
@@ -48,6 +49,113 @@ def test_a_broadcast_not_a_difference_of_the_held_model_is_refused_and_the_model
         assert all(torch.equal(client.held[0][k], v) and client.held[0][k].shape == v.shape for k, v in held.items())
     got = client.decode(second, ctx).params
     assert torch.equal(got["n"], torch.tensor(5)) and got["w"].shape == (8,) and got["b"].shape == (3,)
+
+
+CODECS = [("quantize", {"dtype": "bfloat16"}), ("topk", {"ratio": 0.5}), ("powersgd", {"rank": 1})]
+
+
+def models(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g), "n": torch.tensor(r)} for r in range(n)]
+
+
+def halves(name: str, **params: object) -> tuple:
+    """A server's and a client's plugin, the server's encoding of round r's model, the client's decoding."""
+    server, client = make(name, **params), make(name, **params)
+    rounds = models(6)
+    expected = UpdateSchema.of(rounds[0]).tensors
+
+    def send(rnd: int) -> Instruction:
+        return server.encode(Instruction(rnd, TaskKind.TRAIN, Work(0, 8), rounds[rnd]), PluginContext(rnd, 0, "server"))
+
+    def receive(sent: Instruction) -> dict[str, torch.Tensor]:
+        return client.decode(sent, PluginContext(sent.round, 0, "client", expected=expected)).params
+
+    return server, client, send, receive
+
+
+@pytest.mark.parametrize("name,params", CODECS)
+def test_a_difference_against_a_model_the_client_does_not_hold_is_refused_with_the_reason(name: str, params: dict) -> None:
+    """Round 2's broadcast is encoded but never decoded (its job failed: a deadline, a broken stream),
+    or one broadcast is decoded twice: the server's copy of the client's model and the client's part.
+    Before the broadcasts named their models, the client decoded round 3's difference against the wrong
+    model, silently (3.6 off in bfloat16); now it refuses it, naming both models, and keeps its own."""
+    server, client, send, receive = halves(name, **params)
+    receive(send(1))
+    send(2)  # lost
+    held = {k: v.clone() for k, v in client.held[0].items()}
+    third = send(3)
+    with pytest.raises(ValueError, match=r"a difference of model [0-9a-f]+, but client 0 holds model [0-9a-f]+ "
+                                         r"\(a broadcast it never decoded, or decoded twice"):
+        receive(third)
+    assert all(torch.equal(client.held[0][k], v) for k, v in held.items())
+
+    server, client, send, receive = halves(name, **params)
+    receive(send(1))
+    second = send(2)
+    receive(second)
+    with pytest.raises(ValueError, match="but client 0 holds model"):
+        receive(second)  # decoded twice
+    assert receive(send(3)).keys() == models(1)[0].keys()  # the honest next one still decodes, against its model
+
+
+@pytest.mark.parametrize("name,params", CODECS)
+def test_a_client_whose_job_failed_gets_the_dense_model_and_the_copies_agree_again(name: str, params: dict) -> None:
+    """A refusal fails the client's job; told of it (``failed``), the server sends that client the dense
+    model next, and the differences after it decode to the server's copy again, to the bit."""
+    server, client, send, receive = halves(name, **params)
+    receive(send(1))
+    send(2)  # lost
+    with pytest.raises(ValueError, match="but client 0 holds"):
+        receive(send(3))
+    server.failed({0: "ValueError: plugin: refused"})
+    fourth = send(4)
+    assert DELTA not in fourth.params and MARKED in fourth.params
+    assert all(torch.equal(v, models(6)[4][k]) for k, v in receive(fourth).items())
+    fifth = send(5)
+    assert DELTA in fifth.params
+    got = receive(fifth)
+    assert all(torch.equal(got[k], server.sent[0][k]) for k in got)
+
+
+def test_a_client_that_restarted_refuses_a_difference_and_another_client_s_failure_changes_nothing() -> None:
+    server, client, send, receive = halves("quantize", dtype="bfloat16")
+    receive(send(1))
+    server.failed({3: "lost"})  # not this client
+    second = send(2)
+    assert DELTA in second.params
+    restarted = make("quantize", dtype="bfloat16")
+    with pytest.raises(ValueError, match="but client 0 holds no model"):
+        restarted.decode(second, PluginContext(2, 0, "client", expected=UpdateSchema.of(models(1)[0]).tensors))
+
+
+@pytest.mark.parametrize("marker", [
+    torch.tensor([FORMAT, 1, 2], dtype=torch.int32),  # not int64
+    torch.tensor([[FORMAT, 1, 2]]),  # not a vector
+    torch.tensor([FORMAT, 1]),  # too short
+    torch.tensor([FORMAT, 1, 2, 3]),  # too long
+    torch.tensor([FORMAT + 1, 1, 2]),  # another format
+    torch.tensor([FORMAT, -1, 2]),  # not an id
+    torch.tensor([1.0, 1.0, 2.0]),
+])
+def test_a_malformed_delta_marker_is_refused_before_anything_is_decoded(marker: torch.Tensor) -> None:
+    server, client, send, receive = halves("topk", ratio=0.5)
+    receive(send(1))
+    second = send(2)
+    held = {k: v.clone() for k, v in client.held[0].items()}
+    with pytest.raises(ValueError, match=f"a broadcast whose '{DELTA}' (is|names)"):
+        receive(replace(second, params={**second.params, DELTA: marker}))
+    assert all(torch.equal(client.held[0][k], v) for k, v in held.items())
+
+
+def test_a_malformed_model_marker_is_refused() -> None:
+    server, client, send, receive = halves("topk", ratio=0.5)
+    first = send(1)
+    for marker in (torch.tensor([FORMAT, 1, 2]), torch.tensor([FORMAT + 1, 1]), torch.tensor([FORMAT, 1], dtype=torch.int8)):
+        with pytest.raises(ValueError, match=f"a broadcast whose '{MARKED}' is"):
+            receive(replace(first, params={**first.params, MARKED: marker}))
+    assert 0 not in client.held
+    assert MARKED not in receive(first)
 
 
 def masked_round(compressor: Plugin) -> tuple[Chains, Federation, list[Update], PluginContext]:

@@ -14,6 +14,15 @@ A compression plugin is a *codec* (``compress`` one tensor into a few compact te
   construction). A client the server has sent nothing to yet gets the dense model.
   Evaluation instructions travel dense.
 
+  Each training broadcast names the model it gives (a fresh 63-bit id), and a difference
+  also the model it is a difference of (:data:`DELTA`, :data:`MODEL`): a client decodes a
+  difference only against the model of that id, and refuses any other (with the reason,
+  logged) rather than decoding it into a wrong model. The copies part whenever the server
+  encoded a broadcast the client never decoded (its job failed, missed the deadline, its
+  stream broke off), or the client decoded one twice, restarted, or holds a model a resumed
+  server never checkpointed; so the server sends the dense model to every client whose
+  last job failed (``failed``: a refusal fails the job too), and the run goes on from it.
+
 State is per client id and lives in the plugin instance: in simulation one plugin
 object serves every client (and the server), so the client side's residuals and model
 copies and the server side's copies are kept apart, keyed by ``ctx.client_id``. The
@@ -23,10 +32,12 @@ each client one copy of its own): memory grows with the clients reached.
 
 from __future__ import annotations
 
+import logging
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol, runtime_checkable
 
 import torch
 
@@ -38,8 +49,17 @@ from fedweave.types import Instruction, Params, TaskKind, Update, UpdateKind
 if TYPE_CHECKING:
     from fedweave.federated.checks import Specs
 
+log = logging.getLogger("fedweave.plugins.compression")
+
 DELTA = "__delta"
-"""Marks a broadcast that carries a compressed difference rather than the dense model."""
+"""Marks a broadcast that carries a compressed difference rather than the dense model: int64
+``[FORMAT, against, gives]``, the ids of the model it is a difference of and of the model it gives."""
+
+MODEL = "__model"
+"""A dense training broadcast's id of the model it gives: int64 ``[FORMAT, gives]``."""
+
+FORMAT = 1
+"""The version of the :data:`DELTA` and :data:`MODEL` markers (their first entry)."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +162,9 @@ class Compressor:
         self.seed = 0
         self.residuals: dict[int, Params] = {}  # client side, uplink
         self.sent: dict[int, Params] = {}  # server side: the model each client holds
+        self.sent_ids: dict[int, int] = {}  # server side: the id of each of those models
         self.held: dict[int, Params] = {}  # client side: the model this client holds
+        self.held_ids: dict[int, int] = {}  # client side: its id (none for a broadcast that named none)
 
     def bind(self, config: Any) -> None:
         self.seed = config.seed
@@ -161,11 +183,22 @@ class Compressor:
             return self._decode_broadcast(payload, ctx)
         return replace(payload)
 
+    def failed(self, failures: dict[int, str]) -> None:
+        """Server side: the clients whose job failed (no reply) may or may not have decoded its
+        broadcast, so each gets the dense model next; a client that refused a difference is one."""
+        for cid in failures:
+            self.sent.pop(cid, None)
+            self.sent_ids.pop(cid, None)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": self.residuals, "sent": self.sent, "held": self.held, "codec": _codec_state(self.codec)}
+        return {"residuals": self.residuals, "sent": self.sent, "held": self.held, "sent_ids": self.sent_ids,
+                "held_ids": self.held_ids, "codec": _codec_state(self.codec)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals, self.sent, self.held = state["residuals"], state["sent"], state["held"]
+        # a checkpoint from before the ids: each client gets the dense model next, then ids
+        self.sent_ids, self.held_ids = state.get("sent_ids", {}), state.get("held_ids", {})
+        self.sent = {cid: model for cid, model in self.sent.items() if cid in self.sent_ids}
         if hasattr(self.codec, "load_state_dict"):
             self.codec.load_state_dict(state["codec"])
 
@@ -190,35 +223,66 @@ class Compressor:
     # ---------------------------------------------------------------- downlink
 
     def _encode_broadcast(self, ins: Instruction, ctx: PluginContext) -> Instruction:
-        ref = self.sent.get(ctx.client_id)
-        if ref is None or not _same_layout(ref, ins.params):
-            self.sent[ctx.client_id] = _copy(ins.params)
-            return replace(ins)
+        cid = ctx.client_id
+        ref, against = self.sent.get(cid), self.sent_ids.get(cid)
+        gives = self.sent_ids[cid] = secrets.randbits(63)
+        if ref is None or against is None or not _same_layout(ref, ins.params):
+            self.sent[cid] = _copy(ins.params)
+            return replace(ins, params={**ins.params, MODEL: _marker(gives)})
         delta = {k: v - ref[k] if v.is_floating_point() else v for k, v in ins.params.items()}
         names = [name for name, tensor in delta.items() if _compressible(tensor)]
         fields = self._compress_many([delta[n].to(torch.float32) for n in names], [self._site("down", ctx, n) for n in names])
         encoded = encode_fields(delta, dict(zip(names, fields)))
-        self.sent[ctx.client_id] = _advance(ref, decode_all(encoded, self._decompress_many))
-        return replace(ins, params={**encoded, DELTA: torch.ones(1, dtype=torch.int8)})
+        self.sent[cid] = _advance(ref, decode_all(encoded, self._decompress_many))
+        return replace(ins, params={**encoded, DELTA: _marker(against, gives)})
 
     def _decode_broadcast(self, ins: Instruction, ctx: PluginContext) -> Instruction:
+        cid = ctx.client_id
         if DELTA not in ins.params:
-            self.held[ctx.client_id] = _copy(ins.params)
-            return replace(ins)
-        held = self.held.get(ctx.client_id)
-        if held is None:
-            raise ValueError(
-                f"plugin {self.name!r}: a compressed broadcast for client {ctx.client_id}, which holds no model yet"
-            )
+            params = {k: v for k, v in ins.params.items() if k != MODEL}
+            gives = self._read_marker(ins.params, MODEL, 1, ctx)[0] if MODEL in ins.params else None
+            self.held[cid] = _copy(params)
+            if gives is None:  # a model no difference can name
+                self.held_ids.pop(cid, None)
+            else:
+                self.held_ids[cid] = gives
+            return replace(ins, params=params)
+        against, gives = self._read_marker(ins.params, DELTA, 2, ctx)
+        held, held_id = self.held.get(cid), self.held_ids.get(cid)
+        if held is None or held_id != against:
+            holds = "no model" if held is None else "no model a difference can name" if held_id is None else f"model {held_id:x}"
+            self._refuse(ctx, f"a compressed broadcast that is a difference of model {against:x}, but client {cid} "
+                              f"holds {holds} (a broadcast it never decoded, or decoded twice, or a restart); "
+                              "refused rather than decoded into a wrong model: the server sends the dense model next")
         encoded = {k: v for k, v in ins.params.items() if k != DELTA}
         delta = decode_all(encoded, self._decompress_many, ctx.expected)
         if not _same_layout(held, delta):  # the held model's tensors, shapes and dtypes, as the server encodes them
             raise ValueError(
-                f"plugin {self.name!r}: a compressed broadcast that is not a difference of the model client {ctx.client_id} holds"
+                f"plugin {self.name!r}: a compressed broadcast that is not a difference of the model client {cid} holds"
             )
         model = _advance(held, delta)
-        self.held[ctx.client_id] = model
+        self.held[cid], self.held_ids[cid] = model, gives
         return replace(ins, params=_copy(model))
+
+    def _read_marker(self, params: Params, key: str, ids: int, ctx: PluginContext) -> list[int]:
+        """The ``ids`` model ids of a peer's marker ``key``, once it is ``[FORMAT, *ids]`` in int64."""
+        value = params[key]
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.dim() == 1
+                and value.numel() == 1 + ids):
+            what = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            self._refuse(ctx, f"a broadcast whose {key!r} is {what}, not {1 + ids} int64 entries")
+        version, *named = (int(v) for v in value.tolist())
+        if version != FORMAT:
+            self._refuse(ctx, f"a broadcast whose {key!r} is of format {version}, this client reads {FORMAT}: "
+                              "run one fedweave version on every node")
+        if any(i < 0 for i in named):
+            self._refuse(ctx, f"a broadcast whose {key!r} names model ids {named}, not ids of 63 bits")
+        return named
+
+    def _refuse(self, ctx: PluginContext, why: str) -> NoReturn:
+        """Raise (and log) a refusal of client ``ctx.client_id``'s broadcast of round ``ctx.round``."""
+        log.warning("round %d: client %d refuses %s", ctx.round, ctx.client_id, why)
+        raise ValueError(f"plugin {self.name!r}: {why}")
 
     # ----------------------------------------------------------------- helpers
 
@@ -311,6 +375,11 @@ def _accumulated(tensor: torch.Tensor, residual: torch.Tensor | None, copy: bool
 def _advance(model: Params, delta: Params) -> Params:
     """``model + delta`` for floating tensors (in the model's dtype); other tensors are values."""
     return {k: (v + delta[k].to(v.dtype)) if v.is_floating_point() else delta[k].clone() for k, v in model.items()}
+
+
+def _marker(*ids: int) -> torch.Tensor:
+    """A :data:`DELTA` or :data:`MODEL` marker naming ``ids``."""
+    return torch.tensor([FORMAT, *ids], dtype=torch.int64)
 
 
 def _same_layout(a: Params, b: Params) -> bool:

@@ -23,7 +23,9 @@ frame: until a job's first frame has arrived its node sends no heartbeats, so th
 must cross a slow link well within ``heartbeat_timeout``.
 
 Register sends ``{"version": VERSION}``; a server refuses any other version (this layout
-came with version 2). A client whose site reads its own data adds ``"data_schema"`` (a
+came with version 2; version 3 names the model of each compressed broadcast,
+:data:`fedweave.plugins.compression.wire.MODEL`, which a node of version 2 would take for a
+tensor of the model). A client whose site reads its own data adds ``"data_schema"`` (a
 :class:`fedweave.task.schema.DataSchema`: sample shape, dtype, label kind, classes; never
 data or label counts), and a server of such a federation refuses a registration whose schema
 differs from its own, with the reason; it also adds ``"num_examples"``, its training-set size
@@ -81,7 +83,7 @@ AUTO = "auto"
 CREDENTIALS_ENV = "FEDWEAVE_CREDENTIALS"
 """Where the process launcher tells its nodes that run's credentials are."""
 
-VERSION = 2
+VERSION = 3
 CONTROL = 2
 INLINE = 1  # flag: a DATA frame follows the CONTROL frame's JSON, whose length is in seq
 MAX_INLINE_BYTES = 64 << 10  # the largest first frame a job carries inline
