@@ -86,8 +86,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     would run at once. Every other test is scheduled on its own. (Before xdist's own hook, which
     reads the marks.)"""
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None and workerinput.get("fedweave_dist") == "loadgroup":
-        config.option.loadgroup = True
+    if workerinput is None or workerinput.get("fedweave_dist") != "loadgroup":
+        return  # one process, or another mode: no groups
+    config.option.loadgroup = True
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
