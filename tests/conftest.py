@@ -43,6 +43,63 @@ SMALL = [
 """Overrides that make the quickstart a sub-second run for tests."""
 
 
+WORKERS = 2
+"""pytest-xdist workers a run of the suite or of a folder uses unless told (``-n N``; ``-n 0`` or
+``-p no:xdist``: one process). Most of the suite's time is subprocesses starting (importing torch)
+and waiting on them, which two workers overlap on two cores."""
+
+
+def _only_files(config: pytest.Config) -> bool:
+    """Whether the command line named test files (or tests in them) only, no folder: a run too small
+    to repay starting workers (each imports torch and collects again, some seconds)."""
+    if config.args_source != pytest.Config.ArgsSource.ARGS or not config.args:
+        return False
+    return all((config.invocation_params.dir / arg.split("::")[0]).is_file() for arg in config.args)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """``-n 2 --dist loadgroup`` for the suite or a folder, one process for named files, unless the
+    command line chose (a hook, not ``addopts``: with ``-p no:xdist`` an ``-n`` in addopts would be
+    an unknown option)."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return  # no xdist, or this is one of its workers (which must not start workers of its own)
+    chosen = config.option.numprocesses is not None or config.option.tx or config.getoption("usepdb", False)
+    if not chosen and not _only_files(config):
+        config.option.numprocesses = WORKERS
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadgroup"  # (also for a bare -n N): tests sharing a module's fixture stay together
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Tell each worker the distribution mode: a worker parses the command line again, where a
+    mode :func:`pytest_cmdline_main` chose is not written, and it marks the groups only under loadgroup."""
+    node.workerinput["fedweave_dist"] = node.config.option.dist
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup``, a test that uses a module-, class- or package-scoped fixture (a
+    Ray or Slurm cluster, a federation's server, a trained model) runs on the same worker as the
+    other tests of its file: else each worker would build the fixture again, and two such clusters
+    would run at once. Every other test is scheduled on its own. (Before xdist's own hook, which
+    reads the marks.)"""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or workerinput.get("fedweave_dist") != "loadgroup":
+        return  # one process, or another mode: no groups
+    config.option.loadgroup = True
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = any(
+            d.scope in ("module", "class", "package") for name in info.names_closure for d in info.name2fixturedefs.get(name, ())
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix()))
+
+
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     """Two torch threads on two shared cores spin against each other; tests use one."""

@@ -34,7 +34,8 @@ class NetworkNamespaces:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10, check=False)
             shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
         try:
-            Path("/etc/netns").rmdir()  # only when no other namespace keeps files there
+            if not any(Path("/run/netns").glob("*")):  # another process's namespaces may be about to write there
+                Path("/etc/netns").rmdir()  # only when no other namespace keeps files there
         except OSError:
             pass
 
