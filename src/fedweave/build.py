@@ -208,11 +208,10 @@ def _model_factory(config: Config, dataset: Dataset) -> Callable[[], torch.nn.Mo
 
         return make_language_model
 
-    def make_model() -> torch.nn.Module:
-        with TORCH_GLOBAL:  # its draws are never another thread's seeded ones (initial_params)
-            return build_model(
-                task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
-            )
+    def make_model() -> torch.nn.Module:  # build_model draws under seeding.TORCH_GLOBAL itself
+        return build_model(
+            task.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, options=task.model_options
+        )
 
     return make_model
 

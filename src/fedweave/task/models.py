@@ -125,11 +125,12 @@ def build_model(
     """
     options = dict(options or {})
     try:
-        if seed is None:
-            return _build(spec, tuple(input_shape), num_classes, options)
-        with TORCH_GLOBAL, torch.random.fork_rng(devices=[]):  # no other thread's draws in between
-            torch.manual_seed(seed)
-            return _build(spec, tuple(input_shape), num_classes, options)
+        with TORCH_GLOBAL:  # its draws are never another thread's seeded ones (build.initial_params)
+            if seed is None:
+                return _build(spec, tuple(input_shape), num_classes, options)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return _build(spec, tuple(input_shape), num_classes, options)
     except (MemoryError, RuntimeError) as exc:
         if not _out_of_memory(exc):
             raise
