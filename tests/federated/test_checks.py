@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -294,6 +295,14 @@ def test_a_run_goes_on_past_bad_updates_and_inflated_claims(tmp_path: Path) -> N
     clean, _ = run_to_end(tmp_path / "clean")
     inflated, _ = run_to_end(tmp_path / "inflated", "attacks.kind=inflate_examples", "attacks.clients=[1]")
     assert_same_params(inflated, clean)
+
+
+def test_any_mapping_serves_as_tensors_and_metrics_and_a_list_does_not() -> None:
+    """A plain dict is the fast case; any other Mapping is read the same, a sequence is malformed."""
+    base = update()
+    check_update(update(MappingProxyType(dict(base.tensors)), metrics=MappingProxyType({"train_loss": 0.5})), SCHEMA)
+    assert reason(update(list(base.tensors.values())))[0] == "malformed"  # type: ignore[arg-type]
+    assert reason(update(metrics=[("train_loss", 0.5)]))[0] == "malformed"
 
 
 def test_metrics_must_be_numbers() -> None:

@@ -53,6 +53,7 @@ from fedweave.federated.checks import (
     check_senders,
     check_update,
     check_update_finite,
+    is_mapping,
 )
 from fedweave.plugins.chain import Chains
 from fedweave.plugins.contracts import ControlExchange, PluginContext
@@ -169,7 +170,7 @@ def accept_updates(
     counted: set[int] = set()
     cleared = finite_rows([  # a cohort's updates, rows of its stacked change: their finiteness read at once
         t for r in replies if isinstance(r.body, Update)
-        for ts in (r.body.tensors, r.body.extras) if isinstance(ts, Mapping)
+        for ts in (r.body.tensors, r.body.extras) if is_mapping(ts)
         for t in ts.values() if isinstance(t, torch.Tensor)
     ])
     for reply in replies:
