@@ -34,9 +34,10 @@ def test_the_mlp_is_a_chain_and_other_models_are_not() -> None:
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
 def test_each_client_gets_its_own_gradient_and_padding_counts_for_nothing(loss: str) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Flatten(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 4, bias=False), nn.LeakyReLU(0.1),
-        nn.Linear(4, 3), nn.SiLU(), nn.Linear(3, 3),
+    model = nn.Sequential(  # each activation after a Linear, and some after the input or another activation
+        nn.Flatten(), nn.ReLU(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 4, bias=False),
+        nn.LeakyReLU(0.1), nn.Linear(4, 3), nn.SiLU(), nn.Linear(3, 4), nn.ReLU(), nn.Sigmoid(), nn.Linear(4, 4),
+        nn.Sigmoid(), nn.Tanh(), nn.Linear(4, 3),
     )
     layers = trace_chain(model, torch.zeros(2, 3))
     K, B = 3, 4
@@ -52,7 +53,9 @@ def test_each_client_gets_its_own_gradient_and_padding_counts_for_nothing(loss: 
         y = torch.randn(K, B, 3)
         loss_grad = autograd_loss_grad(lambda out, t: ((out - t) ** 2).mean(1))
         own = nn.functional.mse_loss
+    given = x.clone()
     grads, task = ChainGradients(layers, params, loss_grad)(x, y, real / real.sum(1, keepdim=True))
+    assert torch.equal(x, given)  # the batch is read, never overwritten (an activation in place takes a Linear's output)
     for k in range(K):
         model.load_state_dict(clients[k])
         model.zero_grad()

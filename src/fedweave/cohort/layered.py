@@ -24,8 +24,14 @@ from torch import nn
 
 from fedweave.cohort.optim import Workspace
 
-Activation = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]
-"""An activation's forward, and its backward ``(grad of output, input, output) -> grad of input``."""
+Activation = tuple[
+    Callable[[torch.Tensor], torch.Tensor],
+    Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    Callable[[torch.Tensor], torch.Tensor] | None,
+]
+"""An activation's forward, its backward ``(grad of output, input, output) -> grad of input``, and
+its forward in place where its backward reads the output alone (ReLU, tanh, sigmoid: the input may
+then be overwritten), else None."""
 
 aten = torch.ops.aten
 
@@ -33,21 +39,21 @@ aten = torch.ops.aten
 def _activation(module: nn.Module) -> Activation | None:
     """The forward and backward of an elementwise activation module, or None."""
     if type(module) is nn.ReLU:
-        return torch.relu, lambda g, _x, y: aten.threshold_backward(g, y, 0)
+        return torch.relu, lambda g, _x, y: aten.threshold_backward(g, y, 0), torch.relu_
     if type(module) is nn.Tanh:
-        return torch.tanh, lambda g, _x, y: aten.tanh_backward(g, y)
+        return torch.tanh, lambda g, _x, y: aten.tanh_backward(g, y), torch.tanh_
     if type(module) is nn.Sigmoid:
-        return torch.sigmoid, lambda g, _x, y: aten.sigmoid_backward(g, y)
+        return torch.sigmoid, lambda g, _x, y: aten.sigmoid_backward(g, y), torch.sigmoid_
     if type(module) is nn.GELU:
         approximate = module.approximate
         return (lambda x: nn.functional.gelu(x, approximate=approximate),
-                lambda g, x, _y: aten.gelu_backward(g, x, approximate=approximate))
+                lambda g, x, _y: aten.gelu_backward(g, x, approximate=approximate), None)
     if type(module) is nn.SiLU:
-        return nn.functional.silu, lambda g, x, _y: aten.silu_backward(g, x)
+        return nn.functional.silu, lambda g, x, _y: aten.silu_backward(g, x), None
     if type(module) is nn.LeakyReLU:
         slope = module.negative_slope
         return (lambda x: nn.functional.leaky_relu(x, slope),
-                lambda g, x, _y: aten.leaky_relu_backward(g, x, slope, False))
+                lambda g, x, _y: aten.leaky_relu_backward(g, x, slope, False), None)
     return None
 
 
@@ -216,7 +222,10 @@ class ChainGradients:
             elif layer.kind == "flatten":
                 out = h
             else:
-                out = layer.activation[0](h)  # type: ignore[index]
+                forward, _, in_place = layer.activation  # type: ignore[misc]
+                # a Linear's output is this call's own tensor, read by no backward: overwritten where it may be
+                after_linear = bool(saved) and self.layers[len(saved) - 1].kind == "linear"
+                out = in_place(h) if in_place is not None and after_linear else forward(h)
             saved.append((h, out))
             h = out
         task, g = self.loss_grad(h, y, weight)
@@ -247,5 +256,5 @@ class ChainGradients:
                 if i > self.first:
                     g = torch.bmm(views[linear][1], g)
             elif layer.kind == "activation":
-                g = layer.activation[1](g, inp, out)  # type: ignore[index]
+                g = layer.activation[1](g, inp, out)  # type: ignore[index]  # inp is out where overwritten
         return {name: grads[name] for name in self.params}, task
