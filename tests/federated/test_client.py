@@ -76,6 +76,31 @@ def test_client_data_splits_are_each_clients_split_gathered_in_one_pass() -> Non
     assert together[0][0].data_ptr() + 3 * 2 * 4 == together[1][0].data_ptr()  # rows of one gathered tensor
 
 
+def test_client_data_splits_keeps_the_gathered_rows_until_something_edits_them() -> None:
+    x, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)
+    data = ClientData(x, y, train_idx=[torch.tensor([4, 0]), torch.tensor([7]), torch.tensor([1, 2, 3])],
+                      test_idx=[torch.tensor([5]), torch.tensor([6]), torch.tensor([8])])
+    first = data.splits([2, 0])
+    again = data.splits([2, 0])
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(first, again))  # the same clients: gathered once
+
+    def fresh(cids: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        got = data.splits(cids)
+        assert all(torch.equal(a, b) for split, cid in zip(got, cids) for a, b in zip(split, data.split(cid)))
+        return got
+
+    again[1][0].mul_(0)  # a job's in-place edit of its rows never reaches the next call
+    edited = fresh([2, 0])
+    assert edited[1][0] is not again[1][0] and torch.equal(edited[1][0], torch.tensor([[8.0, 9.0], [0.0, 1.0]]))
+    x[1] = 100.0  # nor an edit of the dataset
+    assert torch.equal(fresh([2, 0])[0][0][0], torch.tensor([100.0, 100.0]))
+    data.train_idx[0] = torch.tensor([9])  # nor a client's new index
+    assert torch.equal(fresh([2, 0])[1][0], torch.tensor([[18.0, 19.0]]))
+    data.train_idx[0].fill_(8)  # nor an index edited in place
+    assert torch.equal(fresh([2, 0])[1][1], torch.tensor([8]))
+    assert len(fresh([0, 2, 1])) == 3 and len(fresh([1])) == 1  # other clients: their own rows
+
+
 def test_store_keeps_copies_not_aliases() -> None:
     store = ClientStateStore()
     state = {"c": torch.zeros(2), "nested": {"m": torch.ones(1)}, "steps": 3}
