@@ -9,7 +9,9 @@ round's time is :func:`fedweave.federated.rounds.train_round`'s wall time (confi
 checks, aggregation; no evaluation). Printed per row: the median seconds of a round on each path,
 the median of the per-pair ratios sequential / cohort with its interquartile range, and the
 largest relative difference between the two final models (float rounding: the cohort's matrix
-products are batched). The load average of the machine is printed before and after.
+products are batched), and the median share of a cohort round its clients' vectorised training
+took (the sum of their recorded compute times; the rest is the round's message path: configure,
+open, jobs, checks, aggregation). The load average of the machine is printed before and after.
 
     python benchmarks/cohort.py [--pairs 8] [--only digits-10 mnist5k-cnn-50 ...] [--threads 1] [--partition dirichlet iid]
 
@@ -61,11 +63,14 @@ def paired(k: int, overrides: list[str], pairs: int, threads: int, partition: st
     }
     params = {mode: r.params for mode, r in runs.items()}
     seconds: dict[str, list[float]] = {"off": [], "auto": []}
+    training: list[float] = []  # per cohort round: the share of its time its clients' training took
     for rnd in range(1, pairs + 2):
         for mode, r in runs.items():
             started = time.perf_counter()
-            params[mode], _ = train_round(r.parts, rnd, params[mode])
+            params[mode], record = train_round(r.parts, rnd, params[mode])
             seconds[mode].append(time.perf_counter() - started)
+            if mode == "auto":
+                training.append(sum(c["compute"] for c in record["clients"]) / seconds[mode][-1])
     off, auto = seconds["off"][1:], seconds["auto"][1:]
     ratios = [a / b for a, b in zip(off, auto)]
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
@@ -76,6 +81,7 @@ def paired(k: int, overrides: list[str], pairs: int, threads: int, partition: st
         "ratio": statistics.median(ratios),
         "q1": q1,
         "q3": q3,
+        "training": statistics.median(training[1:]),
         "diff": max(
             float((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max().clamp_min(1e-12))
             for k in a
@@ -94,13 +100,13 @@ def main() -> int:
     args = parser.parse_args()
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; threads={args.threads}; {args.pairs} pairs per row; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'row':<28} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12}")
+    print(f"{'row':<28} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12} {'training':>9}")
     with tempfile.TemporaryDirectory() as out:
         for partition in args.partition:
             for name in args.only or ROWS:
                 m = paired(*ROWS[name], args.pairs, args.threads, partition, Path(out) / partition / name)
                 print(f"{name + ' ' + partition:<28} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
-                      f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e}", flush=True)
+                      f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e} {m['training']:>8.0%}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

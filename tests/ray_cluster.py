@@ -92,7 +92,8 @@ def two_node_cluster(cpus: int = 1, timeout: float = 120.0) -> Iterator[str]:
             ))
 
     try:
-        start(["--head", f"--port={port}", "--include-dashboard=false"], 0)
+        # the client server's port is free too (its default, 10001, would clash with another suite's cluster)
+        start(["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={_free_port()}"], 0)
         deadline = time.monotonic() + timeout
         while not _listening(port):
             if procs[0].poll() is not None or time.monotonic() > deadline:
