@@ -69,6 +69,24 @@ def test_decode_undoes_in_reverse_order() -> None:
     assert decoded.applied == []
 
 
+class Tells(Identity):
+    name = "tells"
+
+    def instruct(self, ctx: PluginContext) -> dict[str, object]:
+        return {"tells.round": ctx.round}
+
+
+def test_the_downlink_sends_as_is_only_without_a_plugin_that_instructs_or_encodes() -> None:
+    ins = Instruction(3, TaskKind.TRAIN, Work(1, 4), {"w": torch.zeros(1)})
+    ctx = PluginContext(3, 1, "server")
+    assert Chains().sends_as_is and Chains().to_clients(ins, ctx) is ins
+    assert Chains(client_send=Chain([AddOne(IdentityHParams())])).sends_as_is  # the uplink's: not the downlink
+    encoding = Chains(server_send=Chain([Identity(IdentityHParams())]))
+    assert not encoding.sends_as_is and encoding.to_clients(ins, ctx).applied == ["identity"]
+    telling = Chains(client_send=Chain([Tells(IdentityHParams())]))
+    assert not telling.sends_as_is and telling.to_clients(ins, ctx).config == {"tells.round": 3}
+
+
 def test_receive_chain_filters_in_configured_order() -> None:
     filtered = Chain([AddOne(IdentityHParams()), Double(IdentityHParams())]).filter(update(9.0), CTX)
     assert filtered.tensors["w"].item() == (9.0 - 1) / 2

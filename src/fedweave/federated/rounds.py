@@ -317,8 +317,9 @@ def federated_evaluate(parts: RoundParts, rnd: int, params: Params) -> Record:
 def encode_instructions(chains: Chains, instructions: list[Instruction], accepted: AcceptedRounds) -> list[Message]:
     """Each instruction told its client's last applied round, through the server's side of the downlink
     (:meth:`~fedweave.plugins.chain.Chains.to_clients`: the server_send chain, an encrypted model)."""
+    as_is = chains.sends_as_is  # no plugin on the downlink: no context made per instruction
     out = []
     for ins in map(accepted.stamp, instructions):
-        ctx = PluginContext(ins.round, ins.work.client_id, "server")
-        out.append(Message(ins.round, ctx.client_id, chains.to_clients(ins, ctx)))
+        cid = ins.work.client_id
+        out.append(Message(ins.round, cid, ins if as_is else chains.to_clients(ins, PluginContext(ins.round, cid, "server"))))
     return out

@@ -155,6 +155,12 @@ class Chains:
         combiner = self.client_send.combiner
         return combiner if isinstance(combiner, SealsModel) else None
 
+    @cached_property
+    def sends_as_is(self) -> bool:
+        """Whether :meth:`to_clients` gives every instruction back as it is (no plugin instructs,
+        seals or encodes it), so that a caller need not make a context for it."""
+        return not self._instructing and self.sealer is None and not self.server_send.plugins
+
     def to_clients(self, instruction: Instruction, ctx: PluginContext) -> Instruction:
         """Server side of the downlink: the plugins' per-client settings, the sealed model, the encoding."""
         instruction = self.instruct(instruction, ctx)
