@@ -6,6 +6,7 @@ No behaviour lives here; these are the nouns of DESIGN.md's vocabulary.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, final
 
@@ -144,13 +145,29 @@ def params_nbytes(params: Params) -> int:
     return sum(t.nbytes for t in params.values())
 
 
-def body_nbytes(body: Body) -> int:
-    """Bytes of tensor data a message body carries (a site batch: its members' bodies')."""
+def body_nbytes(body: Body, nbytes: Callable[[Params], int] = params_nbytes) -> int:
+    """Bytes of tensor data a message body carries (a site batch: its members' bodies'), each
+    mapping of tensors measured by ``nbytes``."""
     if isinstance(body, (SiteJob, SiteReply)):
-        return sum(body_nbytes(m.body) for m in body.messages)
+        return sum(body_nbytes(m.body, nbytes) for m in body.messages)
     if isinstance(body, Evaluation):
         return 0
     if isinstance(body, Control):
-        return params_nbytes(body.tensors)
+        return nbytes(body.tensors)
     tensors = body.params if isinstance(body, Instruction) else body.tensors
-    return params_nbytes(tensors) + params_nbytes(body.extras)
+    return nbytes(tensors) + nbytes(body.extras)
+
+
+def messages_nbytes(messages: Iterable[Message]) -> int:
+    """``Σ body_nbytes`` of ``messages``, a mapping several of them hold (a round's broadcast: the
+    same parameters in every instruction) measured once: ``messages`` keep it alive and unchanged
+    while they are read, so its id names it."""
+    known: dict[int, int] = {}
+
+    def nbytes(tensors: Params) -> int:
+        n = known.get(id(tensors))
+        if n is None:
+            n = known[id(tensors)] = params_nbytes(tensors)
+        return n
+
+    return sum(body_nbytes(m.body, nbytes) for m in messages)

@@ -19,7 +19,7 @@ from fedweave.federated.client import ClientRuntime, Opened
 from fedweave.cohort.trainer import Done, Work
 from fedweave.transports.base import Exchange
 from fedweave.transports.inmemory import answered, failed
-from fedweave.types import Message, TaskKind, body_nbytes
+from fedweave.types import Message, TaskKind, messages_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class CohortTransport:
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: dict[int, Message] = {}
         opened: dict[int, Opened] = {}
+        result.bytes_sent += messages_nbytes(messages)
         for i, msg in enumerate(messages):
-            result.bytes_sent += body_nbytes(msg.body)
             try:
                 if getattr(msg.body, "task", None) is not TaskKind.TRAIN:
                     replies[i] = self.handler(msg)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from fedweave.transports.base import Exchange
-from fedweave.types import Message, body_nbytes
+from fedweave.types import Message, body_nbytes, messages_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ class InMemoryTransport:
     def exchange(self, messages: list[Message], timeout: float | None) -> Exchange:
         result = Exchange()
         deadline = None if timeout is None else time.monotonic() + timeout
+        result.bytes_sent += messages_nbytes(messages)
         for msg in messages:
-            result.bytes_sent += body_nbytes(msg.body)
             try:
                 reply = self.handler(msg)
             except Exception as exc:  # one client's failure must not stop the round
