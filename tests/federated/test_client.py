@@ -18,7 +18,7 @@ from conftest import LargestTensor, small_config
 from fedweave import runner
 from fedweave.federated.selection import sample_clients
 from fedweave.build import build_chains, build_client_runtime, build_task, initial_params
-from fedweave.federated.client import ClientData, ClientRuntime, ClientStateStore
+from fedweave.federated.client import ClientData, ClientRuntime, ClientStateStore, Opened
 from fedweave.plugins.chain import Chain, Chains
 from fedweave.plugins.contracts import PluginContext
 from fedweave.plugins.compression.topk import TopK, TopKHParams
@@ -356,6 +356,21 @@ def test_bad_messages(runtime_and_params: tuple[ClientRuntime, Params]) -> None:
         runtime.handle(Message(1, 0, Evaluation(1, {})))
     with pytest.raises(ValueError, match="client 0: instruction config 'accepted_round' is -1, not a round >= 0"):
         runtime.handle(train_message(0, params, accepted_round=-1))
+    encoded = train_message(0, params)
+    encoded.body.applied = ["zip"]  # a plugin this client lacks: refused though it has no plugin at all
+    with pytest.raises(ValueError, match="encoded by plugin 'zip', which this side's chain lacks"):
+        runtime.handle(encoded)
+
+
+def test_a_client_without_plugins_opens_an_instruction_as_it_came(
+    runtime_and_params: tuple[ClientRuntime, Params],
+) -> None:
+    runtime, params = runtime_and_params
+    msg = train_message(2, params)
+    opened = runtime.open(msg)
+    assert isinstance(opened, Opened) and opened.instruction is msg.body and opened.ctx is None
+    assert 2 not in runtime.plugin_state  # no context, no plugin state kept for it
+    runtime.release(2)
 
 
 # --------------------------------------------------------------------------- scale
