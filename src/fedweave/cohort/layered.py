@@ -173,6 +173,12 @@ class ChainGradients:
         self.loss_grad = loss_grad
         self.workspace = Workspace() if workspace is None else workspace  # the weights' gradients, reused
         self.first = next(i for i, layer in enumerate(layers) if layer.kind == "linear")  # no gradient of the input
+        # each activation's forward: in place right after a Linear, whose output is the call's own tensor, read by
+        # no backward (where the activation's backward reads its output alone), else out of place
+        self._forwards = {
+            i: act[2] if act[2] is not None and i > 0 and layers[i - 1].kind == "linear" else act[0]
+            for i, layer in enumerate(layers) if (act := layer.activation) is not None
+        }
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
         self._ones_of: dict[tuple, torch.Tensor] = {}
 
@@ -214,7 +220,7 @@ class ChainGradients:
         h = x.reshape(K, B, -1).transpose(1, 2)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's input and output
         linear = 0
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if layer.kind == "linear":
                 w, _, b = views[linear]
                 out = torch.bmm(w, h) if b is None else torch.baddbmm(b, w, h)
@@ -222,10 +228,7 @@ class ChainGradients:
             elif layer.kind == "flatten":
                 out = h
             else:
-                forward, _, in_place = layer.activation  # type: ignore[misc]
-                # a Linear's output is this call's own tensor, read by no backward: overwritten where it may be
-                after_linear = bool(saved) and self.layers[len(saved) - 1].kind == "linear"
-                out = in_place(h) if in_place is not None and after_linear else forward(h)
+                out = self._forwards[i](h)
             saved.append((h, out))
             h = out
         task, g = self.loss_grad(h, y, weight)

@@ -47,7 +47,7 @@ from fedweave.errors import FedweaveError, SerializationError
 from fedweave.transports.base import Exchange
 from fedweave.transports.inmemory import failed
 from fedweave.transports.serialization import decode, encode
-from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, body_nbytes
+from fedweave.types import Evaluation, Instruction, Message, TaskKind, Update, body_nbytes, messages_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +185,8 @@ class RayTransport:
         deadline = None if timeout is None else time.monotonic() + timeout
         opened: dict[int, Opened] = {}
         answers: dict[int, Message] = {}
+        result.bytes_sent += messages_nbytes(messages)
         for i, msg in enumerate(messages):
-            result.bytes_sent += body_nbytes(msg.body)
             try:
                 step = self.runtime.open(msg)
             except Exception as exc:  # one client's failure must not stop the round

@@ -29,7 +29,7 @@ from fedweave.plugins import PLUGINS
 from fedweave.plugins.contracts import POINTS
 from fedweave.strategies.aggregate import weighted_average
 from fedweave.transports.base import Exchange, Transport
-from fedweave.types import Message, Update, body_nbytes
+from fedweave.types import Message, Update, body_nbytes, messages_nbytes
 from fedweave.federated.checks import Rejected, check_senders
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Site:
         for sent, ex in parts:
             result.replies.extend(ex.replies)
             result.failures.update(ex.failures)
-            result.bytes_sent += sum(body_nbytes(m.body) for m in sent)
+            result.bytes_sent += messages_nbytes(sent)
             result.bytes_received += sum(body_nbytes(r.body) for r in ex.replies)
         result.replies.sort(key=lambda r: order.get(r.client_id, len(order)))
         return result
