@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedweave.cohort.layered import ChainGradients, autograd_loss_grad, cross_entropy_grad, trace_chain
+from fedweave.cohort.layered import ChainGradients, autograd_loss_grad, cross_entropy_grad, task_losses, trace_chain
 from fedweave.task.models import MLP
 
 
@@ -54,7 +54,10 @@ def test_each_client_gets_its_own_gradient_and_padding_counts_for_nothing(loss: 
         loss_grad = autograd_loss_grad(lambda out, t: ((out - t) ** 2).mean(1))
         own = nn.functional.mse_loss
     given = x.clone()
-    grads, task = ChainGradients(layers, params, loss_grad)(x, y, real / real.sum(1, keepdim=True))
+    weight = (real / real.sum(1, keepdim=True)).unsqueeze(1)
+    losses = torch.full((K, 1, B), float("nan"))  # every row's written, padding's too (weight 0 then)
+    grads = ChainGradients(layers, params, loss_grad)(x, y, weight, losses)
+    task = task_losses(losses, weight)
     assert torch.equal(x, given)  # the batch is read, never overwritten (an activation in place takes a Linear's output)
     for k in range(K):
         model.load_state_dict(clients[k])

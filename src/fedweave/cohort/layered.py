@@ -122,23 +122,30 @@ def trace_chain(model: nn.Module, example: torch.Tensor) -> list[Layer] | None:
     return None
 
 
-LossGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``(outputs [K, O, B], targets [K, B, ...], weight [K, B]) -> (each client's task loss [K], grad of
-outputs [K, O, B])``: outputs features first, as :class:`ChainGradients` computes them."""
+LossGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(outputs [K, O, B], targets [K, B, ...], weight [K, 1, B], losses [K, 1, B]) -> grad of outputs
+[K, O, B]``, outputs features first, as :class:`ChainGradients` computes them: each row's loss is
+written into ``losses`` (a client's task loss is then ``Σ weight * losses`` over its rows, which
+the caller sums when it needs it, not at every step) and the gradient is that of the task losses."""
 
 
 def cross_entropy_grad() -> LossGrad:
-    """Cross-entropy on logits, each client's weighted sum over its rows, and its gradient:
+    """Cross-entropy on logits and the gradient of each client's weighted sum of it over its rows:
     ``(softmax - one_hot) * weight``, what autograd's log-softmax and NLL backward compute (the
     caller gives weight 0 to a target that is ``ignore_index``)."""
+    minus_ones: dict[tuple, torch.Tensor] = {}  # what scatter_add_ adds at each target, per shape
 
-    def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
         index = target.unsqueeze(1)
         logp = out.log_softmax(1)
-        task = (logp.gather(1, index).squeeze(1) * weight).sum(1).neg_()
+        torch.gather(logp, 1, index, out=losses).neg_()
         grad = logp.exp_()
-        grad.scatter_add_(1, index, torch.full((1, 1, 1), -1, dtype=grad.dtype, device=grad.device).expand(index.shape))
-        return task, grad.mul_(weight.unsqueeze(1))
+        key = (index.shape, grad.dtype, grad.device)
+        ones = minus_ones.get(key)
+        if ones is None:
+            ones = minus_ones[key] = torch.full((1, 1, 1), -1, dtype=grad.dtype, device=grad.device).expand(index.shape)
+        grad.scatter_add_(1, index, ones)
+        return grad.mul_(weight)
 
     return loss_grad
 
@@ -147,16 +154,22 @@ def autograd_loss_grad(per_example: Callable[[torch.Tensor, torch.Tensor], torch
     """Any per-example loss (``per_example(outputs [N, O], targets [N, ...]) -> [N]``), its
     gradient by autograd from the outputs on."""
 
-    def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        K, B = weight.shape
+    def loss_grad(out: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        K, _, B = weight.shape
         leaf = out.transpose(1, 2).detach().requires_grad_()
         with torch.enable_grad():
-            each = per_example(leaf.reshape(K * B, -1), target.reshape(K * B, *target.shape[2:]))
-            task = (each.view(K, B) * weight).sum(1)
-            (grad,) = torch.autograd.grad(task.sum(), [leaf])
-        return task.detach(), grad.transpose(1, 2)
+            each = per_example(leaf.reshape(K * B, -1), target.reshape(K * B, *target.shape[2:])).view(K, B)
+            (grad,) = torch.autograd.grad((each * weight.view(K, B)).sum(), [leaf])
+        losses.view(K, B).copy_(each.detach())
+        return grad.transpose(1, 2)
 
     return loss_grad
+
+
+def task_losses(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each client's task loss from its rows' ``losses`` and ``weight`` (``[..., K, 1, B]`` both):
+    ``[..., K]``."""
+    return (losses * weight).sum((-2, -1))
 
 
 class ChainGradients:
@@ -181,6 +194,7 @@ class ChainGradients:
         }
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
         self._ones_of: dict[tuple, torch.Tensor] = {}
+        self._flats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id: the buffer (kept: its id stays its) and its view
 
     def _prefix(self, a: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per Linear, the first ``a`` clients' weight, its transpose and the bias as a column."""
@@ -202,11 +216,12 @@ class ChainGradients:
         return ones
 
     def __call__(
-        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, losses: torch.Tensor,
         into: tuple[dict[str, torch.Tensor], float | None] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The gradients (a dict like ``params``) and the task losses [K] of the first K clients,
-        ``x`` [K, B, ...] their batches, ``weight`` [K, B] each row's weight in its client's loss.
+    ) -> dict[str, torch.Tensor]:
+        """The gradients (a dict like ``params``) of the first K clients' task losses, ``x``
+        [K, B, ...] their batches, ``weight`` [K, 1, B] each row's weight in its client's loss;
+        each row's loss is written into ``losses`` [K, 1, B] (:data:`LossGrad`, :func:`task_losses`).
         With ``into`` (``(buffers, beta)``, buffers of the first K clients by parameter name), each
         gradient is added into its buffer instead, ``buffer = beta * buffer + gradient`` (beta None:
         ``buffer = gradient``), a weight's in its batched product (``baddbmm_``), and the buffers
@@ -214,10 +229,13 @@ class ChainGradients:
 
         Activations are kept features first, ``[K, features, B]`` (``W h`` with ``W`` as stored is
         the faster product on a CPU); ``Flatten`` is applied to the input once, up front: the
-        activations are elementwise, and after a Linear each example is one row already."""
-        K, B = weight.shape
+        activations are elementwise, and after a Linear each example is one row already (a batch
+        given flat, ``[K, B, features]``, is read as it is: the first Linear's weight gradient
+        takes its rows as they lie)."""
+        K, _, B = weight.shape
         views = self._prefix(K)
-        h = x.reshape(K, B, -1).transpose(1, 2)
+        rows = x if x.dim() == 3 else x.reshape(K, B, -1)
+        h = start = rows.transpose(1, 2)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's input and output
         linear = 0
         for i, layer in enumerate(self.layers):
@@ -231,33 +249,41 @@ class ChainGradients:
                 out = self._forwards[i](h)
             saved.append((h, out))
             h = out
-        task, g = self.loss_grad(h, y, weight)
+        g = self.loss_grad(h, y, weight, losses)
         grads: dict[str, torch.Tensor] = {}
         for i in range(len(self.layers) - 1, self.first - 1, -1):
             layer, (inp, out) = self.layers[i], saved[i]
             if layer.kind == "linear":
                 linear -= 1
                 name = layer.name + ".weight"
+                inp_rows = rows if inp is start else inp.transpose(1, 2)
                 if into is None:
                     out = self.workspace.take(("grad", name), (K, g.shape[1], inp.shape[1]), g.dtype, g.device)
-                    grads[name] = torch.bmm(g, inp.transpose(1, 2), out=out)
+                    grads[name] = torch.bmm(g, inp_rows, out=out)
                 elif into[1] is None:
-                    grads[name] = torch.bmm(g, inp.transpose(1, 2), out=into[0][name])
+                    grads[name] = torch.bmm(g, inp_rows, out=into[0][name])
                 else:
-                    grads[name] = into[0][name].baddbmm_(g, inp.transpose(1, 2), beta=into[1])
+                    grads[name] = into[0][name].baddbmm_(g, inp_rows, beta=into[1])
                 if layer.bias:  # the sum over the batch as a product with ones: ~2x faster than sum(2) on a CPU
                     bias = layer.name + ".bias"
-                    rows, ones = g.reshape(-1, g.shape[2]), self._ones(g)
+                    flat, ones = g.reshape(-1, B), self._ones(g)
                     if into is None:
-                        grads[bias] = torch.mv(rows, ones).view(g.shape[:2])
+                        grads[bias] = torch.mv(flat, ones).view(g.shape[:2])
                     elif into[1] is None:
                         grads[bias] = into[0][bias]
-                        torch.mv(rows, ones, out=into[0][bias].view(-1))
+                        torch.mv(flat, ones, out=self._flat(into[0][bias]))
                     else:
                         grads[bias] = into[0][bias]
-                        into[0][bias].view(-1).addmv_(rows, ones, beta=into[1])
+                        self._flat(into[0][bias]).addmv_(flat, ones, beta=into[1])
                 if i > self.first:
                     g = torch.bmm(views[linear][1], g)
             elif layer.kind == "activation":
                 g = layer.activation[1](g, inp, out)  # type: ignore[index]  # inp is out where overwritten
-        return {name: grads[name] for name in self.params}, task
+        return {name: grads[name] for name in self.params}
+
+    def _flat(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer.view(-1)``, made once per buffer (a bias's momentum: the same at every step)."""
+        known = self._flats.get(id(buffer))
+        if known is None or known[0] is not buffer:
+            known = self._flats[id(buffer)] = (buffer, buffer.view(-1))
+        return known[1]

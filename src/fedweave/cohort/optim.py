@@ -53,6 +53,7 @@ class StackedOptimizer:
         self.workspace = Workspace() if workspace is None else workspace
         self.state: dict[str, list[torch.Tensor]] = {}  # "params" and each kind of state, one tensor per parameter
         self._views: dict[int, dict[str, list[torch.Tensor]]] = {}  # per active count: the first clients' views
+        self._named: dict[int, Stacked] = {}  # per active count: their momentum buffers by name
 
     def _prefix(self, params: Stacked, active: int) -> dict[str, list[torch.Tensor]]:
         if not self.state:  # the state of every client, made at the first step (which every client takes)
@@ -80,8 +81,11 @@ class StackedOptimizer:
             self._prefix(params, active)
             self.state["momentum"] = [self.workspace.like(("momentum", name), p) for name, p in params.items()]
             self._views.clear()
-            return dict(zip(params, self._prefix(params, active)["momentum"])), None
-        return dict(zip(params, self._prefix(params, active)["momentum"])), s.momentum
+            self._named.clear()
+        named = self._named.get(active)
+        if named is None:
+            named = self._named[active] = dict(zip(params, self._prefix(params, active)["momentum"]))
+        return named, None if t == 0 else s.momentum
 
     @torch.no_grad()
     def step(self, t: int, params: Stacked, grads: Stacked, active: int, accumulated: bool = False) -> None:
@@ -106,6 +110,7 @@ class StackedOptimizer:
                         self.workspace.like(("momentum", name), gi).copy_(gi) for name, gi in zip(params, g)
                     ]
                     self._views.clear()
+                    self._named.clear()
                 else:
                     bufs = views["momentum"]
                     torch._foreach_mul_(bufs, s.momentum)

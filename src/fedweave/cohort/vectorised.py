@@ -26,9 +26,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.utils.rnn import pad_sequence
 
-from fedweave.cohort.layered import ChainGradients, LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad
+from fedweave.cohort.layered import (
+    ChainGradients, LossGrad, autograd_loss_grad, chain_of, cross_entropy_grad, task_losses,
+)
 from fedweave.cohort.optim import StackedOptimizer, Workspace
 from fedweave.cohort.schedule import schedule
 from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
@@ -169,30 +170,31 @@ def _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, op
     if plain is not None:
         weights.masked_fill_(y_round == plain.ignore_index, 0)
         y_round = y_round.clamp_min(0)
-    ys, ws = y_round.unbind(0), weights.unbind(0)
+    weights = weights.unsqueeze(2)  # (T, K, 1, B): a row per client, as the loss takes it
+    losses = torch.zeros_like(weights)  # each row's loss at each step; 0 where a client has stopped
+    ys, ws, ls = y_round.unbind(0), weights.unbind(0), losses.unbind(0)
     penalty = None if step.penalty is None else vmap(grad(step.penalty), in_dims=(0, anchor_dims))
-    chunk = max(1, CHUNK_BYTES // max(1, K * B * x_all[0].numel() * x_all.element_size()))
+    features = x_all[0].numel()
+    chunk = max(1, CHUNK_BYTES // max(1, K * B * features * x_all.element_size()))
     xs: tuple[torch.Tensor, ...] = ()
-    tasks = []
     for t in range(T):
         if t % chunk == 0:
             index = rows[t : t + chunk].reshape(-1)
             into = workspace.take("batches", (len(index), *x_all.shape[1:]), dtype, device)
-            xs = torch.index_select(x_all, 0, index, out=into).view(-1, K, B, *x_all.shape[1:]).unbind(0)
+            xs = torch.index_select(x_all, 0, index, out=into).view(-1, K, B, features).unbind(0)
         a = running[t]
-        x, y, w = xs[t % chunk], ys[t], ws[t]
+        x, y, w, loss = xs[t % chunk], ys[t], ws[t], ls[t]
         if a < K:
-            x, y, w = x[:a], y[:a], w[:a]
+            x, y, w, loss = x[:a], y[:a], w[:a], loss[:a]
         into = optimizer.momentum_buffers(t, params, a) if penalty is None and corrections is None else None
-        grads, task = gradients(x, y, w, into)
+        grads = gradients(x, y, w, loss, into)
         if penalty is not None:
             extra = penalty(_prefix(params, a), anchors if anchor_dims is None else _prefix(anchors, a))
             torch._foreach_add_(list(grads.values()), list(extra.values()))
         if corrections is not None:
             torch._foreach_add_(list(grads.values()), [c[:a] for c in corrections.values()])
         optimizer.step(t, params, grads, a, accumulated=into is not None)
-        tasks.append(task)
-    return pad_sequence(tasks, batch_first=True)
+    return task_losses(losses, weights)
 
 
 def _prefix(tensors: Params, a: int) -> Params:
