@@ -138,11 +138,8 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
             tasks[t, :a] = task.detach()
     loss_sum = (tasks.double() * counts.to(device).double()).sum(0)
     end = {**params, **buffers}
-    out: list[Params] = [{} for _ in jobs]
-    for name in entries:
-        changed = end[name] - start[name] if end[name].is_floating_point() else end[name]
-        for k, v in enumerate(changed.unbind(0)):  # rows of a tensor of this group's own: each client's, apart
-            out[k][name] = v
+    changed = [(end[n] - start[n] if end[n].is_floating_point() else end[n]).unbind(0) for n in entries]
+    out: list[Params] = [dict(zip(entries, rows)) for rows in zip(*changed)]  # rows of this group's own tensors, apart
     means = (loss_sum.cpu() / plan.counts.sum(dim=1).double()).tolist()
     results = [
         TrainResult(steps=s, num_examples=job.x_train.shape[0], mean_loss=m) for job, s, m in zip(jobs, plan.steps, means)

@@ -449,6 +449,8 @@ class ClientRuntime:
 
     def _moved(self, tensors: Params, shared: dict[int, Params]) -> Params:
         """``tensors`` on this runtime's device, moved once for all jobs that received the same mapping."""
+        if not tensors:  # none (most instructions' extras, each a mapping of its own): nothing to move or remember
+            return {}
         known = shared.get(id(tensors))
         if known is None:
             known = shared[id(tensors)] = moved(tensors, self.device)
