@@ -228,11 +228,44 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+LOWEST_PORT = 20000
+"""Test servers' ports lie from here up to the kernel's ephemeral range (above Ray's worker ports)."""
+_handed_out: set[int] = set()
+
+
+def _port_range() -> range:
+    """This process's ports: those below the kernel's ephemeral range (no outgoing connection
+    takes one of them between the choice and the server's bind), cut into one part per xdist
+    worker (two workers never hand out the same port)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    low = max(low, LOWEST_PORT + 1000)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    width = (low - LOWEST_PORT) // max(1, workers)
+    return range(LOWEST_PORT + worker * width, LOWEST_PORT + (worker + 1) * width)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not handed out
+    before (``free_port(), free_port()`` are two ports), from this process's part of the ports
+    (:func:`_port_range`), starting at a place of its own (another copy of the suite may run)."""
+    ports = _port_range()
+    first = os.getpid() % len(ports)
+    for i in range(len(ports)):
+        port = ports[(first + i) % len(ports)]
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in {ports.start}..{ports.stop - 1}")
 
 
 SITE_MEMBER = textwrap.dedent(

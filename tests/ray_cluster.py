@@ -22,12 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import fedweave
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from conftest import free_port
 
 
 def _listening(port: int) -> bool:
@@ -66,7 +61,7 @@ def two_node_cluster(cpus: int = 1, timeout: float = 120.0) -> Iterator[str]:
     Raises RuntimeError when a node does not start within ``timeout`` seconds; stopped at the end."""
     import ray
 
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     src = str(Path(fedweave.__file__).resolve().parents[1])
     env = {
@@ -93,7 +88,7 @@ def two_node_cluster(cpus: int = 1, timeout: float = 120.0) -> Iterator[str]:
 
     try:
         # the client server's port is free too (its default, 10001, would clash with another suite's cluster)
-        start(["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={_free_port()}"], 0)
+        start(["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"], 0)
         deadline = time.monotonic() + timeout
         while not _listening(port):
             if procs[0].poll() is not None or time.monotonic() > deadline:
