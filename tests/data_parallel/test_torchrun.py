@@ -201,8 +201,9 @@ def test_a_host_killed_mid_epoch_the_other_goes_on(hosts: netns.Hosts, tmp_path:
 def test_a_third_host_joining_gets_its_share_within_two_decisions(hosts: netns.Hosts, tmp_path: Path) -> None:
     path, config = write_config(tmp_path, epochs=3)
     run_dir = tmp_path / "run"
-    # ~0.8 s a step, ~26 s for the run's 33: the third agent starts (~5 s quiet, ~23 s seen at load 8) before the end
-    slow = "heterogeneity.slowdown=600"
+    # ~1.3 s a step, ~44 s for the run's 33: the third agent starts (~5 s quiet, ~23 s seen at load 8) well before the
+    # end (at 0.8 s a step, a 26 s run, a loaded machine left it ~3 s)
+    slow = "heterogeneity.slowdown=1000"
     agents = [agent(hosts, i, "2:3", path, run_dir, slow) for i in range(2)]
     wait_for(run_dir, lambda last: last["step"] >= 2, agents)
     agents.append(agent(hosts, 2, "2:3", path, run_dir, slow))
