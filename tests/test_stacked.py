@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedweave.federated.checks import Rejected, check_finite
-from fedweave.stacked import finite_rows, rows_in, stacked_rows, weighted_rows_sum
+from fedweave.stacked import finite_rows, rows_in
 
 
 def row_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -39,16 +39,6 @@ def test_a_row_of_a_stack_is_found_with_its_index_and_nothing_else_is() -> None:
     assert at(row_of(inner[1:][0])) == (inner.data_ptr(), 1)  # a row of a view of a stack: counted in the stack
 
 
-def test_stacked_rows_are_in_the_order_given_and_need_one_stack_and_one_shape() -> None:
-    stack = torch.zeros(3, 4)
-    rows = stack.unbind(0)
-    found = stacked_rows([rows[2], rows[0], rows[1]])
-    assert found is not None and found[0] is stack and found[1] == [2, 0, 1]
-    assert stacked_rows([rows[0]]) is None  # one tensor: nothing to gain
-    assert stacked_rows([rows[0], torch.zeros(3, 4)[1]]) is None  # two stacks
-    assert stacked_rows([rows[0], rows[1].view(2, 2)]) is None  # a row seen in another shape
-
-
 def test_finite_rows_clears_the_finite_rows_only_and_an_edit_undoes_it() -> None:
     stack = torch.ones(4, 3)
     stack[1, 2] = float("nan")
@@ -68,25 +58,6 @@ def test_finite_rows_leaves_an_overflowing_row_to_the_exact_check() -> None:
     assert finite_rows(list(rows)).keys() == {(id(rows[1]), rows[1]._version)}  # row 0 is finite, but its sum is not
 
 
-def test_the_weighted_sum_of_rows_is_the_sum_of_weighted_rows_in_any_order_or_subset() -> None:
-    stack = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])
-    rows = stack.unbind(0)
-    every = weighted_rows_sum([rows[2], rows[0], rows[1]], [0.5, 0.25, 0.25], torch.float32)
-    assert every is not None and torch.allclose(every, torch.tensor([0.5 * 100 + 0.25 * 1 + 0.25 * 10, 0.5 * 200 + 0.25 * 2 + 0.25 * 20]))
-    some = weighted_rows_sum([rows[1], rows[2]], [0.5, 0.5], torch.float64)
-    assert some is not None and some.dtype == torch.float64 and torch.equal(some, torch.tensor([55.0, 110.0], dtype=torch.float64))
-    assert weighted_rows_sum([torch.ones(2), torch.ones(2)], [0.5, 0.5], torch.float32) is None
-
-
-@pytest.mark.parametrize("shape", [(5,), (3, 4), ()])
-def test_a_nan_row_does_not_reach_the_sum_of_the_others(shape: tuple[int, ...]) -> None:
-    stack = torch.ones(3, *shape)
-    stack[0] = float("nan")
-    rows = stack.unbind(0)
-    total = weighted_rows_sum([rows[1], rows[2]], [0.5, 0.5], torch.float32)  # the NaN row left out, not weighted 0
-    assert total is not None and torch.equal(total, torch.ones(shape))
-
-
 @pytest.mark.parametrize("repoint", ["set_", "data"])
 def test_a_view_whose_base_now_holds_other_memory_is_no_row(repoint: str) -> None:
     """A view keeps the storage it was made of when its base is pointed at other memory: its
@@ -99,19 +70,18 @@ def test_a_view_whose_base_now_holds_other_memory_is_no_row(repoint: str) -> Non
     else:
         stack.data = torch.ones(3, 4)
     assert rows[0]._base is stack and not torch.isfinite(rows[1]).all()
-    assert stacked_rows(list(rows)) is None and row_of(rows[1]) is None
+    assert row_of(rows[1]) is None
     cleared = finite_rows(list(rows))
     assert (id(rows[1]), rows[1]._version) not in cleared
     with pytest.raises(Rejected, match="NaN or infinite"):
         check_finite({"w": rows[1]}, "tensor", cleared)
-    assert weighted_rows_sum(list(rows), [0.5, 0.25, 0.25], torch.float32) is None  # the views read one by one
 
 
 def test_a_lazily_negated_view_is_no_row() -> None:
     stack = torch.arange(12.0).view(3, 4).clone()
     rows = [torch._neg_view(row) for row in stack.unbind(0)]
     assert rows[0]._base is stack and rows[0].is_neg()
-    assert stacked_rows(rows) is None  # its values are -stack's: a product over stack would flip its sign
+    assert rows_in(stack, rows) == [None, None, None]  # its values are -stack's: a sum over stack would flip its sign
 
 
 def test_a_lazily_conjugated_view_of_a_complex_stack_is_no_row() -> None:

@@ -3,11 +3,13 @@ be computed once over the stack.
 
 A vectorised cohort (:mod:`fedweave.cohort.vectorised`) trains its clients' parameters stacked,
 one client per leading index, and gives each client's update the rows of the group's change: the
-round's 100 updates of a tensor are then 100 views of one ``[100, ...]`` tensor. Reading them as
-that one tensor (their finiteness, their weighted sum) is one operation over contiguous memory
-instead of a hundred small ones (~10x faster for the digits MLP's weights on a CPU). Any other
-tensor (the sequential loop's, a decoded or filtered update's) is no row of a stack and is read
-on its own.
+round's 100 updates of a tensor are then 100 views of one ``[100, ...]`` tensor. Their finiteness
+is read as one sum per row of that tensor (:func:`finite_rows`) instead of a hundred small ones
+(~10x faster for the digits MLP's weights on a CPU): a yes or no for each, whatever the memory it
+lies in. (Their weighted average is not taken over the stack: one product over its rows would sum
+in another order than over the same updates trained elsewhere, and its bits would depend on how the
+clients were grouped, :func:`fedweave.strategies.aggregate.weighted_average`.) Any other tensor
+(the sequential loop's, a decoded or filtered update's) is no row of a stack and is read on its own.
 """
 
 from __future__ import annotations
@@ -50,18 +52,6 @@ def rows_view(stack: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return stack.view(-1, tensor.numel())
 
 
-def stacked_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
-    """The one stack every tensor of ``tensors`` is a row of (:func:`rows_in`), each of the same
-    shape, and their rows in order, or None (fewer than two tensors, or one that is not such a row)."""
-    if len(tensors) < 2:
-        return None
-    base, shape = tensors[0]._base, tensors[0].shape
-    if base is None or any(t._base is not base or t.shape != shape for t in tensors):
-        return None
-    rows = rows_in(base, tensors)
-    return None if None in rows else (base, rows)  # type: ignore[return-value]
-
-
 def finite_rows(tensors: Sequence[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
     """Of ``tensors``, those found free of NaN and infinities by one sum per row of the stacks they
     are rows of (:func:`rows_in`; a finite sum clears a row, as :func:`fedweave.federated.checks.finite`
@@ -97,22 +87,3 @@ def finite_rows(tensors: Sequence[torch.Tensor]) -> dict[tuple[int, int], torch.
         except Exception:  # a stack that cannot be read so (a meta tensor's): its views are read one by one
             continue
     return cleared
-
-
-def weighted_rows_sum(tensors: Sequence[torch.Tensor], coefficients: Sequence[float], dtype: torch.dtype) -> torch.Tensor | None:
-    """``Σ c_i · t_i`` in ``dtype`` as one product over the stack that all of ``tensors`` are rows
-    of, or None when they are not rows of one stack."""
-    found = stacked_rows(tensors)
-    if found is None:
-        return None
-    stack, rows = found
-    lines = rows_view(stack, tensors[0])
-    if sorted(rows) == list(range(lines.shape[0])):  # every row once, in any order: the weights follow the rows
-        ordered = [0.0] * len(rows)
-        for row, c in zip(rows, coefficients):
-            ordered[row] = c
-        weights = torch.tensor(ordered, dtype=dtype)
-    else:  # some rows, or some twice: those rows, gathered
-        lines = lines.index_select(0, torch.tensor(rows, device=stack.device))
-        weights = torch.tensor(coefficients, dtype=dtype)
-    return (weights.to(stack.device) @ lines.to(dtype)).view(tensors[0].shape)

@@ -79,9 +79,33 @@ def test_cohort_and_sequential_train_the_same_model(tmp_path: Path, overrides: l
     assert relative_difference(start, on) > 1e-3  # the rounds did move the model
 
 
-def test_groups_of_two_train_the_same_model_as_one_group(tmp_path: Path) -> None:
-    one, _, _ = trained(tmp_path / "all", "auto", ["strategy=scaffold"])
-    pairs, _, _ = trained(tmp_path / "pairs", "2", ["strategy=scaffold"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=fedavg"],
+        ["strategy=fedavg", "local.optimizer=adam", "local.lr=0.01"],
+        ["strategy={name: fedprox, mu: 0.1}"],
+        ["strategy=scaffold"],
+        ["strategy=fedavg", "aggregation.rule=median"],
+        ["strategy=fedavg", "local.batch_size=2048"],  # every client smaller than a batch: padded to the largest client
+    ],
+    ids=["fedavg", "adam", "fedprox", "scaffold", "median", "small-clients"],
+)
+def test_groups_of_two_train_the_model_of_one_group_bit_for_bit(tmp_path: Path, overrides: list[str]) -> None:
+    """A client's update does not depend on the other clients of its group (its batches padded to
+    the run's width, each product and reduction its own), nor the average on how the updates lie."""
+    one, one_records, _ = trained(tmp_path / "all", "auto", overrides)
+    pairs, pair_records, _ = trained(tmp_path / "pairs", "2", overrides)
+    assert all(torch.equal(one[k], pairs[k]) for k in one)
+    assert [r["train_loss"] for r in one_records] == [r["train_loss"] for r in pair_records]
+
+
+def test_groups_through_vmap_train_the_model_of_one_group_to_rounding(tmp_path: Path) -> None:
+    """Convolutions with per-client weights run as one grouped convolution, whose sums depend on
+    the group: the same model to float rounding, not bit for bit."""
+    overrides = ["task.model=cnn", "task.model_options={channels: [4], hidden: 8}"]
+    one, _, _ = trained(tmp_path / "all", "6", overrides)
+    pairs, _, _ = trained(tmp_path / "pairs", "2", overrides)
     assert relative_difference(one, pairs) < 1e-5
 
 
@@ -107,12 +131,13 @@ def test_an_ineligible_run_trains_sequentially_and_says_why_once(
     assert all(torch.equal(off[k], on[k]) for k in off)  # the same sequential loop, bit for bit
 
 
-def test_two_workers_train_the_model_of_one_bit_for_bit(tmp_path: Path) -> None:
-    """Each client's work is its own (its seeds are its round's and its id's): the same bits in
-    whichever process. (With cohorts the groups differ with the split: the same model to rounding.)"""
-    one, _, _ = trained(tmp_path / "one", "off", ["strategy=scaffold"])
+@pytest.mark.parametrize("cohort", ["off", "auto"])
+def test_two_workers_train_the_model_of_one_bit_for_bit(tmp_path: Path, cohort: str) -> None:
+    """Each client's work is its own (its seeds are its round's and its id's; in a cohort, its
+    products its own): the same bits in whichever process, in whichever group."""
+    one, _, _ = trained(tmp_path / "one", cohort, ["strategy=scaffold"])
     r = runner.prepare(
-        config_mod.load(None, [*BASE, "strategy=scaffold", "simulation.cohort=off", "simulation.workers=2"]),
+        config_mod.load(None, [*BASE, "strategy=scaffold", f"simulation.cohort={cohort}", "simulation.workers=2"]),
         tmp_path / "two",
     )
     try:

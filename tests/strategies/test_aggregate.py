@@ -73,3 +73,29 @@ def test_apply_delta_by_hand() -> None:
     scaled = apply_delta(params, delta, scale=-2.0)
     torch.testing.assert_close(scaled["w"], torch.tensor([0.0, 4.0]), rtol=0, atol=0)
     assert params["w"].tolist() == [1.0, 2.0] and params["n"].item() == 3
+
+
+def test_the_average_of_rows_of_one_stack_has_the_bits_of_the_same_values_apart() -> None:
+    """A cohort's updates are rows of one stacked tensor; the same clients trained in other groups
+    or worker processes send tensors of their own: the average must not tell them apart."""
+    torch.manual_seed(0)
+    stack = {"w": torch.randn(50, 33, 7), "b": torch.randn(50, 7)}
+    rows = [{name: t[k] for name, t in stack.items()} for k in range(50)]
+    apart = [{name: t.clone() for name, t in r.items()} for r in rows]
+    weights = [float(1 + (7 * k) % 13) for k in range(50)]
+    order = list(range(49, -1, -1))
+    for tensors in ([rows[k] for k in order], [apart[k] for k in order]):
+        out = weighted_average(tensors, [weights[k] for k in order])
+        expected = {name: torch.zeros_like(t[0]) for name, t in stack.items()}
+        for k in order:  # one input after another, in the order given
+            for name in expected:
+                expected[name].add_(apart[k][name], alpha=weights[k] / sum(weights))
+        assert all(torch.equal(out[name], expected[name]) for name in expected)
+
+
+def test_the_average_of_some_rows_reads_those_rows_alone() -> None:
+    stack = torch.ones(3, 5)
+    stack[0] = float("nan")  # a row left out (rejected): never read, not weighted 0
+    rows = stack.unbind(0)
+    out = weighted_average([{"w": rows[1]}, {"w": rows[2]}], [1.0, 3.0])
+    assert torch.equal(out["w"], torch.ones(5))

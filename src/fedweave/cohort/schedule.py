@@ -49,9 +49,10 @@ def client_draws(job: ClientJob, steps: int) -> torch.Tensor:
     return padded.view(passes * per_epoch, b)[:steps]
 
 
-def schedule(jobs: list[ClientJob], steps: list[int]) -> Schedule:
+def schedule(jobs: list[ClientJob], steps: list[int], width: int | None = None) -> Schedule:
     """The batches of ``jobs`` (each with its own ``steps``), row numbers offset into the
-    concatenation of their training rows in the order of ``jobs``.
+    concatenation of their training rows in the order of ``jobs``, each batch padded to ``width``
+    rows (None: the largest batch; never fewer).
 
     Each client's permutations are drawn as :func:`client_draws` draws them (one per pass, from its
     own generator, in order); laying them out is one vectorised pass over all of them: element
@@ -61,7 +62,7 @@ def schedule(jobs: list[ClientJob], steps: list[int]) -> Schedule:
     batches = [min(job.instruction.work.batch_size, n) for job, n in zip(jobs, sizes)]
     per_epoch = [-(-n // b) for n, b in zip(sizes, batches)]
     passes = [-(-s // e) for s, e in zip(steps, per_epoch)]
-    K, T, B = len(jobs), max(steps), max(batches)
+    K, T, B = len(jobs), max(steps), max(batches) if width is None else max(width, *batches)
     perms = [torch.randperm(n, generator=job.generator) for job, n, p in zip(jobs, sizes, passes) for _ in range(p)]
     values = torch.cat(perms).numpy() if perms else np.zeros(0, dtype=np.int64)
     # laid out with NumPy: a few thousand row numbers, where each operation's own cost is what counts

@@ -16,6 +16,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class CohortTrainer:
         if self.reason is None and limit is None:
             self.reason = auto_reason(runtime.model, runtime.device)
         self._told: set[str] = set()
+        self._largest: int | None = None  # the most training rows any client of the run has
         if self.reason not in (None, "off"):
             self._tell(f"clients train one after another: {self.reason}")
 
@@ -79,15 +81,26 @@ class CohortTrainer:
                 out[i] = self.runtime.work(cid, instruction, state)
             except Exception as exc:  # one client's failure must not stop the others
                 out[i] = exc
-        for group in groups(pending, self.limit, self.budget, self.runtime):
+        for group in groups(pending, self.limit, self.budget, self.runtime, self.width):
             self._train(group, out)
         return out  # type: ignore[return-value]
+
+    def width(self, batch_size: int) -> int:
+        """The rows every batch of a group of clients of ``batch_size`` is padded to: ``batch_size``,
+        or fewer where no client of the run has as many training rows. One width for the run, not one
+        for each group (its largest batch): a client's padded products, and so the bits of its update,
+        are then the same in whichever group or worker process it trains."""
+        if self._largest is None:
+            data = self.runtime.data
+            self._largest = max((data.train_size(c) for c in range(len(data))), default=1)
+        return max(1, min(batch_size, self._largest))
 
     def _train(self, group: list[Pending], out: list[Done | Exception | None]) -> None:
         runtime = self.runtime
         started = time.perf_counter()
         try:
-            trained = train_group(runtime.model, runtime.loss_fn, [p.job for p in group], [p.step for p in group])
+            trained = train_group(runtime.model, runtime.loss_fn, [p.job for p in group], [p.step for p in group],
+                                  self.width(group[0].job.instruction.work.batch_size))
         except Exception as exc:
             for p in group:
                 out[p.index] = exc
@@ -121,18 +134,19 @@ def _group_bytes(model: nn.Module, example: torch.Tensor, batch: int) -> int:
     return known[key]
 
 
-def groups(pending: list[Pending], limit: int | None, budget: int, runtime: ClientRuntime) -> list[list[Pending]]:
-    """``pending`` in cohorts: clients with the same settings and the same kind of step together,
+def groups(
+    pending: list[Pending], limit: int | None, budget: int, runtime: ClientRuntime, width: Callable[[int], int]
+) -> list[list[Pending]]:
+    """``pending`` in cohorts: clients with the same settings, batch size and kind of step together,
     the most steps first (so that the clients of a group stop at nearly the same step), each group
-    at most ``limit`` clients and ``budget`` bytes."""
+    at most ``limit`` clients and ``budget`` bytes (its batches ``width(batch size)`` rows)."""
     by_kind: dict[tuple, list[Pending]] = {}
     for p in pending:
-        kind = (p.job.settings, p.step.penalty, p.step.correction is not None)
+        kind = (p.job.settings, p.job.instruction.work.batch_size, p.step.penalty, p.step.correction is not None)
         by_kind.setdefault(kind, []).append(p)
     out: list[list[Pending]] = []
-    for members in by_kind.values():
+    for (_, batch_size, *_), members in by_kind.items():
         members.sort(key=lambda p: -steps_of(p.job))
-        batch = max(min(p.job.instruction.work.batch_size, p.job.x_train.shape[0]) for p in members)
-        size = group_size(limit, budget, _group_bytes(runtime.model, members[0].job.x_train[0], batch))
+        size = group_size(limit, budget, _group_bytes(runtime.model, members[0].job.x_train[0], width(batch_size)))
         out.extend(members[i : i + size] for i in range(0, len(members), size))
     return out

@@ -11,7 +11,8 @@ clients whose steps are not yet done. A model that is a chain of Linear layers a
 activations (the MLP) takes the fast path instead (:mod:`fedweave.cohort.layered`: batched
 products and a backward written out, no ``vmap``), its batches gathered for many steps at once.
 
-Batches are padded to the group's largest one: the task loss is the mean over a client's valid
+Batches are padded to the width the caller gives (the run's: a client's padded products then sum
+the same whatever its group; else the group's largest batch): the task loss is the mean over a client's valid
 rows, computed from per-example losses. A model with batch statistics (BatchNorm in training
 mode) must never see padding, so its clients step in subgroups of equal batch size, whose
 batches are cut to that size, no padding at all.
@@ -83,8 +84,11 @@ def workspace_of(model: nn.Module) -> Workspace:
     return known
 
 
-def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps: list[LocalStep]) -> Trained:
-    """Train ``jobs`` (one settings for all, each with training rows) with their ``steps`` at once."""
+def train_group(
+    model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps: list[LocalStep], width: int | None = None
+) -> Trained:
+    """Train ``jobs`` (one settings for all, each with training rows) with their ``steps`` at once,
+    every batch padded to ``width`` rows (None: the group's largest batch)."""
     counted = [steps_of(job) for job in jobs]
     order = sorted(range(len(jobs)), key=lambda k: -counted[k])  # the clients not yet done: a prefix
     jobs, steps, counted = [jobs[k] for k in order], [steps[k] for k in order], [counted[k] for k in order]
@@ -101,7 +105,7 @@ def train_group(model: nn.Module, loss_fn: LossFn, jobs: list[ClientJob], steps:
     }
     buffers = {name: _stacked(start[name], len(jobs)) for name in others}
     frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-    plan = schedule(jobs, counted)
+    plan = schedule(jobs, counted, width)
     x_all = torch.cat([job.x_train for job in jobs])
     y_all = torch.cat([job.y_train for job in jobs])
     device = x_all.device

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from fedweave.schema import opt
-from fedweave.stacked import weighted_rows_sum
 from fedweave.types import Params, Update
 
 RUNNING_STATISTICS = ("*running_mean", "*running_var")
@@ -72,8 +71,13 @@ def with_selection(source: Params, result: Params) -> Params:
 
 
 def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Params:
-    """Σ w_i · t_i / Σ w_i for every floating tensor (one product when the tensors are rows of one
-    stack, :mod:`fedweave.stacked`: a cohort's updates); element-wise max for integer ones."""
+    """Σ w_i · t_i / Σ w_i for every floating tensor, element-wise max for integer ones.
+
+    The floating sums are accumulated one input after another, in the order given (one
+    ``torch._foreach_add_`` per input over all its floating tensors), so that their bits depend on
+    the inputs' values and order alone: not on where the tensors lie (a vectorised cohort's updates
+    are rows of one stacked tensor, the same clients trained in other groups or worker processes
+    are not), as a single product over a stack's rows would."""
     if not tensors:
         raise ValueError("weighted_average needs at least one set of tensors")
     if len(tensors) != len(weights):
@@ -81,19 +85,18 @@ def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Par
     total = float(sum(weights))
     if not total > 0:
         raise ValueError(f"weights must sum to a positive number, got {total}")
+    first = tensors[0]
+    floats = [name for name, t in first.items() if t.is_floating_point()]
+    sums = [torch.zeros_like(first[name], dtype=torch.promote_types(first[name].dtype, torch.float32)) for name in floats]
+    for t, w in zip(tensors, weights) if floats else ():
+        torch._foreach_add_(sums, [t[name] for name in floats], alpha=w / total)
+    averaged = dict(zip(floats, sums))
     out: Params = {}
-    coefficients = [w / total for w in weights]
-    for name, first in tensors[0].items():
-        if first.is_floating_point():
-            dtype = torch.promote_types(first.dtype, torch.float32)
-            acc = weighted_rows_sum([t[name] for t in tensors], coefficients, dtype)  # a cohort's: one product
-            if acc is None:
-                acc = torch.zeros_like(first, dtype=dtype)
-                for t, c in zip(tensors, coefficients):
-                    acc.add_(t[name], alpha=c)
-            out[name] = acc.to(first.dtype)
+    for name, value in first.items():
+        if name in averaged:
+            out[name] = averaged[name].to(value.dtype)
         else:
-            acc = first.clone()
+            acc = value.clone()
             for t in tensors[1:]:
                 acc = torch.maximum(acc, t[name])
             out[name] = acc
