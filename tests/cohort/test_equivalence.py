@@ -100,6 +100,19 @@ def test_groups_of_two_train_the_model_of_one_group_bit_for_bit(tmp_path: Path, 
     assert [r["train_loss"] for r in one_records] == [r["train_loss"] for r in pair_records]
 
 
+def test_two_threads_and_groups_of_two_train_the_model_of_one_thread_and_one_group(tmp_path: Path) -> None:
+    """Wide enough layers for the products to run on both threads: each client's still computed on
+    one, a client that steps alone at the end of a group too (MKL would split a lone product)."""
+    wide = ["task.model_options={hidden: [256]}", "clients=12"]
+    before = torch.get_num_threads()
+    try:  # the run sets the process's threads
+        one, _, _ = trained(tmp_path / "one", "auto", [*wide, "threads=1"])
+        two, _, _ = trained(tmp_path / "two", "2", [*wide, "threads=2"])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
 def test_groups_through_vmap_train_the_model_of_one_group_to_rounding(tmp_path: Path) -> None:
     """Convolutions with per-client weights run as one grouped convolution, whose sums depend on
     the group: the same model to float rounding, not bit for bit."""

@@ -11,10 +11,11 @@ loss is each client's mean over its real rows (``weight``: 1 / the batch's count
 padding), so each client's slice of the gradient is its own; cross-entropy's gradient is written
 out too, any other per-example loss goes through autograd from the outputs on.
 
-Each client's result has the same bits whatever the other clients of its group: a batched
-product computes each client's product alone, the bias gradient is each client's own sum over its
-batch (a matrix-vector product over every client's rows at once would sum by other blocks with
-another number of clients), and the caller pads the batches to one width for the run.
+Each client's result has the same bits whatever the other clients of its group and the number of
+threads: a batched product computes each client's product alone, on one thread (a batch of one
+product too: MKL would split a lone product over the threads), the bias gradient is each client's
+own sum over its batch (a matrix-vector product over every client's rows at once would sum by other
+blocks with another number of clients), and the caller pads the batches to one width for the run.
 """
 
 from __future__ import annotations
@@ -227,6 +228,19 @@ class ChainGradients:
         activations are elementwise, and after a Linear each example is one row already (a batch
         given flat, ``[K, B, features]``, is read as it is: the first Linear's weight gradient
         takes its rows as they lie)."""
+        threads = torch.get_num_threads()
+        if weight.shape[0] > 1 or threads == 1:
+            return self._gradients(x, y, weight, losses, into)
+        torch.set_num_threads(1)  # a batch of one product: MKL would split it over the threads, summing otherwise
+        try:  # than it sums the same product in a batch of several (one thread each)
+            return self._gradients(x, y, weight, losses, into)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _gradients(
+        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, losses: torch.Tensor,
+        into: tuple[dict[str, torch.Tensor], float | None] | None,
+    ) -> dict[str, torch.Tensor]:
         K, _, B = weight.shape
         views = self._prefix(K)
         rows = x if x.dim() == 3 else x.reshape(K, B, -1)
