@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -88,8 +88,9 @@ def weighted_average(tensors: Sequence[Params], weights: Sequence[float]) -> Par
     first = tensors[0]
     floats = [name for name, t in first.items() if t.is_floating_point()]
     sums = [torch.zeros_like(first[name], dtype=torch.promote_types(first[name].dtype, torch.float32)) for name in floats]
-    for t, w in zip(tensors, weights) if floats else ():
-        torch._foreach_add_(sums, [t[name] for name in floats], alpha=w / total)
+    if floats:  # (foreach takes no empty list)
+        for t, w in zip(tensors, weights):
+            torch._foreach_add_(sums, [t[name] for name in floats], alpha=w / total)
     averaged = dict(zip(floats, sums))
     out: Params = {}
     for name, value in first.items():
