@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
 from fedweave.cohort.optim import StackedOptimizer
 from fedweave.cohort.schedule import client_draws, schedule
+from fedweave.cohort.trainer import Pending, batch_width, groups
 from fedweave.cohort.workers import assign
-from fedweave.training import ClientJob, LocalOptimizer, LocalSettings
+from fedweave.training import ClientJob, LocalOptimizer, LocalSettings, LocalStep
 from fedweave.types import Instruction, TaskKind, Work
 
 SGD = LocalSettings(optimizer="sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -156,3 +159,20 @@ def test_groups_are_sized_to_the_memory_budget() -> None:
     assert group_size(None, 10_000, 3_000) == 3  # as many as fit
     assert group_size(2, 10_000, 3_000) == 2  # simulation.cohort: K caps it
     assert group_size(None, 1_000, 3_000) == 1  # never less than one client
+
+
+def test_a_batch_is_padded_to_the_run_s_batch_size_doubled_or_halved() -> None:
+    widths = {b: batch_width(b, base=16, largest=1000) for b in (1, 3, 5, 8, 9, 16, 17, 32, 33, 100)}
+    assert widths == {1: 1, 3: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 100: 128}
+    assert [batch_width(b, base=24, largest=1000) for b in (10, 7, 5, 25)] == [12, 12, 6, 48]
+    assert batch_width(64, base=16, largest=40) == 40  # no client has more rows: never padded beyond them
+
+
+def test_clients_share_a_group_by_their_width_not_their_batch_size() -> None:
+    class Runtime:
+        model = nn.Linear(1, 1)
+
+    pending = [Pending(i, j.instruction, j, LocalStep()) for i, j in enumerate(job(40, b) for b in (10, 12, 16, 20, 5))]
+    width = functools.partial(batch_width, base=16, largest=40)
+    found = groups(pending, None, 2**30, Runtime(), width)  # type: ignore[arg-type]
+    assert sorted(sorted(p.index for p in group) for group in found) == [[0, 1, 2], [3], [4]]  # 16, 32, 8 rows

@@ -47,12 +47,16 @@ class Pending:
 class CohortTrainer:
     """Does ``runtime``'s clients' work, training in cohorts of at most ``limit`` clients (None:
     ``cohort: auto``, as many as fit ``budget`` bytes, where :func:`auto_reason` does not object);
-    ``enabled`` False: one client after another."""
+    ``enabled`` False: one client after another; ``batch_size``: the run's configured batch size
+    (``local.batch_size``), which :meth:`width` pads to (None: each batch size to itself)."""
 
-    def __init__(self, runtime: ClientRuntime, limit: int | None, budget: int, enabled: bool = True):
+    def __init__(
+        self, runtime: ClientRuntime, limit: int | None, budget: int, enabled: bool = True, batch_size: int | None = None
+    ):
         self.runtime = runtime
         self.limit = limit
         self.budget = budget
+        self.batch_size = batch_size
         self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
         if self.reason is None and limit is None:
             self.reason = auto_reason(runtime.model, runtime.device)
@@ -86,14 +90,11 @@ class CohortTrainer:
         return out  # type: ignore[return-value]
 
     def width(self, batch_size: int) -> int:
-        """The rows every batch of a group of clients of ``batch_size`` is padded to: ``batch_size``,
-        or fewer where no client of the run has as many training rows. One width for the run, not one
-        for each group (its largest batch): a client's padded products, and so the bits of its update,
-        are then the same in whichever group or worker process it trains."""
+        """:func:`batch_width` of ``batch_size`` in this run."""
         if self._largest is None:
             data = self.runtime.data
             self._largest = max((data.train_size(c) for c in range(len(data))), default=1)
-        return max(1, min(batch_size, self._largest))
+        return batch_width(batch_size, self.batch_size or batch_size, self._largest)
 
     def _train(self, group: list[Pending], out: list[Done | Exception | None]) -> None:
         runtime = self.runtime
@@ -122,6 +123,22 @@ class CohortTrainer:
             log.info("simulation.cohort: %s", line)
 
 
+def batch_width(batch_size: int, base: int, largest: int) -> int:
+    """The rows the batches of a client of ``batch_size`` are padded to, a function of its batch
+    size alone, not of the group it trains in (whose largest batch would make a client's padded
+    products, and so the bits of its update, depend on its group or worker process): ``base`` (the
+    run's batch size), or the nearest of it doubled or halved (rounded up) again and again that holds
+    ``batch_size`` (batch sizes that differ from client to client, an adaptive controller's, fall
+    into a few widths, each batch padded less than twice over), never more than ``largest`` (the
+    most training rows a client of the run has)."""
+    width = base
+    while width < batch_size:
+        width *= 2
+    while width > 1 and -(-width // 2) >= batch_size:
+        width = -(-width // 2)
+    return max(1, min(width, largest))
+
+
 _BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
@@ -137,16 +154,16 @@ def _group_bytes(model: nn.Module, example: torch.Tensor, batch: int) -> int:
 def groups(
     pending: list[Pending], limit: int | None, budget: int, runtime: ClientRuntime, width: Callable[[int], int]
 ) -> list[list[Pending]]:
-    """``pending`` in cohorts: clients with the same settings, batch size and kind of step together,
-    the most steps first (so that the clients of a group stop at nearly the same step), each group
-    at most ``limit`` clients and ``budget`` bytes (its batches ``width(batch size)`` rows)."""
+    """``pending`` in cohorts: clients with the same settings, batch width (``width`` of their batch
+    size) and kind of step together, the most steps first (so that the clients of a group stop at
+    nearly the same step), each group at most ``limit`` clients and ``budget`` bytes."""
     by_kind: dict[tuple, list[Pending]] = {}
     for p in pending:
-        kind = (p.job.settings, p.job.instruction.work.batch_size, p.step.penalty, p.step.correction is not None)
+        kind = (p.job.settings, width(p.job.instruction.work.batch_size), p.step.penalty, p.step.correction is not None)
         by_kind.setdefault(kind, []).append(p)
     out: list[list[Pending]] = []
-    for (_, batch_size, *_), members in by_kind.items():
+    for (_, rows, *_), members in by_kind.items():
         members.sort(key=lambda p: -steps_of(p.job))
-        size = group_size(limit, budget, _group_bytes(runtime.model, members[0].job.x_train[0], width(batch_size)))
+        size = group_size(limit, budget, _group_bytes(runtime.model, members[0].job.x_train[0], rows))
         out.extend(members[i : i + size] for i in range(0, len(members), size))
     return out

@@ -70,7 +70,7 @@ def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)
     runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
-    trainer = CohortTrainer(runtime, *_limits(config))
+    trainer = CohortTrainer(runtime, *_limits(config), batch_size=config.local.batch_size)
     outbox.put((index, "ready"))
     while (batch := inbox.get()) is not None:
         indices = [i for i, _ in batch]
