@@ -235,16 +235,18 @@ _handed_out: set[int] = set()
 
 def _port_range() -> range:
     """This process's ports: those below the kernel's ephemeral range (no outgoing connection
-    takes one of them between the choice and the server's bind), cut into one part per xdist
-    worker (two workers never hand out the same port)."""
+    takes one of them between the choice and the server's bind; a machine whose ephemeral range
+    starts below 21000 gets 20000-20999 anyway), cut into one part per xdist worker (two workers
+    never hand out the same port; a worker started in a crashed one's place, named past the count,
+    takes the part of its number modulo the count)."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default
     low = max(low, LOWEST_PORT + 1000)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    width = (low - LOWEST_PORT) // max(1, workers)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % workers
+    width = max(1, (low - LOWEST_PORT) // workers)
     return range(LOWEST_PORT + worker * width, LOWEST_PORT + (worker + 1) * width)
 
 

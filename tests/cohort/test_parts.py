@@ -163,9 +163,10 @@ def test_groups_are_sized_to_the_memory_budget() -> None:
 
 def test_a_batch_is_padded_to_the_run_s_batch_size_doubled_or_halved() -> None:
     widths = {b: batch_width(b, base=16, largest=1000) for b in (1, 3, 5, 8, 9, 16, 17, 32, 33, 100)}
-    assert widths == {1: 1, 3: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 100: 128}
-    assert [batch_width(b, base=24, largest=1000) for b in (10, 7, 5, 25)] == [12, 12, 6, 48]
-    assert batch_width(64, base=16, largest=40) == 40  # no client has more rows: never padded beyond them
+    assert widths == {1: 8, 3: 8, 5: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 100: 128}  # multiples of 8
+    assert [batch_width(b, base=48, largest=1000) for b in (10, 13, 20, 25, 49)] == [16, 24, 24, 48, 96]
+    assert batch_width(64, base=16, largest=40) == 40  # no client has more rows: not padded beyond them
+    assert batch_width(64, base=16, largest=21) == 24  # but to a multiple of 8
 
 
 def test_clients_share_a_group_by_their_width_not_their_batch_size() -> None:

@@ -11,11 +11,14 @@ loss is each client's mean over its real rows (``weight``: 1 / the batch's count
 padding), so each client's slice of the gradient is its own; cross-entropy's gradient is written
 out too, any other per-example loss goes through autograd from the outputs on.
 
-Each client's result has the same bits whatever the other clients of its group and the number of
-threads: a batched product computes each client's product alone, on one thread (a batch of one
-product too: MKL would split a lone product over the threads), the bias gradient is each client's
-own sum over its batch (a matrix-vector product over every client's rows at once would sum by other
-blocks with another number of clients), and the caller pads the batches to one width for the run.
+Each client's result has the same bits whatever the other clients of its group, its place there
+and the number of threads, on a CPU: a batched product computes each client's product as it
+computes it alone, on one thread (a batch of one product too: MKL would split a lone product over
+the threads), except a product of or into a vector, which MKL sums by the matrix's place in the
+batch and :func:`_product` writes out as a reduction; the bias gradient is each client's own sum
+over its batch (a matrix-vector product over every client's rows at once would sum by other blocks
+with another number of clients); and the caller pads the batches to a width of the client's own, a
+multiple of 8 (:func:`fedweave.cohort.trainer.batch_width`).
 """
 
 from __future__ import annotations
@@ -178,6 +181,24 @@ def task_losses(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (losses * weight).sum((-2, -1))
 
 
+def _product(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each client's ``a @ b`` (``[K, M, k] x [K, k, N]``), plus ``beta * c`` where given (a bias
+    column, or ``out`` itself: a momentum buffer), into ``out`` where given: a batched product
+    (``bmm``, ``baddbmm``), but where a client's product is of or into a vector (M or N 1) its sums
+    written out as a reduction, since MKL's batched product sums such a product by the matrix's
+    place in the batch (the same client alone or at another place would get other bits)."""
+    if a.shape[1] != 1 and b.shape[2] != 1:
+        if c is None:
+            return torch.bmm(a, b, out=out)
+        return c.baddbmm_(a, b, beta=beta) if out is c else torch.baddbmm(c, a, b, beta=beta)
+    value = (a.unsqueeze(3) * b.unsqueeze(1)).sum(2)
+    if c is not None:
+        value.add_(c, alpha=beta)
+    return value if out is None else out.copy_(value)
+
+
 class ChainGradients:
     """Each client's gradient of its task loss over a chain of :class:`Layer` and the stacked
     ``params`` (updated in place between calls): the chain's forward, then its backward by hand.
@@ -250,7 +271,7 @@ class ChainGradients:
         for i, layer in enumerate(self.layers):
             if layer.kind == "linear":
                 w, _, b = views[linear]
-                out = torch.bmm(w, h) if b is None else torch.baddbmm(b, w, h)
+                out = _product(w, h) if b is None else _product(w, h, b)
                 linear += 1
             elif layer.kind == "flatten":
                 out = h
@@ -268,11 +289,11 @@ class ChainGradients:
                 inp_rows = rows if inp is start else inp.transpose(1, 2)
                 if into is None:
                     out = self.workspace.take(("grad", name), (K, g.shape[1], inp.shape[1]), g.dtype, g.device)
-                    grads[name] = torch.bmm(g, inp_rows, out=out)
+                    grads[name] = _product(g, inp_rows, out=out)
                 elif into[1] is None:
-                    grads[name] = torch.bmm(g, inp_rows, out=into[0][name])
+                    grads[name] = _product(g, inp_rows, out=into[0][name])
                 else:
-                    grads[name] = into[0][name].baddbmm_(g, inp_rows, beta=into[1])
+                    grads[name] = _product(g, inp_rows, into[0][name], beta=into[1], out=into[0][name])
                 if layer.bias:  # each client's sum over its batch: a reduction of each row alone, whose result does not
                     # depend on the group's other clients (a matrix-vector product over all clients' rows at once does)
                     bias = layer.name + ".bias"
@@ -283,7 +304,7 @@ class ChainGradients:
                     else:
                         grads[bias] = torch.add(g.sum(2), into[0][bias], alpha=into[1], out=into[0][bias])
                 if i > self.first:
-                    g = torch.bmm(views[linear][1], g)
+                    g = _product(views[linear][1], g)
             elif layer.kind == "activation":
                 g = layer.activation[1](g, inp, out)  # type: ignore[index]  # inp is out where overwritten
         return {name: grads[name] for name in self.params}

@@ -129,14 +129,15 @@ def batch_width(batch_size: int, base: int, largest: int) -> int:
     products, and so the bits of its update, depend on its group or worker process): ``base`` (the
     run's batch size), or the nearest of it doubled or halved (rounded up) again and again that holds
     ``batch_size`` (batch sizes that differ from client to client, an adaptive controller's, fall
-    into a few widths, each batch padded less than twice over), never more than ``largest`` (the
-    most training rows a client of the run has)."""
+    into a few widths, a batch of that size padded less than twice over), never more than ``largest``
+    (the most training rows a client of the run has), rounded up to a multiple of 8: MKL's batched
+    product sums a product of some other widths (5, 7, 10, ...) by the matrix's place in the batch."""
     width = base
     while width < batch_size:
         width *= 2
     while width > 1 and -(-width // 2) >= batch_size:
         width = -(-width // 2)
-    return max(1, min(width, largest))
+    return -(-min(width, largest) // 8) * 8
 
 
 _BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
