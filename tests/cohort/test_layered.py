@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -67,3 +69,35 @@ def test_each_client_gets_its_own_gradient_and_padding_counts_for_nothing(loss: 
         assert task[k].item() == pytest.approx(value.item(), rel=1e-6)
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name][k], p.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_client_s_gradients_in_a_group_are_its_gradients_alone_bit_for_bit(threads: int) -> None:
+    """Input and hidden widths multiples of 8, any head, batches padded to multiples of 8: each
+    client's gradients have the same bits at any place in a group of any size as alone."""
+    rng = random.Random(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(12):
+            features, hidden = rng.choice([8, 64, 784]), rng.choice([[8], [128], [64, 32]])
+            outputs, B, K = rng.choice([1, 2, 10]), rng.choice([8, 16, 40]), rng.choice([2, 3, 5])
+            widths = [features, *hidden]
+            model = nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU())],
+                                  nn.Linear(widths[-1], outputs))
+            layers = trace_chain(model, torch.zeros(features))
+            params = {name: torch.randn(K, *p.shape) for name, p in model.named_parameters()}
+            x, weight = torch.randn(K, B, features), torch.rand(K, 1, B)
+            if outputs > 1:
+                y, loss_grad = torch.randint(0, outputs, (K, B)), cross_entropy_grad()
+            else:
+                y, loss_grad = torch.randn(K, B, 1), autograd_loss_grad(lambda out, t: ((out - t) ** 2).mean(1))
+            group = ChainGradients(layers, params, loss_grad)(x, y, weight, torch.zeros(K, 1, B))
+            group = {name: g.clone() for name, g in group.items()}
+            for k in range(K):
+                alone = ChainGradients(layers, {n: p[k : k + 1].clone() for n, p in params.items()}, loss_grad)(
+                    x[k : k + 1], y[k : k + 1], weight[k : k + 1], torch.zeros(1, 1, B)
+                )
+                assert all(torch.equal(group[name][k], alone[name][0]) for name in group), (widths, outputs, B, K, k)
+    finally:
+        torch.set_num_threads(before)

@@ -12,7 +12,8 @@ padding), so each client's slice of the gradient is its own; cross-entropy's gra
 out too, any other per-example loss goes through autograd from the outputs on.
 
 Each client's result has the same bits whatever the other clients of its group, its place there
-and the number of threads, on a CPU: a batched product computes each client's product as it
+and the number of threads, on a CPU, for input and hidden widths that are multiples of 8 (others
+MKL sums by the matrix's place in a batch, to rounding): a batched product computes each client's product as it
 computes it alone, on one thread (a batch of one product too: MKL would split a lone product over
 the threads), except a product of or into a vector, which MKL sums by the matrix's place in the
 batch and :func:`_product` writes out as a reduction; the bias gradient is each client's own sum

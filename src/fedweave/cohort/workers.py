@@ -12,9 +12,9 @@ with the fewest examples so far), so the assignment depends only on the round's 
 The workers are this run's own processes, one trust domain: jobs and answers travel through
 torch's multiprocessing queues (tensors in shared memory), never from another party. A client's
 outcome does not depend on which worker trained it: its seeds are its own (round, client), and in a
-cohort on the fast path for MLPs on a CPU its products are its own too (:mod:`fedweave.cohort.layered`),
-so the model is the same bit for bit whatever the number of workers; through ``vmap`` the groups,
-which differ with the split, make the models differ at float rounding.
+cohort on the fast path for MLPs on a CPU with widths that are multiples of 8 its products are its
+own too (:mod:`fedweave.cohort.layered`), so the model is the same bit for bit whatever the number of
+workers; otherwise the groups, which differ with the split, make the models differ at float rounding.
 """
 
 from __future__ import annotations
