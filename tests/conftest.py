@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.data_parallel.sampler import GlobalSampler
+from fedweave.federation.ports import free_port as first_free_port
 from fedweave.seeding import derive_seed
 from fedweave.task import build_model, evaluate, load_dataset, make_loss
 from fedweave.training import LocalOptimizer, LocalSettings
@@ -255,18 +255,12 @@ def free_port() -> int:
     before (``free_port(), free_port()`` are two ports), from this process's part of the ports
     (:func:`_port_range`), starting at a place of its own (another copy of the suite may run)."""
     ports = _port_range()
-    first = os.getpid() % len(ports)
-    for i in range(len(ports)):
-        port = ports[(first + i) % len(ports)]
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
+    split = ports.start + os.getpid() % len(ports)
+    for part in (range(split, ports.stop), range(ports.start, split)):
+        port = first_free_port(part, "127.0.0.1", _handed_out)
+        if port is not None:
+            _handed_out.add(port)
+            return port
     raise RuntimeError(f"no free port on 127.0.0.1 in {ports.start}..{ports.stop - 1}")
 
 

@@ -14,9 +14,9 @@ out too, any other per-example loss goes through autograd from the outputs on.
 Each client's result has the same bits whatever the other clients of its group, its place there
 and the number of threads, on a CPU, for input and hidden widths that are multiples of 8 (others
 MKL sums by the matrix's place in a batch, to rounding): a batched product computes each client's product as it
-computes it alone, on one thread (a batch of one product too: MKL would split a lone product over
-the threads), except a product of or into a vector, which MKL sums by the matrix's place in the
-batch and :func:`_product` writes out as a reduction; the bias gradient is each client's own sum
+computes it alone, one thread each (:func:`_product` gives a batch of one product one thread too:
+MKL would split a lone product over the threads), except a product of or into a vector, which MKL
+sums by the matrix's place in the batch and :func:`_product` writes out as a reduction; the bias gradient is each client's own sum
 over its batch (a matrix-vector product over every client's rows at once would sum by other blocks
 with another number of clients); and the caller pads the batches to a width of the client's own, a
 multiple of 8 (:func:`fedweave.cohort.trainer.batch_width`).
@@ -186,18 +186,27 @@ def _product(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, beta: float = 1.0, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Each client's ``a @ b`` (``[K, M, k] x [K, k, N]``), plus ``beta * c`` where given (a bias
-    column, or ``out`` itself: a momentum buffer), into ``out`` where given: a batched product
-    (``bmm``, ``baddbmm``), but where a client's product is of or into a vector (M or N 1) its sums
-    written out as a reduction, since MKL's batched product sums such a product by the matrix's
-    place in the batch (the same client alone or at another place would get other bits)."""
-    if a.shape[1] != 1 and b.shape[2] != 1:
-        if c is None:
-            return torch.bmm(a, b, out=out)
-        return c.baddbmm_(a, b, beta=beta) if out is c else torch.baddbmm(c, a, b, beta=beta)
-    value = (a.unsqueeze(3) * b.unsqueeze(1)).sum(2)
-    if c is not None:
-        value.add_(c, alpha=beta)
-    return value if out is None else out.copy_(value)
+    column, or ``out`` itself: a momentum buffer), into ``out`` where given, with the bits the
+    client's product has alone: a batched product (``bmm``, ``baddbmm``), on one thread for a batch
+    of one (MKL would split a lone product over the threads and sum otherwise than it sums the same
+    product in a batch, one thread each), but where a client's product is of or into a vector (M or
+    N 1) its sums written out as a reduction, since MKL's batched product sums such a product by the
+    matrix's place in the batch."""
+    if a.shape[1] == 1 or b.shape[2] == 1:
+        value = (a.unsqueeze(3) * b.unsqueeze(1)).sum(2)
+        if c is not None:
+            value.add_(c, alpha=beta)
+        return value if out is None else out.copy_(value)
+    threads = torch.get_num_threads()
+    if a.shape[0] == 1 and threads > 1:
+        torch.set_num_threads(1)
+        try:
+            return _product(a, b, c, beta, out)
+        finally:
+            torch.set_num_threads(threads)
+    if c is None:
+        return torch.bmm(a, b, out=out)
+    return c.baddbmm_(a, b, beta=beta) if out is c else torch.baddbmm(c, a, b, beta=beta)
 
 
 class ChainGradients:
@@ -250,19 +259,6 @@ class ChainGradients:
         activations are elementwise, and after a Linear each example is one row already (a batch
         given flat, ``[K, B, features]``, is read as it is: the first Linear's weight gradient
         takes its rows as they lie)."""
-        threads = torch.get_num_threads()
-        if weight.shape[0] > 1 or threads == 1:
-            return self._gradients(x, y, weight, losses, into)
-        torch.set_num_threads(1)  # a batch of one product: MKL would split it over the threads, summing otherwise
-        try:  # than it sums the same product in a batch of several (one thread each)
-            return self._gradients(x, y, weight, losses, into)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _gradients(
-        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, losses: torch.Tensor,
-        into: tuple[dict[str, torch.Tensor], float | None] | None,
-    ) -> dict[str, torch.Tensor]:
         K, _, B = weight.shape
         views = self._prefix(K)
         rows = x if x.dim() == 3 else x.reshape(K, B, -1)
@@ -272,7 +268,7 @@ class ChainGradients:
         for i, layer in enumerate(self.layers):
             if layer.kind == "linear":
                 w, _, b = views[linear]
-                out = _product(w, h) if b is None else _product(w, h, b)
+                out = _product(w, h, b)
                 linear += 1
             elif layer.kind == "flatten":
                 out = h
