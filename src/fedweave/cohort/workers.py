@@ -10,7 +10,8 @@ Work goes to the least-loaded worker (:func:`assign`: the largest jobs first, ea
 with the fewest examples so far), so the assignment depends only on the round's jobs.
 
 The workers are this run's own processes, one trust domain: jobs and answers travel through
-torch's multiprocessing queues (tensors in shared memory), never from another party. A client's
+torch's multiprocessing queues, packed by :mod:`fedweave.cohort.parcel` (each storage once, small
+ones by value, large ones in shared memory), never from another party. A client's
 outcome does not depend on which worker trained it: its seeds are its own (round, client), and in a
 cohort on the fast path for MLPs on a CPU with widths that are multiples of 8 its products are its
 own too (:mod:`fedweave.cohort.layered`), so the model is the same bit for bit whatever the number of
@@ -29,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fedweave.cohort.eligibility import static_reason
+from fedweave.cohort.parcel import pack, unpack
 from fedweave.cohort.trainer import CohortTrainer, Done, Work
 from fedweave.config import Config
 from fedweave.errors import FedweaveError
@@ -72,10 +74,11 @@ def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
     runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
     trainer = CohortTrainer(runtime, *_limits(config), batch_size=config.local.batch_size)
     outbox.put((index, "ready"))
-    while (batch := inbox.get()) is not None:
+    while (message := inbox.get()) is not None:
+        batch = unpack(message)
         indices = [i for i, _ in batch]
         done = trainer.work([w for _, w in batch])
-        outbox.put((index, [(i, _sendable(d)) for i, d in zip(indices, done)]))
+        outbox.put((index, pack([(i, _sendable(d)) for i, d in zip(indices, done)])))
 
 
 def _sendable(outcome: Done | Exception) -> Done | Exception:
@@ -123,11 +126,11 @@ class WorkerPool:
         for w, inbox in enumerate(self.inboxes):
             mine = [(i, item) for i, item in enumerate(batch) if where[i] == w]
             if mine:
-                inbox.put(mine)
+                inbox.put(pack(mine))
         out: list[Done | Exception | None] = [None] * len(batch)
         for _ in {where[i] for i in range(len(batch))}:
             _, answers = self._get(None, "to do its clients' work")
-            for i, outcome in answers:
+            for i, outcome in unpack(answers):
                 out[i] = outcome
         return out  # type: ignore[return-value]
 
