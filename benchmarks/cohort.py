@@ -42,6 +42,7 @@ import torch
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.federated.rounds import train_round
+from spread import load_average, ratio_spread
 
 BASE = [
     "sample_fraction=1.0",
@@ -83,13 +84,12 @@ def paired(
             if mode == "auto":
                 training.append(sum(c["compute"] for c in record["clients"]) / seconds[mode][-1])
     off, auto = seconds["off"][1:], seconds["auto"][1:]
-    ratios = [a / b for a, b in zip(off, auto)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    ratio, q1, q3 = ratio_spread([a / b for a, b in zip(off, auto)])
     a, b = params["off"], params["auto"]
     return {
         "off": statistics.median(off),
         "auto": statistics.median(auto),
-        "ratio": statistics.median(ratios),
+        "ratio": ratio,
         "q1": q1,
         "q3": q3,
         "training": statistics.median(training[1:]),
@@ -113,7 +113,7 @@ def main() -> int:
     threads = {"off": args.threads, "auto": args.threads if args.cohort_threads is None else args.cohort_threads}
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; threads: sequential {threads['off']}, cohort "
           f"{threads['auto']}; {args.pairs} pairs per row; "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"load average {load_average()}")
     print(f"{'row':<28} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12} {'training':>9}")
     with tempfile.TemporaryDirectory() as out:
         for partition in args.partition:
@@ -121,7 +121,7 @@ def main() -> int:
                 m = paired(*ROWS[name], args.pairs, threads, partition, Path(out) / partition / name)
                 print(f"{name + ' ' + partition:<28} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
                       f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e} {m['training']:>8.0%}", flush=True)
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
     return 0
 
 

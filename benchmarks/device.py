@@ -33,6 +33,7 @@ import torch
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.federated.rounds import train_round
+from spread import ratio_spread
 
 BASE = [
     "clients=8",
@@ -86,12 +87,11 @@ def paired(overrides: list[str], rounds: int, out: Path) -> dict[str, float]:
                 held.append(torch.cuda.memory_allocated() / 2**20)
             seconds[device].append(time.perf_counter() - started)
     cpu, cuda = seconds["cpu"][1:], seconds["cuda"][1:]
-    ratios = [c / g for c, g in zip(cpu, cuda)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    ratio, q1, q3 = ratio_spread([c / g for c, g in zip(cpu, cuda)])
     return {
         "cpu": statistics.median(cpu),
         "cuda": statistics.median(cuda),
-        "ratio": statistics.median(ratios),
+        "ratio": ratio,
         "q1": q1,
         "q3": q3,
         "held_min": min(held[1:]),

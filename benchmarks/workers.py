@@ -35,6 +35,7 @@ import torch
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.federated.rounds import train_round
+from spread import load_average, ratio_spread
 
 BASE = [
     "sample_fraction=1.0",
@@ -82,11 +83,10 @@ def paired(overrides: list[str], counts: list[int], rounds: int, device: str, ou
     one, first = seconds[counts[0]][1:], params[counts[0]]
     out_rows: dict[int, dict[str, float]] = {}
     for n in counts:
-        ratios = [a / b for a, b in zip(one, seconds[n][1:])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        ratio, q1, q3 = ratio_spread([a / b for a, b in zip(one, seconds[n][1:])])
         out_rows[n] = {
             "seconds": statistics.median(seconds[n][1:]),
-            "ratio": statistics.median(ratios),
+            "ratio": ratio,
             "q1": q1,
             "q3": q3,
             "diff": max(
@@ -109,7 +109,7 @@ def main() -> int:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; device {args.device}"
           f"{f' ({gpus} CUDA devices)' if gpus else ''}; workers {' '.join(map(str, args.workers))}; "
-          f"{args.rounds} rounds each; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"{args.rounds} rounds each; load average {load_average()}")
     print(f"{'row':<16} {'workers':>7} {'s/round':>9} {'speed-up':>9} {'IQR':>13} {'max |Δ|':>9}")
     with tempfile.TemporaryDirectory() as out:
         for name in args.only or ROWS:
@@ -117,7 +117,7 @@ def main() -> int:
             for n, m in rows.items():
                 print(f"{name:<16} {n:>7} {m['seconds']:>9.4f} {m['ratio']:>8.2f}x {m['q1']:>6.2f}-{m['q3']:<6.2f} "
                       f"{m['diff']:>9.2e}", flush=True)
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
     return 0
 
 
