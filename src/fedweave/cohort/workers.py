@@ -1,13 +1,15 @@
 """Simulation workers: ``simulation.workers`` processes that do the round's client work.
 
-Each worker is a process this one spawns (``torch.multiprocessing``, start method spawn), which
-builds the task and a client runtime from the run's config, as a Ray actor does, on its own
-device: ``local.device``, or with ``cuda`` and several CUDA devices, ``cuda:i`` round-robin over
-them. The client runtime of this process keeps every client's state and plugin state and opens
-and closes every message (:class:`~fedweave.cohort.transport.CohortTransport`); a worker only does
-the local work, in cohorts as this process would (:class:`~fedweave.cohort.trainer.CohortTrainer`).
-Work goes to the least-loaded worker (:func:`assign`: the largest jobs first, each to the worker
-with the fewest examples so far), so the assignment depends only on the round's jobs.
+Worker 0 is this process, its clients trained by a :class:`~fedweave.cohort.trainer.CohortTrainer`
+of its own client runtime, as with one worker; each other is a process this one spawns
+(``torch.multiprocessing``, start method spawn), which builds the task and a client runtime from
+the run's config, as a Ray actor does, on its own device: ``local.device``, or with ``cuda`` and
+several CUDA devices, ``cuda:i`` round-robin over them (this process's runtime on the first). The
+client runtime of this process keeps every client's state and plugin state and opens and closes
+every message (:class:`~fedweave.cohort.transport.CohortTransport`); a spawned worker only does the
+local work, in cohorts as this process does. Work goes to the least-loaded worker (:func:`assign`:
+the largest jobs first, each to the worker with the fewest examples so far), so the assignment
+depends only on the round's jobs; this process trains its share while the others train theirs.
 
 The workers are this run's own processes, one trust domain: jobs and answers travel through
 torch's multiprocessing queues, packed by :mod:`fedweave.cohort.parcel` (each storage once, small
@@ -94,16 +96,18 @@ def _limits(config: Config) -> tuple[int | None, int, bool]:
 
 
 class WorkerPool:
-    """``config.simulation.workers`` worker processes doing ``runtime``'s clients' work."""
+    """``config.simulation.workers`` processes doing ``runtime``'s clients' work: this one
+    (``runtime`` itself) and the others it spawns."""
 
     def __init__(self, config: Config, runtime: Any):
         context = mp.get_context("spawn")
         self.runtime = runtime
+        self.local = CohortTrainer(runtime, *_limits(config), batch_size=config.local.batch_size)
         self.outbox = context.Queue()
-        self.inboxes = [context.Queue() for _ in range(config.simulation.workers)]
+        self.inboxes = [context.Queue() for _ in range(config.simulation.workers - 1)]
         self.processes = [
             context.Process(target=_serve, args=(config, i, inbox, self.outbox), daemon=True, name=f"fedweave-worker-{i}")
-            for i, inbox in enumerate(self.inboxes)
+            for i, inbox in enumerate(self.inboxes, start=1)
         ]
         enabled = _limits(config)[2]
         self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
@@ -115,23 +119,29 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
-        log.info("simulation.workers: %d worker processes ready", len(self.processes))
+        log.info("simulation.workers: this process and %d worker processes ready", len(self.processes))
 
     def work(self, batch: list[Work]) -> list[Done | Exception]:
-        """Each item's outcome, in order, the items spread over the workers (:func:`assign`)."""
+        """Each item's outcome, in order, the items spread over the workers (:func:`assign`): the
+        others' sent first, then this process's own trained while they train theirs."""
         if not batch:
             return []
         loads = [self._load(cid, instruction) for cid, instruction, _ in batch]
-        where = assign(loads, len(self.processes))
-        for w, inbox in enumerate(self.inboxes):
+        where = assign(loads, len(self.processes) + 1)
+        for w, inbox in enumerate(self.inboxes, start=1):
             mine = [(i, item) for i, item in enumerate(batch) if where[i] == w]
             if mine:
                 inbox.put(pack(mine))
         out: list[Done | Exception | None] = [None] * len(batch)
-        for _ in {where[i] for i in range(len(batch))}:
-            _, answers = self._get(None, "to do its clients' work")
-            for i, outcome in unpack(answers):
+        own = [i for i in range(len(batch)) if where[i] == 0]
+        try:
+            for i, outcome in zip(own, self.local.work([batch[i] for i in own])):
                 out[i] = outcome
+        finally:  # the others' answers are taken whatever happened here: none may be read as a later round's
+            for _ in set(where) - {0}:
+                _, answers = self._get(None, "to do its clients' work")
+                for i, outcome in unpack(answers):
+                    out[i] = outcome
         return out  # type: ignore[return-value]
 
     def _load(self, cid: int, instruction: Any) -> int:

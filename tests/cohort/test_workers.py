@@ -1,0 +1,64 @@
+"""Simulation workers: this process trains its share of a round while the spawned ones train
+theirs, and a worker that dies fails the round with its name instead of leaving it waiting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedweave import config as config_mod
+from fedweave import runner
+from fedweave.cohort.workers import WorkerPool, assign
+from fedweave.errors import FedweaveError
+from fedweave.federated import rounds as loop
+
+BASE = [
+    "clients=6",
+    "task.dataset=digits",
+    "task.model_options={hidden: [16]}",
+    "task.partition={scheme: dirichlet, alpha: 0.5}",
+    "local={epochs: 1, batch_size: 16, lr: 0.1}",
+    "eval.every=0",
+    "eval.federated_every=0",
+    "checkpoint.every=0",
+    "seed=3",
+    "simulation.workers=2",
+]
+
+
+def pool_of(r) -> WorkerPool:
+    pool = r.parts.topology.transport.trainer
+    assert isinstance(pool, WorkerPool)
+    return pool
+
+
+def test_this_process_trains_the_share_assign_gives_worker_0(tmp_path: Path) -> None:
+    r = runner.prepare(config_mod.load(None, BASE), tmp_path)
+    try:
+        pool = pool_of(r)
+        assert len(pool.processes) == 1  # two workers: this process and one spawned
+        here: list[int] = []
+        work = pool.local.work
+        pool.local.work = lambda batch: here.extend(cid for cid, _, _ in batch) or work(batch)  # type: ignore[method-assign]
+        loads: dict[int, int] = {}  # each client's load, in the order of the batch
+        load = pool._load
+        pool._load = lambda cid, ins: loads.setdefault(cid, load(cid, ins))  # type: ignore[method-assign]
+        _, record = loop.train_round(r.parts, 1, r.params)
+    finally:
+        r.parts.topology.close()
+    where = assign(list(loads.values()), 2)
+    assert record["clients_completed"] == 6
+    assert sorted(here) == sorted(c for c, w in zip(loads, where) if w == 0) and 0 < len(here) < 6
+
+
+def test_a_worker_that_dies_fails_the_round_with_its_name(tmp_path: Path) -> None:
+    r = runner.prepare(config_mod.load(None, BASE), tmp_path)
+    try:
+        worker = pool_of(r).processes[0]
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(FedweaveError, match=r"^simulation\.workers: fedweave-worker-1 \(exit code -9\) stopped before"):
+            loop.train_round(r.parts, 1, r.params)
+    finally:
+        r.parts.topology.close()
