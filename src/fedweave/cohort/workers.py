@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from fedweave.cohort.eligibility import static_reason
 from fedweave.cohort.parcel import pack, unpack
 from fedweave.cohort.trainer import CohortTrainer, Done, Work
 from fedweave.config import Config
@@ -109,8 +108,7 @@ class WorkerPool:
             context.Process(target=_serve, args=(config, i, inbox, self.outbox), daemon=True, name=f"fedweave-worker-{i}")
             for i, inbox in enumerate(self.inboxes, start=1)
         ]
-        enabled = _limits(config)[2]
-        self.reason = static_reason(runtime.algorithm, runtime.model, runtime.loss_fn) if enabled else "off"
+        self.reason = self.local.reason  # every worker's trainer decides as this one (one config, one device type)
         for p in self.processes:
             p.start()
         try:
