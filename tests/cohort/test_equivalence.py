@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import queue
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -191,3 +193,16 @@ def test_the_simulation_keys_are_checked_at_load(overrides: list[str], message: 
 def test_a_bare_off_in_yaml_is_off() -> None:
     assert config_mod.load(None, ["simulation.cohort=off"]).simulation.cohort == "off"
     assert config_mod.load(None, ["simulation.cohort=12"]).simulation.cohort == 12
+
+
+def test_a_batch_that_cannot_be_packed_sends_no_worker_anything() -> None:
+    """Were worker 0's share sent before worker 1's failed to pickle, the answer to it would be taken
+    by the next call for one of its own jobs."""
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.runtime = SimpleNamespace(data=SimpleNamespace(train_size=lambda cid: 10))
+    pool.processes, pool.inboxes = [None, None], [queue.SimpleQueue(), queue.SimpleQueue()]
+    work = SimpleNamespace(batch_size=10, local_steps=1, epochs=1)
+    batch = [(0, SimpleNamespace(work=work), {}), (1, SimpleNamespace(work=work), {"state": lambda: 0})]
+    with pytest.raises(Exception, match="pickle"):
+        pool.work(batch)
+    assert all(inbox.empty() for inbox in pool.inboxes)

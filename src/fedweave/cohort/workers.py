@@ -123,12 +123,13 @@ class WorkerPool:
             return []
         loads = [self._load(cid, instruction) for cid, instruction, _ in batch]
         where = assign(loads, len(self.processes))
-        for w, inbox in enumerate(self.inboxes):
-            mine = [(i, item) for i, item in enumerate(batch) if where[i] == w]
-            if mine:
-                inbox.put(pack(mine))
+        # every worker's share packed before any is sent: one that cannot be leaves no worker an
+        # answer that the next call would take for one of its own
+        packed = {w: pack([(i, item) for i, item in enumerate(batch) if where[i] == w]) for w in sorted(set(where))}
+        for w, data in packed.items():
+            self.inboxes[w].put(data)
         out: list[Done | Exception | None] = [None] * len(batch)
-        for _ in {where[i] for i in range(len(batch))}:
+        for _ in packed:
             _, answers = self._get(None, "to do its clients' work")
             for i, outcome in unpack(answers):
                 out[i] = outcome
