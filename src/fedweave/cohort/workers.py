@@ -10,8 +10,8 @@ Work goes to the least-loaded worker (:func:`assign`: the largest jobs first, ea
 with the fewest examples so far), so the assignment depends only on the round's jobs.
 
 The workers are this run's own processes, one trust domain: jobs and answers travel through
-torch's multiprocessing queues, packed by :mod:`fedweave.cohort.parcel` (each storage once, small
-ones by value, large ones in shared memory), never from another party. A client's
+torch's multiprocessing queues, packed by :mod:`fedweave.cohort.parcel` (each storage once per
+dtype viewing it, small ones by value, large ones in shared memory), never from another party. A client's
 outcome does not depend on which worker trained it: its seeds are its own (round, client), and in a
 cohort on the fast path for MLPs on a CPU with widths that are multiples of 8 its products are its
 own too (:mod:`fedweave.cohort.layered`), so the model is the same bit for bit whatever the number of
