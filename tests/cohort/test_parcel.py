@@ -4,6 +4,7 @@ memory, small ones by value (the sender's left where they are)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -102,3 +103,42 @@ def test_a_large_storage_goes_through_shared_memory(monkeypatch: pytest.MonkeyPa
     assert large.is_shared() and back[1].is_shared() and not small.is_shared() and not back[0].is_shared()
     assert _same(back[0], small) and _same(back[1], large) and _same(back[2], large[10:20])
     assert back[2].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()
+    assert back[2]._base is back[1]._base  # one flat: the storage known after its move as before
+
+
+def test_tensors_of_two_storages_that_start_at_one_address_each_come_back_as_they_were() -> None:
+    """A storage is known by itself, not by its address: one of part of an array, then one of all of it."""
+    array = np.arange(10.0)
+    part, whole = torch.from_numpy(array[:2]), torch.from_numpy(array)
+    assert part.data_ptr() == whole.data_ptr()
+    back = unpack(pack([part, whole]))
+    assert _same(back[0], part) and _same(back[1], whole)
+
+
+def test_negated_views_of_storages_moved_to_shared_memory_each_come_back_with_their_own_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each view's values are a storage made while pickling, moved to shared memory, its old memory
+    freed for the next one's: known by its address, the next came back with the values of the last."""
+    monkeypatch.setattr(parcel, "SHARE_BYTES", 1024)
+    for _ in range(10):
+        views = [torch.randn(300)._neg_view() for _ in range(4)]  # 1.2 KB each: shared
+        back = unpack(pack(views))
+        assert all(torch.equal(b, v.resolve_neg()) for b, v in zip(back, views))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_goes_torch_s_way() -> None:
+    tensor = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+    back = unpack(pack(tensor))
+    assert back.is_nested and all(torch.equal(b, t) for b, t in zip(back.unbind(), tensor.unbind()))
+
+
+@pytest.mark.parametrize("share_bytes", [parcel.SHARE_BYTES, 1024], ids=["by-value", "shared"])
+def test_a_row_with_a_nan_is_not_cleared_when_back(monkeypatch: pytest.MonkeyPatch, share_bytes: int) -> None:
+    monkeypatch.setattr(parcel, "SHARE_BYTES", share_bytes)
+    stack = torch.randn(10, 64)
+    stack[7, 3] = float("nan")
+    back = unpack(pack(list(stack.unbind(0))))
+    cleared = finite_rows(back)
+    assert [cleared.get((id(b), b._version)) is b for b in back] == [i != 7 for i in range(10)]

@@ -1,9 +1,12 @@
 """Simulation workers: this process trains its share of a round while the spawned ones train
-theirs, and a worker that dies fails the round with its name instead of leaving it waiting."""
+theirs; a worker that dies fails the round with its name instead of leaving it waiting; a batch
+that cannot be packed for one worker is sent to none."""
 
 from __future__ import annotations
 
+import queue
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,3 +65,19 @@ def test_a_worker_that_dies_fails_the_round_with_its_name(tmp_path: Path) -> Non
             loop.train_round(r.parts, 1, r.params)
     finally:
         r.parts.topology.close()
+
+
+def test_a_batch_that_cannot_be_packed_sends_no_worker_anything() -> None:
+    """Were worker 1's share sent before worker 2's failed to pickle, the answer to it would be
+    taken by the next call for one of its own jobs; nor does this process start on its share."""
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.runtime = SimpleNamespace(data=SimpleNamespace(train_size=lambda cid: 10))
+    pool.processes, pool.inboxes = [None, None], [queue.SimpleQueue(), queue.SimpleQueue()]
+    trained: list = []
+    pool.local = SimpleNamespace(work=trained.extend)
+    work = SimpleNamespace(batch_size=10, local_steps=1, epochs=1)
+    batch = [(c, SimpleNamespace(work=work), {"state": lambda: 0} if c == 2 else {}) for c in range(3)]
+    assert assign([10, 10, 10], 3) == [0, 1, 2]  # one job each: worker 2's cannot be pickled
+    with pytest.raises(Exception, match="pickle"):
+        pool.work(batch)
+    assert all(inbox.empty() for inbox in pool.inboxes) and not trained

@@ -1,5 +1,7 @@
 """What the main process and its simulation workers (:mod:`fedweave.cohort.workers`) hand each
-other, pickled: each CPU storage once, and every tensor on it a view of it.
+other, pickled: each CPU storage once for each dtype that views it, and every tensor on it a view
+of it (a storage viewed as two dtypes and sent by value comes back as two copies, which no longer
+share their memory).
 
 A storage of fewer than :data:`SHARE_BYTES` travels by value, in the pickle; a larger one
 through shared memory (torch's own reduction, ``torch.multiprocessing``, which moves it there).
@@ -11,8 +13,8 @@ tensors (:mod:`fedweave.cohort.vectorised`); ~16 ms so. On the other side a grou
 rows of one tensor again, whose finiteness is read at once (:func:`fedweave.stacked.finite_rows`).
 A lazily negated or conjugated view is sent as its values (torch's reduction drops those bits:
 its values would come back negated or conjugated); a tensor that is not a plain strided CPU tensor
-(a Parameter or subclass, one that requires grad, a CUDA, sparse or quantized one, an empty one)
-goes torch's way.
+(a Parameter or subclass, one that requires grad, a CUDA, sparse, nested or quantized one, an empty
+one) goes torch's way.
 
 Only the run's own processes write what :func:`unpack` reads (one trust domain, as the queues'
 own pickles are): nothing another party sent is ever unpickled.
@@ -48,9 +50,8 @@ class _Pickler(ForkingPickler):
 
     def __init__(self, file: io.BytesIO):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self._flats: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._flats: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # by storage (which its flat keeps alive)
         self._flat_ids: set[int] = set()
-        self._resolved: list[torch.Tensor] = []  # kept alive while pickling: their storages key self._flats
 
     def reducer_override(self, obj: Any) -> Any:
         if id(obj) in self._flat_ids:  # a storage: by value, or torch's way into shared memory
@@ -61,9 +62,8 @@ class _Pickler(ForkingPickler):
             return NotImplemented
         if obj.is_neg() or obj.is_conj():
             obj = obj.resolve_conj().resolve_neg()
-            self._resolved.append(obj)
         storage = obj.untyped_storage()
-        key = (storage.data_ptr(), obj.dtype)
+        key = (_identity(storage), obj.dtype)
         flat = self._flats.get(key)
         if flat is None:
             flat = torch.empty(0, dtype=obj.dtype).set_(storage, 0, (storage.nbytes() // obj.element_size(),), (1,))
@@ -72,8 +72,17 @@ class _Pickler(ForkingPickler):
         return _view, (flat, tuple(obj.shape), obj.stride(), obj.storage_offset())
 
 
+def _identity(storage: torch.UntypedStorage) -> int:
+    """``storage`` itself (its C++ object), not its memory's address: moved into shared memory, a
+    storage keeps its identity and frees its old memory, which a storage made later in the same
+    pickle (a resolved view's values) may then be given; and two storages may start at one address
+    (two tensors ``torch.from_numpy`` of one array and of a part of it)."""
+    return storage._cdata
+
+
 def _plain(tensor: torch.Tensor) -> bool:
-    if tensor.device.type != "cpu" or tensor.layout is not torch.strided or tensor.requires_grad or tensor.is_quantized:
+    if (tensor.device.type != "cpu" or tensor.layout is not torch.strided or tensor.is_nested
+            or tensor.requires_grad or tensor.is_quantized):
         return False
     nbytes = tensor.untyped_storage().nbytes()
     return nbytes > 0 and nbytes % tensor.element_size() == 0

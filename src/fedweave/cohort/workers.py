@@ -12,8 +12,8 @@ the largest jobs first, each to the worker with the fewest examples so far), so 
 depends only on the round's jobs; this process trains its share while the others train theirs.
 
 The workers are this run's own processes, one trust domain: jobs and answers travel through
-torch's multiprocessing queues, packed by :mod:`fedweave.cohort.parcel` (each storage once, small
-ones by value, large ones in shared memory), never from another party. A client's
+torch's multiprocessing queues, packed by :mod:`fedweave.cohort.parcel` (each storage once per
+dtype viewing it, small ones by value, large ones in shared memory), never from another party. A client's
 outcome does not depend on which worker trained it: its seeds are its own (round, client), and in a
 cohort on the fast path for MLPs on a CPU with widths that are multiples of 8 its products are its
 own too (:mod:`fedweave.cohort.layered`), so the model is the same bit for bit whatever the number of
@@ -126,17 +126,18 @@ class WorkerPool:
             return []
         loads = [self._load(cid, instruction) for cid, instruction, _ in batch]
         where = assign(loads, len(self.processes) + 1)
-        for w, inbox in enumerate(self.inboxes, start=1):
-            mine = [(i, item) for i, item in enumerate(batch) if where[i] == w]
-            if mine:
-                inbox.put(pack(mine))
+        # every spawned worker's share packed before any is sent: one that cannot be leaves no worker an
+        # answer that the next call would take for one of its own
+        packed = {w: pack([(i, item) for i, item in enumerate(batch) if where[i] == w]) for w in sorted(set(where) - {0})}
+        for w, data in packed.items():
+            self.inboxes[w - 1].put(data)
         out: list[Done | Exception | None] = [None] * len(batch)
         own = [i for i in range(len(batch)) if where[i] == 0]
         try:
             for i, outcome in zip(own, self.local.work([batch[i] for i in own])):
                 out[i] = outcome
         finally:  # the others' answers are taken whatever happened here: none may be read as a later round's
-            for _ in set(where) - {0}:
+            for _ in packed:
                 _, answers = self._get(None, "to do its clients' work")
                 for i, outcome in unpack(answers):
                     out[i] = outcome
