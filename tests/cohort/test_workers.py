@@ -1,15 +1,20 @@
 """Simulation workers: this process trains its share of a round while the spawned ones train
-theirs; a worker that dies fails the round with its name instead of leaving it waiting; a batch
-that cannot be packed for one worker is sent to none."""
+theirs; a worker that dies fails the round with its name instead of leaving it waiting, and the
+process still exits; a batch that cannot be packed for one worker is sent to none."""
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import fedweave
 from fedweave import config as config_mod
 from fedweave import runner
 from fedweave.cohort.workers import WorkerPool, assign
@@ -65,6 +70,38 @@ def test_a_worker_that_dies_fails_the_round_with_its_name(tmp_path: Path) -> Non
             loop.train_round(r.parts, 1, r.params)
     finally:
         r.parts.topology.close()
+
+
+def test_a_process_whose_worker_died_with_a_share_left_in_its_queue_still_exits(tmp_path: Path) -> None:
+    """The dead worker's share (the model of a hidden layer of 1,024, ~300 KB by value) is more than
+    its queue's pipe holds: the queue's feeder thread would wait at exit to write it, for ever."""
+    script = tmp_path / "died.py"
+    script.write_text(textwrap.dedent(f"""
+        import tempfile
+        from pathlib import Path
+        from fedweave import config as config_mod, runner
+        from fedweave.errors import FedweaveError
+        from fedweave.federated import rounds as loop
+
+        if __name__ == "__main__":
+            given = {[*BASE, "task.model_options={hidden: [1024]}"]!r}
+            r = runner.prepare(config_mod.load(None, given), Path(tempfile.mkdtemp(dir={str(tmp_path)!r})))
+            try:
+                worker = r.parts.topology.transport.trainer.processes[0]
+                worker.kill()
+                worker.join(timeout=10)
+                try:
+                    loop.train_round(r.parts, 1, r.params)
+                except FedweaveError as exc:
+                    print("failed:", exc)
+            finally:
+                r.parts.topology.close()
+    """))
+    src = str(Path(fedweave.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed: simulation.workers: fedweave-worker-1 (exit code -9) stopped before" in done.stdout
 
 
 def test_a_batch_that_cannot_be_packed_sends_no_worker_anything() -> None:

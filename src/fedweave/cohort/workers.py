@@ -166,7 +166,9 @@ class WorkerPool:
         raise FedweaveError(f"simulation.workers: a worker took more than {timeout:g} s {what}")
 
     def close(self) -> None:
-        """Stop the workers (each told to, then waited for a bounded time, then ended)."""
+        """Stop the workers (each told to, then waited for a bounded time, then ended), and drop
+        what is left for them: a dead worker's share still in its queue's pipe would keep this
+        process from exiting (the queue's feeder thread waits at exit to write it all)."""
         for inbox, p in zip(self.inboxes, self.processes):
             if p.is_alive():
                 inbox.put(None)
@@ -175,3 +177,5 @@ class WorkerPool:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+        for inbox in self.inboxes:
+            inbox.cancel_join_thread()
