@@ -14,12 +14,13 @@ took (the sum of their recorded compute times; the rest is the round's message p
 open, jobs, checks, aggregation). The load average of the machine is printed before and after.
 
     python benchmarks/cohort.py [--pairs 8] [--only digits-10 mnist5k-cnn-50 ...] [--threads 1] [--cohort-threads 2]
-                                [--partition dirichlet iid]
+                                [--partition dirichlet iid] [--device cpu|cuda]
 
 ``--threads`` is both paths' config ``threads`` (torch's intra-op threads); ``--cohort-threads``
 gives the cohort side its own (each path's count set before each of its rounds), so that each
 path can be read at its best on a machine: the sequential loop's small operations are fastest
-on one thread, a cohort's stacked ones gain from more.
+on one thread, a cohort's stacked ones gain from more. ``--device cuda`` trains both paths on
+CUDA (``local.device``; on a machine without it the script says so in one line and exits 0).
 
 Rows: digits with the MLP (the quickstart's local settings: 3 epochs, batch 16, lr 0.1, momentum
 0.9) and MNIST-5k with the CNN (1 epoch, batch 16, lr 0.01), 10, 50 and 100 clients per round, a
@@ -63,9 +64,9 @@ ROWS = {f"{task}-{k}": (k, [*overrides, f"clients={k}"]) for task, overrides in 
 
 
 def paired(
-    k: int, overrides: list[str], pairs: int, threads: dict[str, int], partition: str, out: Path
+    k: int, overrides: list[str], pairs: int, threads: dict[str, int], partition: str, device: str, out: Path
 ) -> dict[str, float]:
-    given = [*BASE, PARTITIONS[partition], *overrides]
+    given = [*BASE, PARTITIONS[partition], *overrides, f"local.device={device}"]
     runs = {
         mode: runner.prepare(
             config_mod.load(None, [*given, f"threads={threads[mode]}", f"simulation.cohort={cohort}"]), out / mode
@@ -80,6 +81,8 @@ def paired(
             torch.set_num_threads(threads[mode])  # a process's setting: each path's before each of its rounds
             started = time.perf_counter()
             params[mode], record = train_round(r.parts, rnd, params[mode])
+            if device == "cuda":
+                torch.cuda.synchronize()
             seconds[mode].append(time.perf_counter() - started)
             if mode == "auto":
                 training.append(sum(c["compute"] for c in record["clients"]) / seconds[mode][-1])
@@ -109,16 +112,21 @@ def main() -> int:
     parser.add_argument("--cohort-threads", type=int, help="torch threads of the cohort side (default: --threads)")
     parser.add_argument("--partition", nargs="+", choices=list(PARTITIONS), default=["dirichlet"],
                         help="how the data is split: Dirichlet(0.5) (unequal clients), iid (equal), or both")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="local.device of both paths")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/cohort.py: this machine has no CUDA device, so there is no cuda run to measure")
+        return 0
     threads = {"off": args.threads, "auto": args.threads if args.cohort_threads is None else args.cohort_threads}
-    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; threads: sequential {threads['off']}, cohort "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()} CPUs"
+    print(f"torch {torch.__version__}; {where}; threads: sequential {threads['off']}, cohort "
           f"{threads['auto']}; {args.pairs} pairs per row; "
           f"load average {load_average()}")
     print(f"{'row':<28} {'seq s':>8} {'cohort s':>9} {'seq/cohort':>11} {'IQR':>13} {'max rel |Δ|':>12} {'training':>9}")
     with tempfile.TemporaryDirectory() as out:
         for partition in args.partition:
             for name in args.only or ROWS:
-                m = paired(*ROWS[name], args.pairs, threads, partition, Path(out) / partition / name)
+                m = paired(*ROWS[name], args.pairs, threads, partition, args.device, Path(out) / partition / name)
                 print(f"{name + ' ' + partition:<28} {m['off']:>8.4f} {m['auto']:>9.4f} {m['ratio']:>10.2f}x "
                       f"{m['q1']:>6.2f}-{m['q3']:<6.2f} {m['diff']:>12.2e} {m['training']:>8.0%}", flush=True)
     print(f"load average after: {load_average()}")

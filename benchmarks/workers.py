@@ -76,6 +76,8 @@ def paired(overrides: list[str], counts: list[int], rounds: int, device: str, ou
                 torch.set_num_threads(1)
                 started = time.perf_counter()
                 params[n], _ = train_round(r.parts, rnd, params[n])
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 seconds[n].append(time.perf_counter() - started)
     finally:
         for r in runs.values():
