@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 from fedweave.cohort import parcel
@@ -104,6 +105,33 @@ def test_a_large_storage_goes_through_shared_memory(monkeypatch: pytest.MonkeyPa
     assert _same(back[0], small) and _same(back[1], large) and _same(back[2], large[10:20])
     assert back[2].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()
     assert back[2]._base is back[1]._base  # one flat: the storage known after its move as before
+
+
+def _echo(inbox, outbox) -> None:  # another process: what it gets, unpacked, packed again, sent back
+    outbox.put(pack(unpack(inbox.get())))
+    inbox.get()  # alive until told: a shared storage's descriptor is handed over by this process on request
+
+
+def test_a_parcel_crosses_to_another_process_and_back() -> None:
+    context = mp.get_context("spawn")
+    inbox, outbox = context.Queue(), context.Queue()
+    process = context.Process(target=_echo, args=(inbox, outbox), daemon=True)
+    process.start()
+    try:
+        large, small = torch.randn(100, 4096), torch.randn(100, 64)  # 1.6 MB through shared memory, 25.6 KB by value
+        sent = {"large": list(large.unbind(0)), "small": list(small.unbind(0)), "n": 7}
+        inbox.put(pack(sent))
+        back = unpack(outbox.get(timeout=120))
+    finally:
+        inbox.put(None)
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    assert back["n"] == 7
+    for name in ("large", "small"):
+        assert all(_same(b, r) for b, r in zip(back[name], sent[name]))
+        assert len({id(b._base) for b in back[name]}) == 1  # rows of one tensor again
+    assert back["large"][0].is_shared() and not back["small"][0].is_shared()
 
 
 def test_tensors_of_two_storages_that_start_at_one_address_each_come_back_as_they_were() -> None:
