@@ -80,10 +80,7 @@ def simulation_link(config: Config, runtime: ClientRuntime) -> Transport:
         from fedweave.cohort.workers import WorkerPool
 
         return CohortTransport(runtime, WorkerPool(config, runtime))
-    limit = None if cohort == "auto" else int(cohort)
-    return CohortTransport(
-        runtime, CohortTrainer(runtime, limit, config.simulation.cohort_memory * 2**20, batch_size=config.local.batch_size)
-    )
+    return CohortTransport(runtime, CohortTrainer.of(runtime, config))
 
 
 def server_topology(config: Config, listen: str | None = None) -> Star | SiteBatches:

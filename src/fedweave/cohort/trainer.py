@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave.config import Config
 from fedweave.federated.client import ClientRuntime
 from fedweave.cohort.eligibility import auto_reason, job_reason, static_reason
 from fedweave.cohort.vectorised import group_bytes, group_size, steps_of, train_group
@@ -64,6 +65,16 @@ class CohortTrainer:
         self._largest: int | None = None  # the most training rows any client of the run has
         if self.reason not in (None, "off"):
             self._tell(f"clients train one after another: {self.reason}")
+
+    @classmethod
+    def of(cls, runtime: ClientRuntime, config: Config) -> CohortTrainer:
+        """The trainer of a run's ``simulation`` section: ``cohort`` auto (groups as large as
+        ``cohort_memory`` allows), off (one client after another) or K, batches padded to the
+        widths of ``local.batch_size``."""
+        cohort = config.simulation.cohort
+        limit = None if cohort in ("auto", "off") else int(cohort)
+        return cls(runtime, limit, config.simulation.cohort_memory * 2**20, enabled=cohort != "off",
+                   batch_size=config.local.batch_size)
 
     def work(self, batch: list[Work]) -> list[Done | Exception]:
         """Each item's outcome, in order: what the runtime's ``work`` returns, or the exception it raised."""

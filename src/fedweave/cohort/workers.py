@@ -73,7 +73,7 @@ def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)
     runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
-    trainer = CohortTrainer(runtime, *_limits(config), batch_size=config.local.batch_size)
+    trainer = CohortTrainer.of(runtime, config)
     outbox.put((index, "ready"))
     while (message := inbox.get()) is not None:
         batch = unpack(message)
@@ -88,12 +88,6 @@ def _sendable(outcome: Done | Exception) -> Done | Exception:
     return outcome
 
 
-def _limits(config: Config) -> tuple[int | None, int, bool]:
-    cohort = config.simulation.cohort
-    limit = None if cohort in ("auto", "off") else int(cohort)
-    return limit, config.simulation.cohort_memory * 2**20, cohort != "off"
-
-
 class WorkerPool:
     """``config.simulation.workers`` processes doing ``runtime``'s clients' work: this one
     (``runtime`` itself) and the others it spawns."""
@@ -101,7 +95,7 @@ class WorkerPool:
     def __init__(self, config: Config, runtime: Any):
         context = mp.get_context("spawn")
         self.runtime = runtime
-        self.local = CohortTrainer(runtime, *_limits(config), batch_size=config.local.batch_size)
+        self.local = CohortTrainer.of(runtime, config)
         self.outbox = context.Queue()
         self.inboxes = [context.Queue() for _ in range(config.simulation.workers - 1)]
         self.processes = [
