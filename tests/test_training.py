@@ -20,6 +20,7 @@ from fedweave.training import (
     delta_update,
     instructed,
     model_delta,
+    round_steps,
     rows,
     train_local,
 )
@@ -144,6 +145,17 @@ def test_local_steps_override_epochs_and_run_across_epochs() -> None:
     assert result.steps == 5
     assert [len(b) for b in batches] == [3, 1, 3, 1, 3]
     assert sorted(torch.cat(batches[2:4]).flatten().tolist()) == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_round_steps_count_the_loops_steps() -> None:
+    # 27 rows in batches of 16: 2 a pass, 3 passes; 5 rows: one batch of 5 a pass; steps set: exactly those
+    assert round_steps(Work(0, batch_size=16, epochs=3), 27) == 6
+    assert round_steps(Work(0, batch_size=16, epochs=3), 5) == 3
+    assert round_steps(Work(0, batch_size=16, epochs=3, local_steps=4), 27) == 4
+    assert round_steps(Work(0, batch_size=16, epochs=3), 0) == 0
+    for n, batch, epochs in ((4, 3, 3), (5, 64, 2), (16, 4, 1)):
+        job = numbered_job(n, batch_size=batch, epochs=epochs)
+        assert train_local(job).steps == round_steps(job.instruction.work, n)
 
 
 def test_a_batch_larger_than_the_data_is_the_whole_data() -> None:

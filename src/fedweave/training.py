@@ -250,16 +250,25 @@ class Opening:
         return -(-self.examples // self.batch)
 
 
+def round_steps(work: Work, examples: int) -> int:
+    """The optimiser steps of a round's local ``work`` over ``examples`` training rows:
+    ``work.local_steps`` when set, else ``work.epochs`` passes in batches of
+    ``min(work.batch_size, examples)`` (the last of a pass shorter); none without rows."""
+    if work.local_steps is not None:
+        return work.local_steps
+    return work.epochs * -(-examples // min(work.batch_size, examples)) if examples else 0
+
+
 def opening(job: ClientJob, hooks: Hooks) -> Opening | None:
-    """The round's :class:`Opening` (``work.local_steps`` steps when set, else ``work.epochs``
-    passes over the data), or None for a client without training data."""
+    """The round's :class:`Opening` (:func:`round_steps` steps), or None for a client without
+    training data."""
     model = job.model if hooks.model is None else hooks.model
     work = job.instruction.work
     n = job.x_train.shape[0]
     if n == 0:
         return None
     batch = min(work.batch_size, n)
-    steps = work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
+    steps = round_steps(work, n)
     opt = hooks.optimizer if hooks.optimizer is not None else LocalOptimizer(model.parameters(), job.settings)
     return Opening(model, opt, n, batch, steps)
 

@@ -33,7 +33,7 @@ from fedweave.cohort.layered import (
 )
 from fedweave.cohort.optim import StackedOptimizer, Workspace
 from fedweave.cohort.schedule import schedule
-from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult
+from fedweave.training import ClientJob, LocalStep, LossFn, TrainResult, round_steps
 from fedweave.types import Params
 
 
@@ -52,11 +52,8 @@ def has_batch_statistics(model: nn.Module) -> bool:
 
 
 def steps_of(job: ClientJob) -> int:
-    """The round's local steps of ``job`` (as :func:`~fedweave.training.opening` counts them)."""
-    work = job.instruction.work
-    n = job.x_train.shape[0]
-    batch = min(work.batch_size, n)
-    return work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
+    """The round's local steps of ``job`` (:func:`~fedweave.training.round_steps`)."""
+    return round_steps(job.instruction.work, job.x_train.shape[0])
 
 
 def _start(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -35,6 +35,7 @@ from fedweave.cohort.parcel import pack, unpack
 from fedweave.cohort.trainer import CohortTrainer, Done, Work
 from fedweave.config import Config
 from fedweave.errors import FedweaveError
+from fedweave.training import round_steps
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +142,7 @@ class WorkerPool:
         """Examples a job goes through: its steps times its batch."""
         work = instruction.work
         n = self.runtime.data.train_size(cid)
-        batch = min(work.batch_size, n) or 1
-        steps = work.local_steps if work.local_steps is not None else work.epochs * -(-n // batch)
-        return steps * batch
+        return round_steps(work, n) * min(work.batch_size, n)
 
     def _get(self, timeout: float | None, what: str) -> Any:
         """The next message of a worker, failing when one has died (or, with ``timeout``, took longer)."""
