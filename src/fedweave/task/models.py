@@ -208,6 +208,11 @@ class TaskLoss:
     def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss(outputs, labels)
 
+    @property
+    def builtin(self) -> bool:
+        """Whether the loss is one of the built-in losses (not a ``package.module:function``)."""
+        return any(self.loss is known for known in _BUILTIN_LOSSES.values())
+
 
 def make_loss(name: str | None, kind: str = "classification", metrics: list[str] | None = None) -> TaskLoss:
     """The mean-reduced loss ``name`` of a task of ``kind`` (none: the kind's default) with its ``metrics``
