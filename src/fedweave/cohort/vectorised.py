@@ -163,11 +163,12 @@ def _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, op
     device, dtype = x_all.device, x_all.dtype
     gradients = ChainGradients(chain, params, _loss_grad(loss_fn), workspace)
     y_round = y_all.index_select(0, rows.reshape(-1)).view(T, K, B, *y_all.shape[1:])
-    weights = (torch.arange(B) < counts.unsqueeze(2)).to(device, dtype) / counts.clamp_min(1).unsqueeze(2).to(device, dtype)
+    counted = (torch.arange(B) < counts.unsqueeze(2)).to(device)  # the rows a client's loss is the mean over
     plain = _plain_cross_entropy(loss_fn)
-    if plain is not None:
-        weights.masked_fill_(y_round == plain.ignore_index, 0)
+    if plain is not None:  # not the targets cross-entropy ignores
+        counted &= y_round != plain.ignore_index
         y_round = y_round.clamp_min(0)
+    weights = counted.to(dtype) / counted.sum(2, keepdim=True).clamp_min(1).to(dtype)
     weights = weights.unsqueeze(2)  # (T, K, 1, B): a row per client, as the loss takes it
     losses = torch.zeros_like(weights)  # each row's loss at each step; 0 where a client has stopped
     ys, ws, ls = y_round.unbind(0), weights.unbind(0), losses.unbind(0)
@@ -201,12 +202,17 @@ def _prefix(tensors: Params, a: int) -> Params:
 
 def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalStep):
     """One client's ``(params, buffers, x, y, weight, anchor) -> (objective, task loss)``: the mean
-    of the per-example task losses over the rows of ``weight`` 1, plus the step's penalty."""
+    of the per-example task losses over the rows of ``weight`` 1 (of cross-entropy, those whose
+    target it does not ignore), plus the step's penalty."""
     penalty = step.penalty
     per_example = per_example_loss(loss_fn)
+    plain = _plain_cross_entropy(loss_fn)
+    ignore = None if plain is None else plain.ignore_index
 
     def objective(params, buffers, x, y, weight, anchor):
         out = functional_call(model, {**params, **buffers, **frozen}, (x,))
+        if ignore is not None:  # cross-entropy's mean is over the targets it does not ignore
+            weight = weight * (y != ignore)
         task = (per_example(out, y) * weight).sum() / weight.sum().clamp_min(1)
         total = task if penalty is None else task + penalty(params, anchor)
         return total, task.detach()
