@@ -1,8 +1,9 @@
 """Per-round time of a round's clients trained one after another against vectorised cohorts.
 
 Each row trains one federation twice in this process from the same seed, once with
-``simulation.cohort: off`` (the sequential loop) and once with ``simulation.cohort: auto`` (one
-vectorised group of the round's clients, :mod:`fedweave.cohort`), every client sampled every
+``simulation.cohort: off`` (the sequential loop) and once with ``simulation.cohort: K``, K the
+clients per round (one vectorised group of the round's clients, :mod:`fedweave.cohort`; ``auto``
+would leave the CNN rows on a CPU to the sequential loop), every client sampled every
 round. Their rounds are interleaved in pairs (sequential round r, then cohort round r) so that
 the machine's load falls on both alike; the first pair (lazy imports, caches) is left out. A
 round's time is :func:`fedweave.federated.rounds.train_round`'s wall time (configure, the clients' work,

@@ -51,7 +51,7 @@ def static_reason(algorithm: ClientAlgorithm, model: nn.Module, loss_fn: LossFn)
 def auto_reason(model: nn.Module, device: torch.device) -> str | None:
     """Why ``cohort: auto`` leaves the clients one after another on ``device`` though they may train
     in cohorts, or None: on a CPU, ``vmap`` runs convolutions with per-client weights as grouped
-    convolutions, slower than the clients' own (``benchmarks/cohort.py``: 0.5-1.1x for MNIST's CNN)."""
+    convolutions, slower than the clients' own (``benchmarks/cohort.py``: 0.4-0.9x for MNIST's CNN)."""
     if device.type == "cpu" and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
         return (
             "cohort auto on a CPU: the model's convolutions would run as grouped convolutions, slower than one "

@@ -251,8 +251,9 @@ class SimulationConfig:
     cohort: int | Literal["auto", "off", False] = opt(
         "auto",
         help="train a round's clients as vectorised cohorts: auto (where the strategy, plugins, model and "
-        "loss allow it, groups as large as cohort_memory allows) | off (one client after another) | K "
-        "(groups of at most K clients)",
+        "loss allow it, groups as large as cohort_memory allows; a model with convolutions on a CPU trains "
+        "one client after another) | off (one client after another) | K (groups of at most K clients, and "
+        "of what cohort_memory allows)",
     )
     cohort_memory: int = opt(1024, ge=1, help="MiB a cohort's stacked parameters, optimiser state and activations may take")
     workers: int = opt(
