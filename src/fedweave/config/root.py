@@ -172,6 +172,11 @@ def _check_simulation_workers(config: Config) -> None:
             f"(transport inmemory, launcher local), not of mode {config.mode}, transport {config.transport.kind}, "
             f"launcher {config.launcher.kind}; set it to 1"
         )
+    if config.simulation.workers > config.clients:
+        raise ConfigError(
+            f"config key 'simulation.workers': {config.simulation.workers} worker processes for clients="
+            f"{config.clients}; at most one a client (a worker without clients would idle)"
+        )
     if emulates_clients(config):
         raise ConfigError(
             "config key 'simulation.workers': emulated client speeds (heterogeneity.*) time each client in this "
