@@ -182,6 +182,7 @@ def test_two_workers_train_the_model_of_one_bit_for_bit(tmp_path: Path, cohort: 
         (["simulation.workers=2", "launcher=ray"], "config key 'simulation.workers': worker processes train"),
         (["simulation.workers=2", "heterogeneity.slowdown=2.0"], "config key 'simulation.workers': emulated"),
         (["simulation.workers=7"], "config key 'simulation.workers': 7 worker processes for clients=6; at most one"),
+        (["simulation.cohort=3", "heterogeneity.slowdown=2.0"], "config key 'simulation.cohort': emulated"),
     ],
 )
 def test_the_simulation_keys_are_checked_at_load(overrides: list[str], message: str) -> None:
