@@ -9,6 +9,7 @@ import queue
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -118,3 +119,53 @@ def test_a_batch_that_cannot_be_packed_sends_no_worker_anything() -> None:
     with pytest.raises(Exception, match="pickle"):
         pool.work(batch)
     assert all(inbox.empty() for inbox in pool.inboxes) and not trained
+
+
+def _script(tmp_path: Path, body: str) -> tuple[int, str, str]:
+    """``body`` run in a fresh interpreter after ``r``, a prepared run of BASE (two workers), is made: its
+    exit code, stdout and stderr (through files: a worker left behind would keep a pipe open)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, tempfile, time
+        from pathlib import Path
+        from fedweave import config as config_mod, runner
+        from fedweave.federated import rounds as loop
+
+        if __name__ == "__main__":
+            r = runner.prepare(config_mod.load(None, {base!r}), Path(tempfile.mkdtemp(dir={tmp!r})))
+            worker = r.parts.topology.transport.trainer.processes[0]
+    """).format(base=BASE, tmp=str(tmp_path)) + textwrap.indent(textwrap.dedent(body), " " * 4))
+    src = str(Path(fedweave.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        code = subprocess.run([sys.executable, str(script)], stdout=out, stderr=err, timeout=120, env=env).returncode
+        out.seek(0), err.seek(0)
+        return code, out.read(), err.read()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"  # a zombie left to a parent that does not reap
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_whose_run_process_was_killed_ends(tmp_path: Path) -> None:
+    """kill -9 of the run's process (or the OOM killer) leaves its worker no one to tell it to stop:
+    it must not wait for ever for work, holding its task's memory."""
+    code, out, err = _script(tmp_path, """
+        print(worker.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert code == -9, err[-2000:]
+    pid = int(out.split()[0])
+    deadline = time.monotonic() + 30
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ended = _gone(pid)
+    if not ended:
+        os.kill(pid, 9)  # the orphan this test made
+    assert ended, "the worker outlived its run's process"
+

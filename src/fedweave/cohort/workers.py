@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import queue
 import time
 from typing import Any
@@ -66,20 +67,36 @@ def assign(loads: list[int], workers: int) -> list[int]:
 
 
 def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
-    """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)."""
+    """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)
+    or the run's process is gone."""
     from fedweave.build import build_chains, build_client_runtime, build_task, use_threads
     from fedweave.federated.client import ClientStateStore
 
+    parent = multiprocessing.parent_process()
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)
     runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
     trainer = CohortTrainer.of(runtime, config)
     outbox.put((index, "ready"))
-    while (message := inbox.get()) is not None:
+    while (message := _next(inbox, parent)) is not None:
         batch = unpack(message)
         indices = [i for i, _ in batch]
         done = trainer.work([w for _, w in batch])
         outbox.put((index, pack([(i, _sendable(d)) for i, d in zip(indices, done)])))
+    if parent is not None and not parent.is_alive():
+        outbox.cancel_join_thread()  # answers no one will read: the queue's feeder would wait at exit to write them
+
+
+def _next(inbox: Any, parent: Any) -> Any:
+    """The next message to a worker, or None once the run's process (``parent``) is gone: killed
+    (kill -9, out of memory), it told no one to stop, and the worker, which holds the queue's
+    writing end too, would wait for ever."""
+    while True:
+        try:
+            return inbox.get(timeout=POLL)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
 
 
 def _sendable(outcome: Done | Exception) -> Done | Exception:
