@@ -169,3 +169,20 @@ def test_a_worker_whose_run_process_was_killed_ends(tmp_path: Path) -> None:
         os.kill(pid, 9)  # the orphan this test made
     assert ended, "the worker outlived its run's process"
 
+
+def test_ctrl_c_stops_a_run_with_workers_without_their_tracebacks(tmp_path: Path) -> None:
+    """Ctrl-C signals the terminal's whole process group: the run's process handles it (and stops its
+    workers), a worker prints no KeyboardInterrupt traceback of its own and is not gone before it."""
+    code, out, err = _script(tmp_path, """
+        os.kill(worker.pid, signal.SIGINT)
+        time.sleep(1)
+        print("alive" if worker.is_alive() else "gone", flush=True)
+        try:
+            _, record = loop.train_round(r.parts, 1, r.params)
+            print("completed", record["clients_completed"])
+        finally:
+            r.parts.topology.close()
+    """)
+    assert code == 0, err[-2000:]
+    assert out.split() == ["alive", "completed", "6"]
+    assert "Traceback" not in err, err[-2000:]

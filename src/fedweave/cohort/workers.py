@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import multiprocessing
 import queue
+import signal
 import time
 from typing import Any
 
@@ -68,10 +69,12 @@ def assign(loads: list[int], workers: int) -> list[int]:
 
 def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
     """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)
-    or the run's process is gone."""
+    or the run's process is gone. Ctrl-C, which signals the terminal's whole process group, is the
+    run's process's to handle: it stops its workers (:meth:`WorkerPool.close`)."""
     from fedweave.build import build_chains, build_client_runtime, build_task, use_threads
     from fedweave.federated.client import ClientStateStore
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)
