@@ -67,7 +67,8 @@ def test_a_worker_that_dies_fails_the_round_with_its_name(tmp_path: Path) -> Non
         worker = pool_of(r).processes[0]
         worker.kill()
         worker.join(timeout=10)
-        with pytest.raises(FedweaveError, match=r"^simulation\.workers: fedweave-worker-1 \(exit code -9\) stopped before"):
+        with pytest.raises(FedweaveError, match=r"^simulation\.workers: fedweave-worker-1 \(exit code -9\) stopped before "
+                           r"it had finished doing its clients' work$"):
             loop.train_round(r.parts, 1, r.params)
     finally:
         r.parts.topology.close()

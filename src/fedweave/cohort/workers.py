@@ -127,7 +127,7 @@ class WorkerPool:
             p.start()
         try:
             for _ in self.processes:
-                self._get(START_TIMEOUT, "to build its task")
+                self._get(START_TIMEOUT, "building its task")
         except BaseException:
             self.close()
             raise
@@ -152,7 +152,7 @@ class WorkerPool:
                 out[i] = outcome
         finally:  # the others' answers are taken whatever happened here: none may be read as a later round's
             for _ in packed:
-                _, answers = self._get(None, "to do its clients' work")
+                _, answers = self._get(None, "doing its clients' work")
                 for i, outcome in unpack(answers):
                     out[i] = outcome
         return out  # type: ignore[return-value]
