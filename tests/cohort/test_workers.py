@@ -187,3 +187,22 @@ def test_ctrl_c_stops_a_run_with_workers_without_their_tracebacks(tmp_path: Path
     assert code == 0, err[-2000:]
     assert out.split() == ["alive", "completed", "6"]
     assert "Traceback" not in err, err[-2000:]
+
+
+def test_a_worker_that_cannot_build_its_task_says_why_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's error in a spawned worker only (its GPU without room for the model, say) reaches the
+    run as its one line, not as the worker's traceback and an exit code."""
+    (tmp_path / "worker_only.py").write_text(textwrap.dedent("""
+        import multiprocessing
+        from torch import nn
+        from fedweave.errors import TaskError
+
+        def model(input_shape, num_classes, hidden):
+            if multiprocessing.parent_process() is not None:
+                raise TaskError("task.model: no room for it on this worker's device")
+            return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[-1], num_classes))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))  # a spawned worker starts with this process's sys.path
+    with pytest.raises(FedweaveError, match=r"^simulation\.workers: fedweave-worker-1 could not build its task: "
+                       r"task\.model: no room for it on this worker's device$"):
+        runner.prepare(config_mod.load(None, [*BASE, "task.model=worker_only:model"]), tmp_path / "run")

@@ -78,8 +78,12 @@ def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
     parent = multiprocessing.parent_process()
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)
-    runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
-    trainer = CohortTrainer.of(runtime, config)
+    try:
+        runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
+        trainer = CohortTrainer.of(runtime, config)
+    except FedweaveError as exc:  # a user's error (a model without room on this worker's device): the run's one line
+        outbox.put((index, str(exc)))
+        return
     outbox.put((index, "ready"))
     while (message := _next(inbox, parent)) is not None:
         batch = unpack(message)
@@ -127,7 +131,9 @@ class WorkerPool:
             p.start()
         try:
             for _ in self.processes:
-                self._get(START_TIMEOUT, "building its task")
+                index, said = self._get(START_TIMEOUT, "building its task")
+                if said != "ready":
+                    raise FedweaveError(f"simulation.workers: fedweave-worker-{index} could not build its task: {said}")
         except BaseException:
             self.close()
             raise
