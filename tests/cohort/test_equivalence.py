@@ -138,8 +138,9 @@ def test_groups_through_vmap_train_the_model_of_one_group_to_rounding(tmp_path: 
         (["task.model_options={hidden: [16], dropout: 0.2}"], "dropout"),
         (["plugins.client_receive=[{name: dpsgd, noise_multiplier: 0.5, seeded_noise: true}]"], "taken over by a plugin"),
         (["task.model=cnn", "task.model_options={channels: [4], hidden: 8}"], "cohort auto on a CPU: the model's convolutions"),
+        (["task.loss=torch.nn.functional:cross_entropy"], "the loss is not a built-in mean over examples"),
     ],
-    ids=["moon", "ditto", "dropout", "dpsgd", "auto-cnn-cpu"],
+    ids=["moon", "ditto", "dropout", "dpsgd", "auto-cnn-cpu", "user-loss"],
 )
 def test_an_ineligible_run_trains_sequentially_and_says_why_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], why: str

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from fedweave.strategies.base import ClientAlgorithm, Vectorisable
-from fedweave.task.models import TaskLoss
+from fedweave.task.models import builtin_loss
 from fedweave.training import SGD_LOOP, ClientJob, LossFn
 
 PER_EXAMPLE = {"classification", "regression", "multilabel"}
@@ -43,7 +43,7 @@ def static_reason(algorithm: ClientAlgorithm, model: nn.Module, loss_fn: LossFn)
         return f"the strategy's client half {name} runs its own training loop (not Vectorisable)"
     if any(isinstance(m, _DropoutNd) for m in model.modules()):
         return "the model has dropout, whose random draws a cohort would not make as the sequential loop does"
-    if not isinstance(loss_fn, TaskLoss) or loss_fn.kind not in PER_EXAMPLE:
+    if not builtin_loss(loss_fn) or loss_fn.kind not in PER_EXAMPLE:
         return "the loss is not a built-in mean over examples (a user loss or the next-token loss)"
     return None
 

@@ -11,7 +11,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 from collections.abc import Callable
 
 import torch
@@ -207,6 +207,11 @@ class TaskLoss:
 
     def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss(outputs, labels)
+
+
+def builtin_loss(loss_fn: LossFn) -> TypeGuard[TaskLoss]:
+    """Whether ``loss_fn`` is a :class:`TaskLoss` of a built-in loss (not a ``package.module:function``)."""
+    return isinstance(loss_fn, TaskLoss) and any(loss_fn.loss is f for f in _BUILTIN_LOSSES.values())
 
 
 def make_loss(name: str | None, kind: str = "classification", metrics: list[str] | None = None) -> TaskLoss:
