@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,19 @@ def test_a_simulation_reaches_its_clients_in_memory_through_its_topology(
     assert type(topology) is kind
     assert type(topology.root.link if kind is Hierarchical else topology.transport) is link
     topology.close()
+
+
+@pytest.mark.parametrize(("cohort", "lines"), [("auto", 1), ("off", 0)])
+def test_emulated_clients_train_one_after_another_and_a_cohort_run_says_so(
+    caplog: pytest.LogCaptureFixture, cohort: str, lines: int
+) -> None:
+    config = small_config("heterogeneity.clock=virtual", f"simulation.cohort={cohort}")
+    runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
+    with caplog.at_level(logging.INFO, logger="fedweave.reach"):
+        clients_topology(config, runtime).close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("simulation.cohort:")]
+    assert len(said) == lines
+    assert all("one after another: emulated client speeds" in line for line in said)
 
 
 def test_torchdist_sites_in_one_process_are_refused_before_the_run_begins(tmp_path: Path) -> None:

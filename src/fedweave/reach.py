@@ -26,6 +26,8 @@ ignore its links.
 
 from __future__ import annotations
 
+import logging
+
 from fedweave.build import data_admission, strategy_class
 from fedweave.federated.client import ClientRuntime
 from fedweave.config import Config
@@ -42,6 +44,8 @@ from fedweave.topologies.hierarchical import (
 from fedweave.topologies.ring import Ring
 from fedweave.topologies.star import Star
 from fedweave.transports.base import Transport
+
+log = logging.getLogger(__name__)
 
 
 def clients_topology(config: Config, runtime: ClientRuntime) -> Topology:
@@ -62,6 +66,9 @@ def clients_topology(config: Config, runtime: ClientRuntime) -> Topology:
         return arrange(config, launch_ray(config, runtime), strategy_class(config))
     emulated = emulated_clients(config, runtime.handle)  # None unless client speeds are emulated (star only)
     if emulated is not None:
+        if config.simulation.cohort != "off":
+            log.info("simulation.cohort: clients train one after another: emulated client speeds (heterogeneity.*) "
+                     "time each client alone")
         return emulated
     return arrange(config, simulation_link(config, runtime), strategy_class(config))
 

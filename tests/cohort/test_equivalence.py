@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,27 @@ def test_cohort_and_sequential_train_the_same_model(tmp_path: Path, overrides: l
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
     start = runner.prepare(config_mod.load(None, [*BASE, *overrides]), tmp_path / "start").params
     assert relative_difference(start, on) > 1e-3  # the rounds did move the model
+
+
+def test_a_frozen_parameter_trains_with_the_value_the_client_received(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter without gradient stays as the broadcast has it, and the client's forward uses that
+    value, not whatever the runtime's own copy of the model holds (its initial draw: another one)."""
+    (tmp_path / "frozen_first.py").write_text(textwrap.dedent("""
+        from torch import nn
+
+        def model(input_shape, num_classes, hidden):
+            m = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, num_classes))
+            m[1].weight.requires_grad_(False)
+            return m
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = ["task.model=frozen_first:model"]
+    off, _, _ = trained(tmp_path, "off", overrides)
+    on, _, link = trained(tmp_path, "auto", overrides)
+    assert link.reason is None  # it did train in cohorts (through vmap: a frozen parameter is off the fast path)
+    assert relative_difference(off, on) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -182,6 +204,8 @@ def test_two_workers_train_the_model_of_one_bit_for_bit(tmp_path: Path, cohort: 
         (["simulation.workers=0"], "config key 'simulation.workers': must be >= 1"),
         (["simulation.workers=2", "launcher=ray"], "config key 'simulation.workers': worker processes train"),
         (["simulation.workers=2", "heterogeneity.slowdown=2.0"], "config key 'simulation.workers': emulated"),
+        (["simulation.workers=7"], "config key 'simulation.workers': 7 worker processes for clients=6; at most one"),
+        (["simulation.cohort=3", "heterogeneity.slowdown=2.0"], "config key 'simulation.cohort': emulated"),
     ],
 )
 def test_the_simulation_keys_are_checked_at_load(overrides: list[str], message: str) -> None:

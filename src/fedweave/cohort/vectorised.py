@@ -100,13 +100,12 @@ def train_group(
                              start[name].device).copy_(start[name])
         for name in trainable
     }
-    buffers = {name: _stacked(start[name], len(jobs)) for name in others}
-    frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
+    buffers = {name: _stacked(start[name], len(jobs)) for name in others}  # frozen parameters too, as received
     plan = schedule(jobs, counted, width)
     x_all = torch.cat([job.x_train for job in jobs])
     y_all = torch.cat([job.y_train for job in jobs])
     device = x_all.device
-    objective = _objective(model, loss_fn, frozen, steps[0])
+    objective = _objective(model, loss_fn, steps[0])
     anchors, anchor_dims = _anchors(steps, trainable)
     corrections = _corrections(steps, trainable)
     optimizer = StackedOptimizer(jobs[0].settings, workspace)
@@ -200,7 +199,7 @@ def _prefix(tensors: Params, a: int) -> Params:
     return {name: t[:a] for name, t in tensors.items()}
 
 
-def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalStep):
+def _objective(model: nn.Module, loss_fn: LossFn, step: LocalStep):
     """One client's ``(params, buffers, x, y, weight, anchor) -> (objective, task loss)``: the mean
     of the per-example task losses over the rows of ``weight`` 1 (of cross-entropy, those whose
     target it does not ignore), plus the step's penalty."""
@@ -210,7 +209,7 @@ def _objective(model: nn.Module, loss_fn: LossFn, frozen: Params, step: LocalSte
     ignore = None if plain is None else plain.ignore_index
 
     def objective(params, buffers, x, y, weight, anchor):
-        out = functional_call(model, {**params, **buffers, **frozen}, (x,))
+        out = functional_call(model, {**params, **buffers}, (x,))
         if ignore is not None:  # cross-entropy's mean is over the targets it does not ignore
             weight = weight * (y != ignore)
         task = (per_example(out, y) * weight).sum() / weight.sum().clamp_min(1)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import queue
+import signal
 import time
 from typing import Any
 
@@ -67,20 +69,42 @@ def assign(loads: list[int], workers: int) -> list[int]:
 
 
 def _serve(config: Config, index: int, inbox: Any, outbox: Any) -> None:
-    """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)."""
+    """A worker's life: build the runtime, then do each batch of work sent until told to stop (None)
+    or the run's process is gone. Ctrl-C, which signals the terminal's whole process group, is the
+    run's process's to handle: it stops its workers (:meth:`WorkerPool.close`)."""
     from fedweave.build import build_chains, build_client_runtime, build_task, use_threads
     from fedweave.federated.client import ClientStateStore
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
     config = dataclasses.replace(config, local=dataclasses.replace(config.local, device=worker_device(config.local.device, index)))
     use_threads(config)
-    runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
-    trainer = CohortTrainer.of(runtime, config)
+    try:
+        runtime = build_client_runtime(config, build_task(config), build_chains(config), ClientStateStore())
+        trainer = CohortTrainer.of(runtime, config)
+    except FedweaveError as exc:  # a user's error (a model without room on this worker's device): the run's one line
+        outbox.put((index, str(exc)))
+        return
     outbox.put((index, "ready"))
-    while (message := inbox.get()) is not None:
+    while (message := _next(inbox, parent)) is not None:
         batch = unpack(message)
         indices = [i for i, _ in batch]
         done = trainer.work([w for _, w in batch])
         outbox.put((index, pack([(i, _sendable(d)) for i, d in zip(indices, done)])))
+    if parent is not None and not parent.is_alive():
+        outbox.cancel_join_thread()  # answers no one will read: the queue's feeder would wait at exit to write them
+
+
+def _next(inbox: Any, parent: Any) -> Any:
+    """The next message to a worker, or None once the run's process (``parent``) is gone: killed
+    (kill -9, out of memory), it told no one to stop, and the worker, which holds the queue's
+    writing end too, would wait for ever."""
+    while True:
+        try:
+            return inbox.get(timeout=POLL)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
 
 
 def _sendable(outcome: Done | Exception) -> Done | Exception:
@@ -108,7 +132,9 @@ class WorkerPool:
             p.start()
         try:
             for _ in self.processes:
-                self._get(START_TIMEOUT, "to build its task")
+                index, said = self._get(START_TIMEOUT, "building its task")
+                if said != "ready":
+                    raise FedweaveError(f"simulation.workers: fedweave-worker-{index} could not build its task: {said}")
         except BaseException:
             self.close()
             raise
@@ -133,7 +159,7 @@ class WorkerPool:
                 out[i] = outcome
         finally:  # the others' answers are taken whatever happened here: none may be read as a later round's
             for _ in packed:
-                _, answers = self._get(None, "to do its clients' work")
+                _, answers = self._get(None, "doing its clients' work")
                 for i, outcome in unpack(answers):
                     out[i] = outcome
         return out  # type: ignore[return-value]

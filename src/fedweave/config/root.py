@@ -163,7 +163,14 @@ def _check_sites(config: Config) -> None:
 
 
 def _check_simulation_workers(config: Config) -> None:
-    """Worker processes serve an in-memory simulation's clients, which this process reaches directly."""
+    """Worker processes serve an in-memory simulation's clients, which this process reaches directly;
+    emulated client speeds time each client alone, in this process, in no cohort."""
+    simulated = config.mode == "federated" and config.transport.kind == "inmemory"
+    if isinstance(config.simulation.cohort, int) and simulated and emulates_clients(config):
+        raise ConfigError(
+            "config key 'simulation.cohort': emulated client speeds (heterogeneity.*) time each client in this "
+            "process, one after another; set it to auto or off"
+        )
     if config.simulation.workers == 1:
         return
     if config.mode != "federated" or config.transport.kind != "inmemory" or config.launcher.kind != "local":
@@ -171,6 +178,11 @@ def _check_simulation_workers(config: Config) -> None:
             "config key 'simulation.workers': worker processes train the clients of a federated in-memory simulation "
             f"(transport inmemory, launcher local), not of mode {config.mode}, transport {config.transport.kind}, "
             f"launcher {config.launcher.kind}; set it to 1"
+        )
+    if config.simulation.workers > config.clients:
+        raise ConfigError(
+            f"config key 'simulation.workers': {config.simulation.workers} worker processes for clients="
+            f"{config.clients}; at most one a client (a worker without clients would idle)"
         )
     if emulates_clients(config):
         raise ConfigError(
