@@ -114,7 +114,7 @@ class Config:
         if self.topology.kind == "hierarchical":
             _check_sites(self)
         _check_heterogeneity_aware(self)
-        _check_simulation_workers(self)
+        _check_simulation(self)
         if self.attacks.kinds:
             _check_attacks(self)
 
@@ -162,9 +162,10 @@ def _check_sites(config: Config) -> None:
         )
 
 
-def _check_simulation_workers(config: Config) -> None:
-    """Worker processes serve an in-memory simulation's clients, which this process reaches directly;
-    emulated client speeds time each client alone, in this process, in no cohort."""
+def _check_simulation(config: Config) -> None:
+    """The ``simulation`` keys against the run: worker processes serve an in-memory simulation's
+    clients, which this process reaches directly, at most one a client; emulated client speeds
+    time each client alone, in this process, in no cohort."""
     simulated = config.mode == "federated" and config.transport.kind == "inmemory"
     if isinstance(config.simulation.cohort, int) and simulated and emulates_clients(config):
         raise ConfigError(
