@@ -9,7 +9,7 @@ products run at about half of what the core can do, and the cohort's gain over t
 is smaller than on a processor MKL serves with its AVX-512 kernels (the sequential loop, bound by
 per-operation overhead, hardly changes). oneDNN has no batched float32 product that torch exposes
 (``torch.bmm`` is MKL's), and per-client weights as a grouped convolution, which oneDNN has, were
-measured slower than MKL's batched product (0.3-0.6x for the digits MLP cohort's products, one thread), so the cohort keeps
+measured slower than MKL's batched product (0.1-0.6x for the digits MLP cohort's products, one thread), so the cohort keeps
 ``torch.bmm``.
 
 Rows, each on ``--threads`` torch threads, ``--pairs`` interleaved pairs (MKL, then oneDNN, each
