@@ -105,7 +105,6 @@ def train_group(
     x_all = torch.cat([job.x_train for job in jobs])
     y_all = torch.cat([job.y_train for job in jobs])
     device = x_all.device
-    objective = _objective(model, loss_fn, steps[0])
     anchors, anchor_dims = _anchors(steps, trainable)
     corrections = _corrections(steps, trainable)
     optimizer = StackedOptimizer(jobs[0].settings, workspace)
@@ -118,6 +117,7 @@ def train_group(
         tasks = _chain_steps(chain, loss_fn, params, x_all, y_all, rows, counts, running, optimizer, steps[0],
                              anchors, anchor_dims, corrections, workspace)
     else:
+        objective = _objective(model, loss_fn, steps[0])
         tasks = torch.zeros(plan.length, len(jobs), dtype=x_all.dtype, device=device)  # each step's task losses
         weights = (torch.arange(plan.batch) < counts.unsqueeze(2)).to(x_all.dtype).to(device)  # 1 on real rows
         for t in range(plan.length):

@@ -174,7 +174,7 @@ def _check_simulation(config: Config) -> None:
         )
     if config.simulation.workers == 1:
         return
-    if config.mode != "federated" or config.transport.kind != "inmemory" or config.launcher.kind != "local":
+    if not simulated or config.launcher.kind != "local":
         raise ConfigError(
             "config key 'simulation.workers': worker processes train the clients of a federated in-memory simulation "
             f"(transport inmemory, launcher local), not of mode {config.mode}, transport {config.transport.kind}, "
